@@ -1,0 +1,7 @@
+"""``python -m refmp`` is the ``refmp`` command."""
+
+import sys
+
+from refmp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,123 @@
+"""The ``refmp`` command: ``refmp train`` and ``refmp bench`` (also ``python -m refmp``).
+
+Run it under MPI for more than one rank: ``mpiexec -n 2 refmp train --dp 2``.
+Bad input prints one message (from rank 0) and every rank exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import fields
+
+from refmp.errors import ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher tells it, without initializing MPI (for --help)."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, printing usage errors from rank 0 only (every rank still exits 2)."""
+
+    def error(self, message):
+        if launcher_rank() == 0:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--n-layer", type=int, default=2, help="transformer blocks (default 2)")
+    g.add_argument("--n-head", type=int, default=None,
+                   help="attention heads (default 4, or the --init file's)")
+    g.add_argument("--n-embd", type=int, default=64, help="channels C (default 64)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="sequence length T (default: 4 addition problems = 52, or 64 for --data)")
+    g.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, metavar="PATH",
+                   help="token file: .npy (1-D ints), .bin (uint16, nanoGPT) or any other file "
+                        "as bytes (vocab 256). Default: the built-in addition task")
+    g.add_argument("--digits", type=int, default=3, help="addition task: digits per operand (3)")
+    g.add_argument("--shuffle", action="store_true", help="seeded shuffle of the windows")
+    g.add_argument("--seed", type=int, default=0, help="weights, data and shuffle seed (0)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--batch-size", type=int, default=32, help="global batch, sequences/step (32)")
+    g.add_argument("--steps", type=int, default=1500, help="training steps (1500)")
+    g.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
+    g.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
+                   help="cosine: linear warm-up then decay to --min-lr-ratio * lr")
+    g.add_argument("--warmup-steps", type=int, default=100)
+    g.add_argument("--min-lr-ratio", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.1,
+                   help="decoupled (AdamW) or L2 (SGD), on matrices only (0.1)")
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.99)
+    g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (0)")
+    g.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: off; default 1.0)")
+    g = p.add_argument_group("layout")
+    g.add_argument("--dp", type=int, default=None,
+                   help="data-parallel ranks (default: all the MPI processes)")
+    g = p.add_argument_group("files")
+    g.add_argument("--init", default=None, metavar="PATH.safetensors",
+                   help="start from these weights; the model shape is read from them")
+    g.add_argument("--save", default=None, metavar="PATH.safetensors",
+                   help="write the trained model (full, GPT-2 names) once at the end")
+    g.add_argument("--log-json", default=None, metavar="PATH",
+                   help="one JSON object per step, then a summary object")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="refmp", description="refmp: GPT-2 in NumPy, split across MPI ranks.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    t = sub.add_parser("train", help="train a GPT (data parallel over the MPI ranks)",
+                       description="Train a GPT-2 style model. Launch with mpiexec for several "
+                                   "ranks, e.g. `mpiexec -n 2 refmp train --dp 2`.")
+    add_train_args(t)
+    b = sub.add_parser("bench", help="time training steps: ms/step, tokens/s, FLOP/s, MFU",
+                       description="Time training steps of a model and report ms/step, "
+                                   "tokens/s, model FLOP/s and MFU against a measured peak.")
+    from refmp.bench import add_bench_args
+
+    add_bench_args(b)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            from refmp.train import TrainConfig, run
+
+            names = {f.name for f in fields(TrainConfig)}
+            run(TrainConfig(**{k: v for k, v in vars(args).items() if k in names}))
+        elif args.command == "bench":
+            from refmp.bench import run_bench
+
+            run_bench(args)
+    except ConfigError as e:
+        if launcher_rank() == 0:
+            sys.stderr.write(f"refmp {args.command}: error: {e}\n")
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

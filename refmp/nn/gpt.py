@@ -1,0 +1,250 @@
+"""The GPT-2 model (Radford et al. 2019), serial reference, built from refmp.nn.layers.
+
+Shapes: B batch, T time, C channels (n_embd), V vocabulary, L layers (n_layer).
+
+Parameters carry GPT-2's checkpoint names and layouts (a linear weight is stored (in, out)):
+``wte.weight`` (V, C), ``wpe.weight`` (T, C), ``h.{i}.ln_1.weight|bias`` (C,),
+``h.{i}.attn.c_attn.weight`` (C, 3C), ``h.{i}.attn.c_proj.weight`` (C, C), ``h.{i}.ln_2.*``,
+``h.{i}.mlp.c_fc.weight`` (C, 4C), ``h.{i}.mlp.c_proj.weight`` (4C, C), ``ln_f.weight|bias``.
+The LM head is tied to ``wte``: logits = x @ wte^T.
+
+The model is split into three kinds of piece, each a forward/backward pair, so that the
+parallel strategies can reuse them: ``embed`` (tokens + positions), ``block`` (one
+transformer layer) and ``head`` (final LayerNorm, tied LM head, cross-entropy).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from refmp import backend
+from refmp.nn import layers as L
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    def check(self) -> None:
+        """Refuse shapes that cannot make a GPT (a ConfigError with the reason)."""
+        from refmp.errors import ConfigError
+
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
+
+
+def block_param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one block's parameters, by their name inside the block."""
+    C = cfg.n_embd
+    return {
+        "ln_1.weight": (C,),
+        "ln_1.bias": (C,),
+        "attn.c_attn.weight": (C, 3 * C),
+        "attn.c_attn.bias": (3 * C,),
+        "attn.c_proj.weight": (C, C),
+        "attn.c_proj.bias": (C,),
+        "ln_2.weight": (C,),
+        "ln_2.bias": (C,),
+        "mlp.c_fc.weight": (C, 4 * C),
+        "mlp.c_fc.bias": (4 * C,),
+        "mlp.c_proj.weight": (4 * C, C),
+        "mlp.c_proj.bias": (C,),
+    }
+
+
+def param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global (unsharded) shape, in GPT-2's order."""
+    shapes = {"wte.weight": (cfg.vocab_size, cfg.n_embd), "wpe.weight": (cfg.block_size, cfg.n_embd)}
+    for i in range(cfg.n_layer):
+        for name, shape in block_param_shapes(cfg).items():
+            shapes[f"h.{i}.{name}"] = shape
+    shapes["ln_f.weight"] = (cfg.n_embd,)
+    shapes["ln_f.bias"] = (cfg.n_embd,)
+    return shapes
+
+
+def init_param(name: str, shape: tuple[int, ...], cfg: GPTConfig, seed: int) -> np.ndarray:
+    """GPT-2's initialization of one parameter, at its global shape, in float64 on the host.
+
+    The generator is seeded by (seed, crc32(name)), so a parameter's values depend on nothing
+    but its name: any layout slices its shard from the same full tensor and starts where the
+    serial model starts. LayerNorm weights are 1, biases 0, weights N(0, 0.02), and the
+    residual output projections (``c_proj``) N(0, 0.02 / sqrt(2 L)).
+    """
+    if name.endswith(".bias"):
+        return np.zeros(shape)
+    if "ln_" in name:
+        return np.ones(shape)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+    return rng.normal(0.0, std, size=shape)
+
+
+def init_params(cfg: GPTConfig, seed: int, dtype="float32") -> dict:
+    """All parameters at full size, on the run's array module."""
+    return {
+        name: backend.from_host(init_param(name, shape, cfg, seed).astype(dtype))
+        for name, shape in param_shapes(cfg).items()
+    }
+
+
+def block_params(params: dict, i: int) -> dict:
+    """Block i's parameters keyed by their name inside the block (views, no copies)."""
+    prefix = f"h.{i}."
+    return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+
+
+# --- the pieces -----------------------------------------------------------------------------
+
+
+def embed_forward(p: dict, idx, pos_offset: int = 0):
+    """x = wte[idx] + wpe[positions]; positions start at ``pos_offset``."""
+    xp = backend.array_module(p["wte.weight"])
+    T = idx.shape[1]
+    tok, tok_cache = L.embedding_forward(idx, p["wte.weight"])  # (B, T, C)
+    pos, pos_cache = L.embedding_forward(xp.arange(pos_offset, pos_offset + T), p["wpe.weight"])
+    return tok + pos, (tok_cache, pos_cache)  # (B, T, C)
+
+
+def embed_backward(dx, cache) -> dict:
+    tok_cache, pos_cache = cache
+    return {
+        "wte.weight": L.embedding_backward(dx, tok_cache),
+        "wpe.weight": L.embedding_backward(dx.sum(axis=0), pos_cache),  # positions shared by B
+    }
+
+
+def block_forward(p: dict, x, n_head: int):
+    """One pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.))."""
+    h, ln1 = L.layernorm_forward(x, p["ln_1.weight"], p["ln_1.bias"])  # (B, T, C)
+    qkv, c_attn = L.linear_forward(h, p["attn.c_attn.weight"], p["attn.c_attn.bias"])  # (B, T, 3C)
+    a, attn = L.attention_forward(qkv, n_head)  # (B, T, C)
+    a, a_proj = L.linear_forward(a, p["attn.c_proj.weight"], p["attn.c_proj.bias"])  # (B, T, C)
+    x = x + a  # (B, T, C) residual
+    h, ln2 = L.layernorm_forward(x, p["ln_2.weight"], p["ln_2.bias"])  # (B, T, C)
+    h, c_fc = L.linear_forward(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])  # (B, T, 4C)
+    h, gelu = L.gelu_forward(h)  # (B, T, 4C)
+    h, m_proj = L.linear_forward(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])  # (B, T, C)
+    out = x + h  # (B, T, C) residual
+    return out, (ln1, c_attn, attn, a_proj, ln2, c_fc, gelu, m_proj)
+
+
+def block_backward(dout, cache):
+    """Mirror of block_forward; returns dx and the block's gradients (names inside the block)."""
+    ln1, c_attn, attn, a_proj, ln2, c_fc, gelu, m_proj = cache
+    g = {}
+    # forward was: out = x + h   (the residual passes dout to both branches)
+    dh, g["mlp.c_proj.weight"], g["mlp.c_proj.bias"] = L.linear_backward(dout, m_proj)
+    dh = L.gelu_backward(dh, gelu)
+    dh, g["mlp.c_fc.weight"], g["mlp.c_fc.bias"] = L.linear_backward(dh, c_fc)
+    dx, g["ln_2.weight"], g["ln_2.bias"] = L.layernorm_backward(dh, ln2)
+    dx += dout
+    # forward was: x = x + a
+    da, g["attn.c_proj.weight"], g["attn.c_proj.bias"] = L.linear_backward(dx, a_proj)
+    dqkv = L.attention_backward(da, attn)
+    dh, g["attn.c_attn.weight"], g["attn.c_attn.bias"] = L.linear_backward(dqkv, c_attn)
+    dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(dh, ln1)
+    return dx + dh, g
+
+
+def head_forward(p: dict, x, targets=None, denom=None):
+    """Final LayerNorm, tied LM head (logits = x wte^T), and cross-entropy if targets given.
+
+    Returns (loss, cache) with targets, else (logits, cache).
+    """
+    h, ln_f = L.layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])  # (B, T, C)
+    logits = h @ p["wte.weight"].T  # (B, T, V)
+    if targets is None:
+        return logits, None
+    loss, ce = L.cross_entropy_forward(logits, targets, denom)
+    return loss, (ln_f, h, p["wte.weight"], ce)
+
+
+def head_backward(dloss, cache):
+    """Returns dx and the head's gradients (ln_f and its share of the tied wte)."""
+    ln_f, h, wte, ce = cache
+    dlogits = L.cross_entropy_backward(dloss, ce)  # (B, T, V)
+    g = {}
+    # forward was: logits = h @ wte^T
+    dh = dlogits @ wte  # (B, T, C)
+    g["wte.weight"] = dlogits.reshape(-1, dlogits.shape[-1]).T @ h.reshape(-1, h.shape[-1])  # (V, C)
+    dx, g["ln_f.weight"], g["ln_f.bias"] = L.layernorm_backward(dh, ln_f)
+    return dx, g
+
+
+# --- the whole model -------------------------------------------------------------------------
+
+
+class GPT:
+    """Holds parameters and their gradients; forward returns a cache that backward consumes."""
+
+    def __init__(self, cfg: GPTConfig, params: dict):
+        self.cfg = cfg
+        self.params = params
+        self.grads = {k: None for k in params}
+
+    @classmethod
+    def create(cls, cfg: GPTConfig, seed: int = 0, dtype="float32") -> GPT:
+        return cls(cfg, init_params(cfg, seed, dtype))
+
+    def num_params(self) -> int:
+        return sum(int(p.size) for p in self.params.values())
+
+    def forward(self, idx, targets=None, denom=None):
+        """(loss, cache) given targets (B, T); (logits, None) without them."""
+        cfg = self.cfg
+        x, emb = embed_forward(self.params, idx)  # (B, T, C)
+        blocks = []
+        for i in range(cfg.n_layer):
+            x, c = block_forward(block_params(self.params, i), x, cfg.n_head)
+            blocks.append(c)
+        out, head = head_forward(self.params, x, targets, denom)
+        return out, (emb, blocks, head)
+
+    def backward(self, cache, dloss=1.0) -> None:
+        """Accumulate gradients into self.grads (call zero_grad first for a fresh step)."""
+        emb, blocks, head = cache
+        dx, g = head_backward(dloss, head)
+        self._accumulate(g)
+        for i in reversed(range(self.cfg.n_layer)):
+            dx, g = block_backward(dx, blocks[i])
+            self._accumulate({f"h.{i}.{k}": v for k, v in g.items()})
+        self._accumulate(embed_backward(dx, emb))  # wte also gets the head's share: tied
+
+    def zero_grad(self) -> None:
+        self.grads = {k: None for k in self.params}
+
+    def _accumulate(self, g: dict) -> None:
+        for k, v in g.items():
+            self.grads[k] = v if self.grads[k] is None else self.grads[k] + v
+
+    def generate(self, idx, max_new_tokens: int):
+        """Greedy decoding: append the most likely next token, max_new_tokens times.
+
+        Recomputes the whole prefix each step (no KV cache): simple, and fine for the short
+        answers refmp decodes.
+        """
+        xp = backend.array_module(idx)
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.cfg.block_size :]
+            logits, _ = self.forward(ctx)
+            nxt = logits[:, -1, :].argmax(axis=-1)  # (B,)
+            idx = xp.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
+        return idx

@@ -1,0 +1,185 @@
+"""GPT-2's layers as forward/backward pairs of plain functions (the serial reference).
+
+Shapes: B batch, T time (sequence), C channels (n_embd), NH heads, HS head size (C/NH),
+V vocabulary, N = B*T tokens.
+
+Every ``*_forward`` returns ``(out, cache)``; the matching ``*_backward`` takes the incoming
+gradient ``dout`` and that cache and returns the gradients of the forward's inputs, in the
+order of the forward's arguments. The caller owns the cache; nothing here keeps state.
+Backward passes mirror their forward: sections in reverse order, and the forward line each
+step inverts is quoted where it is not obvious.
+"""
+
+from __future__ import annotations
+
+import math
+
+from refmp.backend import array_module
+
+LN_EPS = 1e-5
+GELU_K = math.sqrt(2.0 / math.pi)
+
+
+# --- embedding: out[b, t] = w[idx[b, t]] --------------------------------------------------
+
+
+def embedding_forward(idx, w):
+    """Look up rows of ``w`` (V, C) for integer ``idx`` (B, T). Used for wte and wpe."""
+    out = w[idx]  # (B, T, C)
+    return out, (idx, w.shape)
+
+
+def embedding_backward(dout, cache):
+    """dw[v] = sum of dout over the positions where idx == v (a scatter-add)."""
+    idx, w_shape = cache
+    xp = array_module(dout)
+    dw = xp.zeros(w_shape, dtype=dout.dtype)  # (V, C)
+    xp.add.at(dw, idx.reshape(-1), dout.reshape(-1, w_shape[1]))
+    return dw
+
+
+# --- linear: y = x @ w + b, w stored (in, out) as in GPT-2's Conv1D -----------------------
+
+
+def linear_forward(x, w, b=None):
+    """y = x W + b for x (..., in), W (in, out), b (out,)."""
+    out = x @ w  # (..., out)
+    if b is not None:
+        out += b
+    return out, (x, w, b is not None)
+
+
+def linear_backward(dout, cache):
+    """dx = dout W^T, dW = x^T dout (summed over all leading axes), db = sum of dout."""
+    x, w, has_bias = cache
+    dx = dout @ w.T  # (..., in)
+    x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+    d2 = dout.reshape(-1, dout.shape[-1])  # (N, out)
+    dw = x2.T @ d2  # (in, out)
+    db = d2.sum(axis=0) if has_bias else None  # (out,)
+    return dx, dw, db
+
+
+# --- LayerNorm: y = (x - mean) / sqrt(var + eps) * w + b over the last axis -------------
+
+
+def layernorm_forward(x, w, b):
+    """Normalize each token's C channels, then scale and shift (Ba et al. 2016)."""
+    xp = array_module(x)
+    mean = x.mean(axis=-1, keepdims=True)  # (B, T, 1)
+    xc = x - mean  # (B, T, C)
+    var = (xc * xc).mean(axis=-1, keepdims=True)  # (B, T, 1), biased like torch
+    rstd = 1.0 / xp.sqrt(var + LN_EPS)  # (B, T, 1)
+    xhat = xc * rstd  # (B, T, C)
+    out = xhat * w + b  # (B, T, C)
+    return out, (xhat, rstd, w)
+
+
+def layernorm_backward(dout, cache):
+    """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), with dxhat = dout * w."""
+    xhat, rstd, w = cache
+    lead = tuple(range(dout.ndim - 1))
+    dw = (dout * xhat).sum(axis=lead)  # (C,)  forward was: out = xhat * w + b
+    db = dout.sum(axis=lead)  # (C,)
+    dxhat = dout * w  # (B, T, C)
+    dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
+    dx -= xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+    dx *= rstd  # (B, T, C)
+    return dx, dw, db
+
+
+# --- GELU, tanh approximation (as GPT-2) ---------------------------------------------------
+
+
+def gelu_forward(x):
+    """gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi)."""
+    xp = array_module(x)
+    th = xp.tanh(GELU_K * (x + 0.044715 * x**3))  # same shape as x
+    out = 0.5 * x * (1.0 + th)
+    return out, (x, th)
+
+
+def gelu_backward(dout, cache):
+    """d gelu/dx = 0.5 (1 + th) + 0.5 x (1 - th^2) k (1 + 3 * 0.044715 x^2)."""
+    x, th = cache
+    local = 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * GELU_K * (1.0 + 3 * 0.044715 * x * x)
+    return dout * local
+
+
+# --- causal multi-head self-attention (the core, without the two projections) ------------
+
+
+def attention_forward(qkv, n_head):
+    """softmax(q k^T / sqrt(HS) + causal mask) v, batched over B and NH (Vaswani et al. 2017).
+
+    ``qkv`` is c_attn's output (B, T, 3C) laid out as [q | k | v], each C wide and split into
+    NH heads of HS channels. Returns y (B, T, C) with the heads concatenated again.
+    """
+    xp = array_module(qkv)
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // n_head
+    # (B, T, 3, NH, HS) -> (3, B, NH, T, HS): one transpose gives all three in head-major form
+    q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # each (B, NH, T, HS)
+    scale = 1.0 / math.sqrt(hs)
+    att = (q @ k.transpose(0, 1, 3, 2)) * scale  # (B, NH, T, T)
+    # causal mask: position t sees positions <= t only (-inf above the diagonal)
+    att += xp.triu(xp.full((T, T), -xp.inf, dtype=att.dtype), k=1)  # (T, T) broadcast
+    att -= att.max(axis=-1, keepdims=True)  # stable softmax
+    xp.exp(att, out=att)
+    att /= att.sum(axis=-1, keepdims=True)  # (B, NH, T, T) attention weights
+    y = att @ v  # (B, NH, T, HS)
+    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C) heads side by side
+    return y, (q, k, v, att, scale)
+
+
+def attention_backward(dout, cache):
+    """Gradient of attention_forward with respect to qkv (B, T, 3C)."""
+    q, k, v, att, scale = cache
+    xp = array_module(dout)
+    B, NH, T, HS = q.shape
+    dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
+    # forward was: y = att @ v
+    datt = dy @ v.transpose(0, 1, 3, 2)  # (B, NH, T, T)
+    dv = att.transpose(0, 1, 3, 2) @ dy  # (B, NH, T, HS)
+    # forward was: att = softmax(s); ds = att * (datt - sum(datt * att)); masked entries have
+    # att == 0, so their gradient is 0 without looking at the mask again.
+    ds = att * (datt - (datt * att).sum(axis=-1, keepdims=True))  # (B, NH, T, T)
+    # forward was: s = q @ k^T * scale
+    dq = (ds @ k) * scale  # (B, NH, T, HS)
+    dk = (ds.transpose(0, 1, 3, 2) @ q) * scale  # (B, NH, T, HS)
+    dqkv = xp.stack([dq, dk, dv])  # (3, B, NH, T, HS)
+    return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
+
+
+# --- softmax cross-entropy -----------------------------------------------------------------
+
+
+def cross_entropy_forward(logits, targets, denom=None):
+    """loss = -sum_i log softmax(logits_i)[targets_i] / denom.
+
+    ``denom`` defaults to the number of tokens here; a data-parallel rank passes the token
+    count of the *global* batch, so that summing the ranks' losses (and gradients) gives
+    exactly the serial mean. Uses log-sum-exp with the max subtracted (stable).
+    """
+    xp = array_module(logits)
+    V = logits.shape[-1]
+    lg = logits.reshape(-1, V)  # (N, V)
+    tg = targets.reshape(-1)  # (N,)
+    denom = tg.size if denom is None else denom
+    shifted = lg - lg.max(axis=-1, keepdims=True)  # (N, V)
+    lse = xp.log(xp.exp(shifted).sum(axis=-1))  # (N,)
+    rows = xp.arange(tg.size)
+    nll = lse - shifted[rows, tg]  # (N,) = -log p[target]
+    loss = nll.sum() / denom
+    return loss, (shifted, lse, tg, denom, logits.shape)
+
+
+def cross_entropy_backward(dout, cache):
+    """dlogits = (softmax(logits) - onehot(targets)) / denom * dout."""
+    shifted, lse, tg, denom, shape = cache
+    xp = array_module(shifted)
+    dlogits = xp.exp(shifted - lse[:, None])  # (N, V) = softmax
+    dlogits[xp.arange(tg.size), tg] -= 1.0
+    dlogits *= dout / denom
+    return dlogits.reshape(shape)  # (B, T, V)

@@ -1,0 +1,120 @@
+"""Optimizers (SGD, AdamW) and clipping by the global gradient norm.
+
+Both act on dicts ``{name: array}`` of parameters and gradients, in place. They never ask
+whether an array is a whole parameter or a shard of one: every update is elementwise, so a
+rank that holds a shard updates its shard exactly as the serial run updates those elements.
+Only two things need the parameter's identity, and both are passed in:
+
+* weight decay applies to parameters whose *global* ndim >= 2 (matrices and embeddings, not
+  biases or LayerNorm gains); a shard of a matrix may be flattened, so callers that flatten
+  pass ``decay`` names explicitly;
+* the global gradient norm must count every element once across ranks: each rank sums the
+  squares of the elements it owns, and ``sum_sq`` adds those partial sums over the ranks that
+  own different elements (an all-reduce over the sharded axes; nothing for replicated ones).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from refmp.backend import array_module
+
+
+def decay_names(params: dict) -> set[str]:
+    """Names of the parameters that get weight decay: ndim >= 2 (as GPT-2 training does)."""
+    return {k for k, p in params.items() if p.ndim >= 2}
+
+
+class SGD:
+    """p -= lr * (g + wd * p), with optional momentum (torch.optim.SGD semantics).
+
+    Weight decay is applied to the ``decay`` names only (default: ndim >= 2).
+    """
+
+    def __init__(self, params: dict, lr: float = 0.1, momentum: float = 0.0,
+                 weight_decay: float = 0.0, decay: Iterable[str] | None = None):
+        self.params, self.lr, self.momentum, self.weight_decay = params, lr, momentum, weight_decay
+        self.decay = set(decay_names(params) if decay is None else decay)
+        self.state: dict[str, object] = {}
+
+    def step(self, grads: dict) -> None:
+        for k, p in self.params.items():
+            g = grads[k]
+            if self.weight_decay and k in self.decay:
+                g = g + self.weight_decay * p
+            if self.momentum:
+                buf = self.state.get(k)
+                buf = g.copy() if buf is None else buf * self.momentum + g
+                self.state[k] = buf
+                g = buf
+            p -= self.lr * g
+
+    def state_bytes(self) -> int:
+        return sum(int(v.nbytes) for v in self.state.values())
+
+
+class AdamW:
+    """AdamW (Loshchilov & Hutter 2019) with torch.optim.AdamW's exact update:
+
+        p <- p * (1 - lr * wd)                      (decoupled decay, ``decay`` names only)
+        m <- b1 m + (1 - b1) g;   v <- b2 v + (1 - b2) g^2
+        p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    """
+
+    def __init__(self, params: dict, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, decay: Iterable[str] | None = None):
+        self.params, self.lr, self.betas, self.eps = params, lr, betas, eps
+        self.weight_decay = weight_decay
+        self.decay = set(decay_names(params) if decay is None else decay)
+        self.t = 0
+        self.m = {k: array_module(p).zeros_like(p) for k, p in params.items()}  # 1st moment
+        self.v = {k: array_module(p).zeros_like(p) for k, p in params.items()}  # 2nd moment
+
+    def step(self, grads: dict) -> None:
+        self.t += 1
+        b1, b2 = self.betas
+        bc1 = 1.0 - b1**self.t
+        bc2_sqrt = math.sqrt(1.0 - b2**self.t)
+        for k, p in self.params.items():
+            g, m, v = grads[k], self.m[k], self.v[k]
+            xp = array_module(p)
+            if self.weight_decay and k in self.decay:
+                p *= 1.0 - self.lr * self.weight_decay
+            m *= b1
+            m += (1.0 - b1) * g
+            v *= b2
+            v += (1.0 - b2) * (g * g)
+            denom = xp.sqrt(v) / bc2_sqrt + self.eps
+            p -= (self.lr / bc1) * (m / denom)
+
+    def state_bytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.m.values()) + sum(int(a.nbytes) for a in self.v.values())
+
+
+def global_grad_norm(grads: dict, sum_sq: Callable[[float], float] | None = None) -> float:
+    """sqrt(sum over every element of every gradient of g^2), counted once across ranks.
+
+    ``grads`` holds the elements this rank owns; ``sum_sq`` adds the partial sums of squares
+    over the ranks that own other elements (e.g. ``grid.comm["tp"].allreduce_scalar``).
+    """
+    local = 0.0
+    for g in grads.values():
+        local += float((g * g).sum())
+    total = sum_sq(local) if sum_sq is not None else local
+    return math.sqrt(total)
+
+
+def clip_grad_norm(grads: dict, max_norm: float,
+                   sum_sq: Callable[[float], float] | None = None) -> float:
+    """Scale gradients in place so their global norm is at most ``max_norm``.
+
+    torch.nn.utils.clip_grad_norm_ semantics: coef = max_norm / (norm + 1e-6), applied only
+    when it is below 1. Returns the norm before clipping.
+    """
+    norm = global_grad_norm(grads, sum_sq)
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads.values():
+            g *= coef
+    return norm

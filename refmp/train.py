@@ -1,0 +1,263 @@
+"""The training loop behind ``refmp train`` (and the parity tests' whole-step runs).
+
+One step, on every rank:
+  1. take this rank's rows of the global batch (layout-invariant order, refmp.data);
+  2. forward and backward, the loss being this rank's share of the global mean;
+  3. sum gradients over dp (refmp.parallel.data), so every rank holds the global gradient;
+  4. clip by the global norm, then the optimizer step (identical on every dp rank).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from refmp import backend
+from refmp.data import AdditionTask, Dataset, dp_rows, get_batch, load_tokens, shuffle_perm
+from refmp.errors import ConfigError
+from refmp.grid import ProcessGrid
+from refmp.nn import GPT, GPTConfig
+from refmp.optim import SGD, AdamW, clip_grad_norm
+from refmp.parallel.data import allreduce_grads
+
+
+@dataclass
+class TrainConfig:
+    n_layer: int = 2
+    n_head: int | None = None  # None: 4, or what an --init file's metadata says
+    n_embd: int = 64
+    block_size: int | None = None  # None: 4 problems of the addition task, else 64
+    batch_size: int = 32
+    steps: int = 1500
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    momentum: float = 0.0
+    grad_clip: float = 1.0
+    dtype: str = "float32"
+    seed: int = 0
+    data: str | None = None
+    shuffle: bool = False
+    digits: int = 3
+    dp: int | None = None
+    init: str | None = None
+    save: str | None = None
+    log_json: str | None = None
+    progress: bool = True
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr (or constant)."""
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Refuse bad values before anything is built (same answer on every rank)."""
+    if cfg.optimizer not in ("sgd", "adamw"):
+        raise ConfigError(f"--optimizer must be sgd or adamw, got {cfg.optimizer!r}")
+    if cfg.dtype not in ("float32", "float64"):
+        raise ConfigError(f"--dtype must be float32 or float64, got {cfg.dtype!r}")
+    if cfg.lr_schedule not in ("cosine", "constant"):
+        raise ConfigError(f"--lr-schedule must be cosine or constant, got {cfg.lr_schedule!r}")
+    for name in ("batch_size", "steps"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.lr <= 0:
+        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    if not 1 <= cfg.digits <= 6:
+        raise ConfigError(f"--digits must be between 1 and 6, got {cfg.digits}")
+
+
+def build_dataset(cfg: TrainConfig) -> Dataset:
+    if cfg.data is None:
+        return AdditionTask(cfg.digits, cfg.seed).dataset()
+    return load_tokens(cfg.data)
+
+
+def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
+    """A fresh GPT (GPT-2 init) or one loaded from --init; checked against the data."""
+    from refmp.checkpoint import load_model
+
+    if cfg.init is not None:
+        model = load_model(cfg.init, n_head=cfg.n_head, dtype=cfg.dtype)
+        if cfg.block_size is not None and cfg.block_size > model.cfg.block_size:
+            raise ConfigError(f"--block-size {cfg.block_size} exceeds the block size "
+                              f"{model.cfg.block_size} of {cfg.init}")
+    else:
+        T = cfg.block_size or (4 * ds.task.line_len if ds.task else 64)
+        mcfg = GPTConfig(ds.vocab_size, T, cfg.n_layer, cfg.n_head or 4, cfg.n_embd)
+        mcfg.check()
+        model = GPT.create(mcfg, cfg.seed, cfg.dtype)
+    if ds.vocab_size > model.cfg.vocab_size:
+        raise ConfigError(f"the data has {ds.vocab_size} token ids but the model's vocabulary "
+                          f"is {model.cfg.vocab_size}")
+    T = cfg.block_size or model.cfg.block_size
+    if ds.n_windows(T) < 1:
+        raise ConfigError(f"the data ({len(ds.tokens)} tokens) is shorter than one window of "
+                          f"{T + 1} tokens; use a smaller --block-size")
+    return model
+
+
+def build_optimizer(cfg: TrainConfig, params: dict):
+    if cfg.optimizer == "sgd":
+        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+
+
+def agreed(comm, fn):
+    """Run ``fn()`` on every rank; if it raised a ConfigError on any rank, raise it on all.
+
+    Without this, a rank that failed alone (say, an unreadable file on its node) would leave
+    the others waiting in their next collective forever.
+    """
+    err = None
+    try:
+        out = fn()
+    except ConfigError as e:
+        err, out = str(e), None
+    errors = [e for e in comm.allgather_obj(err) if e is not None]
+    if errors:
+        raise ConfigError(errors[0])
+    return out
+
+
+class Trainer:
+    """Holds the grid, data, model and optimizer of one data-parallel run."""
+
+    def __init__(self, cfg: TrainConfig, grid: ProcessGrid | None = None,
+                 dataset: Dataset | None = None):
+        check_config(cfg)
+        self.cfg = cfg
+        self.grid = grid if grid is not None else ProcessGrid(dp=cfg.dp)  # validates the layout
+        self.dp = self.grid.comm["dp"]
+
+        def setup():
+            ds = dataset if dataset is not None else build_dataset(cfg)
+            model = build_model(cfg, ds)
+            return ds, model
+
+        self.ds, self.model = agreed(self.grid.world, setup)
+        self.T = cfg.block_size or self.model.cfg.block_size
+        self.rows = agreed(self.grid.world, lambda: dp_rows(cfg.batch_size, self.dp.size, self.dp.rank))
+        self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
+        self.opt = build_optimizer(cfg, self.model.params)
+        self.step_num = 0
+
+    def step(self) -> dict:
+        """One training step; returns {step, loss, grad_norm, lr, tokens, seconds}."""
+        cfg, model = self.cfg, self.model
+        t0 = time.perf_counter()
+        x, y = get_batch(self.ds.tokens, self.step_num, cfg.batch_size, self.T, self.rows, self.perm)
+        x, y = backend.from_host(x), backend.from_host(y)
+        model.zero_grad()
+        denom = cfg.batch_size * self.T  # the global token count: each rank's loss is a share
+        loss, cache = model.forward(x, y, denom)
+        model.backward(cache)
+        allreduce_grads(model.grads, self.dp)  # every rank now holds the global gradient
+        norm = clip_grad_norm(model.grads, cfg.grad_clip) if cfg.grad_clip > 0 else float("nan")
+        self.opt.lr = lr_at(cfg, self.step_num)
+        self.opt.step(model.grads)
+        loss = self.dp.allreduce_scalar(float(loss))  # sum of shares = the global mean loss
+        backend.sync()
+        rec = {"step": self.step_num, "loss": loss, "grad_norm": norm, "lr": self.opt.lr,
+               "tokens": cfg.batch_size * self.T, "seconds": time.perf_counter() - t0}
+        self.step_num += 1
+        return rec
+
+    def evaluate(self) -> tuple[int, int] | None:
+        """Held-out exact-match (correct, total), split over dp ranks; None without a task."""
+        task = self.ds.task
+        if task is None:
+            return None
+        mine = np.array_split(task.test_pairs, self.dp.size)[self.dp.rank]
+        correct, total = task.score(self.model, mine) if len(mine) else (0, 0)
+        return int(self.dp.allreduce_scalar(correct)), int(self.dp.allreduce_scalar(total))
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        m = self.model
+        return {
+            "params": sum(int(p.nbytes) for p in m.params.values()),
+            "grads": sum(int(g.nbytes) for g in m.grads.values() if g is not None),
+            "optimizer": self.opt.state_bytes(),
+        }
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train for cfg.steps steps; print progress and a summary on rank 0; return the summary."""
+    from refmp.checkpoint import save_model
+
+    tr = Trainer(cfg)
+    rank0 = tr.grid.rank == 0
+    log = open(cfg.log_json, "w") if (rank0 and cfg.log_json) else None
+    if rank0:
+        m = tr.model.cfg
+        print(f"refmp train: {tr.ds.name}, {len(tr.ds.tokens):,} tokens, vocab {m.vocab_size}; "
+              f"GPT {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {tr.T}, "
+              f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}", flush=True)
+    bar = _progress(cfg.steps, rank0 and cfg.progress)
+    t_start, rec = time.perf_counter(), {}
+    for _ in range(cfg.steps):
+        rec = tr.step()
+        if log:
+            log.write(json.dumps(rec) + "\n")
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['seconds']:.0f}")
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - t_start
+    score = tr.evaluate()
+    memory = tr.grid.world.allgather_obj(tr.memory())
+    if cfg.save:
+        if rank0:  # data parallel: rank 0 already holds the full model
+            save_model(cfg.save, tr.model)
+        tr.grid.world.barrier()
+    summary = {
+        "summary": True, "steps": cfg.steps, "final_loss": rec.get("loss"),
+        "tokens_per_s": cfg.steps * cfg.batch_size * tr.T / seconds, "seconds": seconds,
+        "accuracy": None if score is None else score[0] / max(1, score[1]),
+        "comm": tr.grid.ledger.as_dict(), "memory_per_rank": memory,
+        "layout": tr.grid.sizes, "config": asdict(cfg),
+    }
+    if log:
+        log.write(json.dumps(summary) + "\n")
+        log.close()
+    if rank0:
+        _print_summary(summary, score)
+    return summary
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", mininterval=0.5)
+
+
+def _print_summary(s: dict, score) -> None:
+    print(f"done: {s['steps']} steps in {s['seconds']:.1f} s, final loss {s['final_loss']:.4f}, "
+          f"{s['tokens_per_s']:,.0f} tokens/s")
+    if score is not None:
+        print(f"held-out exact match: {score[0]}/{score[1]} = {100 * s['accuracy']:.1f}%")
+    print("communication (bytes, calls):")
+    for key, v in s["comm"].items():
+        print(f"  {key:<24} {v['bytes']:>14,} B  {v['count']:>6} calls")
+    print("memory per rank (bytes): params, grads, optimizer state")
+    for r, m in enumerate(s["memory_per_rank"]):
+        print(f"  rank {r}: {m['params']:>12,} {m['grads']:>12,} {m['optimizer']:>12,}")

@@ -1,0 +1,24 @@
+"""Test set-up shared by every test file.
+
+* One BLAS/OpenMP thread per process: MPI tests run several ranks on few cores.
+* The hypothesis profile for MPI (DESIGN.md, "Tests"): every rank must draw the same examples,
+  so the profile is derandomized, keeps no example database and has no deadline. It is
+  loaded explicitly here, for serial and parallel tests alike.
+"""
+
+import os
+
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(var, "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "mpi",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=10,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("mpi")

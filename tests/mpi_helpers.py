@@ -1,0 +1,54 @@
+"""Helpers for tests that run under real MPI (launched by mpi-pytest or mpiexec)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+from mpi4py import MPI
+
+
+def collective(fn):
+    """Make a test body fail on every rank together when it fails on any.
+
+    Each rank runs the body and records its outcome; an allgather shares the outcomes; if any
+    rank failed, every rank raises an AssertionError naming the failing ranks. Without this, a
+    rank that fails alone leaves the others blocked in their next collective (a hang), and
+    hypothesis on the other ranks would go on drawing examples the failing rank never sees.
+    Under hypothesis, put it below @given so every example is agreed on.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        comm = MPI.COMM_WORLD
+        err = None
+        try:
+            fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001  (re-raised below on every rank)
+            err = f"rank {comm.rank}: {type(e).__name__}: {e}"
+        errors = [e for e in comm.allgather(err) if e is not None]
+        if errors:
+            raise AssertionError("\n".join(errors))
+
+    return wrapper
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpiexec(n: int, args: list[str], timeout: float = 240, cwd: str | None = None,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``mpiexec -n n <args>`` (args[0] 'python' means this interpreter), with a timeout."""
+    if args and args[0] == "python":
+        args = [sys.executable, *args[1:]]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+                **(env or {})}
+    return subprocess.run(["mpiexec", "-n", str(n), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or REPO, env=full_env)
+
+
+def refmp(n: int, args: list[str], **kw) -> subprocess.CompletedProcess:
+    """``mpiexec -n n python -m refmp <args>``."""
+    return mpiexec(n, ["python", "-m", "refmp", *args], **kw)

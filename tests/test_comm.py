@@ -1,0 +1,85 @@
+"""The MPI layer under real MPI: collectives, point-to-point checks, the ledger, the grid."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import collective
+
+from refmp.comm import Comm
+from refmp.errors import ConfigError
+from refmp.grid import ProcessGrid, check_layout
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parallel(nprocs=[2, 4])
+@collective
+def test_collectives_and_ledger():
+    c = Comm(MPI.COMM_WORLD, "world")
+    r, n = c.rank, c.size
+    buf = np.full(3, float(r + 1))
+    c.allreduce(buf)
+    np.testing.assert_array_equal(buf, n * (n + 1) / 2)
+    g = c.allgather(np.array([[r, 10 * r]], dtype=np.int64))
+    np.testing.assert_array_equal(g, [[i, 10 * i] for i in range(n)])
+    rs = c.reduce_scatter(np.arange(2 * n, dtype=np.float64))  # each rank contributes 0..2n-1
+    np.testing.assert_array_equal(rs, n * np.arange(2 * r, 2 * r + 2))
+    b = np.array([7.0 if r == 0 else 0.0])
+    c.bcast(b)
+    assert b[0] == 7.0
+    assert c.allreduce_scalar(1.0) == n
+    led = c.ledger
+    assert led.bytes("allreduce", "world") == 24 and led.count("allreduce") == 1
+    assert led.bytes("allgather") == 16 * n
+    assert led.bytes("reduce_scatter") == 16 * n
+    assert led.bytes("bcast") == 8 and led.bytes("metric") == 8
+
+
+@pytest.mark.parallel(nprocs=2)
+@collective
+def test_send_recv_checks_size():
+    c = Comm(MPI.COMM_WORLD, "pp")
+    if c.rank == 0:
+        from refmp.comm import wait
+
+        wait(c.send(np.arange(6, dtype=np.float32).reshape(2, 3), dest=1, tag=1))
+        wait(c.send(np.zeros(5, dtype=np.float32), dest=1, tag=2))
+    else:
+        got = c.recv((2, 3), np.float32, source=0, tag=1)
+        np.testing.assert_array_equal(got, np.arange(6).reshape(2, 3))
+        with pytest.raises(ValueError, match=r"expected 24 bytes .*got 20"):
+            c.recv((2, 3), np.float32, source=0, tag=2)
+        # drain the refused message so nothing is left in flight
+        MPI.COMM_WORLD.Recv(np.empty(5, dtype=np.float32), source=0, tag=2)
+        assert c.ledger.bytes("recv", "pp") == 24
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_grid_coordinates_and_axes():
+    rank = MPI.COMM_WORLD.rank
+    g = ProcessGrid(dp=2, tp=2)
+    assert g.coords == {"pp": 0, "dp": rank // 2, "cp": 0, "tp": rank % 2}  # tp fastest
+    assert g.rank_of(**g.coords) == rank
+    # tp peers are neighbours; dp peers are 2 apart
+    tp_peers = g.comm["tp"].allgather(np.array([rank]))
+    dp_peers = g.comm["dp"].allgather(np.array([rank]))
+    assert list(tp_peers) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert list(dp_peers) == [rank % 2, rank % 2 + 2]
+    g2 = ProcessGrid(dp=4, ep=2)
+    ep = list(g2.comm["ep"].allgather(np.array([rank])))
+    edp = list(g2.comm["edp"].allgather(np.array([rank])))
+    assert ep == ([0, 1] if rank < 2 else [2, 3])
+    assert edp == ([0, 2] if rank % 2 == 0 else [1, 3])
+
+
+def test_check_layout_errors():
+    assert check_layout(8, pp=2, tp=2) == {"pp": 2, "dp": 2, "cp": 1, "tp": 2, "ep": 1}
+    with pytest.raises(ConfigError, match=r"does not match the 4 MPI processes"):
+        check_layout(4, dp=3)
+    with pytest.raises(ConfigError, match="does not divide the world size"):
+        check_layout(4, tp=3)
+    with pytest.raises(ConfigError, match="must divide --dp"):
+        check_layout(4, dp=4, ep=3)
+    with pytest.raises(ConfigError, match="at least 1"):
+        check_layout(4, pp=0)
