@@ -41,7 +41,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="attention heads (default 4, or the --init file's)")
     g.add_argument("--n-embd", type=int, default=64, help="channels C (default 64)")
     g.add_argument("--block-size", type=int, default=None,
-                   help="sequence length T (default: 4 addition problems = 52, or 64 for --data)")
+                   help="sequence length T (default: one addition problem, 13; 64 for --data)")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32")
 
 
@@ -55,7 +55,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shuffle", action="store_true", help="seeded shuffle of the windows")
     g.add_argument("--seed", type=int, default=0, help="weights, data and shuffle seed (0)")
     g = p.add_argument_group("optimization")
-    g.add_argument("--batch-size", type=int, default=32, help="global batch, sequences/step (32)")
+    g.add_argument("--batch-size", type=int, default=128, help="global batch, sequences/step (128)")
     g.add_argument("--steps", type=int, default=1500, help="training steps (1500)")
     g.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
@@ -100,7 +100,23 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def limit_threads() -> None:
+    """One BLAS/OpenMP thread pool per rank must not oversubscribe the cores.
+
+    Before NumPy loads: if the launcher says several ranks share this node and the user set
+    no thread count, give each rank cores // local ranks threads (at least 1). Idle BLAS
+    threads spin, so 2 ranks x 2 threads on 2 cores runs many times slower than 2 x 1.
+    """
+    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if not local or int(local) <= 1:
+        return
+    threads = str(max(1, (os.cpu_count() or 1) // int(local)))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, threads)
+
+
 def main(argv: list[str] | None = None) -> int:
+    limit_threads()
     args = make_parser().parse_args(argv)
     try:
         if args.command == "train":

@@ -30,8 +30,8 @@ class TrainConfig:
     n_layer: int = 2
     n_head: int | None = None  # None: 4, or what an --init file's metadata says
     n_embd: int = 64
-    block_size: int | None = None  # None: 4 problems of the addition task, else 64
-    batch_size: int = 32
+    block_size: int | None = None  # None: one addition problem (13), else 64
+    batch_size: int = 128
     steps: int = 1500
     optimizer: str = "adamw"
     lr: float = 3e-3
@@ -98,7 +98,8 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
             raise ConfigError(f"--block-size {cfg.block_size} exceeds the block size "
                               f"{model.cfg.block_size} of {cfg.init}")
     else:
-        T = cfg.block_size or (4 * ds.task.line_len if ds.task else 64)
+        # the addition task: one problem per window, so every position keeps one role
+        T = cfg.block_size or (ds.task.line_len if ds.task else 64)
         mcfg = GPTConfig(ds.vocab_size, T, cfg.n_layer, cfg.n_head or 4, cfg.n_embd)
         mcfg.check()
         model = GPT.create(mcfg, cfg.seed, cfg.dtype)
@@ -243,11 +244,34 @@ def run(cfg: TrainConfig) -> dict:
 
 
 def _progress(total: int, enabled: bool):
+    """tqdm on a terminal; in a log (not a TTY), a plain line about every 10% of the run."""
     if not enabled:
         return None
+    import sys
+
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="train", unit="step", mininterval=0.5)
+    if sys.stderr.isatty():
+        return tqdm(total=total, desc="train", unit="step", mininterval=0.5)
+    return _LogProgress(total)
+
+
+class _LogProgress:
+    """tqdm's update/set_postfix/close, printing one line per tenth of the run."""
+
+    def __init__(self, total: int):
+        self.total, self.n, self.every, self.post = total, 0, max(1, total // 10), {}
+
+    def update(self, k: int) -> None:
+        self.n += k
+
+    def set_postfix(self, **post) -> None:
+        if self.n % self.every == 0 or self.n == self.total:
+            print(f"step {self.n}/{self.total} " + " ".join(f"{k} {v}" for k, v in post.items()),
+                  flush=True)
+
+    def close(self) -> None:
+        pass
 
 
 def _print_summary(s: dict, score) -> None:

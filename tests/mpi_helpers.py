@@ -18,6 +18,10 @@ def collective(fn):
     rank that fails alone leaves the others blocked in their next collective (a hang), and
     hypothesis on the other ranks would go on drawing examples the failing rank never sees.
     Under hypothesis, put it below @given so every example is agreed on.
+
+    The body must not raise on one rank between collectives: the others would wait in the
+    next one while the failing rank waits here. Communicate first, then assert, or gather
+    mismatches in a list (:class:`Mismatches`) and assert at the end.
     """
 
     @functools.wraps(fn)
@@ -52,3 +56,19 @@ def mpiexec(n: int, args: list[str], timeout: float = 240, cwd: str | None = Non
 def refmp(n: int, args: list[str], **kw) -> subprocess.CompletedProcess:
     """``mpiexec -n n python -m refmp <args>``."""
     return mpiexec(n, ["python", "-m", "refmp", *args], **kw)
+
+
+class Mismatches:
+    """Collects comparison failures so a test can keep communicating and assert at the end."""
+
+    def __init__(self):
+        self.errors: list[str] = []
+
+    def check(self, fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except AssertionError as e:
+            self.errors.append(str(e).strip())
+
+    def assert_none(self) -> None:
+        assert not self.errors, "\n".join(self.errors[:5]) + f"\n({len(self.errors)} in all)"

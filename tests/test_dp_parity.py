@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import collective
+from mpi_helpers import Mismatches, collective
 
 from refmp.data import Dataset
 from refmp.grid import ProcessGrid
@@ -25,15 +25,18 @@ def assert_same_run(cfg: TrainConfig, ds: Dataset) -> None:
     serial = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
     dp = Trainer(cfg, grid=ProcessGrid(MPI.COMM_WORLD), dataset=ds)
     assert dp.grid.dp == MPI.COMM_WORLD.size
+    close = np.testing.assert_allclose
+    bad = Mismatches()  # assert after the last collective, so no rank fails alone mid-run
     for s in range(cfg.steps):
         a, b = serial.step(), dp.step()
-        np.testing.assert_allclose(b["loss"], a["loss"], **TOL, err_msg=f"loss at step {s}")
-        np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], **TOL)
+        bad.check(close, b["loss"], a["loss"], **TOL, err_msg=f"loss at step {s}")
+        bad.check(close, b["grad_norm"], a["grad_norm"], **TOL, err_msg=f"norm at step {s}")
         for k in serial.model.params:
-            np.testing.assert_allclose(dp.model.grads[k], serial.model.grads[k], **TOL,
-                                       err_msg=f"gradient {k} at step {s}")
-            np.testing.assert_allclose(dp.model.params[k], serial.model.params[k], **TOL,
-                                       err_msg=f"weight {k} after step {s}")
+            bad.check(close, dp.model.grads[k], serial.model.grads[k], **TOL,
+                      err_msg=f"gradient {k} at step {s}")
+            bad.check(close, dp.model.params[k], serial.model.params[k], **TOL,
+                      err_msg=f"weight {k} after step {s}")
+    bad.assert_none()
     # one all-reduce of every gradient per step: 8 bytes per parameter in float64
     n = dp.model.num_params()
     assert dp.grid.ledger.count("allreduce", "dp") == cfg.steps

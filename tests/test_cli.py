@@ -1,0 +1,105 @@
+"""`refmp train` and `refmp bench` end to end under mpiexec, as a user runs them."""
+
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import refmp
+from safetensors.numpy import load_file
+
+from refmp.grid import ProcessGrid
+from refmp.train import TrainConfig, Trainer
+
+pytestmark = pytest.mark.cli
+
+SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--batch-size", "4",
+         "--dtype", "float64", "--no-progress"]
+
+
+def serial_weights(steps: int, **kw) -> dict:
+    """The same run, serial, in this process: what the files must hold."""
+    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=8, batch_size=4, steps=steps, dtype="float64",
+                      progress=False, **kw)
+    tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
+    for _ in range(steps):
+        tr.step()
+    return tr.model.params
+
+
+def test_train_save_log_and_init_round_trip(tmp_path):
+    a, b, log = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "log.jsonl"
+    r = refmp(2, ["train", "--dp", "2", *SMALL, "--steps", "3", "--save", str(a),
+                  "--log-json", str(log)])
+    assert r.returncode == 0, r.stderr
+    assert "held-out exact match" in r.stdout and "allreduce@dp" in r.stdout
+    assert r.stdout.count("refmp train:") == 1  # rank 0 alone prints
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["step"] for x in lines[:-1]] == [0, 1, 2]
+    assert lines[-1]["summary"] and lines[-1]["layout"]["dp"] == 2
+    assert all(x["tokens"] == 4 * 13 and x["seconds"] > 0 for x in lines[:-1])
+    saved = load_file(str(a))
+    ref = serial_weights(3)
+    assert set(saved) == set(ref)  # GPT-2 names, full model
+    for k in ref:
+        np.testing.assert_allclose(saved[k], ref[k], rtol=1e-9, atol=1e-12, err_msg=k)
+
+    # --init: the shape comes from the file (n_head from its metadata), training resumes
+    r = refmp(2, ["train", "--dp", "2", "--init", str(a), "--steps", "2", "--batch-size", "4",
+                  "--dtype", "float64", "--no-progress", "--save", str(b)])
+    assert r.returncode == 0, r.stderr
+    assert "1 layers, 2 heads, n_embd 8" in r.stdout
+    cfg = TrainConfig(init=str(a), batch_size=4, steps=2, dtype="float64", progress=False)
+    tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
+    for _ in range(2):
+        tr.step()
+    resumed = load_file(str(b))
+    for k, v in tr.model.params.items():
+        np.testing.assert_allclose(resumed[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
+
+
+def test_text_file_data(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello refmp, " * 50)
+    r = refmp(2, ["train", "--data", str(text), "--block-size", "8", "--steps", "2", *SMALL])
+    assert r.returncode == 0, r.stderr
+    assert "vocab 256" in r.stdout and "held-out" not in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dp", "3"], "does not match the 2 MPI processes"),
+    (["--data", "/nonexistent/file.txt"], "no such file"),
+    (["--n-head", "3", "--n-embd", "16"], "divisible by n_head"),
+    (["--batch-size", "5"], "must be divisible by dp"),
+    (["--init", "/nonexistent.safetensors"], "no such file"),
+    (["--optimizer", "adam"], "invalid choice"),
+    (["--steps", "0"], "at least 1"),
+])
+def test_bad_input_fails_cleanly_on_every_rank(args, message):
+    r = refmp(2, ["train", "--no-progress", *args], timeout=60)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr
+    assert r.stderr.count(message) == 1  # said once, not once per rank
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_safetensors_file(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+    r = refmp(2, ["train", "--init", str(bad), "--no-progress"], timeout=60)
+    assert r.returncode == 2 and "not a readable safetensors file" in r.stderr, r.stderr
+
+
+def test_bench_json():
+    r = refmp(1, ["bench", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--json"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("ms_per_step", "tokens_per_s", "gflops", "mfu"):
+        assert out[key] > 0, key
+    assert out["tokens_per_s"] == pytest.approx(8 * 64 / (out["ms_per_step"] / 1e3))
+    assert 0 < out["mfu"] < 1
+
+
+def test_help():
+    r = refmp(1, ["train", "--help"])
+    assert r.returncode == 0 and "--batch-size" in r.stdout and "--dp" in r.stdout
