@@ -18,12 +18,12 @@ from refmp.errors import ConfigError
 from refmp.nn.gpt import GPT, GPTConfig, param_shapes
 
 
-def save_model(path: str, model: GPT) -> None:
-    """Write every parameter of ``model`` (full, unsharded) to ``path``."""
+def save_model(path: str, params: dict, cfg: GPTConfig) -> None:
+    """Write full (unsharded) parameters, GPT-2 names, to ``path``, atomically."""
     from safetensors.numpy import save_file
 
-    tensors = {k: np.ascontiguousarray(backend.to_host(v)) for k, v in model.params.items()}
-    meta = {"format": "refmp", "n_head": str(model.cfg.n_head)}
+    tensors = {k: np.ascontiguousarray(backend.to_host(v)) for k, v in params.items()}
+    meta = {"format": "refmp", "n_head": str(cfg.n_head)}
     tmp = f"{path}.tmp{os.getpid()}"
     save_file(tensors, tmp, metadata=meta)
     os.replace(tmp, path)  # never leave a half-written file under the real name

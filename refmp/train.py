@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from refmp import backend
-from refmp.data import AdditionTask, Dataset, dp_rows, get_batch, load_tokens, shuffle_perm
+from refmp.data import AdditionTask, Dataset, get_batch, load_tokens, shuffle_perm
 from refmp.errors import ConfigError
 from refmp.grid import ProcessGrid
 from refmp.nn import GPT, GPTConfig
 from refmp.optim import SGD, AdamW, clip_grad_norm
-from refmp.parallel.data import allreduce_grads
+from refmp.parallel.data import DataParallel
 
 
 @dataclass
@@ -113,6 +113,11 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
     return model
 
 
+def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
+    """The strategy that computes and communicates a step on this layout."""
+    return DataParallel(model, grid)
+
+
 def build_optimizer(cfg: TrainConfig, params: dict):
     if cfg.optimizer == "sgd":
         return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -144,7 +149,6 @@ class Trainer:
         check_config(cfg)
         self.cfg = cfg
         self.grid = grid if grid is not None else ProcessGrid(dp=cfg.dp)  # validates the layout
-        self.dp = self.grid.comm["dp"]
 
         def setup():
             ds = dataset if dataset is not None else build_dataset(cfg)
@@ -153,26 +157,27 @@ class Trainer:
 
         self.ds, self.model = agreed(self.grid.world, setup)
         self.T = cfg.block_size or self.model.cfg.block_size
-        self.rows = agreed(self.grid.world, lambda: dp_rows(cfg.batch_size, self.dp.size, self.dp.rank))
+        self.runner = build_runner(cfg, self.grid, self.model)
+        self.rows = agreed(self.grid.world, lambda: self.runner.batch_rows(cfg.batch_size))
         self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
-        self.opt = build_optimizer(cfg, self.model.params)
+        self.opt = build_optimizer(cfg, self.runner.params)
         self.step_num = 0
 
     def step(self) -> dict:
         """One training step; returns {step, loss, grad_norm, lr, tokens, seconds}."""
-        cfg, model = self.cfg, self.model
+        cfg, run = self.cfg, self.runner
         t0 = time.perf_counter()
         x, y = get_batch(self.ds.tokens, self.step_num, cfg.batch_size, self.T, self.rows, self.perm)
         x, y = backend.from_host(x), backend.from_host(y)
-        model.zero_grad()
+        run.zero_grad()
         denom = cfg.batch_size * self.T  # the global token count: each rank's loss is a share
-        loss, cache = model.forward(x, y, denom)
-        model.backward(cache)
-        allreduce_grads(model.grads, self.dp)  # every rank now holds the global gradient
-        norm = clip_grad_norm(model.grads, cfg.grad_clip) if cfg.grad_clip > 0 else float("nan")
+        share = run.forward_backward(x, y, denom)
+        run.reduce_grads()  # now grads is the global gradient of this rank's params
+        norm = (clip_grad_norm(run.grads, cfg.grad_clip, run.grad_sum_sq)
+                if cfg.grad_clip > 0 else float("nan"))
         self.opt.lr = lr_at(cfg, self.step_num)
-        self.opt.step(model.grads)
-        loss = self.dp.allreduce_scalar(float(loss))  # sum of shares = the global mean loss
+        self.opt.step(run.grads)
+        loss = run.loss_total(share)
         backend.sync()
         rec = {"step": self.step_num, "loss": loss, "grad_norm": norm, "lr": self.opt.lr,
                "tokens": cfg.batch_size * self.T, "seconds": time.perf_counter() - t0}
@@ -184,16 +189,17 @@ class Trainer:
         task = self.ds.task
         if task is None:
             return None
-        mine = np.array_split(task.test_pairs, self.dp.size)[self.dp.rank]
-        correct, total = task.score(self.model, mine) if len(mine) else (0, 0)
-        return int(self.dp.allreduce_scalar(correct)), int(self.dp.allreduce_scalar(total))
+        comm = self.runner.eval_comm
+        mine = np.array_split(task.test_pairs, comm.size)[comm.rank]
+        correct, total = task.score(self.runner, mine) if len(mine) else (0, 0)
+        return int(comm.allreduce_scalar(correct)), int(comm.allreduce_scalar(total))
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""
-        m = self.model
+        run = self.runner
         return {
-            "params": sum(int(p.nbytes) for p in m.params.values()),
-            "grads": sum(int(g.nbytes) for g in m.grads.values() if g is not None),
+            "params": sum(int(p.nbytes) for p in run.params.values()),
+            "grads": sum(int(g.nbytes) for g in run.grads.values() if g is not None),
             "optimizer": self.opt.state_bytes(),
         }
 
@@ -225,8 +231,9 @@ def run(cfg: TrainConfig) -> dict:
     score = tr.evaluate()
     memory = tr.grid.world.allgather_obj(tr.memory())
     if cfg.save:
-        if rank0:  # data parallel: rank 0 already holds the full model
-            save_model(cfg.save, tr.model)
+        full = tr.runner.full_params()  # collective where the model is split; rank 0 gets it
+        if rank0:
+            save_model(cfg.save, full, tr.model.cfg)
         tr.grid.world.barrier()
     summary = {
         "summary": True, "steps": cfg.steps, "final_loss": rec.get("loss"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from refmp.backend import array_module
 from refmp.comm import Comm
+from refmp.data import dp_rows
 
 
 def flatten(arrays: list):
@@ -44,3 +45,61 @@ def allreduce_grads(grads: dict, comm: Comm) -> None:
     flat = flatten(arrays)  # (P,) all gradients
     comm.allreduce(flat)  # sum of the ranks' shares = the global gradient
     unflatten_into(flat, arrays)
+
+
+class DataParallel:
+    """Plain data parallelism, and the interface every strategy's runner offers the Trainer.
+
+    A runner owns how one step's forward and backward are computed and communicated; the
+    Trainer owns the batch, the optimizer and the logging. The interface:
+
+    * ``params`` / ``grads``: the arrays this rank updates, by GPT-2 name (shards welcome);
+    * ``batch_rows(B)``: which rows of the global batch this rank reads;
+    * ``forward_backward(x, y, denom)``: accumulate this rank's gradients, return its loss
+      share (its tokens' loss sum / denom, denom = global token count);
+    * ``reduce_grads()``: communicate so that ``grads`` is the global gradient of ``params``;
+    * ``grad_sum_sq(local)``: add partial sums of squares over ranks owning other elements;
+    * ``loss_total(share)``: the global mean loss from the shares;
+    * ``generate(idx, n)``: greedy decoding (collective where the model is split);
+    * ``eval_comm``: the ranks that split evaluation prompts between them;
+    * ``full_params()``: the whole model with GPT-2 names (gathered) on rank 0, else None.
+    """
+
+    def __init__(self, model, grid):
+        self.model, self.grid = model, grid
+        self.dp = grid.comm["dp"]
+        self.eval_comm = self.dp
+
+    @property
+    def params(self) -> dict:
+        return self.model.params
+
+    @property
+    def grads(self) -> dict:
+        return self.model.grads
+
+    def batch_rows(self, B: int) -> slice:
+        return dp_rows(B, self.dp.size, self.dp.rank)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad()
+
+    def forward_backward(self, x, y, denom: int) -> float:
+        loss, cache = self.model.forward(x, y, denom)  # (b, T) rows -> this rank's share
+        self.model.backward(cache)
+        return float(loss)
+
+    def reduce_grads(self) -> None:
+        allreduce_grads(self.model.grads, self.dp)  # every rank now holds the global gradient
+
+    def grad_sum_sq(self, local: float) -> float:
+        return local  # gradients are replicated after reduce_grads: count them once
+
+    def loss_total(self, share: float) -> float:
+        return self.dp.allreduce_scalar(share)  # sum of shares = the global mean loss
+
+    def generate(self, idx, n: int):
+        return self.model.generate(idx, n)
+
+    def full_params(self) -> dict | None:
+        return self.model.params if self.grid.rank == 0 else None
