@@ -72,7 +72,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="clip the global gradient norm to this (0: off; default 1.0)")
     g = p.add_argument_group("layout")
     g.add_argument("--dp", type=int, default=None,
-                   help="data-parallel ranks (default: all the MPI processes)")
+                   help="data-parallel ranks (default: world size / (pp*cp*tp))")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel ranks (1)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, within dp (1)")
     g = p.add_argument_group("files")
     g.add_argument("--init", default=None, metavar="PATH.safetensors",
                    help="start from these weights; the model shape is read from them")

@@ -49,6 +49,10 @@ class TrainConfig:
     shuffle: bool = False
     digits: int = 3
     dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
     init: str | None = None
     save: str | None = None
     log_json: str | None = None
@@ -115,6 +119,9 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
 
 def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     """The strategy that computes and communicates a step on this layout."""
+    for axis in ("tp", "pp", "cp", "ep"):
+        if grid.sizes[axis] > 1:
+            raise ConfigError(f"--{axis} {grid.sizes[axis]}: not implemented yet (only --dp)")
     return DataParallel(model, grid)
 
 
@@ -148,7 +155,8 @@ class Trainer:
                  dataset: Dataset | None = None):
         check_config(cfg)
         self.cfg = cfg
-        self.grid = grid if grid is not None else ProcessGrid(dp=cfg.dp)  # validates the layout
+        self.grid = grid if grid is not None else ProcessGrid(
+            dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)  # validates the layout
 
         def setup():
             ds = dataset if dataset is not None else build_dataset(cfg)
