@@ -77,6 +77,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
     g.add_argument("--cp", type=int, default=1, help="context-parallel ranks (1)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, within dp (1)")
+    g.add_argument("--microbatches", type=int, default=1,
+                   help="micro-batches per step: pipeline micro-batches, or gradient "
+                        "accumulation without --pp (1)")
     g = p.add_argument_group("files")
     g.add_argument("--init", default=None, metavar="PATH.safetensors",
                    help="start from these weights; the model shape is read from them")

@@ -53,6 +53,7 @@ class TrainConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    microbatches: int = 1  # pipeline micro-batches, or gradient accumulation without pp
     init: str | None = None
     save: str | None = None
     log_json: str | None = None
@@ -122,6 +123,8 @@ def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     for axis in ("tp", "pp", "cp", "ep"):
         if grid.sizes[axis] > 1:
             raise ConfigError(f"--{axis} {grid.sizes[axis]}: not implemented yet (only --dp)")
+    if cfg.microbatches != 1:
+        raise ConfigError("--microbatches: not implemented yet")
     return DataParallel(model, grid)
 
 
