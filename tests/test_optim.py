@@ -72,7 +72,7 @@ def test_sharded_norm_counts_each_element_once():
     full = {"w": np.arange(12.0).reshape(3, 4)}
     shards = [{"w": full["w"][:, :2]}, {"w": full["w"][:, 2:]}]
     partial = [sum(float((g * g).sum()) for g in s.values()) for s in shards]
-    for s, mine in zip(shards, partial):
+    for s, mine in zip(shards, partial, strict=True):
         others = sum(partial) - mine
         n = global_grad_norm(s, sum_sq=lambda x, o=others: x + o)
         assert n == pytest.approx(global_grad_norm(full))

@@ -1,0 +1,20 @@
+"""Every tutorial runs, as a reader runs it, and checks itself (exit status 0)."""
+
+import pytest
+from mpi_helpers import mpiexec
+
+pytestmark = pytest.mark.tutorial
+
+
+def test_01_serial_gpt():
+    r = mpiexec(1, ["python", "tutorials/01_serial_gpt.py"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: gradients match" in r.stdout
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_02_data_parallel(n):
+    r = mpiexec(n, ["python", "tutorials/02_data_parallel.py"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: data parallel == serial" in r.stdout
+    assert r.stdout.count("step 4:") == 1  # rank 0 alone narrates
