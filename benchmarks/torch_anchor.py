@@ -1,0 +1,114 @@
+"""The speed anchor for `refmp bench`: the same GPT-2 in PyTorch eager, timed beside refmp.
+
+    python benchmarks/torch_anchor.py [--preset small] [--steps 20] [--rounds 3]
+
+PyTorch is not a refmp dependency; install it to run this (`pip install torch`). The script
+builds refmp's model, copies its initial weights into an eager PyTorch GPT-2 (nanoGPT style:
+`F.scaled_dot_product_attention`, `torch.optim.AdamW`, `clip_grad_norm_`), checks that both
+compute the same first loss, then times training steps of each in alternating rounds on the
+same data and the same number of threads, and prints medians and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from refmp.bench import PRESETS
+from refmp.nn import GPT, GPTConfig
+from refmp.optim import AdamW, clip_grad_norm
+
+
+class TorchGPT(torch.nn.Module):
+    """GPT-2 with refmp's parameter layout ((in, out) weights), as plain tensors."""
+
+    def __init__(self, params: dict, n_head: int, n_layer: int):
+        super().__init__()
+        self.n_head, self.n_layer = n_head, n_layer
+        self.p = torch.nn.ParameterDict(
+            {k.replace(".", "_"): torch.nn.Parameter(torch.tensor(v)) for k, v in params.items()})
+
+    def forward(self, idx, targets):
+        p = self.p
+        B, T = idx.shape
+        x = p["wte_weight"][idx] + p["wpe_weight"][:T]
+        C = x.shape[-1]
+        for i in range(self.n_layer):
+            def w(name, i=i):
+                return p[f"h_{i}_{name}".replace(".", "_")]
+            h = F.layer_norm(x, (C,), w("ln_1.weight"), w("ln_1.bias"), 1e-5)
+            q, k, v = (h @ w("attn.c_attn.weight") + w("attn.c_attn.bias")).split(C, dim=2)
+            q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            a = a.transpose(1, 2).reshape(B, T, C)
+            x = x + a @ w("attn.c_proj.weight") + w("attn.c_proj.bias")
+            h = F.layer_norm(x, (C,), w("ln_2.weight"), w("ln_2.bias"), 1e-5)
+            h = F.gelu(h @ w("mlp.c_fc.weight") + w("mlp.c_fc.bias"), approximate="tanh")
+            x = x + h @ w("mlp.c_proj.weight") + w("mlp.c_proj.bias")
+        x = F.layer_norm(x, (C,), p["ln_f_weight"], p["ln_f_bias"], 1e-5)
+        logits = x @ p["wte_weight"].T
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per round (20)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (3)")
+    args = ap.parse_args()
+    s = PRESETS[args.preset]
+    cfg = GPTConfig(s["vocab"], s["block_size"], s["n_layer"], s["n_head"], s["n_embd"])
+    model = GPT.create(cfg, seed=0, dtype="float32")
+    tmodel = TorchGPT({k: v.copy() for k, v in model.params.items()}, cfg.n_head, cfg.n_layer)
+    decay = [p for k, p in tmodel.p.items() if p.ndim >= 2]
+    other = [p for k, p in tmodel.p.items() if p.ndim < 2]
+    topt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": other, "weight_decay": 0.0}], lr=1e-4)
+    opt = AdamW(model.params, lr=1e-4, weight_decay=0.1)
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, s["vocab"], (s["batch_size"], s["block_size"]))
+    y = rng.integers(0, s["vocab"], (s["batch_size"], s["block_size"]))
+    tx, ty = torch.tensor(x), torch.tensor(y)
+
+    def refmp_step():
+        model.zero_grad()
+        loss, cache = model.forward(x, y)
+        model.backward(cache)
+        clip_grad_norm(model.grads, 1.0)
+        opt.step(model.grads)
+        return float(loss)
+
+    def torch_step():
+        topt.zero_grad(set_to_none=True)
+        loss = tmodel(tx, ty)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(tmodel.parameters(), 1.0)
+        topt.step()
+        return float(loss)
+
+    l_refmp, l_torch = refmp_step(), torch_step()  # also the warm-up
+    assert abs(l_refmp - l_torch) < 1e-4 * abs(l_torch), (l_refmp, l_torch)
+    times = {"refmp": [], "torch": []}
+    for _ in range(args.rounds):
+        for name, fn in (("refmp", refmp_step), ("torch", torch_step)):
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    tokens = s["batch_size"] * s["block_size"]
+    out = {"preset": args.preset, "torch_threads": torch.get_num_threads(),
+           "first_loss": {"refmp": l_refmp, "torch": l_torch},
+           "ms_per_step": med, "tokens_per_s": {k: tokens / (v / 1e3) for k, v in med.items()},
+           "refmp_over_torch_time": med["refmp"] / med["torch"]}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
