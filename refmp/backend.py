@@ -29,6 +29,33 @@ def use(name: str) -> types.ModuleType:
     return xp
 
 
+def is_device_array(a) -> bool:
+    """True for arrays in GPU memory (CuPy, or anything exposing __cuda_array_interface__)."""
+    return hasattr(a, "__cuda_array_interface__")
+
+
+class Transfers:
+    """Bytes and counts copied between host and device (d2h, h2d) by to_host/from_host.
+
+    Tests use it to prove a training step moves nothing but the batch and MPI's staging.
+    (Reading a 0-d device scalar with float() is an implicit copy, not counted here.)
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.bytes = {"d2h": 0, "h2d": 0}
+        self.count = {"d2h": 0, "h2d": 0}
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += int(nbytes)
+        self.count[kind] += 1
+
+
+transfers = Transfers()
+
+
 def array_module(*arrays) -> types.ModuleType:
     """The module (numpy or cupy) that owns ``arrays``; numpy for plain host arrays."""
     for a in arrays:
@@ -42,12 +69,37 @@ def array_module(*arrays) -> types.ModuleType:
 
 def to_host(a) -> np.ndarray:
     """Copy an array to host memory (a no-op for NumPy arrays)."""
-    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+    if is_device_array(a):
+        transfers.add("d2h", a.nbytes)
+        return a.get()
+    return np.asarray(a)
 
 
 def from_host(a: np.ndarray):
-    """Copy a host array into the run's array module."""
+    """Copy a host array into the run's array module (a no-op with NumPy)."""
+    if xp is np:
+        return np.asarray(a)
+    transfers.add("h2d", a.nbytes)
     return xp.asarray(a)
+
+
+def copy_from_host(dst, src: np.ndarray) -> None:
+    """Overwrite the device (or host) array ``dst`` with the host array ``src``."""
+    if is_device_array(dst):
+        transfers.add("h2d", src.nbytes)
+        dst.set(src)
+    else:
+        dst[...] = src
+
+
+def scatter_add(a, idx, values) -> None:
+    """a[idx[i]] += values[i], accumulating repeated indices (numpy.add.at on the CPU)."""
+    if is_device_array(a):
+        import cupyx  # noqa: PLC0415
+
+        cupyx.scatter_add(a, idx, values)
+    else:
+        np.add.at(a, idx, values)
 
 
 def sync() -> None:

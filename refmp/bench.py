@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -38,6 +39,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                        help="override the preset")
     p.add_argument("--dtype", choices=["float32", "float64"], default=None)
+    p.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
+                   help="cpu (NumPy) or gpu (CuPy); default $REFMP_DEVICE or cpu")
     p.add_argument("--steps", type=int, default=20, help="timed steps (20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all)")
@@ -79,6 +82,7 @@ def run_bench(args) -> dict:
     cfg = TrainConfig(n_layer=spec["n_layer"], n_head=spec["n_head"], n_embd=spec["n_embd"],
                       block_size=spec["block_size"], batch_size=spec["batch_size"],
                       steps=args.warmup + args.steps, dtype=spec["dtype"], dp=args.dp,
+                      device=args.device,
                       lr_schedule="constant", lr=1e-4, progress=False)
     rng = np.random.default_rng(1)
     n_tok = (spec["batch_size"] * (args.warmup + args.steps) + 1) * spec["block_size"] + 1
@@ -93,7 +97,8 @@ def run_bench(args) -> dict:
         t0 = time.perf_counter()
         tr.step()
         times.append(world.allreduce_scalar(time.perf_counter() - t0, op="max"))
-    peak = world.allreduce_scalar(measure_peak(spec["dtype"]))  # summed over ranks
+    n = 8192 if args.device == "gpu" else 1024  # big enough to reach the peak
+    peak = world.allreduce_scalar(measure_peak(spec["dtype"], n))  # summed over ranks
     sec = float(np.median(times))
     m = tr.model.cfg
     tokens = cfg.batch_size * tr.T
@@ -102,7 +107,7 @@ def run_bench(args) -> dict:
     out = {
         "ms_per_step": 1e3 * sec, "tokens_per_s": tokens / sec, "gflops": flops / sec / 1e9,
         "mfu": flops / sec / peak, "peak_gflops": peak / 1e9, "params": tr.model.num_params(),
-        "world_size": world.size, "steps": args.steps, "model": spec,
+        "world_size": world.size, "steps": args.steps, "model": spec, "device": tr.device_info,
         "ms_per_step_min": 1e3 * min(times), "ms_per_step_max": 1e3 * max(times),
     }
     if world.rank == 0:

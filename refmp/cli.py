@@ -43,6 +43,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=None,
                    help="sequence length T (default: one addition problem, 13; 64 for --data)")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    g.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
+                   help="cpu (NumPy) or gpu (CuPy, one GPU per rank); default $REFMP_DEVICE or cpu")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:

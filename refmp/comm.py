@@ -12,6 +12,11 @@ the input before scattering; send/recv: the message). Multiply by the algorithm'
 Waiting: MPICH busy-polls inside blocking calls, so a rank that waits would burn the core a
 working rank needs when ranks outnumber cores. refmp therefore starts every operation
 nonblocking and waits with Test-and-sleep (:func:`wait`), backing off from 10 us to 1 ms.
+
+GPU arrays: before MPI touches device memory the stream is synchronized. With a CUDA-aware
+MPI (``comm.cuda_aware``, agreed by all ranks, see refmp.device) device arrays go to MPI as
+they are; otherwise they are staged through host memory, one copy each way, ledgered as
+``stage_d2h`` / ``stage_h2d``.
 """
 
 from __future__ import annotations
@@ -59,12 +64,33 @@ class Ledger:
         self.entries.clear()
 
 
-def wait(req: MPI.Request):
-    """Wait for a request without busy-polling: Test, then sleep, backing off to 1 ms."""
+class StagedRequest(MPI.Request):
+    """A request whose result must still be copied from a host staging buffer to the device.
+
+    :func:`wait` calls ``finish`` once the request completes; ``keep`` holds the host buffer
+    alive until then (MPI reads or writes it asynchronously).
+    """
+
+    def __new__(cls, req: MPI.Request, finish=None, keep=None):
+        self = super().__new__(cls, req)
+        self.finish, self.keep = finish, keep
+        return self
+
+
+def wait(req: MPI.Request | None):
+    """Wait for a request without busy-polling: Test, then sleep, backing off to 1 ms.
+
+    ``None`` (what a size-1 communicator returns for a skipped operation) is already done.
+    """
+    if req is None:
+        return
     delay = 1e-5
     while not req.Test():
         time.sleep(delay)
         delay = min(delay * 2, 1e-3)
+    if isinstance(req, StagedRequest) and req.finish is not None:
+        req.finish()
+        req.finish = req.keep = None
 
 
 def wait_all(reqs: list[MPI.Request]) -> None:
@@ -81,15 +107,40 @@ class Comm:
         self.ledger = ledger if ledger is not None else Ledger()
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
+        self.cuda_aware = False  # set for all axes by ProcessGrid.use_gpu, agreed by all ranks
+
+    # --- what MPI sees: the array itself, or a host copy of a device array ------------------
+
+    def _mpi_in(self, buf):
+        """A buffer MPI may read: ``buf`` (host, or device with CUDA-aware MPI) or a host copy."""
+        if not buf.flags.c_contiguous:
+            buf = backend.array_module(buf).ascontiguousarray(buf)
+        if not backend.is_device_array(buf):
+            return buf
+        backend.sync()  # kernels writing buf must finish before MPI reads it
+        if self.cuda_aware:
+            return buf
+        self.ledger.record("stage_d2h", self.axis, buf.nbytes)
+        return backend.to_host(buf)
+
+    def _mpi_out(self, out):
+        """A buffer MPI may write for ``out``: itself, or a host buffer to copy back later."""
+        if not backend.is_device_array(out) or self.cuda_aware:
+            return out
+        return np.empty(out.shape, dtype=out.dtype)
+
+    def _finish(self, out, host) -> None:
+        """Copy a staged result back to the device (nothing when MPI wrote ``out`` itself)."""
+        if host is not out:
+            if backend.is_device_array(out):
+                self.ledger.record("stage_h2d", self.axis, out.nbytes)
+            backend.copy_from_host(out, host)
 
     # --- collectives on arrays --------------------------------------------------------------
 
     def allreduce(self, buf, op: str = "sum"):
-        """In-place all-reduce of ``buf`` over this axis; returns ``buf``."""
-        self.ledger.record("allreduce", self.axis, buf.nbytes)
-        if self.size > 1:
-            backend.sync()
-            wait(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op]))
+        """In-place all-reduce of ``buf`` (contiguous) over this axis; returns ``buf``."""
+        wait(self.allreduce_start(buf, op))
         return buf
 
     def allreduce_start(self, buf, op: str = "sum") -> MPI.Request | None:
@@ -97,8 +148,9 @@ class Comm:
         self.ledger.record("allreduce", self.axis, buf.nbytes)
         if self.size == 1:
             return None
-        backend.sync()
-        return self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op])
+        m = self._mpi_in(buf)
+        req = self.mpi.Iallreduce(MPI.IN_PLACE, m, op=_OPS[op])
+        return req if m is buf else StagedRequest(req, lambda: self._finish(buf, m), keep=m)
 
     def allgather(self, buf):
         """Concatenate every rank's ``buf`` along axis 0, in rank order (same shape on all)."""
@@ -108,8 +160,9 @@ class Comm:
         if self.size == 1:
             out[...] = buf
             return out
-        backend.sync()
-        wait(self.mpi.Iallgather(xp.ascontiguousarray(buf), out))
+        m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
+        wait(self.mpi.Iallgather(m_in, m_out))
+        self._finish(out, m_out)
         return out
 
     def reduce_scatter(self, buf):
@@ -122,16 +175,18 @@ class Comm:
         if self.size == 1:
             out[...] = buf
             return out
-        backend.sync()
-        wait(self.mpi.Ireduce_scatter_block(xp.ascontiguousarray(buf), out, op=MPI.SUM))
+        m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
+        wait(self.mpi.Ireduce_scatter_block(m_in, m_out, op=MPI.SUM))
+        self._finish(out, m_out)
         return out
 
     def bcast(self, buf, root: int = 0):
-        """In-place broadcast of ``buf`` from ``root``; returns ``buf``."""
+        """In-place broadcast of ``buf`` (contiguous) from ``root``; returns ``buf``."""
         self.ledger.record("bcast", self.axis, buf.nbytes)
         if self.size > 1:
-            backend.sync()
-            wait(self.mpi.Ibcast(buf, root=root))
+            m = self._mpi_in(buf)
+            wait(self.mpi.Ibcast(m, root=root))
+            self._finish(buf, m)
         return buf
 
     # --- small Python values (metrics, agreement), counted like the rest ---------------------
@@ -159,10 +214,11 @@ class Comm:
     # --- point-to-point ----------------------------------------------------------------------
 
     def send(self, buf, dest: int, tag: int = 0) -> MPI.Request:
-        """Start sending ``buf`` (contiguous) to ``dest``; wait on the returned request."""
+        """Start sending ``buf`` to ``dest``; wait on the returned request (with :func:`wait`)."""
         self.ledger.record("send", self.axis, buf.nbytes)
-        backend.sync()
-        return self.mpi.Isend(buf, dest=dest, tag=tag)
+        m = self._mpi_in(buf)
+        req = self.mpi.Isend(m, dest=dest, tag=tag)
+        return req if m is buf else StagedRequest(req, keep=m)  # keep the host copy alive
 
     def recv(self, shape, dtype, source: int, tag: int = 0):
         """Receive a new array of ``shape`` and ``dtype`` from ``source``, checking its size.
@@ -184,5 +240,7 @@ class Comm:
                 f"({tuple(shape)} {np.dtype(dtype).name}) from rank {source} tag {tag}, got {got}"
             )
         self.ledger.record("recv", self.axis, out.nbytes)
-        wait(self.mpi.Irecv(out, source=source, tag=tag))
+        m = self._mpi_out(out)
+        wait(self.mpi.Irecv(m, source=source, tag=tag))
+        self._finish(out, m)
         return out

@@ -80,6 +80,11 @@ class ProcessGrid:
         self.comm["edp"] = Comm(world.Split(base + (dp_i % ep_size) * n, dp_i // ep_size),
                                 "edp", self.ledger)
 
+    def set_cuda_aware(self, aware: bool) -> None:
+        """Tell every axis' Comm whether device arrays may go to MPI directly."""
+        for c in (self.world, *self.comm.values()):
+            c.cuda_aware = aware
+
     def coords_of(self, rank: int) -> dict[str, int]:
         s = self.sizes
         rank, tp_i = divmod(rank, s["tp"])

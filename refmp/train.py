@@ -54,6 +54,7 @@ class TrainConfig:
     cp: int = 1
     ep: int = 1
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation without pp
+    device: str = "cpu"  # cpu (NumPy) or gpu (CuPy)
     init: str | None = None
     save: str | None = None
     log_json: str | None = None
@@ -76,6 +77,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"--optimizer must be sgd or adamw, got {cfg.optimizer!r}")
     if cfg.dtype not in ("float32", "float64"):
         raise ConfigError(f"--dtype must be float32 or float64, got {cfg.dtype!r}")
+    if cfg.device not in ("cpu", "gpu"):
+        raise ConfigError(f"--device must be cpu or gpu, got {cfg.device!r}")
     if cfg.lr_schedule not in ("cosine", "constant"):
         raise ConfigError(f"--lr-schedule must be cosine or constant, got {cfg.lr_schedule!r}")
     for name in ("batch_size", "steps"):
@@ -151,6 +154,18 @@ def agreed(comm, fn):
     return out
 
 
+def start_gpu(grid: ProcessGrid) -> dict:
+    """CuPy and this rank's GPU; CUDA-awareness detected, agreed, and set on every axis."""
+    from refmp.device import agree_cuda_aware, detect_cuda_aware, use_gpu
+
+    info = agreed(grid.world, lambda: use_gpu(grid.world.mpi))
+    answer, source = detect_cuda_aware()
+    aware = agree_cuda_aware(grid.world, answer)
+    grid.set_cuda_aware(aware)
+    return {**info, "device": f"gpu {info['device']}", "cuda_aware": aware,
+            "cuda_aware_source": source}
+
+
 class Trainer:
     """Holds the grid, data, model and optimizer of one data-parallel run."""
 
@@ -160,6 +175,10 @@ class Trainer:
         self.cfg = cfg
         self.grid = grid if grid is not None else ProcessGrid(
             dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)  # validates the layout
+
+        self.device_info = {"device": "cpu"}
+        if cfg.device == "gpu":  # before any array is made: parameters go straight to the GPU
+            self.device_info = start_gpu(self.grid)
 
         def setup():
             ds = dataset if dataset is not None else build_dataset(cfg)
@@ -251,7 +270,7 @@ def run(cfg: TrainConfig) -> dict:
         "tokens_per_s": cfg.steps * cfg.batch_size * tr.T / seconds, "seconds": seconds,
         "accuracy": None if score is None else score[0] / max(1, score[1]),
         "comm": tr.grid.ledger.as_dict(), "memory_per_rank": memory,
-        "layout": tr.grid.sizes, "config": asdict(cfg),
+        "layout": tr.grid.sizes, "device": tr.device_info, "config": asdict(cfg),
     }
     if log:
         log.write(json.dumps(summary) + "\n")
@@ -293,6 +312,10 @@ class _LogProgress:
 
 
 def _print_summary(s: dict, score) -> None:
+    dev = s["device"]
+    if "cuda_aware" in dev:
+        print(f"device: {dev['device']} per rank; CUDA-aware MPI: {dev['cuda_aware']} "
+              f"(from {dev['cuda_aware_source']}; {'direct' if dev['cuda_aware'] else 'staged'})")
     print(f"done: {s['steps']} steps in {s['seconds']:.1f} s, final loss {s['final_loss']:.4f}, "
           f"{s['tokens_per_s']:,.0f} tokens/s")
     if score is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from refmp.backend import array_module
+from refmp.backend import array_module, scatter_add
 
 LN_EPS = 1e-5
 GELU_K = math.sqrt(2.0 / math.pi)
@@ -34,7 +34,7 @@ def embedding_backward(dout, cache):
     idx, w_shape = cache
     xp = array_module(dout)
     dw = xp.zeros(w_shape, dtype=dout.dtype)  # (V, C)
-    xp.add.at(dw, idx.reshape(-1), dout.reshape(-1, w_shape[1]))
+    scatter_add(dw, idx.reshape(-1), dout.reshape(-1, w_shape[1]))
     return dw
 
 
