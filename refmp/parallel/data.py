@@ -115,9 +115,12 @@ def activation_bytes(cache, exclude=()) -> int:
 
 
 def split_microbatches(x, y, M: int) -> list:
-    """M consecutive, equal row slices of (x, y) (DESIGN.md: micro-batches split rows in order)."""
+    """M consecutive, equal row slices of (x, y) (DESIGN.md: micro-batches split rows in order).
+
+    Copied (token ids, small), so a micro-batch's caches hold only its own rows.
+    """
     b = x.shape[0] // M
-    return [(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for i in range(M)]
+    return [(x[i * b : (i + 1) * b].copy(), y[i * b : (i + 1) * b].copy()) for i in range(M)]
 
 
 def check_microbatches(B: int, dp: int, M: int) -> None:
