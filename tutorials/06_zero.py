@@ -34,7 +34,7 @@ def say(*a):
 
 
 # --- 1. the table: what ZeRO saves on a real model ---------------------------------------------
-say("1. ZeRO memory per rank, float32 + AdamW (GiB; params / grads / optimizer state)")
+say("1. ZeRO memory per rank, float32 + AdamW: params + grads + optimizer state (GiB)")
 for name, cfg in [("GPT-2 124M", GPTConfig(50257, 1024, 12, 12, 768)),
                   ("GPT-2 1.5B", GPTConfig(50257, 1024, 48, 25, 1600))]:
     for dp in (8, 64):
@@ -46,11 +46,11 @@ for name, cfg in [("GPT-2 124M", GPTConfig(50257, 1024, 12, 12, 768)),
 
 # --- 2. a tiny model, every stage, against the serial run ------------------------------------
 dp = world.size
-cfg0 = dict(n_layer=2, n_head=2, n_embd=8, block_size=6, batch_size=4 * dp, steps=3,
+cfg0 = dict(n_layer=2, n_head=2, n_embd=6, block_size=6, batch_size=4 * dp, steps=3,
             lr=0.01, warmup_steps=1, grad_clip=0.1, dtype="float64", progress=False,
             microbatches=2, bucket_mb=0.002)
 ds = Dataset(np.random.default_rng(0).integers(0, 11, 400), 11, "random digits")
-mcfg = GPTConfig(11, 6, 2, 2, 8)
+mcfg = GPTConfig(11, 6, 2, 2, 6)  # sizes not divisible by 4: padding shows
 serial = Trainer(TrainConfig(**{**cfg0, "microbatches": 1}), grid=ProcessGrid(MPI.COMM_SELF),
                  dataset=ds)
 want_loss = [serial.step()["loss"] for _ in range(3)]
