@@ -82,6 +82,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", type=int, default=1,
                    help="micro-batches per step: pipeline micro-batches, or gradient "
                         "accumulation without --pp (1)")
+    g.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="data parallel: gradient all-reduce bucket size in MB, overlapped "
+                        "with backward (0: one all-reduce after backward; default 25)")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="ZeRO stage: 1 shards optimizer state, 2 also gradients, "
+                        "3 also parameters (0: plain data parallel)")
     g = p.add_argument_group("files")
     g.add_argument("--init", default=None, metavar="PATH.safetensors",
                    help="start from these weights; the model shape is read from them")

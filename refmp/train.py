@@ -55,6 +55,8 @@ class TrainConfig:
     ep: int = 1
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation without pp
     device: str = "cpu"  # cpu (NumPy) or gpu (CuPy)
+    bucket_mb: float = 25.0  # data parallel: all-reduce bucket size (0: one, after backward)
+    zero: int = 0  # ZeRO stage: 0 (plain data parallel), 1, 2 or 3
     init: str | None = None
     save: str | None = None
     log_json: str | None = None
@@ -126,15 +128,24 @@ def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     for axis in ("tp", "pp", "cp", "ep"):
         if grid.sizes[axis] > 1:
             raise ConfigError(f"--{axis} {grid.sizes[axis]}: not implemented yet (only --dp)")
-    if cfg.microbatches != 1:
-        raise ConfigError("--microbatches: not implemented yet")
-    return DataParallel(model, grid)
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
+    if cfg.bucket_mb < 0:
+        raise ConfigError(f"--bucket-mb must be >= 0, got {cfg.bucket_mb}")
+    if cfg.zero:
+        from refmp.parallel.zero import ZeRO
+
+        return ZeRO(model, grid, cfg.zero, cfg.microbatches)
+    return DataParallel(model, grid, cfg.microbatches, cfg.bucket_mb)
 
 
-def build_optimizer(cfg: TrainConfig, params: dict):
+def build_optimizer(cfg: TrainConfig, params: dict, decay=None):
+    """``decay``: names to weight-decay when params are flattened shards (default ndim >= 2)."""
     if cfg.optimizer == "sgd":
-        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                   decay=decay)
+    return AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                 decay=decay)
 
 
 def agreed(comm, fn):
@@ -190,7 +201,7 @@ class Trainer:
         self.runner = build_runner(cfg, self.grid, self.model)
         self.rows = agreed(self.grid.world, lambda: self.runner.batch_rows(cfg.batch_size))
         self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
-        self.opt = build_optimizer(cfg, self.runner.params)
+        self.opt = build_optimizer(cfg, self.runner.params, getattr(self.runner, "decay", None))
         self.step_num = 0
 
     def step(self) -> dict:
@@ -207,6 +218,8 @@ class Trainer:
                 if cfg.grad_clip > 0 else float("nan"))
         self.opt.lr = lr_at(cfg, self.step_num)
         self.opt.step(run.grads)
+        if hasattr(run, "after_step"):
+            run.after_step()  # ZeRO 1/2: all-gather the updated parameter shards
         loss = run.loss_total(share)
         backend.sync()
         rec = {"step": self.step_num, "loss": loss, "grad_norm": norm, "lr": self.opt.lr,
@@ -225,13 +238,16 @@ class Trainer:
         return int(comm.allreduce_scalar(correct)), int(comm.allreduce_scalar(total))
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        """Bytes this rank holds for parameters, gradients, optimizer state (and activations)."""
         run = self.runner
-        return {
+        mem = {
             "params": sum(int(p.nbytes) for p in run.params.values()),
             "grads": sum(int(g.nbytes) for g in run.grads.values() if g is not None),
             "optimizer": self.opt.state_bytes(),
         }
+        if hasattr(run, "memory"):  # the runner's own buffers and peak activations
+            mem.update(run.memory())
+        return mem
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -323,6 +339,7 @@ def _print_summary(s: dict, score) -> None:
     print("communication (bytes, calls):")
     for key, v in s["comm"].items():
         print(f"  {key:<24} {v['bytes']:>14,} B  {v['count']:>6} calls")
-    print("memory per rank (bytes): params, grads, optimizer state")
+    print("memory per rank (bytes): params, grads, optimizer state, peak activations")
     for r, m in enumerate(s["memory_per_rank"]):
-        print(f"  rank {r}: {m['params']:>12,} {m['grads']:>12,} {m['optimizer']:>12,}")
+        print(f"  rank {r}: {m['params']:>12,} {m['grads']:>12,} {m['optimizer']:>12,} "
+              f"{m.get('activations', 0):>12,}")

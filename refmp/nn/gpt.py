@@ -205,7 +205,7 @@ class GPT:
         return cls(cfg, init_params(cfg, seed, dtype))
 
     def num_params(self) -> int:
-        return sum(int(p.size) for p in self.params.values())
+        return sum(math.prod(s) for s in param_shapes(self.cfg).values())  # also when sharded
 
     def forward(self, idx, targets=None, denom=None):
         """(loss, cache) given targets (B, T); (logits, None) without them."""
@@ -218,15 +218,25 @@ class GPT:
         out, head = head_forward(self.params, x, targets, denom)
         return out, (emb, blocks, head)
 
-    def backward(self, cache, dloss=1.0) -> None:
-        """Accumulate gradients into self.grads (call zero_grad first for a fresh step)."""
+    def backward(self, cache, dloss=1.0, on_ready=None) -> None:
+        """Accumulate gradients into self.grads (call zero_grad first for a fresh step).
+
+        ``on_ready(names)``, if given, is called as soon as the gradients of ``names`` are
+        complete (head, then blocks in reverse, then embeddings), so that a data-parallel
+        runner can start reducing them while backward goes on (refmp.parallel.data).
+        """
+        ready = on_ready or (lambda names: None)
         emb, blocks, head = cache
         dx, g = head_backward(dloss, head)
         self._accumulate(g)
+        ready([k for k in g if k != "wte.weight"])  # wte waits for the embedding's share
         for i in reversed(range(self.cfg.n_layer)):
             dx, g = block_backward(dx, blocks[i])
             self._accumulate({f"h.{i}.{k}": v for k, v in g.items()})
-        self._accumulate(embed_backward(dx, emb))  # wte also gets the head's share: tied
+            ready([f"h.{i}.{k}" for k in g])
+        g = embed_backward(dx, emb)
+        self._accumulate(g)  # wte also gets the head's share: tied
+        ready(list(g))
 
     def zero_grad(self) -> None:
         self.grads = {k: None for k in self.params}

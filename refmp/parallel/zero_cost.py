@@ -1,0 +1,74 @@
+"""What data parallelism and ZeRO cost per rank, from the model's shapes alone (the formulas).
+
+Rajbhandari et al. 2020, sec. 5 and 7: with N parameters, dp ranks, b bytes per element and
+AdamW (two moments, no master copy since refmp keeps one precision), per rank
+
+    stage 0 (plain DP):  params b N      grads b N      optimizer 2 b N
+    stage 1:             params b N'     grads b N'     optimizer 2 b N'/dp
+    stage 2:             params b N'     grads b N'/dp  optimizer 2 b N'/dp
+    stage 3:             params b N'/dp  grads b N'/dp  optimizer 2 b N'/dp
+
+where N' = sum over units (embeddings, each block, ln_f) of the unit's size rounded up to a
+multiple of dp: refmp shards each unit separately (refmp.parallel.zero), so that stage 3 can
+gather one unit at a time. Communication per step (the ledger's convention, refmp.comm: an
+all-reduce or reduce-scatter counts its input, an all-gather its output), M micro-batches:
+
+    stage 0: all-reduce b N (in buckets)
+    stage 1: reduce-scatter b N' + all-gather b N'
+    stage 2: reduce-scatter M b N' (each micro-batch, unit by unit) + all-gather b N'
+    stage 3: reduce-scatter M b N' + all-gather M b (2 N'_embed + 2 N'_blocks + N'_ln_f)
+             (embeddings twice: for the embedding and for the tied head; each block before
+             its forward and again before its backward; ln_f once, the head's forward and
+             backward running back to back)
+
+The wire traffic of a ring is (dp-1)/dp of these per reduce-scatter or all-gather, and twice
+that per all-reduce: so stages 1 and 2 move what plain DP moves, stage 3 1.5 times that.
+"""
+
+from __future__ import annotations
+
+import math
+
+from refmp.nn.gpt import GPTConfig, param_shapes
+
+
+def unit_sizes(cfg: GPTConfig) -> dict[str, int]:
+    """Elements per unit: ``embed`` (wte, wpe), ``h.{i}``, ``ln_f``."""
+    sizes = {"embed": 0, **{f"h.{i}": 0 for i in range(cfg.n_layer)}, "ln_f": 0}
+    for k, s in param_shapes(cfg).items():
+        unit = "embed" if k.startswith(("wte", "wpe")) else ".".join(k.split(".")[:2])
+        unit = "ln_f" if k.startswith("ln_f") else unit
+        sizes[unit] += math.prod(s)
+    return sizes
+
+
+def padded(n: int, dp: int) -> int:
+    return -(-n // dp) * dp
+
+
+def memory_per_rank(cfg: GPTConfig, dp: int, stage: int, itemsize: int = 4) -> dict[str, int]:
+    """Bytes of parameters, gradients and AdamW state per rank (the table above)."""
+    n = sum(unit_sizes(cfg).values())
+    n_pad = sum(padded(s, dp) for s in unit_sizes(cfg).values())
+    if stage == 0:
+        return {"params": itemsize * n, "grads": itemsize * n, "optimizer": 2 * itemsize * n}
+    shard = n_pad // dp
+    return {"params": itemsize * (n_pad if stage < 3 else shard),
+            "grads": itemsize * (n_pad if stage < 2 else shard),
+            "optimizer": 2 * itemsize * shard}
+
+
+def comm_per_step(cfg: GPTConfig, dp: int, stage: int, microbatches: int = 1,
+                  itemsize: int = 4) -> dict[str, int]:
+    """Ledger bytes per step by operation (the list above)."""
+    sizes = {u: padded(s, dp) for u, s in unit_sizes(cfg).items()}
+    n_pad, M = sum(sizes.values()), microbatches
+    if stage == 0:
+        return {"allreduce": itemsize * sum(unit_sizes(cfg).values())}
+    if stage == 1:
+        return {"reduce_scatter": itemsize * n_pad, "allgather": itemsize * n_pad}
+    if stage == 2:
+        return {"reduce_scatter": M * itemsize * n_pad, "allgather": itemsize * n_pad}
+    blocks = sum(s for u, s in sizes.items() if u.startswith("h."))
+    gathered = 2 * sizes["embed"] + 2 * blocks + sizes["ln_f"]
+    return {"reduce_scatter": M * itemsize * n_pad, "allgather": M * itemsize * gathered}
