@@ -1,12 +1,13 @@
 """The speed anchor for `refmp bench`: the same GPT-2 in PyTorch eager, timed beside refmp.
 
-    python benchmarks/torch_anchor.py [--preset small] [--steps 20] [--rounds 3]
+    python benchmarks/torch_anchor.py [--preset small] [--steps 20] [--rounds 3] [--device gpu]
 
 PyTorch is not a refmp dependency; install it to run this (`pip install torch`). The script
 builds refmp's model, copies its initial weights into an eager PyTorch GPT-2 (nanoGPT style:
 `F.scaled_dot_product_attention`, `torch.optim.AdamW`, `clip_grad_norm_`), checks that both
 compute the same first loss, then times training steps of each in alternating rounds on the
-same data and the same number of threads, and prints medians and the ratio.
+same data and the same number of threads, and prints medians and the ratio. With
+``--device gpu`` refmp runs on CuPy and PyTorch on CUDA (timed with device synchronization).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from refmp import backend
 from refmp.bench import PRESETS
 from refmp.nn import GPT, GPTConfig
 from refmp.optim import AdamW, clip_grad_norm
@@ -61,11 +63,26 @@ def main():
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per round (20)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (3)")
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "vocab"):
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     args = ap.parse_args()
-    s = PRESETS[args.preset]
+    s = dict(PRESETS[args.preset])
+    s.update({k: getattr(args, k) for k in s if getattr(args, k, None) is not None})
+    gpu = args.device == "gpu"
+    if gpu:
+        backend.use("cupy")
+    dev = "cuda" if gpu else "cpu"
+
+    def sync():
+        if gpu:
+            backend.sync()
+            torch.cuda.synchronize()
+
     cfg = GPTConfig(s["vocab"], s["block_size"], s["n_layer"], s["n_head"], s["n_embd"])
     model = GPT.create(cfg, seed=0, dtype="float32")
-    tmodel = TorchGPT({k: v.copy() for k, v in model.params.items()}, cfg.n_head, cfg.n_layer)
+    host = {k: backend.to_host(v).copy() for k, v in model.params.items()}
+    tmodel = TorchGPT(host, cfg.n_head, cfg.n_layer).to(dev)
     decay = [p for k, p in tmodel.p.items() if p.ndim >= 2]
     other = [p for k, p in tmodel.p.items() if p.ndim < 2]
     topt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -74,7 +91,8 @@ def main():
     rng = np.random.default_rng(1)
     x = rng.integers(0, s["vocab"], (s["batch_size"], s["block_size"]))
     y = rng.integers(0, s["vocab"], (s["batch_size"], s["block_size"]))
-    tx, ty = torch.tensor(x), torch.tensor(y)
+    tx, ty = torch.tensor(x, device=dev), torch.tensor(y, device=dev)
+    x, y = backend.from_host(x), backend.from_host(y)
 
     def refmp_step():
         model.zero_grad()
@@ -90,7 +108,7 @@ def main():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(tmodel.parameters(), 1.0)
         topt.step()
-        return float(loss)
+        return float(loss.detach())
 
     l_refmp, l_torch = refmp_step(), torch_step()  # also the warm-up
     assert abs(l_refmp - l_torch) < 1e-4 * abs(l_torch), (l_refmp, l_torch)
@@ -98,12 +116,15 @@ def main():
     for _ in range(args.rounds):
         for name, fn in (("refmp", refmp_step), ("torch", torch_step)):
             for _ in range(args.steps):
+                sync()
                 t0 = time.perf_counter()
                 fn()
+                sync()
                 times[name].append(time.perf_counter() - t0)
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     tokens = s["batch_size"] * s["block_size"]
-    out = {"preset": args.preset, "torch_threads": torch.get_num_threads(),
+    out = {"preset": args.preset, "model": s, "device": args.device,
+           "torch_threads": torch.get_num_threads(),
            "first_loss": {"refmp": l_refmp, "torch": l_torch},
            "ms_per_step": med, "tokens_per_s": {k: tokens / (v / 1e3) for k, v in med.items()},
            "refmp_over_torch_time": med["refmp"] / med["torch"]}
