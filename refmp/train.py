@@ -54,6 +54,10 @@ class TrainConfig:
     cp: int = 1
     ep: int = 1
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation without pp
+    schedule: str = "1f1b"  # pipeline schedule (refmp.parallel.pipeline.schedules)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    stage_layers: str | None = None  # "2,1,1": blocks per pipeline stage (default: balanced)
+    trace: str | None = None  # write the last step's pipeline timeline (Chrome trace JSON)
     init: str | None = None
     save: str | None = None
     log_json: str | None = None
@@ -120,9 +124,15 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
 
 def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     """The strategy that computes and communicates a step on this layout."""
-    for axis in ("tp", "pp", "cp", "ep"):
+    for axis in ("tp", "cp", "ep"):
         if grid.sizes[axis] > 1:
             raise ConfigError(f"--{axis} {grid.sizes[axis]}: not implemented yet (only --dp)")
+    if grid.sizes["pp"] > 1:
+        from refmp.parallel.pipeline.runner import PipelineParallel
+
+        return PipelineParallel(model, grid, cfg)
+    if cfg.trace:
+        raise ConfigError("--trace records a pipeline's timeline: it needs --pp > 1")
     if cfg.microbatches != 1:
         raise ConfigError("--microbatches: not implemented yet")
     return DataParallel(model, grid)
@@ -239,6 +249,12 @@ def run(cfg: TrainConfig) -> dict:
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t_start
+    if cfg.trace:  # the last step's measured pipeline timeline (collective over pp)
+        timeline = tr.runner.timeline()
+        if rank0:
+            timeline.write_trace(cfg.trace)
+            print(f"pipeline timeline of the last step written to {cfg.trace}; measured "
+                  f"bubble {100 * timeline.bubble():.1f}%", flush=True)
     score = tr.evaluate()
     memory = tr.grid.world.allgather_obj(tr.memory())
     if cfg.save:
