@@ -121,3 +121,16 @@ def test_schedule_command_refuses_bad_input(capsys):
     assert main(["schedule", "--pp", "3", "--microbatches", "4", "--schedule", "interleaved",
                  "--virtual-stages", "2"]) == 2
     assert "multiple of --pp" in capsys.readouterr().err
+
+
+def test_docs_timelines_are_what_refmp_prints(capsys):
+    """docs/pipeline.md shows `refmp schedule` output; it must match what refmp prints now."""
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "pipeline.md").read_text()
+    blocks = re.findall(r"<!-- schedule: (.*?) -->\n```text\n(.*?)```\n", page, re.S)
+    assert len(blocks) == 4
+    for args, shown in blocks:
+        assert main(["schedule", *args.split()]) == 0
+        assert capsys.readouterr().out == shown, f"docs/pipeline.md drifted for {args}"
