@@ -52,6 +52,10 @@ def check_same_run(cfg: TrainConfig, serial: Trainer, pipe: Trainer) -> None:
                       err_msg=f"weight {k} after step {s} on rank {pipe.grid.rank}")
     sent, reduced = pipe.grid.ledger.bytes("send", "pp"), pipe.grid.ledger.bytes("allreduce", "dp")
     full = run.full_params()  # collective over pp
+    prompt = serial.ds.tokens[: 2 * pipe.T].reshape(2, pipe.T)[:, : max(1, pipe.T - 2)]
+    decoded = run.generate(prompt, 2)  # collective over pp
+    bad.check(np.testing.assert_array_equal, decoded, serial.model.generate(prompt, 2),
+              err_msg="greedy decoding through the pipeline")
     bad.assert_none()
     # every parameter is held somewhere, and the gathered model is the serial one
     if pipe.grid.rank == 0:

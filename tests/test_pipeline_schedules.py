@@ -134,3 +134,34 @@ def test_docs_timelines_are_what_refmp_prints(capsys):
     for args, shown in blocks:
         assert main(["schedule", *args.split()]) == 0
         assert capsys.readouterr().out == shown, f"docs/pipeline.md drifted for {args}"
+
+
+def test_stage_chunks_in_sequence_equal_the_serial_model():
+    """Layer level, no MPI: one Stage holding chunks 0..2 of a 3-block GPT, run chunk after
+    chunk (split backward on one micro-batch, whole on the other), gives the GPT's loss and
+    gradients."""
+    from refmp.parallel.pipeline.stage import Stage
+
+    cfg = gpt.GPTConfig(vocab_size=7, block_size=4, n_layer=3, n_head=2, n_embd=4)
+    model = gpt.GPT.create(cfg, seed=1, dtype="float64")
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 7, (3, 4)), rng.integers(0, 7, (3, 4))
+    loss, cache = model.forward(x, y, denom=12)
+    model.backward(cache)
+    stage = Stage(model.params, {0: range(0, 1), 1: range(1, 3), 2: range(3, 3)}, 3, 2)
+    total = 0.0
+    for rows, split in ((slice(0, 2), True), (slice(2, 3), False)):  # two micro-batches
+        h, caches = x[rows], []
+        for c in range(3):
+            h, cc = stage.forward(c, h, y[rows], 12)
+            caches.append(cc)
+        total += float(h)
+        dx, todos = None, []
+        for c in reversed(range(3)):
+            dx, todo = stage.backward(c, dx, caches[c], split)
+            todos.append(todo)
+        for todo in todos if split else []:  # the deferred W passes
+            stage.weight(todo)
+    np.testing.assert_allclose(total, float(loss), rtol=1e-12)
+    for k, g in model.grads.items():
+        np.testing.assert_allclose(stage.grads[k], g, rtol=1e-10, atol=1e-14, err_msg=k)

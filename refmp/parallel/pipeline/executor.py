@@ -39,10 +39,12 @@ class Executor:
         self.events: list[Event] = []  # the last step's timeline on this rank
         self.peak_held = 0  # most micro-batch caches held at once in the last step
 
-    def _send(self, x, mb: int, chunk: int, grad: bool, pending: list) -> None:
+    def _send(self, x, shape, mb: int, chunk: int, grad: bool, pending: list) -> None:
         t0 = time.perf_counter()
         dest = chunk % self.comm.size
-        x = x.astype(self.dtype, copy=False)
+        if x.shape != shape or x.dtype != self.dtype:  # the receiver expects exactly this
+            raise ValueError(f"rank {self.comm.rank}: micro-batch {mb} for chunk {chunk} is "
+                             f"{x.shape} {x.dtype}, expected {shape} {self.dtype}")
         pending.append((self.comm.send(x, dest, tag(mb, chunk, self.stage.n_chunks, grad)), x))
         self._event("send", mb, chunk, t0)
 
@@ -79,7 +81,7 @@ class Executor:
                 if c == S - 1:
                     loss += float(out)
                 else:
-                    self._send(out, i, c + 1, grad=False, pending=pending)
+                    self._send(out, shape, i, c + 1, grad=False, pending=pending)
             elif a.kind == "B":
                 dout = None if c == S - 1 else self._recv(shape, i, c, grad=True)
                 t0 = time.perf_counter()
@@ -87,7 +89,7 @@ class Executor:
                 held -= 0 if split else 1
                 self._event("B", i, c, t0)
                 if dx is not None:
-                    self._send(dx, i, c - 1, grad=True, pending=pending)
+                    self._send(dx, shape, i, c - 1, grad=True, pending=pending)
             else:  # W
                 t0 = time.perf_counter()
                 st.weight(todos.pop((i, c)))

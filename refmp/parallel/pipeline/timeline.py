@@ -51,6 +51,8 @@ class Timeline:
         return 1.0 - sum(self.busy(r) for r in range(self.pp)) / (self.pp * self.makespan)
 
     def label(self, e: Event) -> str:
+        if e.mb < 0:  # not about one micro-batch (the end-of-step wait for sends)
+            return e.kind
         virtual = "" if self.v == 1 else "abcdefghijklmnopqrstuvwxyz"[e.chunk // self.pp]
         return f"{e.kind}{e.mb}{virtual}"
 
