@@ -33,6 +33,7 @@ from refmp.parallel.pipeline.partition import (
     piece_costs,
 )
 from refmp.parallel.pipeline.schedules import schedule
+from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
 
 WTE = "wte.weight"
@@ -58,10 +59,12 @@ class PipelineParallel:
         chunks = {c: blocks[c] for c in range(r, self.S, P)}  # chunk c lives on rank c % pp
         names = [k for c in chunks for i in chunks[c] for k in model.params
                  if k.startswith(f"h.{i}.")]
-        names += [WTE, "wpe.weight"] if self.first else []
-        names += ["ln_f.weight", "ln_f.bias"] + ([] if self.first else [WTE]) if self.last else []
-        self.blocks = blocks
-        self.stage = gpt_stage(model, names, chunks, self.S)
+        if self.first:
+            names += [WTE, "wpe.weight"]
+        if self.last:
+            names += ["ln_f.weight", "ln_f.bias", WTE]  # the head is tied to wte: a copy
+        self.blocks = blocks  # every chunk's block indices (chunk c on rank c % pp)
+        self.stage = Stage({k: model.params[k] for k in names}, chunks, self.S, m.n_head)
         self.exe = Executor(self.stage, self.pp, m.n_embd, model.params[WTE].dtype)
         self.actions = schedule(cfg.schedule, P, M, r, V)
 
@@ -144,18 +147,8 @@ class PipelineParallel:
             for req, _ in reqs:
                 wait(req)
             return None
-        full = dict(self.params)
+        full, shapes = dict(self.params), gpt.param_shapes(self.cfg)
         for s in range(1, self.pp.size):
             for j, k in enumerate(owners[s]):
-                full[k] = self.pp.recv(self.params_shape(k), self.exe.dtype, s, tag=j)
+                full[k] = self.pp.recv(shapes[k], self.exe.dtype, s, tag=j)
         return {k: full[k] for k in gpt.param_shapes(self.cfg)}
-
-    def params_shape(self, name: str) -> tuple[int, ...]:
-        return gpt.param_shapes(self.cfg)[name]
-
-
-def gpt_stage(model: gpt.GPT, names: list[str], chunks: dict, n_chunks: int):
-    """A Stage over this rank's parameters (the full model's arrays, by name)."""
-    from refmp.parallel.pipeline.stage import Stage
-
-    return Stage({k: model.params[k] for k in names}, chunks, n_chunks, model.cfg.n_head)
