@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refmp
@@ -84,6 +84,10 @@ def check_same_run(cfg: TrainConfig, serial: Trainer, pipe: Trainer) -> None:
        v=st.integers(1, 2), extra_layers=st.integers(0, 1), explicit=st.booleans(),
        V=st.integers(3, 11), T=st.integers(2, 5), clip=st.sampled_from([0.0, 0.05, 10.0]),
        seed=st.integers(0, 1000))
+@example(schedule="interleaved", big_pp=True, k=1, extra_rows=1, v=2, extra_layers=1,
+         explicit=True, V=5, T=3, clip=0.05, seed=7)  # always: interleaved at the largest pp
+@example(schedule="zb-h1", big_pp=True, k=2, extra_rows=1, v=1, extra_layers=1,
+         explicit=False, V=5, T=3, clip=0.05, seed=8)  # always: zb-h1, uneven micro-batches
 @collective
 def test_pipeline_training_equals_serial(schedule, big_pp, k, extra_rows, v, extra_layers,
                                          explicit, V, T, clip, seed):
