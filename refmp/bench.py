@@ -44,6 +44,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps (20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
+    p.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches (1)")
+    from refmp.parallel.pipeline.schedules import SCHEDULES
+
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="with --pp (1f1b)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="for interleaved (1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -83,6 +89,8 @@ def run_bench(args) -> dict:
                       block_size=spec["block_size"], batch_size=spec["batch_size"],
                       steps=args.warmup + args.steps, dtype=spec["dtype"], dp=args.dp,
                       device=args.device,
+                      pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
+                      virtual_stages=args.virtual_stages,
                       lr_schedule="constant", lr=1e-4, progress=False)
     rng = np.random.default_rng(1)
     n_tok = (spec["batch_size"] * (args.warmup + args.steps) + 1) * spec["block_size"] + 1
@@ -110,6 +118,12 @@ def run_bench(args) -> dict:
         "world_size": world.size, "steps": args.steps, "model": spec, "device": tr.device_info,
         "ms_per_step_min": 1e3 * min(times), "ms_per_step_max": 1e3 * max(times),
     }
+    if args.pp > 1:  # the last step's measured timeline against the simulated formula
+        from refmp.parallel.pipeline.simulate import bubble_formula
+
+        out["bubble"] = tr.runner.timeline().bubble()
+        out["bubble_theory"] = bubble_formula(args.schedule, args.pp, args.microbatches,
+                                              args.virtual_stages)
     if world.rank == 0:
         if args.json:
             print(json.dumps(out))
@@ -120,4 +134,8 @@ def run_bench(args) -> dict:
                   f"min {out['ms_per_step_min']:.1f}, max {out['ms_per_step_max']:.1f})")
             print(f"  {out['tokens_per_s']:,.0f} tokens/s, {out['gflops']:.2f} GFLOP/s model, "
                   f"peak {out['peak_gflops']:.1f} GFLOP/s measured, MFU {100 * out['mfu']:.1f}%")
+            if "bubble" in out:
+                print(f"  pipeline {args.schedule}, pp {args.pp}, {args.microbatches} "
+                      f"micro-batches: bubble {out['bubble']:.4f} measured (last step), "
+                      f"theory {out['bubble_theory']:.4f}")
     return out

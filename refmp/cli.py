@@ -88,6 +88,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="ZeRO stage: 1 shards optimizer state, 2 also gradients, "
                         "3 also parameters (0: plain data parallel)")
+    from refmp.parallel.pipeline.command import add_pipeline_args
+
+    add_pipeline_args(p)
     g = p.add_argument_group("files")
     g.add_argument("--init", default=None, metavar="PATH.safetensors",
                    help="start from these weights; the model shape is read from them")
@@ -112,6 +115,9 @@ def make_parser() -> argparse.ArgumentParser:
     from refmp.bench import add_bench_args
 
     add_bench_args(b)
+    from refmp.parallel.pipeline.command import add_schedule_parser
+
+    add_schedule_parser(sub)
     return p
 
 
@@ -143,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
             from refmp.bench import run_bench
 
             run_bench(args)
+        elif args.command == "schedule":
+            from refmp.parallel.pipeline.command import run_schedule
+
+            run_schedule(args)
     except ConfigError as e:
         if launcher_rank() == 0:
             sys.stderr.write(f"refmp {args.command}: error: {e}\n")

@@ -57,6 +57,10 @@ class TrainConfig:
     device: str = "cpu"  # cpu (NumPy) or gpu (CuPy)
     bucket_mb: float = 25.0  # data parallel: all-reduce bucket size (0: one, after backward)
     zero: int = 0  # ZeRO stage: 0 (plain data parallel), 1, 2 or 3
+    schedule: str = "1f1b"  # pipeline schedule (refmp.parallel.pipeline.schedules)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    stage_layers: str | None = None  # "2,1,1": blocks per pipeline stage (default: balanced)
+    trace: str | None = None  # write the last step's pipeline timeline (Chrome trace JSON)
     init: str | None = None
     save: str | None = None
     log_json: str | None = None
@@ -125,13 +129,21 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
 
 def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     """The strategy that computes and communicates a step on this layout."""
-    for axis in ("tp", "pp", "cp", "ep"):
+    for axis in ("tp", "cp", "ep"):
         if grid.sizes[axis] > 1:
             raise ConfigError(f"--{axis} {grid.sizes[axis]}: not implemented yet (only --dp)")
     if cfg.zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.bucket_mb < 0:
         raise ConfigError(f"--bucket-mb must be >= 0, got {cfg.bucket_mb}")
+    if grid.sizes["pp"] > 1:
+        if cfg.zero:
+            raise ConfigError("--zero with --pp > 1: not implemented yet")
+        from refmp.parallel.pipeline.runner import PipelineParallel
+
+        return PipelineParallel(model, grid, cfg)
+    if cfg.trace:
+        raise ConfigError("--trace records a pipeline's timeline: it needs --pp > 1")
     if cfg.zero:
         from refmp.parallel.zero import ZeRO
 
@@ -274,6 +286,12 @@ def run(cfg: TrainConfig) -> dict:
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t_start
+    if cfg.trace:  # the last step's measured pipeline timeline (collective over pp)
+        timeline = tr.runner.timeline()
+        if rank0:
+            timeline.write_trace(cfg.trace)
+            print(f"pipeline timeline of the last step written to {cfg.trace}; measured "
+                  f"bubble {100 * timeline.bubble():.1f}%", flush=True)
     score = tr.evaluate()
     memory = tr.grid.world.allgather_obj(tr.memory())
     if cfg.save:

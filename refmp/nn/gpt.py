@@ -164,6 +164,41 @@ def block_backward(dout, cache):
     return dx + dh, g
 
 
+# The zero-bubble split of block_backward (Qi et al. 2023, sec. 2): B computes the gradient
+# of the block's input, which the previous pipeline stage waits for; W computes the weight
+# gradients of the four linears (half of the backward's matrix products), which nobody waits
+# for and can be deferred to fill a bubble. LayerNorm gains' gradients are cheap sums that fall
+# out of dx's computation, so B keeps them. Together B + W equal block_backward exactly.
+
+
+def block_backward_input(dout, cache):
+    """B pass: returns dx, the LayerNorm gradients, and what the W pass needs (dout per linear)."""
+    ln1, c_attn, attn, a_proj, ln2, c_fc, gelu, m_proj = cache
+    g, w_todo = {}, []  # w_todo: (name, dout of that linear, its cache)
+    # forward was: out = x + h
+    w_todo.append(("mlp.c_proj", dout, m_proj))
+    dh = L.gelu_backward(L.linear_backward_input(dout, m_proj), gelu)  # (B, T, 4C)
+    w_todo.append(("mlp.c_fc", dh, c_fc))
+    dx, g["ln_2.weight"], g["ln_2.bias"] = L.layernorm_backward(
+        L.linear_backward_input(dh, c_fc), ln2)
+    dx += dout
+    # forward was: x = x + a
+    w_todo.append(("attn.c_proj", dx, a_proj))
+    dqkv = L.attention_backward(L.linear_backward_input(dx, a_proj), attn)  # (B, T, 3C)
+    w_todo.append(("attn.c_attn", dqkv, c_attn))
+    dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(
+        L.linear_backward_input(dqkv, c_attn), ln1)
+    return dx + dh, g, w_todo
+
+
+def block_backward_weight(w_todo) -> dict:
+    """W pass: the linears' weight gradients, dW = x^T dout, from what the B pass kept."""
+    g = {}
+    for name, dout, cache in w_todo:
+        g[f"{name}.weight"], g[f"{name}.bias"] = L.linear_backward_weight(dout, cache)
+    return g
+
+
 def head_forward(p: dict, x, targets=None, denom=None):
     """Final LayerNorm, tied LM head (logits = x wte^T), and cross-entropy if targets given.
 

@@ -61,6 +61,20 @@ def linear_backward(dout, cache):
     return dx, dw, db
 
 
+def linear_backward_input(dout, cache):
+    """The input half of linear_backward: dx = dout W^T (zero-bubble's B pass, Qi et al. 2023)."""
+    x, w, has_bias = cache
+    return dout @ w.T  # (..., in)
+
+
+def linear_backward_weight(dout, cache):
+    """The weight half of linear_backward: dW = x^T dout, db = sum of dout (zero-bubble's W)."""
+    x, w, has_bias = cache
+    d2 = dout.reshape(-1, dout.shape[-1])  # (N, out)
+    dw = x.reshape(-1, x.shape[-1]).T @ d2  # (in, out)
+    return dw, (d2.sum(axis=0) if has_bias else None)
+
+
 # --- LayerNorm: y = (x - mean) / sqrt(var + eps) * w + b over the last axis -------------
 
 

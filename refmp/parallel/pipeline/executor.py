@@ -1,0 +1,102 @@
+"""Interpret a rank's action list over MPI: one training step of a pipeline schedule.
+
+Shapes: b_i rows of micro-batch i, T time, C channels; pp ranks, S chunks (chunk c on rank
+c % pp).
+
+Communication (on grid.comm["pp"]), implied by the chunk graph (schedules.py):
+  after F(i, c), c < S-1: send the output (b_i, T, C) to rank (c+1) % pp   (an activation)
+  before F(i, c), c > 0:  receive chunk c's input from rank (c-1) % pp
+  after B(i, c), c > 0:   send the input gradient (b_i, T, C) to rank (c-1) % pp
+  before B(i, c), c < S-1: receive the output gradient from rank (c+1) % pp
+Sends are nonblocking (finished at the end of the step), so a rank blocks only in a receive,
+and only on the message its next action needs: the simulator proved such lists complete.
+Receives sleep between tests (Comm.recv). Each receive makes a new array that belongs to one
+micro-batch's cache; no buffer is reused, so no cache can alias another micro-batch's data.
+The tag names the micro-batch, the chunk and the direction, and the receiver states the shape
+and dtype it expects (Comm.recv refuses a message of another size).
+"""
+
+from __future__ import annotations
+
+import time
+
+from refmp.comm import Comm, wait_all
+from refmp.parallel.pipeline.schedules import Action
+from refmp.parallel.pipeline.stage import Stage
+from refmp.parallel.pipeline.timeline import Event
+
+
+def tag(mb: int, chunk: int, n_chunks: int, grad: bool) -> int:
+    """A tag per (micro-batch, receiving chunk, direction): messages cannot be confused."""
+    return 2 * (mb * n_chunks + chunk) + int(grad)
+
+
+class Executor:
+    """Runs action lists for one Stage over the pp communicator, timing every action."""
+
+    def __init__(self, stage: Stage, comm: Comm, C: int, dtype):
+        self.stage, self.comm, self.C, self.dtype = stage, comm, C, dtype
+        self.events: list[Event] = []  # the last step's timeline on this rank
+        self.peak_held = 0  # most micro-batch caches held at once in the last step
+
+    def _send(self, x, shape, mb: int, chunk: int, grad: bool, pending: list) -> None:
+        t0 = time.perf_counter()
+        dest = chunk % self.comm.size
+        if x.shape != shape or x.dtype != self.dtype:  # the receiver expects exactly this
+            raise ValueError(f"rank {self.comm.rank}: micro-batch {mb} for chunk {chunk} is "
+                             f"{x.shape} {x.dtype}, expected {shape} {self.dtype}")
+        pending.append((self.comm.send(x, dest, tag(mb, chunk, self.stage.n_chunks, grad)), x))
+        self._event("send", mb, chunk, t0)
+
+    def _recv(self, shape, mb: int, chunk: int, grad: bool):
+        t0 = time.perf_counter()
+        src = (chunk + (1 if grad else -1)) % self.comm.size
+        x = self.comm.recv(shape, self.dtype, src, tag(mb, chunk, self.stage.n_chunks, grad))
+        self._event("recv", mb, chunk, t0)
+        return x  # a fresh array, owned by micro-batch mb alone
+
+    def _event(self, kind: str, mb: int, chunk: int, t0: float) -> None:
+        self.events.append(Event(self.comm.rank, kind, mb, chunk, t0, time.perf_counter()))
+
+    def step(self, actions: list[Action], xs: list, ys: list, denom: int) -> float:
+        """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets.
+
+        Returns this rank's loss share (non-zero on the rank holding the last chunk).
+        """
+        st, S = self.stage, self.stage.n_chunks
+        split = any(a.kind == "W" for a in actions)
+        caches, todos, pending = {}, {}, []
+        loss, held = 0.0, 0
+        self.events, self.peak_held = [], 0
+        for a in actions:
+            i, c = a.mb, a.chunk
+            shape = (xs[i].shape[0], xs[i].shape[1], self.C)  # (b_i, T, C)
+            if a.kind == "F":
+                inp = xs[i] if c == 0 else self._recv(shape, i, c, grad=False)
+                t0 = time.perf_counter()
+                out, caches[i, c] = st.forward(c, inp, ys[i], denom)
+                held += 1
+                self.peak_held = max(self.peak_held, held)
+                self._event("F", i, c, t0)
+                if c == S - 1:
+                    loss += float(out)
+                else:
+                    self._send(out, shape, i, c + 1, grad=False, pending=pending)
+            elif a.kind == "B":
+                dout = None if c == S - 1 else self._recv(shape, i, c, grad=True)
+                t0 = time.perf_counter()
+                dx, todos[i, c] = st.backward(c, dout, caches.pop((i, c)), split)
+                held -= 0 if split else 1
+                self._event("B", i, c, t0)
+                if dx is not None:
+                    self._send(dx, shape, i, c - 1, grad=True, pending=pending)
+            else:  # W
+                t0 = time.perf_counter()
+                st.weight(todos.pop((i, c)))
+                held -= 1
+                self._event("W", i, c, t0)
+        t0 = time.perf_counter()
+        wait_all([req for req, _ in pending])  # the buffers stayed alive in `pending` until here
+        self._event("send", -1, -1, t0)
+        assert not caches and (not split or not todos), "a micro-batch's cache was left over"
+        return loss

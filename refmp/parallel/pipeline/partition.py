@@ -1,0 +1,123 @@
+"""Which transformer blocks each pipeline stage holds: a cost model and a balanced split.
+
+Shapes: B batch, T time, C channels, V vocabulary, L layers; pp stages, S = pp * v chunks
+(v virtual stages per rank, the interleaved schedule's "model chunks").
+
+The model is cut into S consecutive chunks of blocks. Chunk c lives on pipeline rank c % pp
+(so with v > 1 each rank holds v chunks, Narayanan et al. 2021, sec. 2.2). The token and
+position embeddings go with chunk 0, the final LayerNorm and the LM head with chunk S - 1.
+
+Cost of a piece, per token, forward (the backward is twice that, so the ratio is the same):
+  block: 24 C^2 (four linears: 2 * 12 C^2) + 4 T C (q k^T and att v, full T x T as refmp does)
+  head:  2 V C (logits = x wte^T)        embed: 0 (a lookup)
+The split minimizes the most expensive chunk (the pipeline runs at its slowest stage's pace),
+ties broken by the parameters a chunk holds. ``--stage-layers 2,1,1`` overrides it.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from refmp.errors import ConfigError
+
+
+def piece_costs(n_embd: int, block_size: int, vocab_size: int) -> dict[str, tuple[int, int]]:
+    """(forward FLOPs per token, parameters) of a block, the head and the embeddings."""
+    C, T, V = n_embd, block_size, vocab_size
+    return {
+        "block": (24 * C * C + 4 * T * C, 12 * C * C + 13 * C),
+        "head": (2 * V * C, 2 * C),  # ln_f; wte is counted with the embeddings
+        "embed": (0, V * C + T * C),
+    }
+
+
+def chunk_cost(n_blocks: int, first: bool, last: bool, costs: dict) -> tuple[int, int]:
+    """(FLOPs, params) of a chunk of n_blocks blocks, with the embeddings/head if it ends."""
+    flops, params = n_blocks * costs["block"][0], n_blocks * costs["block"][1]
+    for piece, on in (("embed", first), ("head", last)):
+        if on:
+            flops, params = flops + costs[piece][0], params + costs[piece][1]
+    return flops, params
+
+
+def balanced_split(n_layer: int, chunks: int, costs: dict) -> list[int]:
+    """Blocks per chunk (each >= 1) minimizing the largest (FLOPs, params) over chunks.
+
+    Dynamic programming over (blocks left, chunks left); L and S are small.
+    """
+
+    @cache
+    def best(start: int, c: int) -> tuple[tuple[int, int], tuple[int, ...]]:
+        # chunks c .. S-1 hold blocks start .. L-1
+        if c == chunks - 1:
+            return chunk_cost(n_layer - start, c == 0, True, costs), (n_layer - start,)
+        options = []
+        for n in range(1, n_layer - start - (chunks - 1 - c) + 1):
+            here = chunk_cost(n, c == 0, False, costs)
+            rest, split = best(start + n, c + 1)
+            options.append((max(here, rest), (n, *split)))
+        return min(options)
+
+    return list(best(0, 0)[1])
+
+
+def parse_stage_layers(text: str | None) -> list[int] | None:
+    """``"2,1,1"`` -> [2, 1, 1] (None stays None); refuses anything but positive integers."""
+    if text is None or text == "":
+        return None
+    try:
+        out = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--stage-layers must be integers like 2,1,1, got {text!r}") from None
+    return out
+
+
+def check_pipeline(n_layer: int, pp: int, microbatches: int, schedule: str, virtual: int,
+                   stage_layers: list[int] | None, rows: int) -> None:
+    """Refuse a pipeline layout that cannot run (same answer on every rank, no communication).
+
+    ``rows`` is the number of sequences one pipeline (one dp rank) gets per step.
+    """
+    from refmp.parallel.pipeline.schedules import SCHEDULES
+
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if virtual < 1:
+        raise ConfigError(f"--virtual-stages must be at least 1, got {virtual}")
+    if virtual > 1 and schedule != "interleaved":
+        raise ConfigError(f"--virtual-stages {virtual} needs --schedule interleaved")
+    if microbatches < 1:
+        raise ConfigError(f"--microbatches must be at least 1, got {microbatches}")
+    if schedule == "interleaved" and microbatches % pp:
+        raise ConfigError(f"--schedule interleaved needs --microbatches ({microbatches}) to be a "
+                          f"multiple of --pp ({pp}): micro-batches go round the ranks in groups "
+                          f"of pp (Narayanan et al. 2021)")
+    chunks = pp * virtual
+    if stage_layers is None and n_layer < chunks:
+        raise ConfigError(f"{chunks} pipeline stages (pp {pp} x virtual {virtual}) but only "
+                          f"{n_layer} layers: every stage needs at least one layer")
+    if stage_layers is not None:
+        if len(stage_layers) != chunks:
+            raise ConfigError(f"--stage-layers gives {len(stage_layers)} stages, expected "
+                              f"{chunks} (pp {pp} x virtual {virtual})")
+        if min(stage_layers) < 1:
+            raise ConfigError(f"--stage-layers {stage_layers}: every stage needs >= 1 layer")
+        if sum(stage_layers) != n_layer:
+            raise ConfigError(f"--stage-layers {','.join(map(str, stage_layers))} adds up to "
+                              f"{sum(stage_layers)}, but the model has {n_layer} layers")
+    if 2 * microbatches * chunks >= 32767:  # executor tags (MPI guarantees up to 32767)
+        raise ConfigError(f"{microbatches} micro-batches x {chunks} stages is too many")
+    if rows < microbatches:
+        raise ConfigError(f"{rows} sequences per pipeline cannot make {microbatches} "
+                          f"micro-batches; raise --batch-size or lower --microbatches")
+
+
+def partition(n_layer: int, chunks: int, costs: dict,
+              stage_layers: list[int] | None = None) -> list[range]:
+    """The block indices of each chunk, in order (chunk c runs on pipeline rank c % pp)."""
+    counts = stage_layers if stage_layers is not None else balanced_split(n_layer, chunks, costs)
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out

@@ -1,0 +1,97 @@
+"""Run the schedules' action lists without MPI: completion, bubble, memory, timeline.
+
+Shapes: pp stages, m micro-batches, v virtual stages, S = pp * v chunks.
+
+Time model (Qi et al. 2023's): a chunk's forward F, input-gradient B and weight-gradient W
+each take one step; a backward that is not split takes two (B + W). Messages are free and
+sends never block, so a rank waits only for the message it needs next. Each rank runs its list
+in order; an action starts when the rank is free and its inputs exist (schedules.py says
+which). If no rank can move before all are done, the schedule deadlocks: :func:`simulate`
+raises and names what each rank waits for.
+
+Bubble fraction = idle / (pp * makespan). With those costs (all chunks equal):
+  naive (p-1)/p;  gpipe, 1f1b (p-1)/(m+p-1);  interleaved (p-1)/(v m+p-1);
+  zb-h1 (p-1)/(3m+p-1)  (Qi et al.: bubble (p-1)(F+B-W) instead of (p-1)(F+B+W)).
+"""
+
+from __future__ import annotations
+
+from refmp.parallel.pipeline.schedules import Action, schedule
+from refmp.parallel.pipeline.timeline import Event, Timeline
+
+
+class Deadlock(RuntimeError):
+    pass
+
+
+def depends_on(a: Action, chunks: int) -> list[Action]:
+    """The actions whose results ``a`` needs (the messages and the cache it consumes)."""
+    if a.kind == "F":
+        return [Action("F", a.mb, a.chunk - 1)] if a.chunk > 0 else []
+    if a.kind == "B":
+        after = [Action("B", a.mb, a.chunk + 1)] if a.chunk < chunks - 1 else []
+        return [Action("F", a.mb, a.chunk)] + after
+    return [Action("B", a.mb, a.chunk)]  # W
+
+
+def check_actions(lists: list[list[Action]], pp: int, m: int, v: int) -> bool:
+    """Every (F, B) of every micro-batch and chunk once, on its rank; returns whether split."""
+    split = any(a.kind == "W" for acts in lists for a in acts)
+    kinds = ("F", "B", "W") if split else ("F", "B")
+    want = sorted(Action(k, i, c) for k in kinds for i in range(m) for c in range(pp * v))
+    got = sorted(a for acts in lists for a in acts)
+    if got != want:
+        raise ValueError("the schedule does not run every action exactly once")
+    for r, acts in enumerate(lists):
+        if any(a.chunk % pp != r for a in acts):
+            raise ValueError(f"rank {r} is given a chunk it does not hold")
+    return split
+
+
+def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str = "") -> Timeline:
+    """Execute the per-rank lists in simulated time; a Timeline with events and peak memory."""
+    split = check_actions(lists, pp, m, v)
+    cost = {"F": 1, "B": 1 if split else 2, "W": 1}
+    chunks = pp * v
+    done: dict[Action, int] = {}
+    pos, free = [0] * pp, [0] * pp
+    held, peak = [0] * pp, [0] * pp  # micro-batch activations held per rank (over chunks)
+    tl = Timeline(name, pp, m, v)
+    while any(pos[r] < len(lists[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(lists[r]):
+                a = lists[r][pos[r]]
+                deps = depends_on(a, chunks)
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d] for d in deps])
+                done[a] = free[r] = start + cost[a.kind]
+                tl.events.append(Event(r, a.kind, a.mb, a.chunk, start, free[r]))
+                # the cache of F lives until the last pass that reads it (B, or W if split)
+                held[r] += {"F": 1, "B": 0 if split else -1, "W": -1}[a.kind]
+                peak[r] = max(peak[r], held[r])
+                pos[r] += 1
+                moved = True
+        if not moved:
+            waits = ", ".join(f"rank {r} at {lists[r][pos[r]]}" for r in range(pp)
+                              if pos[r] < len(lists[r]))
+            raise Deadlock(f"schedule {name!r} deadlocks: {waits}")
+    tl.peak_held = peak
+    return tl
+
+
+def simulate_schedule(name: str, pp: int, m: int, v: int = 1) -> Timeline:
+    return simulate([schedule(name, pp, m, r, v) for r in range(pp)], pp, m, v, name)
+
+
+def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
+    """The textbook bubble fraction (idle / total) for equal-cost chunks."""
+    p = pp
+    return {
+        "naive": (p - 1) / p,
+        "gpipe": (p - 1) / (m + p - 1),
+        "1f1b": (p - 1) / (m + p - 1),
+        "interleaved": (p - 1) / (v * m + p - 1),
+        "zb-h1": (p - 1) / (3 * m + p - 1),
+    }[name]

@@ -1,0 +1,116 @@
+"""Timelines of a pipeline step, simulated or measured, and three ways to draw them.
+
+An :class:`Event` is one interval on one rank: compute (F, B, W) or, in a measured run, time
+spent in communication (send, recv). Everything else on a rank's row is idle: the bubble.
+The same :class:`Timeline` is drawn as ASCII (:meth:`Timeline.ascii`), as Chrome trace JSON
+(:meth:`Timeline.chrome_trace`, open it in https://ui.perfetto.dev) and as a PNG
+(:meth:`Timeline.png`, matplotlib, imported only there).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+COMPUTE = ("F", "B", "W")
+
+
+class Event(NamedTuple):
+    rank: int
+    kind: str  # F, B, W (compute) or send, recv (communication)
+    mb: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    name: str
+    pp: int
+    m: int
+    v: int = 1
+    events: list[Event] = field(default_factory=list)
+    unit: str = "step"  # what a time of 1 means: a simulated step, or "s" when measured
+    peak_held: list[int] = field(default_factory=list)  # per rank, simulated or measured
+
+    @property
+    def t0(self) -> float:
+        return min(e.start for e in self.events)
+
+    @property
+    def makespan(self) -> float:
+        return max(e.end for e in self.events) - self.t0
+
+    def busy(self, rank: int) -> float:
+        return sum(e.end - e.start for e in self.events if e.rank == rank and e.kind in COMPUTE)
+
+    def bubble(self) -> float:
+        """Fraction of rank-time not spent computing: 1 - sum_r busy_r / (pp * makespan)."""
+        return 1.0 - sum(self.busy(r) for r in range(self.pp)) / (self.pp * self.makespan)
+
+    def label(self, e: Event) -> str:
+        if e.mb < 0:  # not about one micro-batch (the end-of-step wait for sends)
+            return e.kind
+        virtual = "" if self.v == 1 else "abcdefghijklmnopqrstuvwxyz"[e.chunk // self.pp]
+        return f"{e.kind}{e.mb}{virtual}"
+
+    def ascii(self) -> str:
+        """One row per rank, one cell per time step (simulated timelines: integer times)."""
+        width = max(len(self.label(e)) for e in self.events) + 1
+        steps = int(round(self.makespan))
+        rows = []
+        for r in range(self.pp):
+            cells = ["." * (width - 1) + " "] * steps
+            for e in self.events:
+                if e.rank == r and e.kind in COMPUTE:
+                    for t in range(int(round(e.start - self.t0)), int(round(e.end - self.t0))):
+                        cells[t] = self.label(e).ljust(width)
+            rows.append(f"rank {r} | " + "".join(cells).rstrip())
+        return "\n".join(rows)
+
+    def chrome_trace(self) -> dict:
+        """Chrome trace events (one thread per rank; times in microseconds)."""
+        scale = 1e6 if self.unit == "s" else 1e3  # a simulated step is drawn as 1 ms
+        out = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
+                "args": {"name": f"rank {r}"}} for r in range(self.pp)]
+        for e in self.events:
+            out.append({"name": self.label(e), "cat": e.kind, "ph": "X", "pid": 0, "tid": e.rank,
+                        "ts": (e.start - self.t0) * scale, "dur": (e.end - e.start) * scale,
+                        "args": {"micro_batch": e.mb, "chunk": e.chunk}})
+        return {"traceEvents": out, "displayTimeUnit": "ms",
+                "otherData": {"schedule": self.name, "pp": self.pp, "microbatches": self.m,
+                              "virtual_stages": self.v, "bubble": self.bubble()}}
+
+    def write_trace(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+
+    def png(self, path: str, title: str | None = None) -> None:
+        """Draw the timeline with matplotlib (pip install refmp[plot])."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        colours = {"F": "#4c9be8", "B": "#f5a142", "W": "#6cc46c", "send": "#bbbbbb",
+                   "recv": "#dddddd"}
+        fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * self.pp))
+        for e in self.events:
+            x0, w = e.start - self.t0, e.end - e.start
+            ax.broken_barh([(x0, w)], (e.rank - 0.4, 0.8), facecolors=colours[e.kind],
+                           edgecolors="white", linewidth=0.5)
+            if e.kind in COMPUTE and self.unit != "s":
+                ax.text(x0 + w / 2, e.rank, self.label(e)[1:], ha="center", va="center",
+                        fontsize=7)
+        ax.set_yticks(range(self.pp), [f"rank {r}" for r in range(self.pp)])
+        ax.invert_yaxis()
+        ax.set_xlim(0, self.makespan)
+        ax.set_xlabel("time (s)" if self.unit == "s" else "time (steps: F = B = W = 1)")
+        ax.set_title(title or f"{self.name}: pp {self.pp}, {self.m} micro-batches"
+                     + (f", v {self.v}" if self.v > 1 else "")
+                     + f", bubble {100 * self.bubble():.1f}%", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
