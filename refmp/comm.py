@@ -134,6 +134,24 @@ class Comm:
             wait(self.mpi.Ibcast(buf, root=root))
         return buf
 
+    def alltoall(self, buf):
+        """Rank i sends ``buf[j]`` to rank j and receives rank j's ``buf[i]`` as ``out[j]``.
+
+        ``buf`` (size, ...): axis 0 indexes the destination; the result has the same shape,
+        axis 0 indexing the source. Ledgered as the bytes of ``buf`` (one rank's send buffer).
+        """
+        xp = backend.array_module(buf)
+        if buf.shape[0] != self.size:
+            raise ValueError(f"alltoall: axis 0 ({buf.shape[0]}) must equal the group size {self.size}")
+        out = xp.empty_like(buf)
+        self.ledger.record("alltoall", self.axis, buf.nbytes)
+        if self.size == 1:
+            out[...] = buf
+            return out
+        backend.sync()
+        wait(self.mpi.Ialltoall(xp.ascontiguousarray(buf), out))
+        return out
+
     # --- small Python values (metrics, agreement), counted like the rest ---------------------
 
     def allreduce_scalar(self, value: float, op: str = "sum") -> float:
@@ -186,3 +204,13 @@ class Comm:
         self.ledger.record("recv", self.axis, out.nbytes)
         wait(self.mpi.Irecv(out, source=source, tag=tag))
         return out
+
+    def recv_start(self, shape, dtype, source: int, tag: int = 0):
+        """Start receiving a new array; returns (array, request). Finish with :func:`wait`.
+
+        For overlapping a transfer with compute (ring attention). Unlike :meth:`recv` the size
+        is not probed first: a longer message is MPI's truncation error.
+        """
+        out = backend.xp.empty(shape, dtype=dtype)
+        self.ledger.record("recv", self.axis, out.nbytes)
+        return out, self.mpi.Irecv(out, source=source, tag=tag)
