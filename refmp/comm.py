@@ -142,7 +142,7 @@ class Comm:
         """
         xp = backend.array_module(buf)
         if buf.shape[0] != self.size:
-            raise ValueError(f"alltoall: axis 0 ({buf.shape[0]}) must equal the group size {self.size}")
+            raise ValueError(f"alltoall: axis 0 is {buf.shape[0]}, not the group size {self.size}")
         out = xp.empty_like(buf)
         self.ledger.record("alltoall", self.axis, buf.nbytes)
         if self.size == 1:

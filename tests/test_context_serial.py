@@ -54,7 +54,7 @@ def test_blocks_merged_equal_causal_attention(B, NH, HS, n_blocks, c, seed):
             dq[:, :, blk[a]] += g[0]
             dk[:, :, blk[b]] += g[1]
             dv[:, :, blk[b]] += g[2]
-    for name, got, want in zip("qkv", (dq, dk, dv), dqkv_ref):
+    for name, got, want in zip("qkv", (dq, dk, dv), dqkv_ref, strict=True):
         np.testing.assert_allclose(got, want, **TOL, err_msg=f"d{name}")
 
 

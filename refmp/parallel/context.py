@@ -31,8 +31,7 @@ import numpy as np
 from refmp import backend
 from refmp.data import dp_rows
 from refmp.errors import ConfigError
-from refmp.nn.gpt import block_backward, block_forward, block_params, embed_backward
-from refmp.nn.gpt import embed_forward, head_backward, head_forward
+from refmp.nn import gpt
 from refmp.parallel.context_ring import RingAttention
 from refmp.parallel.context_ulysses import UlyssesAttention
 from refmp.parallel.data import allreduce_grads
@@ -126,19 +125,19 @@ class ContextParallel:
         p, n_head, attention = self.params, self.model.cfg.n_head, (self.attn.forward,
                                                                     self.attn.backward)
         x, y = x[:, self.positions], y[:, self.positions]  # (b, Tl) my tokens of every row
-        h, emb = embed_forward(p, x, positions=self.positions)  # (b, Tl, C) global positions
+        h, emb = gpt.embed_forward(p, x, positions=self.positions)  # (b, Tl, C) global positions
         blocks = []
         for i in range(self.model.cfg.n_layer):
-            h, c = block_forward(block_params(p, i), h, n_head, attention)  # (b, Tl, C)
+            h, c = gpt.block_forward(gpt.block_params(p, i), h, n_head, attention)  # (b, Tl, C)
             blocks.append(c)
         self.attn_bytes = sum(nbytes_of(c[2][1]) for c in blocks)  # the attention caches
-        loss, head = head_forward(p, h, y, denom)  # my tokens' loss sum / (B*T): a share
-        dh, g = head_backward(1.0, head)
+        loss, head = gpt.head_forward(p, h, y, denom)  # my tokens' loss sum / (B*T): a share
+        dh, g = gpt.head_backward(1.0, head)
         self._accumulate(g)
         for i in reversed(range(self.model.cfg.n_layer)):
-            dh, g = block_backward(dh, blocks[i])
+            dh, g = gpt.block_backward(dh, blocks[i])
             self._accumulate({f"h.{i}.{k}": v for k, v in g.items()})
-        self._accumulate(embed_backward(dh, emb))  # wpe: only my positions' rows are nonzero
+        self._accumulate(gpt.embed_backward(dh, emb))  # wpe: only my positions' rows are nonzero
         return float(loss)
 
     def _accumulate(self, g: dict) -> None:

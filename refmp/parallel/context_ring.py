@@ -51,7 +51,7 @@ class RingAttention:
         self.mine = layout.chunks(comm.rank)  # my chunk ids, in the order my tokens are held
         self.flops = 0
 
-    def _pairs(self, src: int):
+    def pairs(self, src: int):
         """(query slot, key slot, causal) for the chunk pairs that are not fully masked."""
         for a_slot, a in enumerate(self.mine):
             for b_slot, b in enumerate(self.layout.chunks(src)):
@@ -83,7 +83,7 @@ class RingAttention:
         y = xp.zeros_like(q)  # (B, NH, Tl, HS) running output
         lse = xp.full(q.shape[:-1], -xp.inf, dtype=q.dtype)  # (B, NH, Tl) nothing seen yet
         for _, src, blk in self._ring(kv, TAG_KV):
-            for a, b, causal in self._pairs(src):
+            for a, b, causal in self.pairs(src):
                 qa, kb = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
                 yb, lb = L.attention_block_forward(q[:, :, qa], blk[0][:, :, kb], blk[1][:, :, kb],
                                                    scale, causal)  # (B, NH, c, HS), (B, NH, c)
@@ -99,12 +99,12 @@ class RingAttention:
         cp, r = self.comm.size, self.comm.rank
         B, NH, Tl, HS = q.shape
         c = self.layout.c
-        dy = xp.ascontiguousarray(dout.reshape(B, Tl, NH, HS).transpose(0, 2, 1, 3))  # (B, NH, Tl, HS)
+        dy = dout.reshape(B, Tl, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, Tl, HS)
         dq = xp.zeros_like(q)  # (B, NH, Tl, HS)
         sends = []  # dK/dV sends stay in flight (their buffers alive) until the end
         for i, src, blk in self._ring(kv, TAG_KV):
             dkv = xp.zeros_like(blk)  # (2, B, NH, Tl, HS) my share of src's dK, dV
-            for a, b, causal in self._pairs(src):
+            for a, b, causal in self.pairs(src):
                 qa, kb = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
                 dqa, dkb, dvb = L.attention_block_backward(
                     dy[:, :, qa], q[:, :, qa], blk[0][:, :, kb], blk[1][:, :, kb],

@@ -43,7 +43,7 @@ class UlyssesAttention:
     def _to_sequence(self, a, B, Tl, width):
         """(B, T, width) all tokens, my group -> (B, Tl, cp*width) my tokens, all groups."""
         cp = self.comm.size
-        send = a[:, self.by_rank].reshape(B, cp, Tl, width).transpose(1, 0, 2, 3)  # (cp, B, Tl, width)
+        send = a[:, self.by_rank].reshape(B, cp, Tl, width).transpose(1, 0, 2, 3)  # by dest
         got = self.comm.alltoall(backend.xp.ascontiguousarray(send))  # (cp, B, Tl, width) by group
         return got.transpose(1, 2, 0, 3).reshape(B, Tl, cp * width)
 
@@ -66,4 +66,5 @@ class UlyssesAttention:
         dfull = L.attention_backward(dy, cache)  # (B, T, 3C/cp)
         dgrouped = self._to_sequence(dfull, B, Tl, 3 * nh * hs)  # (B, Tl, cp*3C/cp) #4, mirrors #1
         # forward was: grouped = qkv.reshape(B, Tl, 3, cp, nh*hs).transpose(0, 1, 3, 2, 4)
-        return dgrouped.reshape(B, Tl, cp, 3, nh * hs).transpose(0, 1, 3, 2, 4).reshape(B, Tl, 3 * C)
+        dqkv = dgrouped.reshape(B, Tl, cp, 3, nh * hs).transpose(0, 1, 3, 2, 4)  # (B, Tl, 3, cp, .)
+        return dqkv.reshape(B, Tl, 3 * C)  # (B, Tl, 3C)
