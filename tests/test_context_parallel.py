@@ -103,18 +103,24 @@ def assert_same_run(cfg: TrainConfig, ds: Dataset, evaluate: bool = False) -> Tr
 
 
 def assert_ledger(par: Trainer, cfg: TrainConfig) -> None:
-    """Bytes per step equal the formulas (float64: 8 bytes per element)."""
+    """Bytes per step equal the formulas (float64: 8 bytes per element); memory / cp."""
     led, cp, dp = par.grid.ledger, par.grid.cp, par.grid.dp
     b, Tl, C, n = cfg.batch_size // dp, par.T // cp, par.model.cfg.n_embd, par.model.num_params()
     per_layer = cfg.steps * cfg.n_layer
     assert led.bytes("allreduce", "cp") == cfg.steps * 8 * n  # gradients summed over cp
     assert led.bytes("allreduce", "dp") == (cfg.steps * 8 * n if dp > 1 else 0)
+    # attention activation memory per rank: 1/cp of the whole sequence's
+    _, (_, blocks, _) = par.model.forward(np.zeros((b, par.T), dtype=np.int64))  # serial, b rows
+    serial_cache = sum(nbytes_of(c[2][1]) for c in blocks)
+    NH = par.model.cfg.n_head
     if cfg.cp_algo == "ring":
         assert led.bytes("send", "cp") == per_layer * 3 * (cp - 1) * 2 * b * Tl * C * 8
         assert led.count("send", "cp") == per_layer * 3 * (cp - 1)
+        assert par.runner.attn_bytes == cfg.n_layer * (4 * b * Tl * C + b * NH * Tl) * 8
     else:
         assert led.bytes("alltoall", "cp") == per_layer * 2 * b * Tl * 4 * C * 8
         assert led.count("alltoall", "cp") == per_layer * 4
+        assert cp * par.runner.attn_bytes == serial_cache
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
