@@ -33,6 +33,17 @@ def n_chunks(cp: int, balance: str) -> int:
     return 2 * cp if balance == "zigzag" else cp
 
 
+@pytest.mark.parallel(nprocs=[2, 4])
+@collective
+def test_alltoall_sends_block_j_to_rank_j():
+    comm = Comm(MPI.COMM_WORLD, "cp", Ledger())
+    n, r = comm.size, comm.rank
+    buf = (10 * r + np.arange(n, dtype=np.float64))[:, None] * np.ones((1, 3))  # (n, 3)
+    out = comm.alltoall(buf)
+    np.testing.assert_array_equal(out[:, 0], 10 * np.arange(n) + r)  # out[j] = rank j's buf[r]
+    assert comm.ledger.bytes("alltoall", "cp") == buf.nbytes and comm.ledger.count() == 1
+
+
 # --- the attention layer ---------------------------------------------------------------------
 
 
