@@ -91,6 +91,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     from refmp.parallel.pipeline.command import add_pipeline_args
 
     add_pipeline_args(p)
+    g = p.add_argument_group("context parallelism (--cp)")
+    g.add_argument("--cp-algo", choices=["ring", "ulysses"], default="ring",
+                   help="ring: K/V blocks around the ring; ulysses: all-to-all to heads (ring)")
+    g.add_argument("--cp-balance", choices=["zigzag", "contiguous"], default="zigzag",
+                   help="zigzag: rank r holds chunks r and 2cp-1-r of 2cp, equal causal work "
+                        "(default); contiguous: chunk r of cp")
     g = p.add_argument_group("files")
     g.add_argument("--init", default=None, metavar="PATH.safetensors",
                    help="start from these weights; the model shape is read from them")

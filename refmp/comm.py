@@ -189,6 +189,25 @@ class Comm:
             self._finish(buf, m)
         return buf
 
+    def alltoall(self, buf):
+        """Rank i sends ``buf[j]`` to rank j and receives rank j's ``buf[i]`` as ``out[j]``.
+
+        ``buf`` (size, ...): axis 0 indexes the destination; the result has the same shape,
+        axis 0 indexing the source. Ledgered as the bytes of ``buf`` (one rank's send buffer).
+        """
+        xp = backend.array_module(buf)
+        if buf.shape[0] != self.size:
+            raise ValueError(f"alltoall: axis 0 is {buf.shape[0]}, not the group size {self.size}")
+        out = xp.empty_like(buf)
+        self.ledger.record("alltoall", self.axis, buf.nbytes)
+        if self.size == 1:
+            out[...] = buf
+            return out
+        m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
+        wait(self.mpi.Ialltoall(m_in, m_out))
+        self._finish(out, m_out)
+        return out
+
     # --- small Python values (metrics, agreement), counted like the rest ---------------------
 
     def allreduce_scalar(self, value: float, op: str = "sum") -> float:
@@ -244,3 +263,15 @@ class Comm:
         wait(self.mpi.Irecv(m, source=source, tag=tag))
         self._finish(out, m)
         return out
+
+    def recv_start(self, shape, dtype, source: int, tag: int = 0):
+        """Start receiving a new array; returns (array, request). Finish with :func:`wait`.
+
+        For overlapping a transfer with compute (ring attention). Unlike :meth:`recv` the size
+        is not probed first: a longer message is MPI's truncation error.
+        """
+        out = backend.xp.empty(shape, dtype=dtype)
+        self.ledger.record("recv", self.axis, out.nbytes)
+        m = self._mpi_out(out)
+        req = self.mpi.Irecv(m, source=source, tag=tag)
+        return out, (req if m is out else StagedRequest(req, lambda: self._finish(out, m), keep=m))

@@ -52,6 +52,8 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_algo: str = "ring"  # context parallelism: ring or ulysses
+    cp_balance: str = "zigzag"  # which chunks a cp rank holds: zigzag or contiguous
     ep: int = 1
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation without pp
     device: str = "cpu"  # cpu (NumPy) or gpu (CuPy)
@@ -92,6 +94,10 @@ def check_config(cfg: TrainConfig) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.cp_algo not in ("ring", "ulysses"):
+        raise ConfigError(f"--cp-algo must be ring or ulysses, got {cfg.cp_algo!r}")
+    if cfg.cp_balance not in ("zigzag", "contiguous"):
+        raise ConfigError(f"--cp-balance must be zigzag or contiguous, got {cfg.cp_balance!r}")
     if not 1 <= cfg.digits <= 6:
         raise ConfigError(f"--digits must be between 1 and 6, got {cfg.digits}")
 
@@ -129,21 +135,28 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
 
 def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     """The strategy that computes and communicates a step on this layout."""
-    for axis in ("tp", "cp", "ep"):
+    for axis in ("tp", "ep"):
         if grid.sizes[axis] > 1:
-            raise ConfigError(f"--{axis} {grid.sizes[axis]}: not implemented yet (only --dp)")
+            raise ConfigError(f"--{axis} {grid.sizes[axis]}: not implemented yet")
     if cfg.zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.bucket_mb < 0:
         raise ConfigError(f"--bucket-mb must be >= 0, got {cfg.bucket_mb}")
     if grid.sizes["pp"] > 1:
-        if cfg.zero:
-            raise ConfigError("--zero with --pp > 1: not implemented yet")
+        if cfg.zero or grid.sizes["cp"] > 1:
+            raise ConfigError("--pp > 1 with --zero or --cp: not implemented yet")
         from refmp.parallel.pipeline.runner import PipelineParallel
 
         return PipelineParallel(model, grid, cfg)
     if cfg.trace:
         raise ConfigError("--trace records a pipeline's timeline: it needs --pp > 1")
+    if grid.sizes["cp"] > 1:
+        if cfg.zero or cfg.microbatches != 1:
+            raise ConfigError("--cp > 1 with --zero or --microbatches: not implemented yet")
+        from refmp.parallel.context import ContextParallel
+
+        T = cfg.block_size or model.cfg.block_size
+        return ContextParallel(model, grid, T, cfg.cp_algo, cfg.cp_balance)
     if cfg.zero:
         from refmp.parallel.zero import ZeRO
 

@@ -114,12 +114,14 @@ def block_params(params: dict, i: int) -> dict:
 # --- the pieces -----------------------------------------------------------------------------
 
 
-def embed_forward(p: dict, idx, pos_offset: int = 0):
-    """x = wte[idx] + wpe[positions]; positions start at ``pos_offset``."""
+def embed_forward(p: dict, idx, pos_offset: int = 0, positions=None):
+    """x = wte[idx] + wpe[positions]; positions start at ``pos_offset``, or are given (T,)."""
     xp = backend.array_module(p["wte.weight"])
     T = idx.shape[1]
+    if positions is None:
+        positions = xp.arange(pos_offset, pos_offset + T)  # (T,)
     tok, tok_cache = L.embedding_forward(idx, p["wte.weight"])  # (B, T, C)
-    pos, pos_cache = L.embedding_forward(xp.arange(pos_offset, pos_offset + T), p["wpe.weight"])
+    pos, pos_cache = L.embedding_forward(positions, p["wpe.weight"])
     return tok + pos, (tok_cache, pos_cache)  # (B, T, C)
 
 
@@ -131,11 +133,20 @@ def embed_backward(dx, cache) -> dict:
     }
 
 
-def block_forward(p: dict, x, n_head: int):
-    """One pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.))."""
+SERIAL_ATTENTION = (L.attention_forward, L.attention_backward)
+
+
+def block_forward(p: dict, x, n_head: int, attention=SERIAL_ATTENTION):
+    """One pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.)).
+
+    ``attention`` is the (forward, backward) pair of the attention core; context parallelism
+    passes its own (refmp.parallel.context), everything else in the block stays per token.
+    """
+    attn_forward, attn_backward = attention
     h, ln1 = L.layernorm_forward(x, p["ln_1.weight"], p["ln_1.bias"])  # (B, T, C)
     qkv, c_attn = L.linear_forward(h, p["attn.c_attn.weight"], p["attn.c_attn.bias"])  # (B, T, 3C)
-    a, attn = L.attention_forward(qkv, n_head)  # (B, T, C)
+    a, attn = attn_forward(qkv, n_head)  # (B, T, C)
+    attn = (attn_backward, attn)
     a, a_proj = L.linear_forward(a, p["attn.c_proj.weight"], p["attn.c_proj.bias"])  # (B, T, C)
     x = x + a  # (B, T, C) residual
     h, ln2 = L.layernorm_forward(x, p["ln_2.weight"], p["ln_2.bias"])  # (B, T, C)
@@ -158,7 +169,8 @@ def block_backward(dout, cache):
     dx += dout
     # forward was: x = x + a
     da, g["attn.c_proj.weight"], g["attn.c_proj.bias"] = L.linear_backward(dx, a_proj)
-    dqkv = L.attention_backward(da, attn)
+    attn_backward, attn = attn
+    dqkv = attn_backward(da, attn)
     dh, g["attn.c_attn.weight"], g["attn.c_attn.bias"] = L.linear_backward(dqkv, c_attn)
     dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(dh, ln1)
     return dx + dh, g
@@ -184,7 +196,8 @@ def block_backward_input(dout, cache):
     dx += dout
     # forward was: x = x + a
     w_todo.append(("attn.c_proj", dx, a_proj))
-    dqkv = L.attention_backward(L.linear_backward_input(dx, a_proj), attn)  # (B, T, 3C)
+    attn_backward, attn = attn
+    dqkv = attn_backward(L.linear_backward_input(dx, a_proj), attn)  # (B, T, 3C)
     w_todo.append(("attn.c_attn", dqkv, c_attn))
     dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(
         L.linear_backward_input(dqkv, c_attn), ln1)
