@@ -54,6 +54,7 @@ class TrainConfig:
     cp: int = 1
     ep: int = 1
     microbatches: int = 1  # pipeline micro-batches, or gradient accumulation without pp
+    sequence_parallel: bool = False  # with --tp: shard LayerNorm/residual regions along T
     init: str | None = None
     save: str | None = None
     log_json: str | None = None
@@ -120,11 +121,17 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
 
 def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     """The strategy that computes and communicates a step on this layout."""
-    for axis in ("tp", "pp", "cp", "ep"):
+    for axis in ("pp", "cp", "ep"):
         if grid.sizes[axis] > 1:
             raise ConfigError(f"--{axis} {grid.sizes[axis]}: not implemented yet (only --dp)")
     if cfg.microbatches != 1:
         raise ConfigError("--microbatches: not implemented yet")
+    if grid.tp > 1 or cfg.sequence_parallel:
+        from refmp.parallel.tensor_runner import TensorParallel, check_tensor_parallel
+
+        check_tensor_parallel(model.cfg.n_head, grid.tp, cfg.block_size or model.cfg.block_size,
+                              cfg.sequence_parallel)
+        return TensorParallel(model, grid, cfg.sequence_parallel)
     return DataParallel(model, grid)
 
 
