@@ -7,7 +7,7 @@ Plus the ledger's bytes against the analytic formula, and activation memory with
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
@@ -35,15 +35,31 @@ def t_shard(a, comm, sp):
     return a[:, comm.rank * n : (comm.rank + 1) * n]
 
 
+_GRIDS: dict = {}
+
+# no shrinking under MPI: a failing example is reported as drawn, at once (shrinking would
+# build hundreds of grids and run out of MPI communicators before it finished)
+NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate]
+
+
 def tp_grid(tp):
-    return ProcessGrid(MPI.COMM_WORLD, tp=tp)
+    """One grid per tp size for the whole file (each grid makes several communicators)."""
+    if tp not in _GRIDS:
+        _GRIDS[tp] = ProcessGrid(MPI.COMM_WORLD, tp=tp)
+    return _GRIDS[tp]
+
+
+def free(*trainers):
+    for tr in trainers:
+        for c in tr.grid.comm.values():
+            c.mpi.Free()
 
 
 # --- level 2: the layers ------------------------------------------------------------------
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=6)
+@settings(max_examples=6, phases=NO_SHRINK)
 @given(B=st.integers(1, 2), t_per=st.integers(1, 2), c_in=st.integers(1, 3),
        c_out=st.integers(1, 3), sp=st.booleans(), seed=st.integers(0, 99))
 @collective
@@ -102,7 +118,7 @@ def check_block_memory(bad, cfg, B, n, sp, serial, got):
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=6)
+@settings(max_examples=6, phases=NO_SHRINK)
 @given(heads_per=st.integers(1, 2), hs=st.integers(1, 3), B=st.integers(1, 2),
        t_per=st.integers(1, 2), sp=st.booleans(), seed=st.integers(0, 99))
 @collective
@@ -131,7 +147,7 @@ def test_block_equals_serial_block(heads_per, hs, B, t_per, sp, seed):
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=6)
+@settings(max_examples=6, phases=NO_SHRINK)
 @given(V=st.integers(2, 11), C=st.integers(1, 4), B=st.integers(1, 2), t_per=st.integers(1, 2),
        sp=st.booleans(), seed=st.integers(0, 99))
 @collective
@@ -182,7 +198,7 @@ def test_vocab_embedding_head_and_loss_equal_serial(V, C, B, t_per, sp, seed):
 # --- level 3: whole training steps --------------------------------------------------------
 
 
-def assert_same_run(cfg: TrainConfig, ds: Dataset) -> Trainer:
+def assert_same_run(cfg: TrainConfig, ds: Dataset) -> None:
     """cfg.steps steps, serial (COMM_SELF) and tp x dp (COMM_WORLD), compared shard by shard."""
     serial_cfg = TrainConfig(**{**cfg.__dict__, "tp": 1, "sequence_parallel": False})
     serial = Trainer(serial_cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
@@ -203,12 +219,12 @@ def assert_same_run(cfg: TrainConfig, ds: Dataset) -> Trainer:
     if full is not None:
         for k, v in serial.model.params.items():
             bad.check(close, full[k], v, **TOL, err_msg=f"gathered {k}")
+    free(serial, par)
     bad.assert_none()
-    return par
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=5)
+@settings(max_examples=5, phases=NO_SHRINK)
 @given(tp=st.sampled_from([2, 4]), heads_per=st.integers(1, 2), hs=st.integers(1, 2),
        V=st.integers(3, 13), t_per=st.integers(1, 2), sp=st.booleans(),
        clip=st.sampled_from([0.05, 10.0]), seed=st.integers(0, 1000))
@@ -229,7 +245,7 @@ def test_tp_training_equals_serial(tp, heads_per, hs, V, t_per, sp, clip, seed):
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=5)
+@settings(max_examples=5, phases=NO_SHRINK)
 @given(n_layer=st.integers(1, 2), heads_per=st.integers(1, 2), hs=st.integers(1, 2),
        t_per=st.integers(1, 2), rows=st.integers(1, 2), V=st.integers(3, 9), sp=st.booleans(),
        dp=st.sampled_from([1, 2]))
@@ -259,5 +275,6 @@ def test_ledger_bytes_equal_formula(n_layer, heads_per, hs, t_per, rows, V, sp, 
     got = {op: (led.bytes(op, "tp") // cfg.steps, led.count(op, "tp") // cfg.steps)
            for op in want}
     n_params = sum(int(p.size) for p in tr.runner.params.values())
+    free(tr)
     assert got == want, (got, want)
     assert led.bytes("allreduce", "dp") == (cfg.steps * n_params * w if dp > 1 else 0)
