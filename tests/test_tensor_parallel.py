@@ -7,7 +7,7 @@ Plus the ledger's bytes against the analytic formula, and activation memory with
 
 import numpy as np
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
@@ -225,6 +225,7 @@ def assert_same_run(cfg: TrainConfig, ds: Dataset) -> None:
 
 @pytest.mark.parallel(nprocs=[2, 4])
 @settings(max_examples=5, phases=NO_SHRINK)
+@example(tp=2, heads_per=1, hs=2, V=7, t_per=2, sp=True, clip=0.05, seed=1)  # tp 2 x dp 2 at 4
 @given(tp=st.sampled_from([2, 4]), heads_per=st.integers(1, 2), hs=st.integers(1, 2),
        V=st.integers(3, 13), t_per=st.integers(1, 2), sp=st.booleans(),
        clip=st.sampled_from([0.05, 10.0]), seed=st.integers(0, 1000))
