@@ -47,3 +47,13 @@ def test_tp_bad_input_fails_cleanly_on_every_rank(args, message):
     assert r.returncode == 2
     assert message in r.stderr, r.stderr
     assert r.stderr.count(message) == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.tutorial
+@pytest.mark.parametrize("n", [2, 4])
+def test_tutorial_runs_and_checks_itself(n):
+    from mpi_helpers import mpiexec
+
+    r = mpiexec(n, ["python", "tutorials/04_tensor_parallel.py"], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: tensor parallel == serial, ledger == formula" in r.stdout

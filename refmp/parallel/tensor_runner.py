@@ -62,6 +62,21 @@ def check_tensor_parallel(n_head: int, tp: int, T: int, sp: bool) -> None:
                           f"T ({T}): each rank keeps T/tp positions")
 
 
+def comm_bytes_per_step(b: int, s: int, h: int, n_layer: int, sp: bool, itemsize: int,
+                        n_replicated: int = 0) -> dict[str, int]:
+    """The bytes the ledger records on tp in one step (one micro-batch), by collective.
+
+    b rows per dp rank, s = T, h = C; n_replicated: elements of the replicated parameters,
+    whose gradients SP sums over tp. The formula in this module's docstring.
+    """
+    act, L_ = b * s * h * itemsize, n_layer  # one (b, s, h) activation
+    loss = 3 * b * s * itemsize  # the cross-entropy's max, sum of exponentials, target logit
+    if not sp:
+        return {"allreduce": (4 * L_ + 2) * act + loss, "allgather": 0, "reduce_scatter": 0}
+    return {"allreduce": loss + n_replicated * itemsize, "allgather": (6 * L_ + 3) * act,
+            "reduce_scatter": (4 * L_ + 2) * act}
+
+
 def shard(name: str, full, rank: int, tp: int, V_pad: int):
     """This rank's piece of the full parameter ``full`` (a copy)."""
     xp = backend.array_module(full)
