@@ -124,14 +124,14 @@ def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     for axis in ("pp", "cp", "ep"):
         if grid.sizes[axis] > 1:
             raise ConfigError(f"--{axis} {grid.sizes[axis]}: not implemented yet (only --dp)")
-    if cfg.microbatches != 1:
-        raise ConfigError("--microbatches: not implemented yet")
     if grid.tp > 1 or cfg.sequence_parallel:
         from refmp.parallel.tensor_runner import TensorParallel, check_tensor_parallel
 
         check_tensor_parallel(model.cfg.n_head, grid.tp, cfg.block_size or model.cfg.block_size,
                               cfg.sequence_parallel)
-        return TensorParallel(model, grid, cfg.sequence_parallel)
+        return TensorParallel(model, grid, cfg.sequence_parallel, cfg.microbatches)
+    if cfg.microbatches != 1:
+        raise ConfigError("--microbatches: not implemented yet")
     return DataParallel(model, grid)
 
 

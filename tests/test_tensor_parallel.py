@@ -201,7 +201,8 @@ def test_vocab_embedding_head_and_loss_equal_serial(V, C, B, t_per, sp, seed):
 
 def assert_same_run(cfg: TrainConfig, ds: Dataset) -> None:
     """cfg.steps steps, serial (COMM_SELF) and tp x dp (COMM_WORLD), compared shard by shard."""
-    serial_cfg = TrainConfig(**{**cfg.__dict__, "tp": 1, "sequence_parallel": False})
+    serial_cfg = TrainConfig(**{**cfg.__dict__, "tp": 1, "sequence_parallel": False,
+                                "microbatches": 1})
     serial = Trainer(serial_cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
     par = Trainer(cfg, dataset=ds)
     tp = par.grid.comm["tp"]
@@ -226,19 +227,19 @@ def assert_same_run(cfg: TrainConfig, ds: Dataset) -> None:
 
 @pytest.mark.parallel(nprocs=[2, 4])
 @settings(max_examples=5, phases=NO_SHRINK)
-@example(tp=2, heads_per=1, hs=2, V=7, t_per=2, sp=True, clip=0.05, seed=1)  # tp 2 x dp 2 at 4
+@example(tp=2, heads_per=1, hs=2, V=7, t_per=2, sp=True, clip=0.05, M=2, seed=1)  # tp2 x dp2 at 4
 @given(tp=st.sampled_from([2, 4]), heads_per=st.integers(1, 2), hs=st.integers(1, 2),
        V=st.integers(3, 13), t_per=st.integers(1, 2), sp=st.booleans(),
-       clip=st.sampled_from([0.05, 10.0]), seed=st.integers(0, 1000))
+       clip=st.sampled_from([0.05, 10.0]), M=st.integers(1, 2), seed=st.integers(0, 1000))
 @collective
-def test_tp_training_equals_serial(tp, heads_per, hs, V, t_per, sp, clip, seed):
+def test_tp_training_equals_serial(tp, heads_per, hs, V, t_per, sp, clip, M, seed):
     size = MPI.COMM_WORLD.size
     tp = min(tp, size)  # at 2 ranks: tp 2; at 4: tp 4, or tp 2 x dp 2
     dp = size // tp
     cfg = TrainConfig(n_layer=2, n_head=heads_per * tp, n_embd=heads_per * tp * hs,
                       block_size=t_per * tp, batch_size=2 * dp, steps=3, lr=0.02,
                       warmup_steps=1, grad_clip=clip, dtype="float64", seed=seed, tp=tp,
-                      sequence_parallel=sp, progress=False)
+                      sequence_parallel=sp, microbatches=M, progress=False)
     ds = Dataset(np.random.default_rng(seed).integers(0, V, 200), V, "random")
     assert_same_run(cfg, ds)
 
@@ -250,16 +251,19 @@ def test_tp_training_equals_serial(tp, heads_per, hs, V, t_per, sp, clip, seed):
 @settings(max_examples=5, phases=NO_SHRINK)
 @given(n_layer=st.integers(1, 2), heads_per=st.integers(1, 2), hs=st.integers(1, 2),
        t_per=st.integers(1, 2), rows=st.integers(1, 2), V=st.integers(3, 9), sp=st.booleans(),
-       dp=st.sampled_from([1, 2]))
+       dp=st.sampled_from([1, 2]), M=st.integers(1, 2))
 @collective
-def test_ledger_bytes_equal_formula(n_layer, heads_per, hs, t_per, rows, V, sp, dp):
+def test_ledger_bytes_equal_formula(n_layer, heads_per, hs, t_per, rows, V, sp, dp, M):
+    """Bytes per step on tp: (4L + 2) all-reduces of (b, s, h) and 3 of (b, s) without SP;
+    the reduce-scatter/all-gather equivalents with SP. M micro-batches of b/M rows: same
+    bytes, M times the calls (but one all-reduce of the replicated gradients per step)."""
     size = MPI.COMM_WORLD.size
     dp = min(dp, size // 2)
     tp = size // dp
-    h, s, b, w = heads_per * tp * hs, t_per * tp, rows, 8
+    h, s, b, w = heads_per * tp * hs, t_per * tp, rows * M, 8  # b: rows per dp rank
     cfg = TrainConfig(n_layer=n_layer, n_head=heads_per * tp, n_embd=h, block_size=s,
                       batch_size=b * dp, steps=2, dtype="float64", tp=tp, dp=dp,
-                      sequence_parallel=sp, progress=False)
+                      sequence_parallel=sp, microbatches=M, progress=False)
     tr = Trainer(cfg, dataset=Dataset(np.arange(100) % V, V, "cycle"))
     tr.grid.ledger.reset()
     for _ in range(cfg.steps):
@@ -268,12 +272,12 @@ def test_ledger_bytes_equal_formula(n_layer, heads_per, hs, t_per, rows, V, sp, 
     act = b * s * h * w  # one (b, s, h) activation in bytes
     n_repl = sum(int(tr.runner.params[k].size) for k in tr.runner.replicated)
     if sp:
-        want = {"allgather": ((6 * L_ + 3) * act, 6 * L_ + 3),
-                "reduce_scatter": ((4 * L_ + 2) * act, 4 * L_ + 2),
-                "allreduce": (3 * b * s * w + n_repl * w, 4)}
+        want = {"allgather": ((6 * L_ + 3) * act, (6 * L_ + 3) * M),
+                "reduce_scatter": ((4 * L_ + 2) * act, (4 * L_ + 2) * M),
+                "allreduce": (3 * b * s * w + n_repl * w, 3 * M + 1)}
     else:
         want = {"allgather": (0, 0), "reduce_scatter": (0, 0),
-                "allreduce": ((4 * L_ + 2) * act + 3 * b * s * w, 4 * L_ + 2 + 3)}
+                "allreduce": ((4 * L_ + 2) * act + 3 * b * s * w, (4 * L_ + 2 + 3) * M)}
     got = {op: (led.bytes(op, "tp") // cfg.steps, led.count(op, "tp") // cfg.steps)
            for op in want}
     n_params = sum(int(p.size) for p in tr.runner.params.values())

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.cli
 
 @pytest.mark.parametrize("n,layout,T", [
     (2, ["--tp", "2"], None),  # vocab 13: padded to 14
-    (4, ["--tp", "2", "--dp", "2", "--sequence-parallel"], 12),
+    (4, ["--tp", "2", "--dp", "2", "--sequence-parallel", "--microbatches", "2"], 12),
 ])
 def test_tp_train_save_and_evaluate(tmp_path, n, layout, T):
     out = tmp_path / "m.safetensors"
@@ -41,6 +41,8 @@ def test_tp_train_save_and_evaluate(tmp_path, n, layout, T):
 @pytest.mark.parametrize("args,message", [
     (["--tp", "2", "--n-head", "3", "--n-embd", "12"], "--tp 2 must divide the number of heads"),
     (["--tp", "2", "--n-head", "2", "--sequence-parallel"], "must divide the sequence length"),
+    (["--tp", "2", "--n-head", "2", "--batch-size", "3", "--microbatches", "2"],
+     "must be divisible by dp * microbatches"),
 ])
 def test_tp_bad_input_fails_cleanly_on_every_rank(args, message):
     r = refmp(2, ["train", "--no-progress", *args], timeout=60)

@@ -14,7 +14,9 @@ Which parameter is split how (rank r of tp; ``/tp`` marks the split axis):
     the rest             replicated   wpe, LayerNorms, the two c_proj biases
 
 Communication per training step on tp, b = rows per dp rank, s = T, h = C, w bytes/element
-(checked exactly against the ledger by tests/test_tensor_parallel.py):
+(checked exactly against the ledger by tests/test_tensor_parallel.py). Every term but the
+replicated gradients' is linear in b, so M micro-batches of b/M rows move the same bytes in
+M times as many calls:
 
     without SP: allreduce       (4 L + 2) b s h w  +  3 b s w
                 (per layer 2 forward (g) + 2 backward (f); the embedding's g; the head's f;
@@ -64,7 +66,7 @@ def check_tensor_parallel(n_head: int, tp: int, T: int, sp: bool) -> None:
 
 def comm_bytes_per_step(b: int, s: int, h: int, n_layer: int, sp: bool, itemsize: int,
                         n_replicated: int = 0) -> dict[str, int]:
-    """The bytes the ledger records on tp in one step (one micro-batch), by collective.
+    """The bytes the ledger records on tp in one step, by collective (any micro-batching).
 
     b rows per dp rank, s = T, h = C; n_replicated: elements of the replicated parameters,
     whose gradients SP sums over tp. The formula in this module's docstring.
@@ -120,9 +122,9 @@ class TensorParallel:
     rank's shards, by GPT-2 name.
     """
 
-    def __init__(self, model, grid, sequence_parallel: bool = False):
+    def __init__(self, model, grid, sequence_parallel: bool = False, microbatches: int = 1):
         cfg = model.cfg
-        self.cfg, self.grid, self.sp = cfg, grid, sequence_parallel
+        self.cfg, self.grid, self.sp, self.M = cfg, grid, sequence_parallel, microbatches
         self.tp, self.dp = grid.comm["tp"], grid.comm["dp"]
         self.eval_comm = self.dp  # a tp group decodes the same prompts together
         n, r = self.tp.size, self.tp.rank
@@ -131,9 +133,12 @@ class TensorParallel:
         self.params = {k: shard(k, v, r, n, self.V_pad) for k, v in model.params.items()}
         self.replicated = [k for k in self.params if split_of(k) is None]
         self.grads: dict = {k: None for k in self.params}
-        self.activation_bytes = 0  # bytes the last forward's caches held (memory report)
+        self.peak_activations = 0  # most bytes one micro-batch's caches held (memory report)
 
     def batch_rows(self, B: int) -> slice:
+        if self.M < 1 or B % (self.dp.size * self.M):
+            raise ConfigError(f"--batch-size ({B}) must be divisible by dp * microbatches "
+                              f"({self.dp.size} * {self.M})")
         return dp_rows(B, self.dp.size, self.dp.rank)
 
     def zero_grad(self) -> None:
@@ -174,10 +179,17 @@ class TensorParallel:
     # --- the runner interface --------------------------------------------------------------
 
     def forward_backward(self, x, y, denom: int) -> float:
-        loss, cache = self.forward(x, y, denom)
-        self.activation_bytes = tpl.cache_bytes(cache, exclude=self.params.values())
-        self.backward(cache)
-        return float(loss)
+        """Gradient accumulation over M micro-batches of consecutive rows; each adds its
+        share (its tokens' loss sum / denom) to the loss and gradients."""
+        share, b = 0.0, x.shape[0] // self.M
+        for m in range(self.M):
+            xm, ym = x[m * b : (m + 1) * b].copy(), y[m * b : (m + 1) * b].copy()  # (b/M, T)
+            loss, cache = self.forward(xm, ym, denom)
+            live = tpl.cache_bytes(cache, exclude=self.params.values())
+            self.peak_activations = max(self.peak_activations, live)
+            self.backward(cache)
+            share += float(loss)
+        return share
 
     def reduce_grads(self) -> None:
         if self.sp and self.tp.size > 1:
@@ -209,6 +221,10 @@ class TensorParallel:
             nxt = vocab.argmax_forward(xp.ascontiguousarray(logits[:, -1, :]), self.tp)  # (B,)
             idx = xp.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
         return idx
+
+    def memory(self) -> dict[str, int]:
+        """This rank's peak activation bytes (the Trainer adds params, grads, optimizer)."""
+        return {"activations": self.peak_activations}
 
     def full_params(self) -> dict | None:
         """The full model, unpadded, GPT-2 names, on world rank 0 (collective over tp)."""
