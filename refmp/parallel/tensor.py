@@ -57,33 +57,30 @@ def reduce_from_tp_backward(dx, comm: Comm):
     return dx
 
 
-def _along_time(x):
-    """(B, T, C) -> (T, B, C) contiguous, so Comm's axis-0 collectives split time."""
-    return array_module(x).ascontiguousarray(x.transpose(1, 0, 2))
-
-
-def _back_from_time(x):
+def _swap_bt(x):
+    """(B, T, C) <-> (T, B, C), contiguous: Comm's collectives split and join axis 0, and
+    sequence parallelism splits time."""
     return array_module(x).ascontiguousarray(x.transpose(1, 0, 2))
 
 
 def gather_from_sp(x, comm: Comm):
     """SP's f, forward: all-gather the T/tp shards into the whole sequence (Korthikanti g)."""
-    return _back_from_time(comm.allgather(_along_time(x)))  # (B, T/tp, C) -> (B, T, C)
+    return _swap_bt(comm.allgather(_swap_bt(x)))  # (B, T/tp, C) -> (B, T, C)
 
 
 def gather_from_sp_backward(dx, comm: Comm):
     """SP's f, backward: reduce-scatter: sum the ranks' partial dX, keep my T/tp rows."""
-    return _back_from_time(comm.reduce_scatter(_along_time(dx)))  # (B, T, C) -> (B, T/tp, C)
+    return _swap_bt(comm.reduce_scatter(_swap_bt(dx)))  # (B, T, C) -> (B, T/tp, C)
 
 
 def reduce_scatter_to_sp(x, comm: Comm):
     """SP's g, forward: reduce-scatter the row-parallel partial sums along T."""
-    return _back_from_time(comm.reduce_scatter(_along_time(x)))  # (B, T, C) partial -> (B, T/tp, C)
+    return _swap_bt(comm.reduce_scatter(_swap_bt(x)))  # (B, T, C) partial -> (B, T/tp, C)
 
 
 def reduce_scatter_to_sp_backward(dx, comm: Comm):
     """SP's g, backward: all-gather dZ, which every rank's partial product needs whole."""
-    return _back_from_time(comm.allgather(_along_time(dx)))  # (B, T/tp, C) -> (B, T, C)
+    return _swap_bt(comm.allgather(_swap_bt(dx)))  # (B, T/tp, C) -> (B, T, C)
 
 
 # --- column- and row-parallel linear layers -------------------------------------------------
