@@ -76,6 +76,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=int, default=None,
                    help="data-parallel ranks (default: world size / (pp*cp*tp))")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: shard LayerNorms and residuals along the sequence")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
     g.add_argument("--cp", type=int, default=1, help="context-parallel ranks (1)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, within dp (1)")

@@ -63,6 +63,7 @@ class TrainConfig:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
     stage_layers: str | None = None  # "2,1,1": blocks per pipeline stage (default: balanced)
     trace: str | None = None  # write the last step's pipeline timeline (Chrome trace JSON)
+    sequence_parallel: bool = False  # with --tp: shard LayerNorm/residual regions along T
     init: str | None = None
     save: str | None = None
     log_json: str | None = None
@@ -135,13 +136,20 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
 
 def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     """The strategy that computes and communicates a step on this layout."""
-    for axis in ("tp", "ep"):
-        if grid.sizes[axis] > 1:
-            raise ConfigError(f"--{axis} {grid.sizes[axis]}: not implemented yet")
+    if grid.sizes["ep"] > 1:
+        raise ConfigError(f"--ep {grid.sizes['ep']}: not implemented yet")
     if cfg.zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.bucket_mb < 0:
         raise ConfigError(f"--bucket-mb must be >= 0, got {cfg.bucket_mb}")
+    if grid.sizes["tp"] > 1 or cfg.sequence_parallel:
+        if grid.sizes["pp"] > 1 or grid.sizes["cp"] > 1 or cfg.zero:
+            raise ConfigError("--tp with --pp, --cp or --zero: not implemented yet")
+        from refmp.parallel.tensor_runner import TensorParallel, check_tensor_parallel
+
+        check_tensor_parallel(model.cfg.n_head, grid.sizes["tp"],
+                              cfg.block_size or model.cfg.block_size, cfg.sequence_parallel)
+        return TensorParallel(model, grid, cfg.sequence_parallel, cfg.microbatches)
     if grid.sizes["pp"] > 1:
         if cfg.zero or grid.sizes["cp"] > 1:
             raise ConfigError("--pp > 1 with --zero or --cp: not implemented yet")

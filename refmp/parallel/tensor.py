@@ -1,0 +1,204 @@
+"""Tensor parallelism (Megatron-LM) and sequence parallelism: the layers.
+
+Shapes: B batch (this dp rank's rows), T time, C channels, NH heads, HS head size (C/NH);
+tp tensor-parallel ranks; ``/tp`` in a shape comment marks the axis that is split over tp,
+"partial over tp" a tensor that still needs a sum over tp.
+
+Megatron-LM (Shoeybi et al. 2019, sec. 3, fig. 3) splits each transformer block's two
+matrix pairs so that a block needs one all-reduce forward and one backward per pair:
+
+* a **column-parallel** linear ``Y = X [W_1 | ... | W_tp]`` gives rank r the columns
+  ``Y_r = X W_r`` (no communication: X is replicated);
+* a **row-parallel** linear ``Z = [Y_1 | ... | Y_tp] [W_1; ...; W_tp] = sum_r Y_r W_r`` takes
+  rank r's columns of Y as they are and leaves a *partial* sum: one all-reduce completes it.
+
+Column then row, the nonlinearity in between acts on columns a rank owns (GELU is elementwise;
+attention heads are independent), so ``MLP(X) = sum_r GELU(X A_r) B_r``.
+
+The communication sits in two operators, Megatron's f and g, named here by what they do:
+``copy_to_tp`` (f: identity forward, all-reduce backward) enters the parallel region and
+``reduce_from_tp`` (g: all-reduce forward, identity backward) leaves it.
+
+Sequence parallelism (Korthikanti et al. 2022, sec. 4.2) shards the rest of the block (the
+LayerNorms, residual adds) along T instead of replicating it: f becomes ``gather_from_sp``
+(all-gather along T forward, reduce-scatter backward) and g becomes ``reduce_scatter_to_sp``
+(reduce-scatter forward, all-gather backward): same bytes on the wire, since an all-reduce
+is a reduce-scatter followed by an all-gather. The column-parallel layers keep only the
+T/tp shard of their input and all-gather it again in backward (sec. 4.2.3): that is where
+the activation memory goes down by tp, at the cost of one more all-gather per column layer.
+"""
+
+from __future__ import annotations
+
+from refmp.backend import array_module
+from refmp.comm import Comm
+from refmp.nn import layers as L
+
+# --- the f and g operators (Megatron fig. 3), as forward/backward pairs -------------------
+
+
+def copy_to_tp(x, comm: Comm):
+    """f, forward: identity. Every rank already holds the whole X."""
+    return x
+
+
+def copy_to_tp_backward(dx, comm: Comm):
+    """f, backward: all-reduce. Each rank's dX = dY_r W_r^T is its columns' part of dX."""
+    return comm.allreduce(dx)  # (B, T, C) partial over tp -> summed
+
+
+def reduce_from_tp(x, comm: Comm):
+    """g, forward: all-reduce. Completes the row-parallel sum_r Y_r W_r."""
+    return comm.allreduce(x)  # (B, T, C) partial over tp -> summed
+
+
+def reduce_from_tp_backward(dx, comm: Comm):
+    """g, backward: identity. dZ reaches every rank's partial product unchanged."""
+    return dx
+
+
+def _swap_bt(x):
+    """(B, T, C) <-> (T, B, C), contiguous: Comm's collectives split and join axis 0, and
+    sequence parallelism splits time."""
+    return array_module(x).ascontiguousarray(x.transpose(1, 0, 2))
+
+
+def gather_from_sp(x, comm: Comm):
+    """SP's f, forward: all-gather the T/tp shards into the whole sequence (Korthikanti g)."""
+    return _swap_bt(comm.allgather(_swap_bt(x)))  # (B, T/tp, C) -> (B, T, C)
+
+
+def gather_from_sp_backward(dx, comm: Comm):
+    """SP's f, backward: reduce-scatter: sum the ranks' partial dX, keep my T/tp rows."""
+    return _swap_bt(comm.reduce_scatter(_swap_bt(dx)))  # (B, T, C) -> (B, T/tp, C)
+
+
+def reduce_scatter_to_sp(x, comm: Comm):
+    """SP's g, forward: reduce-scatter the row-parallel partial sums along T."""
+    return _swap_bt(comm.reduce_scatter(_swap_bt(x)))  # (B, T, C) partial -> (B, T/tp, C)
+
+
+def reduce_scatter_to_sp_backward(dx, comm: Comm):
+    """SP's g, backward: all-gather dZ, which every rank's partial product needs whole."""
+    return _swap_bt(comm.allgather(_swap_bt(dx)))  # (B, T/tp, C) -> (B, T, C)
+
+
+# --- column- and row-parallel linear layers -------------------------------------------------
+
+
+def column_forward(x, w, b, comm: Comm, sp: bool = False):
+    """Y_r = X W_r + b_r with W_r (C_in, C_out/tp): this rank's columns (Megatron eq. 3).
+
+    x is (B, T, C_in) replicated, or (B, T/tp, C_in) with sequence parallelism.
+    """
+    xf = gather_from_sp(x, comm) if sp else copy_to_tp(x, comm)  # (B, T, C_in)
+    out, cache = L.linear_forward(xf, w, b)  # (B, T, C_out/tp)
+    if sp:  # keep only my T/tp shard of the input; backward gathers it again (sec. 4.2.3)
+        cache = (x, w, b is not None)
+    return out, (cache, sp)
+
+
+def column_backward(dout, cache, comm: Comm):
+    """dX = sum_r dY_r W_r^T (f's all-reduce, or SP's reduce-scatter); dW_r = X^T dY_r."""
+    (x, w, has_bias), sp = cache
+    if sp:
+        x = gather_from_sp(x, comm)  # (B, T, C_in) again: recomputed, not stored
+    dx, dw, db = L.linear_backward(dout, (x, w, has_bias))  # dx (B, T, C_in) partial over tp
+    dx = gather_from_sp_backward(dx, comm) if sp else copy_to_tp_backward(dx, comm)
+    return dx, dw, db  # dx (B, T, C_in) or (B, T/tp, C_in); dw (C_in, C_out/tp)
+
+
+def row_forward(x, w, b, comm: Comm, sp: bool = False):
+    """Z = sum_r Y_r W_r + b with W_r (C_in/tp, C_out): this rank's rows (Megatron eq. 3).
+
+    The bias is added once, after the reduction (adding it on every rank would count it tp
+    times). Returns (B, T, C_out), or (B, T/tp, C_out) with sequence parallelism.
+    """
+    z, cache = L.linear_forward(x, w)  # (B, T, C_out) partial over tp
+    z = reduce_scatter_to_sp(z, comm) if sp else reduce_from_tp(z, comm)
+    z += b  # (B, T, C_out) or (B, T/tp, C_out)
+    return z, (cache, sp)
+
+
+def row_backward(dout, cache, comm: Comm):
+    """db = sum of dZ; dY_r = dZ W_r^T (this rank's columns of dY); dW_r = Y_r^T dZ."""
+    lin, sp = cache
+    db = dout.sum(axis=tuple(range(dout.ndim - 1)))  # (C_out,) partial over tp with SP
+    dz = reduce_scatter_to_sp_backward(dout, comm) if sp else reduce_from_tp_backward(dout, comm)
+    dx, dw, _ = L.linear_backward(dz, lin)  # dx (B, T, C_in/tp), dw (C_in/tp, C_out)
+    return dx, dw, db
+
+
+# --- one transformer block (the parallel twin of refmp.nn.gpt.block_forward) ----------------
+
+
+def block_forward(p: dict, x, n_head: int, comm: Comm, sp: bool = False):
+    """Pre-LN block on this rank's shards; ``n_head`` is the global head count.
+
+    x is (B, T, C) replicated over tp, or (B, T/tp, C) with sequence parallelism; the
+    LayerNorms and residual adds run on it as they are (replicated, or sharded along T).
+    """
+    nh = n_head // comm.size  # heads on this rank
+    h, ln1 = L.layernorm_forward(x, p["ln_1.weight"], p["ln_1.bias"])  # like x
+    qkv, c_attn = column_forward(h, p["attn.c_attn.weight"], p["attn.c_attn.bias"], comm, sp)
+    # qkv (B, T, 3C/tp) = [q | k | v] of my heads: attention needs no communication
+    a, attn = L.attention_forward(qkv, nh)  # (B, T, C/tp)
+    a, a_proj = row_forward(a, p["attn.c_proj.weight"], p["attn.c_proj.bias"], comm, sp)
+    x = x + a  # residual, like x
+    h, ln2 = L.layernorm_forward(x, p["ln_2.weight"], p["ln_2.bias"])
+    h, c_fc = column_forward(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"], comm, sp)  # (B, T, 4C/tp)
+    h, gelu = L.gelu_forward(h)  # (B, T, 4C/tp): elementwise, so columns stay mine
+    h, m_proj = row_forward(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"], comm, sp)
+    out = x + h  # residual, like x
+    return out, (ln1, c_attn, attn, a_proj, ln2, c_fc, gelu, m_proj)
+
+
+def block_backward(dout, cache, comm: Comm):
+    """Mirror of block_forward; the gradients are this rank's shards (names inside the block).
+
+    With sequence parallelism the LayerNorm and c_proj-bias gradients are partial over tp
+    (each rank saw T/tp positions): the caller sums them over tp.
+    """
+    ln1, c_attn, attn, a_proj, ln2, c_fc, gelu, m_proj = cache
+    g = {}
+    # forward was: out = x + h
+    dh, g["mlp.c_proj.weight"], g["mlp.c_proj.bias"] = row_backward(dout, m_proj, comm)
+    dh = L.gelu_backward(dh, gelu)
+    dh, g["mlp.c_fc.weight"], g["mlp.c_fc.bias"] = column_backward(dh, c_fc, comm)
+    dx, g["ln_2.weight"], g["ln_2.bias"] = L.layernorm_backward(dh, ln2)
+    dx += dout
+    # forward was: x = x + a
+    da, g["attn.c_proj.weight"], g["attn.c_proj.bias"] = row_backward(dx, a_proj, comm)
+    dqkv = L.attention_backward(da, attn)  # (B, T, 3C/tp)
+    dh, g["attn.c_attn.weight"], g["attn.c_attn.bias"] = column_backward(dqkv, c_attn, comm)
+    dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(dh, ln1)
+    return dx + dh, g
+
+
+# --- what a cache holds (activation memory) -------------------------------------------------
+
+
+def cache_bytes(cache, exclude=()) -> int:
+    """Bytes of the distinct arrays a cache keeps alive, parameters (``exclude``) left out.
+
+    Views count as the buffer they look into (q, k and v are views of c_attn's output), and
+    each buffer once: this is the activation memory the cache holds until backward.
+    """
+    skip = {id(a) for a in exclude}
+    seen: dict[int, int] = {}
+
+    def walk(obj):
+        if isinstance(obj, (tuple, list)):
+            for o in obj:
+                walk(o)
+        elif hasattr(obj, "nbytes") and hasattr(obj, "base"):
+            if id(obj) in skip:
+                return
+            root = obj
+            while getattr(root, "base", None) is not None:
+                root = root.base
+            if id(root) not in skip:
+                seen[id(root)] = int(root.nbytes)
+
+    walk(cache)
+    return sum(seen.values())
