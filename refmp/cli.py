@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         if args.command == "train":
-            from refmp.train import TrainConfig, run
+            from refmp.run import run
+            from refmp.train import TrainConfig
 
             names = {f.name for f in fields(TrainConfig)}
             run(TrainConfig(**{k: v for k, v in vars(args).items() if k in names}))

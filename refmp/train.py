@@ -9,10 +9,9 @@ One step, on every rank:
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -281,104 +280,3 @@ class Trainer:
         if hasattr(run, "memory"):  # the runner's own buffers and peak activations
             mem.update(run.memory())
         return mem
-
-
-def run(cfg: TrainConfig) -> dict:
-    """Train for cfg.steps steps; print progress and a summary on rank 0; return the summary."""
-    from refmp.checkpoint import save_model
-
-    tr = Trainer(cfg)
-    rank0 = tr.grid.rank == 0
-    log = open(cfg.log_json, "w") if (rank0 and cfg.log_json) else None
-    if rank0:
-        m = tr.model.cfg
-        print(f"refmp train: {tr.ds.name}, {len(tr.ds.tokens):,} tokens, vocab {m.vocab_size}; "
-              f"GPT {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {tr.T}, "
-              f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}", flush=True)
-    bar = _progress(cfg.steps, rank0 and cfg.progress)
-    t_start, rec = time.perf_counter(), {}
-    for _ in range(cfg.steps):
-        rec = tr.step()
-        if log:
-            log.write(json.dumps(rec) + "\n")
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['seconds']:.0f}")
-    if bar is not None:
-        bar.close()
-    seconds = time.perf_counter() - t_start
-    if cfg.trace:  # the last step's measured pipeline timeline (collective over pp)
-        timeline = tr.runner.timeline()
-        if rank0:
-            timeline.write_trace(cfg.trace)
-            print(f"pipeline timeline of the last step written to {cfg.trace}; measured "
-                  f"bubble {100 * timeline.bubble():.1f}%", flush=True)
-    score = tr.evaluate()
-    memory = tr.grid.world.allgather_obj(tr.memory())
-    if cfg.save:
-        full = tr.runner.full_params()  # collective where the model is split; rank 0 gets it
-        if rank0:
-            save_model(cfg.save, full, tr.model.cfg)
-        tr.grid.world.barrier()
-    summary = {
-        "summary": True, "steps": cfg.steps, "final_loss": rec.get("loss"),
-        "tokens_per_s": cfg.steps * cfg.batch_size * tr.T / seconds, "seconds": seconds,
-        "accuracy": None if score is None else score[0] / max(1, score[1]),
-        "comm": tr.grid.ledger.as_dict(), "memory_per_rank": memory,
-        "layout": tr.grid.sizes, "device": tr.device_info, "config": asdict(cfg),
-    }
-    if log:
-        log.write(json.dumps(summary) + "\n")
-        log.close()
-    if rank0:
-        _print_summary(summary, score)
-    return summary
-
-
-def _progress(total: int, enabled: bool):
-    """tqdm on a terminal; in a log (not a TTY), a plain line about every 10% of the run."""
-    if not enabled:
-        return None
-    import sys
-
-    from tqdm import tqdm
-
-    if sys.stderr.isatty():
-        return tqdm(total=total, desc="train", unit="step", mininterval=0.5)
-    return _LogProgress(total)
-
-
-class _LogProgress:
-    """tqdm's update/set_postfix/close, printing one line per tenth of the run."""
-
-    def __init__(self, total: int):
-        self.total, self.n, self.every, self.post = total, 0, max(1, total // 10), {}
-
-    def update(self, k: int) -> None:
-        self.n += k
-
-    def set_postfix(self, **post) -> None:
-        if self.n % self.every == 0 or self.n == self.total:
-            print(f"step {self.n}/{self.total} " + " ".join(f"{k} {v}" for k, v in post.items()),
-                  flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-def _print_summary(s: dict, score) -> None:
-    dev = s["device"]
-    if "cuda_aware" in dev:
-        print(f"device: {dev['device']} per rank; CUDA-aware MPI: {dev['cuda_aware']} "
-              f"(from {dev['cuda_aware_source']}; {'direct' if dev['cuda_aware'] else 'staged'})")
-    print(f"done: {s['steps']} steps in {s['seconds']:.1f} s, final loss {s['final_loss']:.4f}, "
-          f"{s['tokens_per_s']:,.0f} tokens/s")
-    if score is not None:
-        print(f"held-out exact match: {score[0]}/{score[1]} = {100 * s['accuracy']:.1f}%")
-    print("communication (bytes, calls):")
-    for key, v in s["comm"].items():
-        print(f"  {key:<24} {v['bytes']:>14,} B  {v['count']:>6} calls")
-    print("memory per rank (bytes): params, grads, optimizer state, peak activations")
-    for r, m in enumerate(s["memory_per_rank"]):
-        print(f"  rank {r}: {m['params']:>12,} {m['grads']:>12,} {m['optimizer']:>12,} "
-              f"{m.get('activations', 0):>12,}")
