@@ -30,6 +30,12 @@ class TrainConfig:
     n_layer: int = 2
     n_head: int | None = None  # None: 4, or what an --init file's metadata says
     n_embd: int = 64
+    n_expert: int = 0  # mixture of experts (refmp.nn.moe); 0: dense
+    top_k: int = 2
+    moe_every: int = 1
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
     block_size: int | None = None  # None: one addition problem (13), else 64
     batch_size: int = 128
     steps: int = 1500
@@ -105,7 +111,9 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
     else:
         # the addition task: one problem per window, so every position keeps one role
         T = cfg.block_size or (ds.task.line_len if ds.task else 64)
-        mcfg = GPTConfig(ds.vocab_size, T, cfg.n_layer, cfg.n_head or 4, cfg.n_embd)
+        mcfg = GPTConfig(ds.vocab_size, T, cfg.n_layer, cfg.n_head or 4, cfg.n_embd,
+                         cfg.n_expert, cfg.top_k, cfg.moe_every, cfg.capacity_factor,
+                         cfg.aux_loss_coef, cfg.z_loss_coef)
         mcfg.check()
         model = GPT.create(mcfg, cfg.seed, cfg.dtype)
     if ds.vocab_size > model.cfg.vocab_size:
@@ -192,6 +200,7 @@ class Trainer:
         backend.sync()
         rec = {"step": self.step_num, "loss": loss, "grad_norm": norm, "lr": self.opt.lr,
                "tokens": cfg.batch_size * self.T, "seconds": time.perf_counter() - t0}
+        rec.update(getattr(run, "stats", None) or {})  # e.g. MoE routing statistics
         self.step_num += 1
         return rec
 
@@ -253,6 +262,8 @@ def run(cfg: TrainConfig) -> dict:
         "comm": tr.grid.ledger.as_dict(), "memory_per_rank": memory,
         "layout": tr.grid.sizes, "config": asdict(cfg),
     }
+    if "moe" in rec:
+        summary["moe"] = rec["moe"]  # the last step's routing statistics
     if log:
         log.write(json.dumps(summary) + "\n")
         log.close()
@@ -297,6 +308,11 @@ def _print_summary(s: dict, score) -> None:
           f"{s['tokens_per_s']:,.0f} tokens/s")
     if score is not None:
         print(f"held-out exact match: {score[0]}/{score[1]} = {100 * s['accuracy']:.1f}%")
+    if "moe" in s:
+        moe = s["moe"]
+        print(f"experts (last step): aux loss {moe['aux_loss']:.4g}, z-loss {moe['z_loss']:.4g}")
+        for i, (n, d) in enumerate(zip(moe["tokens_per_expert"], moe["dropped"], strict=True)):
+            print(f"  MoE layer {i}: tokens per expert {n}, dropped {100 * d:.1f}%")
     print("communication (bytes, calls):")
     for key, v in s["comm"].items():
         print(f"  {key:<24} {v['bytes']:>14,} B  {v['count']:>6} calls")

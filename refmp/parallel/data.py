@@ -85,8 +85,10 @@ class DataParallel:
         self.model.zero_grad()
 
     def forward_backward(self, x, y, denom: int) -> float:
-        loss, cache = self.model.forward(x, y, denom)  # (b, T) rows -> this rank's share
+        # (b, T) rows -> this rank's share; MoE routing statistics are summed over dp
+        loss, cache = self.model.forward(x, y, denom, stats_comm=self.dp)
         self.model.backward(cache)
+        self.stats = self.model.moe_stats(cache)  # {} for a dense model
         return float(loss)
 
     def reduce_grads(self) -> None:
