@@ -126,6 +126,46 @@ class Comm:
         wait(self.mpi.Ireduce_scatter_block(xp.ascontiguousarray(buf), out, op=MPI.SUM))
         return out
 
+    def alltoall(self, buf):
+        """Block j of ``buf`` (axis 0 in ``size`` equal blocks) goes to rank j; block j of the
+        result came from rank j. Ledger: the send buffer's bytes."""
+        xp = backend.array_module(buf)
+        if buf.shape[0] % self.size:
+            raise ValueError(f"alltoall: axis 0 ({buf.shape[0]}) not divisible by {self.size}")
+        out = xp.empty_like(buf)
+        self.ledger.record("alltoall", self.axis, buf.nbytes)
+        if self.size == 1:
+            out[...] = buf
+            return out
+        backend.sync()
+        wait(self.mpi.Ialltoall(xp.ascontiguousarray(buf), out))
+        return out
+
+    def alltoallv(self, buf, send_rows, recv_rows):
+        """Variable all-to-all along axis 0: the next ``send_rows[j]`` rows of ``buf`` go to
+        rank j (in rank order); returns ``sum(recv_rows)`` rows, rank j's ``recv_rows[j]``
+        rows in block j. Both counts are host integers, and must match the peers' (exchange
+        them first, e.g. with :meth:`alltoall`). Ledger: the send buffer's bytes.
+        """
+        xp = backend.array_module(buf)
+        row = int(np.prod(buf.shape[1:], dtype=np.int64))  # elements per row
+        send = np.asarray(send_rows, dtype=np.int64) * row
+        recv = np.asarray(recv_rows, dtype=np.int64) * row
+        if len(send) != self.size or len(recv) != self.size or send.sum() != buf.size:
+            raise ValueError(f"alltoallv on {self.axis}: counts {list(send_rows)} / "
+                             f"{list(recv_rows)} do not fit {self.size} ranks and {buf.shape}")
+        out = xp.empty((int(recv.sum()) // max(row, 1),) + buf.shape[1:], dtype=buf.dtype)
+        self.ledger.record("alltoallv", self.axis, buf.nbytes)
+        if self.size == 1:
+            out[...] = buf
+            return out
+        sdispl = np.concatenate([[0], np.cumsum(send)[:-1]])
+        rdispl = np.concatenate([[0], np.cumsum(recv)[:-1]])
+        backend.sync()
+        wait(self.mpi.Ialltoallv([xp.ascontiguousarray(buf), (send, sdispl)],
+                                 [out, (recv, rdispl)]))
+        return out
+
     def bcast(self, buf, root: int = 0):
         """In-place broadcast of ``buf`` from ``root``; returns ``buf``."""
         self.ledger.record("bcast", self.axis, buf.nbytes)

@@ -128,11 +128,17 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
 
 def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     """The strategy that computes and communicates a step on this layout."""
-    for axis in ("tp", "pp", "cp", "ep"):
+    for axis in ("tp", "pp", "cp"):
         if grid.sizes[axis] > 1:
             raise ConfigError(f"--{axis} {grid.sizes[axis]}: not implemented yet (only --dp)")
     if cfg.microbatches != 1:
         raise ConfigError("--microbatches: not implemented yet")
+    if grid.sizes["ep"] > 1 or model.cfg.n_expert:
+        from refmp.parallel.expert import ExpertParallel, check_expert_layout
+
+        check_expert_layout(model.cfg.n_expert, grid.sizes["ep"])
+        if grid.sizes["ep"] > 1:
+            return ExpertParallel(model, grid)
     return DataParallel(model, grid)
 
 

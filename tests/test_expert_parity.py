@@ -1,0 +1,157 @@
+"""Level 2/3 for mixture of experts: data- and expert-parallel training equal the serial run.
+
+Every rank trains the serial MoE model itself (COMM_SELF, the whole batch) and the parallel
+one (COMM_WORLD: dp = world size, experts over ep in {1, 2, 4}), step by step, float64, and
+compares losses, routing statistics, gradients and updated weights; then the all-to-all bytes
+in the ledger against what the serial model's routing implies, and the gathered model.
+"""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+from mpi_helpers import Mismatches, collective, refmp
+
+from refmp.data import Dataset, dp_rows, get_batch
+from refmp.grid import ProcessGrid
+from refmp.nn import moe as M
+from refmp.train import TrainConfig, Trainer
+
+pytestmark = pytest.mark.mpi
+
+TOL = dict(rtol=1e-9, atol=1e-12)
+
+
+def expected_alltoallv_bytes(serial: Trainer, step: int, grid: ProcessGrid) -> int:
+    """2 (M + R) C 8 bytes per MoE layer for this rank, from the serial model's routing.
+
+    M: kept assignments of this rank's tokens; R: kept assignments of its ep group's tokens
+    to the experts this rank holds.
+    """
+    cfg, m = serial.cfg, serial.model
+    x, y = get_batch(serial.ds.tokens, step, cfg.batch_size, serial.T, slice(None), serial.perm)
+    _, cache = m.forward(x, y)
+    dp, ep, T = grid.dp, grid.ep, serial.T
+    me, group0 = grid.dp_rank, grid.dp_rank // ep * ep
+    El = m.cfg.n_expert // ep
+    total = 0
+    for c in cache[1]:
+        mc = c[-1]
+        if not isinstance(mc, M.MoECache):
+            continue
+        tok = M.backend.to_host(mc.order) // m.cfg.top_k  # (M,) token of each kept assignment
+        expert = M.backend.to_host(mc.top).reshape(-1)[M.backend.to_host(mc.order)]
+        row = tok // T  # sequence of the token
+        owner = np.empty(cfg.batch_size, dtype=int)
+        for r in range(dp):
+            owner[dp_rows(cfg.batch_size, dp, r)] = r
+        mine = (owner[row] == me).sum()
+        in_group = (owner[row] >= group0) & (owner[row] < group0 + ep)
+        to_me = in_group & (expert // El == grid.dp_rank % ep)
+        total += 2 * (int(mine) + int(to_me.sum())) * m.cfg.n_embd * 8
+    return total
+
+
+def assert_same_moe_run(cfg: TrainConfig, ds: Dataset, ep: int) -> None:
+    serial = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
+    par = Trainer(replace(cfg, ep=ep), grid=ProcessGrid(MPI.COMM_WORLD, ep=ep), dataset=ds)
+    grid, run = par.grid, par.runner
+    close = np.testing.assert_allclose
+    bad = Mismatches()
+    for s in range(cfg.steps):
+        want = expected_alltoallv_bytes(serial, s, grid) if ep > 1 else 0
+        before = grid.ledger.bytes("alltoallv", "ep")
+        a, b = serial.step(), par.step()
+        got = grid.ledger.bytes("alltoallv", "ep") - before
+        bad.check(close, got, want, rtol=0, err_msg=f"all-to-all bytes at step {s}")
+        bad.check(close, b["loss"], a["loss"], **TOL, err_msg=f"loss at step {s}")
+        bad.check(close, b["grad_norm"], a["grad_norm"], **TOL, err_msg=f"norm at step {s}")
+        bad.check(close, b["moe"]["tokens_per_expert"], a["moe"]["tokens_per_expert"], rtol=0,
+                  err_msg=f"tokens per expert at step {s}")
+        bad.check(close, b["moe"]["aux_loss"], a["moe"]["aux_loss"], **TOL,
+                  err_msg=f"aux loss at step {s}")
+        for k in run.params:
+            bad.check(close, run.grads[k], serial.model.grads[k], **TOL,
+                      err_msg=f"gradient {k} at step {s}")
+            bad.check(close, run.params[k], serial.model.params[k], **TOL,
+                      err_msg=f"weight {k} after step {s}")
+    full = run.full_params()  # collective
+    if grid.rank == 0:
+        bad.check(np.testing.assert_equal, list(full), list(serial.model.params))
+        for k, v in serial.model.params.items():
+            bad.check(close, full[k], v, **TOL, err_msg=f"gathered {k}")
+    bad.assert_none()
+    n_moe = sum(serial.model.cfg.is_moe(i) for i in range(cfg.n_layer))
+    E = serial.model.cfg.n_expert
+    assert grid.ledger.count("alltoall", "ep") == (cfg.steps * n_moe if ep > 1 else 0)
+    assert grid.ledger.bytes("alltoall", "ep") == (cfg.steps * n_moe * E * 8 if ep > 1 else 0)
+    assert grid.ledger.count("alltoallv", "ep") == (4 * cfg.steps * n_moe if ep > 1 else 0)
+    # experts are held by ep ranks each: only the rest is data parallel
+    if ep > 1:
+        assert len(run.params) < len(serial.model.params)
+
+
+@pytest.mark.parallel(nprocs=[2, 4])
+@settings(max_examples=6)
+@given(per_rank=st.integers(1, 2), K=st.integers(1, 2), ep=st.sampled_from([1, 2, 4]),
+       cf=st.sampled_from([0.0, 0.5, 1.25]), n_layer=st.integers(1, 2),
+       moe_every=st.integers(1, 2), T=st.integers(2, 6), rows=st.integers(1, 2),
+       clip=st.sampled_from([0.0, 0.05]), seed=st.integers(0, 1000))
+@collective
+def test_moe_training_equals_serial(per_rank, K, ep, cf, n_layer, moe_every, T, rows, clip,
+                                    seed):
+    size = MPI.COMM_WORLD.size
+    ep = min(ep, size)  # (no assume() here: @collective would see it as a failure)
+    E = max(2, ep * per_rank)  # divisible by ep
+    K = min(K, E)
+    cfg = TrainConfig(n_layer=n_layer, n_head=2, n_embd=8, block_size=T, batch_size=rows * size,
+                      steps=3, lr=0.01, warmup_steps=1, grad_clip=clip, dtype="float64",
+                      seed=seed, n_expert=E, top_k=K, moe_every=moe_every, capacity_factor=cf,
+                      aux_loss_coef=0.1, z_loss_coef=0.01, progress=False)
+    rng = np.random.default_rng(seed)
+    ds = Dataset(rng.integers(0, 11, 300), 11, "random")
+    assert_same_moe_run(cfg, ds, ep)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_ep2_inside_dp4_drops_tokens_and_matches():
+    """ep = 2 inside dp = 4 (two edp replicas of each expert), with dropping."""
+    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, batch_size=8, steps=3,
+                      lr=0.01, warmup_steps=1, grad_clip=0.05, dtype="float64", seed=3,
+                      n_expert=4, top_k=2, capacity_factor=0.5, aux_loss_coef=0.1,
+                      z_loss_coef=0.01, progress=False)
+    rng = np.random.default_rng(3)
+    assert_same_moe_run(cfg, Dataset(rng.integers(0, 11, 300), 11, "random"), ep=2)
+
+
+SMALL = ["train", "--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--batch-size", "4",
+         "--steps", "2", "--no-progress"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ep", "2", "--n-expert", "3"], "--n-expert (3) must be divisible by --ep (2)"),
+    (["--n-expert", "2", "--top-k", "3"], "--top-k (3) must be between 1 and --n-expert (2)"),
+    (["--ep", "2"], "--ep 2 needs a mixture-of-experts model"),
+    (["--ep", "4", "--n-expert", "4"], "--ep (4) must divide --dp (2)"),
+])
+def test_bad_expert_layouts_are_refused_on_every_rank(args, message):
+    r = refmp(2, [*SMALL, *args], timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and r.stderr.count("error:") == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_expert_parallel_run_reports_stats(tmp_path):
+    import json
+
+    log = tmp_path / "log.jsonl"
+    r = refmp(2, [*SMALL, "--ep", "2", "--n-expert", "4", "--log-json", str(log)], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "tokens per expert" in r.stdout and "alltoallv@ep" in r.stdout
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert all("moe" in x for x in lines)
+    assert sum(lines[0]["moe"]["tokens_per_expert"][0]) <= 2 * 4 * 13
