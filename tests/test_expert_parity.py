@@ -13,11 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, refmp
+from mpi_helpers import Mismatches, collective, mpiexec, refmp
 
 from refmp.data import Dataset, dp_rows, get_batch
 from refmp.grid import ProcessGrid
 from refmp.nn import moe as M
+from refmp.parallel.expert import alltoallv_bytes
 from refmp.train import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi
@@ -26,32 +27,20 @@ TOL = dict(rtol=1e-9, atol=1e-12)
 
 
 def expected_alltoallv_bytes(serial: Trainer, step: int, grid: ProcessGrid) -> int:
-    """2 (M + R) C 8 bytes per MoE layer for this rank, from the serial model's routing.
-
-    M: kept assignments of this rank's tokens; R: kept assignments of its ep group's tokens
-    to the experts this rank holds.
-    """
+    """What the serial model's routing of this step implies for this rank (alltoallv_bytes)."""
     cfg, m = serial.cfg, serial.model
     x, y = get_batch(serial.ds.tokens, step, cfg.batch_size, serial.T, slice(None), serial.perm)
     _, cache = m.forward(x, y)
-    dp, ep, T = grid.dp, grid.ep, serial.T
-    me, group0 = grid.dp_rank, grid.dp_rank // ep * ep
-    El = m.cfg.n_expert // ep
+    owner = np.empty(cfg.batch_size, dtype=int)  # dp rank of each sequence
+    for r in range(grid.dp):
+        owner[dp_rows(cfg.batch_size, grid.dp, r)] = r
     total = 0
     for c in cache[1]:
-        mc = c[-1]
-        if not isinstance(mc, M.MoECache):
-            continue
-        tok = M.backend.to_host(mc.order) // m.cfg.top_k  # (M,) token of each kept assignment
-        expert = M.backend.to_host(mc.top).reshape(-1)[M.backend.to_host(mc.order)]
-        row = tok // T  # sequence of the token
-        owner = np.empty(cfg.batch_size, dtype=int)
-        for r in range(dp):
-            owner[dp_rows(cfg.batch_size, dp, r)] = r
-        mine = (owner[row] == me).sum()
-        in_group = (owner[row] >= group0) & (owner[row] < group0 + ep)
-        to_me = in_group & (expert // El == grid.dp_rank % ep)
-        total += 2 * (int(mine) + int(to_me.sum())) * m.cfg.n_embd * 8
+        if isinstance(c[-1], M.MoECache):
+            order = c[-1].order  # kept assignments a = n K + k
+            tok, expert = order // m.cfg.top_k, c[-1].top.reshape(-1)[order]
+            total += alltoallv_bytes(owner[tok // serial.T], expert, grid.dp_rank, grid.ep,
+                                     m.cfg.n_expert, m.cfg.n_embd, 8)
     return total
 
 
@@ -128,6 +117,23 @@ def test_ep2_inside_dp4_drops_tokens_and_matches():
     assert_same_moe_run(cfg, Dataset(rng.integers(0, 11, 300), 11, "random"), ep=2)
 
 
+@pytest.mark.parallel(nprocs=[2, 4])
+@collective
+def test_comm_alltoallv_uneven_and_empty_blocks():
+    from refmp.comm import Comm
+
+    c = Comm(MPI.COMM_WORLD, "ep")
+    r, n = c.rank, c.size
+    send = [(r + j) % 3 for j in range(n)]  # some blocks are empty
+    buf = np.concatenate([np.full((send[j], 2), 10.0 * r + j) for j in range(n)])
+    recv = c.alltoall(np.array(send, dtype=np.int64))
+    out = c.alltoallv(buf, send, recv)
+    expect = np.concatenate([np.full(((s + r) % 3, 2), 10.0 * s + r) for s in range(n)])
+    np.testing.assert_array_equal(out, expect)
+    assert c.ledger.bytes("alltoallv", "ep") == buf.nbytes  # the send buffer, this rank
+    assert c.ledger.bytes("alltoall", "ep") == 8 * n
+
+
 SMALL = ["train", "--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--batch-size", "4",
          "--steps", "2", "--no-progress"]
 
@@ -155,3 +161,12 @@ def test_cli_expert_parallel_run_reports_stats(tmp_path):
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert all("moe" in x for x in lines)
     assert sum(lines[0]["moe"]["tokens_per_expert"][0]) <= 2 * 4 * 13
+
+
+@pytest.mark.tutorial
+@pytest.mark.parametrize("n", [2, 4])
+def test_tutorial_05_experts(n):
+    r = mpiexec(n, ["python", "tutorials/05_experts.py"], timeout=200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: expert parallel == serial" in r.stdout and "DROP" in r.stdout
+    assert r.stdout.count("step 3:") == 1  # rank 0 alone narrates
