@@ -152,16 +152,34 @@ def test_bad_expert_layouts_are_refused_on_every_rank(args, message):
     assert "Traceback" not in r.stderr
 
 
-def test_cli_expert_parallel_run_reports_stats(tmp_path):
+def test_cli_expert_parallel_run_saves_the_full_model_and_reports_stats(tmp_path):
     import json
 
-    log = tmp_path / "log.jsonl"
-    r = refmp(2, [*SMALL, "--ep", "2", "--n-expert", "4", "--log-json", str(log)], timeout=120)
+    from safetensors.numpy import load_file
+
+    from refmp.checkpoint import load_model
+
+    log, a = tmp_path / "log.jsonl", tmp_path / "a.safetensors"
+    moe = ["--n-expert", "4", "--top-k", "2", "--capacity-factor", "0.5", "--moe-every", "1"]
+    r = refmp(2, [*SMALL, "--ep", "2", *moe, "--dtype", "float64", "--log-json", str(log),
+                  "--save", str(a)], timeout=120)
     assert r.returncode == 0, r.stderr
     assert "tokens per expert" in r.stdout and "alltoallv@ep" in r.stdout
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert all("moe" in x for x in lines)
-    assert sum(lines[0]["moe"]["tokens_per_expert"][0]) <= 2 * 4 * 13
+    assert 0 < lines[0]["moe"]["dropped"][0] < 1  # capacity 0.5 drops some
+    # the file holds the full model with every expert, equal to the serial run's
+    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=8, batch_size=4, steps=2, dtype="float64",
+                      n_expert=4, top_k=2, capacity_factor=0.5, progress=False)
+    tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
+    for _ in range(2):
+        tr.step()
+    saved = load_file(str(a))
+    assert set(saved) == set(tr.model.params) and "h.0.mlp.experts.3.c_fc.weight" in saved
+    for k, v in tr.model.params.items():
+        np.testing.assert_allclose(saved[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
+    loaded = load_model(str(a), dtype="float64")  # --init reads the MoE shape back
+    assert (loaded.cfg.n_expert, loaded.cfg.top_k, loaded.cfg.capacity_factor) == (4, 2, 0.5)
 
 
 @pytest.mark.tutorial
