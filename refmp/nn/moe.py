@@ -56,6 +56,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -189,24 +190,25 @@ class MoEContext:
     dispatch: object = field(default_factory=LocalExperts)
 
 
-@dataclass
-class MoECache:
-    """What moe_backward needs, plus this rank's loss share and the layer's global stats."""
+class MoECache(NamedTuple):
+    """What moe_backward needs, plus this rank's loss share and the layer's global stats.
 
-    x: object
+    A tuple, so that code walking caches (e.g. to count activation bytes) sees inside it.
+    """
+
     router: tuple
-    probs: object
-    lse: object
-    top: object
-    chosen: object
-    gates: object
-    order: object
-    yk: object
-    dispatch_cache: object
+    probs: Any
+    lse: Any
+    top: Any
+    chosen: Any
+    gates: Any
+    order: Any
+    yk: Any
+    dispatch_cache: Any
     ctx: MoEContext
-    f: object = None  # (E,) global f_e, None without losses
-    loss: float = 0.0  # this rank's share of aux + z
-    stats: dict = field(default_factory=dict)
+    f: Any  # (E,) global f_e, None without losses
+    loss: Any  # this rank's share of aux + z (0.0 without losses)
+    stats: dict
 
 
 def moe_forward(p: dict, h, ctx: MoEContext):
@@ -238,7 +240,6 @@ def moe_forward(p: dict, h, ctx: MoEContext):
     yk[order] = ys
     yk = yk.reshape(B * T, K, C)  # (N, K, C)
     out = (gates[..., None] * yk).sum(axis=1)  # (N, C)
-    cache = MoECache(x, router, probs, lse, top, chosen, gates, order, yk, dcache, ctx)
     # --- statistics and losses over the global batch
     assigned = xp.bincount(flat, minlength=E)  # (E,) before dropping
     stats = xp.concatenate([assigned, xp.asarray(counts), probs.sum(axis=0),
@@ -248,18 +249,21 @@ def moe_forward(p: dict, h, ctx: MoEContext):
     stats = backend.to_host(stats)
     g_assigned, g_kept, g_psum, g_zsum = stats[:E], stats[E:2 * E], stats[2 * E:3 * E], stats[-1]
     n_glob = ctx.denom if ctx.denom is not None else B * T
-    cache.stats = {
+    summary = {
         "tokens_per_expert": [int(v) for v in g_kept],
         "dropped": float(1.0 - g_kept.sum() / max(1.0, g_assigned.sum())),
         "aux_loss": float(ctx.aux_loss_coef * E * (g_assigned / (K * n_glob) * g_psum).sum()
                           / n_glob),
         "z_loss": float(ctx.z_loss_coef * g_zsum / n_glob),
     }
+    f, loss = None, 0.0
     if ctx.denom is not None:
-        cache.f = xp.asarray(g_assigned / (K * ctx.denom), dtype=h.dtype)  # (E,) global f_e
-        aux = ctx.aux_loss_coef * E * (cache.f * probs.sum(axis=0)).sum() / ctx.denom  # share
-        z = ctx.z_loss_coef * (lse * lse).sum() / ctx.denom  # share
-        cache.loss = aux + z
+        f = xp.asarray(g_assigned / (K * ctx.denom), dtype=h.dtype)  # (E,) global f_e
+        aux = ctx.aux_loss_coef * E * (f * probs.sum(axis=0)).sum() / ctx.denom  # my share
+        z = ctx.z_loss_coef * (lse * lse).sum() / ctx.denom  # my share
+        loss = aux + z
+    cache = MoECache(router, probs, lse, top, chosen, gates, order, yk, dcache, ctx, f, loss,
+                     summary)
     return out.reshape(B, T, C), cache
 
 

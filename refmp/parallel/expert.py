@@ -31,10 +31,11 @@ from __future__ import annotations
 import numpy as np
 
 from refmp import backend
+from refmp.data import dp_rows
 from refmp.errors import ConfigError
 from refmp.nn import GPT
 from refmp.nn import moe as M
-from refmp.parallel.data import DataParallel, allreduce_grads
+from refmp.parallel.data import allreduce_grads
 
 
 def check_expert_layout(n_expert: int, ep: int) -> None:
@@ -109,8 +110,11 @@ class ExpertDispatch:
         return dxs, M.unstack_grads(ids, g)
 
 
-class ExpertParallel(DataParallel):
-    """Data parallelism for the dense weights, expert parallelism (ep) for the experts."""
+class ExpertParallel:
+    """Data parallelism for the dense weights, expert parallelism (ep) for the experts.
+
+    Implements the runner interface of refmp.parallel.data.DataParallel (read its docstring).
+    """
 
     def __init__(self, model: GPT, grid):
         check_expert_layout(model.cfg.n_expert, grid.ep)
@@ -127,6 +131,20 @@ class ExpertParallel(DataParallel):
         self.model = GPT(model.cfg, local)
         self.dispatch = ExpertDispatch(self.ep, model.cfg.n_expert)
         self.stats = {}
+
+    @property
+    def params(self) -> dict:
+        return self.model.params  # dense weights and my experts
+
+    @property
+    def grads(self) -> dict:
+        return self.model.grads
+
+    def batch_rows(self, B: int) -> slice:
+        return dp_rows(B, self.dp.size, self.dp.rank)  # every rank reads its own rows
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad()
 
     def forward_backward(self, x, y, denom: int) -> float:
         loss, cache = self.model.forward(x, y, denom, stats_comm=self.dp, dispatch=self.dispatch)
@@ -145,6 +163,9 @@ class ExpertParallel(DataParallel):
         dense = sum(float((v * v).sum()) for k, v in self.grads.items() if not is_expert(k))
         experts = sum(float((v * v).sum()) for k, v in self.grads.items() if is_expert(k))
         return dense + self.ep.allreduce_scalar(experts)
+
+    def loss_total(self, share: float) -> float:
+        return self.dp.allreduce_scalar(share)  # sum of shares = the global mean loss
 
     def generate(self, idx, n: int):
         return self.model.generate(idx, n, dispatch=self.dispatch)
