@@ -17,6 +17,8 @@ from refmp import backend
 from refmp.errors import ConfigError
 from refmp.nn.gpt import GPT, GPTConfig, param_shapes
 
+MOE_META = ("top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+
 
 def save_model(path: str, params: dict, cfg: GPTConfig) -> None:
     """Write full (unsharded) parameters, GPT-2 names, to ``path``, atomically."""
@@ -24,6 +26,8 @@ def save_model(path: str, params: dict, cfg: GPTConfig) -> None:
 
     tensors = {k: np.ascontiguousarray(backend.to_host(v)) for k, v in params.items()}
     meta = {"format": "refmp", "n_head": str(cfg.n_head)}
+    if cfg.n_expert:  # the MoE settings the tensors do not say
+        meta.update({k: str(getattr(cfg, k)) for k in MOE_META})
     tmp = f"{path}.tmp{os.getpid()}"
     save_file(tensors, tmp, metadata=meta)
     os.replace(tmp, path)  # never leave a half-written file under the real name
@@ -59,7 +63,16 @@ def load_model(path: str, n_head: int | None = None, dtype: str = "float32") -> 
     T = tensors["wpe.weight"].shape[0]
     n_layer = len({int(m.group(1)) for k in tensors if (m := re.match(r"h\.(\d+)\.", k))})
     heads = n_head if n_head is not None else int(meta.get("n_head", 4))
-    cfg = GPTConfig(V, T, n_layer, heads, C)
+    routers = sorted(int(m.group(1)) for k in tensors
+                     if (m := re.fullmatch(r"h\.(\d+)\.mlp\.router\.weight", k)))
+    moe = {}
+    if routers:  # mixture of experts: E from the router, the rest from the metadata
+        moe = {"n_expert": tensors[f"h.{routers[0]}.mlp.router.weight"].shape[1],
+               "moe_every": routers[1] - routers[0] if len(routers) > 1 else n_layer}
+        for k in MOE_META:
+            if k in meta:
+                moe[k] = type(getattr(GPTConfig, k))(meta[k])
+    cfg = GPTConfig(V, T, n_layer, heads, C, **moe)
     cfg.check()
     expected = param_shapes(cfg)
     missing = sorted(set(expected) - set(tensors))

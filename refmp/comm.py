@@ -180,24 +180,13 @@ class Comm:
         self._finish(out, m_out)
         return out
 
-    def bcast(self, buf, root: int = 0):
-        """In-place broadcast of ``buf`` (contiguous) from ``root``; returns ``buf``."""
-        self.ledger.record("bcast", self.axis, buf.nbytes)
-        if self.size > 1:
-            m = self._mpi_in(buf)
-            wait(self.mpi.Ibcast(m, root=root))
-            self._finish(buf, m)
-        return buf
-
     def alltoall(self, buf):
-        """Rank i sends ``buf[j]`` to rank j and receives rank j's ``buf[i]`` as ``out[j]``.
-
-        ``buf`` (size, ...): axis 0 indexes the destination; the result has the same shape,
-        axis 0 indexing the source. Ledgered as the bytes of ``buf`` (one rank's send buffer).
-        """
+        """Block j of ``buf`` (axis 0 in ``size`` equal blocks) goes to rank j; block j of the
+        result came from rank j (with axis 0 == size: ``buf[j]`` goes to rank j). Ledger: the
+        send buffer's bytes."""
         xp = backend.array_module(buf)
-        if buf.shape[0] != self.size:
-            raise ValueError(f"alltoall: axis 0 is {buf.shape[0]}, not the group size {self.size}")
+        if buf.shape[0] % self.size:
+            raise ValueError(f"alltoall: axis 0 ({buf.shape[0]}) not divisible by {self.size}")
         out = xp.empty_like(buf)
         self.ledger.record("alltoall", self.axis, buf.nbytes)
         if self.size == 1:
@@ -207,6 +196,40 @@ class Comm:
         wait(self.mpi.Ialltoall(m_in, m_out))
         self._finish(out, m_out)
         return out
+
+    def alltoallv(self, buf, send_rows, recv_rows):
+        """Variable all-to-all along axis 0: the next ``send_rows[j]`` rows of ``buf`` go to
+        rank j (in rank order); returns ``sum(recv_rows)`` rows, rank j's ``recv_rows[j]``
+        rows in block j. Both counts are host integers, and must match the peers' (exchange
+        them first, e.g. with :meth:`alltoall`). Ledger: the send buffer's bytes.
+        """
+        xp = backend.array_module(buf)
+        row = int(np.prod(buf.shape[1:], dtype=np.int64))  # elements per row
+        send = np.asarray(send_rows, dtype=np.int64) * row
+        recv = np.asarray(recv_rows, dtype=np.int64) * row
+        if len(send) != self.size or len(recv) != self.size or send.sum() != buf.size:
+            raise ValueError(f"alltoallv on {self.axis}: counts {list(send_rows)} / "
+                             f"{list(recv_rows)} do not fit {self.size} ranks and {buf.shape}")
+        out = xp.empty((int(recv.sum()) // max(row, 1),) + buf.shape[1:], dtype=buf.dtype)
+        self.ledger.record("alltoallv", self.axis, buf.nbytes)
+        if self.size == 1:
+            out[...] = buf
+            return out
+        sdispl = np.concatenate([[0], np.cumsum(send)[:-1]])
+        rdispl = np.concatenate([[0], np.cumsum(recv)[:-1]])
+        m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
+        wait(self.mpi.Ialltoallv([m_in, (send, sdispl)], [m_out, (recv, rdispl)]))
+        self._finish(out, m_out)
+        return out
+
+    def bcast(self, buf, root: int = 0):
+        """In-place broadcast of ``buf`` (contiguous) from ``root``; returns ``buf``."""
+        self.ledger.record("bcast", self.axis, buf.nbytes)
+        if self.size > 1:
+            m = self._mpi_in(buf)
+            wait(self.mpi.Ibcast(m, root=root))
+            self._finish(buf, m)
+        return buf
 
     # --- small Python values (metrics, agreement), counted like the rest ---------------------
 

@@ -57,6 +57,8 @@ def run(cfg: TrainConfig) -> dict:
         "comm": tr.grid.ledger.as_dict(), "memory_per_rank": memory,
         "layout": tr.grid.sizes, "device": tr.device_info, "config": asdict(cfg),
     }
+    if "moe" in rec:
+        summary["moe"] = rec["moe"]  # the last step's routing statistics
     if log:
         log.write(json.dumps(summary) + "\n")
         log.close()
@@ -103,6 +105,11 @@ def _print_summary(s: dict, score) -> None:
           f"{s['tokens_per_s']:,.0f} tokens/s")
     if score is not None:
         print(f"held-out exact match: {score[0]}/{score[1]} = {100 * s['accuracy']:.1f}%")
+    if "moe" in s:
+        moe = s["moe"]
+        print(f"experts (last step): aux loss {moe['aux_loss']:.4g}, z-loss {moe['z_loss']:.4g}")
+        for i, (n, d) in enumerate(zip(moe["tokens_per_expert"], moe["dropped"], strict=True)):
+            print(f"  MoE layer {i}: tokens per expert {n}, dropped {100 * d:.1f}%")
     print("communication (bytes, calls):")
     for key, v in s["comm"].items():
         print(f"  {key:<24} {v['bytes']:>14,} B  {v['count']:>6} calls")

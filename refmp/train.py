@@ -29,6 +29,12 @@ class TrainConfig:
     n_layer: int = 2
     n_head: int | None = None  # None: 4, or what an --init file's metadata says
     n_embd: int = 64
+    n_expert: int = 0  # mixture of experts (refmp.nn.moe); 0: dense
+    top_k: int = 2
+    moe_every: int = 1
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
     block_size: int | None = None  # None: one addition problem (13), else 64
     batch_size: int = 128
     steps: int = 1500
@@ -120,7 +126,9 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
     else:
         # the addition task: one problem per window, so every position keeps one role
         T = cfg.block_size or (ds.task.line_len if ds.task else 64)
-        mcfg = GPTConfig(ds.vocab_size, T, cfg.n_layer, cfg.n_head or 4, cfg.n_embd)
+        mcfg = GPTConfig(ds.vocab_size, T, cfg.n_layer, cfg.n_head or 4, cfg.n_embd,
+                         cfg.n_expert, cfg.top_k, cfg.moe_every, cfg.capacity_factor,
+                         cfg.aux_loss_coef, cfg.z_loss_coef)
         mcfg.check()
         model = GPT.create(mcfg, cfg.seed, cfg.dtype)
     if ds.vocab_size > model.cfg.vocab_size:
@@ -135,8 +143,17 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
 
 def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     """The strategy that computes and communicates a step on this layout."""
-    if grid.sizes["ep"] > 1:
-        raise ConfigError(f"--ep {grid.sizes['ep']}: not implemented yet")
+    if grid.sizes["ep"] > 1 or model.cfg.n_expert:
+        from refmp.parallel.expert import ExpertParallel, check_expert_layout
+
+        check_expert_layout(model.cfg.n_expert, grid.sizes["ep"])
+        others = [a for a in ("tp", "pp", "cp") if grid.sizes[a] > 1]
+        if others or cfg.zero or cfg.microbatches != 1 or cfg.sequence_parallel:
+            raise ConfigError("mixture of experts with --tp, --pp, --cp, --zero or --microbatches:"
+                              " not implemented yet")
+        if grid.sizes["ep"] > 1:
+            return ExpertParallel(model, grid)
+        return DataParallel(model, grid, 1, cfg.bucket_mb)
     if cfg.zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.bucket_mb < 0:
@@ -256,6 +273,7 @@ class Trainer:
         backend.sync()
         rec = {"step": self.step_num, "loss": loss, "grad_norm": norm, "lr": self.opt.lr,
                "tokens": cfg.batch_size * self.T, "seconds": time.perf_counter() - t0}
+        rec.update(getattr(run, "stats", None) or {})  # e.g. MoE routing statistics
         self.step_num += 1
         return rec
 

@@ -11,6 +11,10 @@ The LM head is tied to ``wte``: logits = x @ wte^T.
 The model is split into three kinds of piece, each a forward/backward pair, so that the
 parallel strategies can reuse them: ``embed`` (tokens + positions), ``block`` (one
 transformer layer) and ``head`` (final LayerNorm, tied LM head, cross-entropy).
+
+Mixture of experts (``n_expert`` > 0): the MLP of block i is an MoE layer (refmp.nn.moe) when
+i % moe_every == 0, with ``h.{i}.mlp.router.weight`` (C, E) and ``h.{i}.mlp.experts.{e}.*``
+shaped like GPT-2's MLP. Its auxiliary losses are added to the model's loss.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 
 from refmp import backend
 from refmp.nn import layers as L
+from refmp.nn import moe as M
 
 
 @dataclass(frozen=True)
@@ -32,10 +37,28 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64
+    n_expert: int = 0  # experts per MoE layer; 0: a dense model
+    top_k: int = 2  # experts per token
+    moe_every: int = 1  # block i is MoE when i % moe_every == 0
+    capacity_factor: float = 1.25  # slots per expert = ceil(CF K T / E) per sequence; 0: no limit
+    aux_loss_coef: float = 0.01  # alpha of the load-balancing loss
+    z_loss_coef: float = 0.001  # beta of the router z-loss
 
     @property
     def head_size(self) -> int:
         return self.n_embd // self.n_head
+
+    def is_moe(self, i: int) -> bool:
+        """Is block i's MLP a mixture of experts?"""
+        return self.n_expert > 0 and i % self.moe_every == 0
+
+    def moe_context(self, denom=None, stats_comm=None, dispatch=None) -> M.MoEContext:
+        """An MoE layer's settings for one forward call (see refmp.nn.moe.MoEContext)."""
+        ctx = M.MoEContext(self.n_expert, self.top_k, self.capacity_factor, self.aux_loss_coef,
+                           self.z_loss_coef, denom, stats_comm)
+        if dispatch is not None:
+            ctx.dispatch = dispatch
+        return ctx
 
     def check(self) -> None:
         """Refuse shapes that cannot make a GPT (a ConfigError with the reason)."""
@@ -48,11 +71,27 @@ class GPTConfig:
             raise ConfigError(
                 f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
             )
+        if self.n_expert < 0:
+            raise ConfigError(f"--n-expert must be 0 (dense) or more, got {self.n_expert}")
+        if self.n_expert:
+            if not 1 <= self.top_k <= self.n_expert:
+                raise ConfigError(f"--top-k ({self.top_k}) must be between 1 and --n-expert "
+                                  f"({self.n_expert})")
+            if self.moe_every < 1:
+                raise ConfigError(f"--moe-every must be at least 1, got {self.moe_every}")
+            if self.capacity_factor < 0:
+                raise ConfigError(f"--capacity-factor must be 0 (no limit) or positive, got "
+                                  f"{self.capacity_factor}")
 
 
-def block_param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one block's parameters, by their name inside the block."""
+def block_param_shapes(cfg: GPTConfig, i: int = 0) -> dict[str, tuple[int, ...]]:
+    """Shapes of block i's parameters, by their name inside the block."""
     C = cfg.n_embd
+    if cfg.is_moe(i):
+        mlp = M.moe_param_shapes(C, cfg.n_expert)
+    else:
+        mlp = {"mlp.c_fc.weight": (C, 4 * C), "mlp.c_fc.bias": (4 * C,),
+               "mlp.c_proj.weight": (4 * C, C), "mlp.c_proj.bias": (C,)}
     return {
         "ln_1.weight": (C,),
         "ln_1.bias": (C,),
@@ -62,10 +101,7 @@ def block_param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
         "attn.c_proj.bias": (C,),
         "ln_2.weight": (C,),
         "ln_2.bias": (C,),
-        "mlp.c_fc.weight": (C, 4 * C),
-        "mlp.c_fc.bias": (4 * C,),
-        "mlp.c_proj.weight": (4 * C, C),
-        "mlp.c_proj.bias": (C,),
+        **mlp,
     }
 
 
@@ -73,7 +109,7 @@ def param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's global (unsharded) shape, in GPT-2's order."""
     shapes = {"wte.weight": (cfg.vocab_size, cfg.n_embd), "wpe.weight": (cfg.block_size, cfg.n_embd)}
     for i in range(cfg.n_layer):
-        for name, shape in block_param_shapes(cfg).items():
+        for name, shape in block_param_shapes(cfg, i).items():
             shapes[f"h.{i}.{name}"] = shape
     shapes["ln_f.weight"] = (cfg.n_embd,)
     shapes["ln_f.bias"] = (cfg.n_embd,)
@@ -86,7 +122,7 @@ def init_param(name: str, shape: tuple[int, ...], cfg: GPTConfig, seed: int) -> 
     The generator is seeded by (seed, crc32(name)), so a parameter's values depend on nothing
     but its name: any layout slices its shard from the same full tensor and starts where the
     serial model starts. LayerNorm weights are 1, biases 0, weights N(0, 0.02), and the
-    residual output projections (``c_proj``) N(0, 0.02 / sqrt(2 L)).
+    residual output projections (``c_proj``, experts' too) N(0, 0.02 / sqrt(2 L)).
     """
     if name.endswith(".bias"):
         return np.zeros(shape)
@@ -136,9 +172,28 @@ def embed_backward(dx, cache) -> dict:
 SERIAL_ATTENTION = (L.attention_forward, L.attention_backward)
 
 
-def block_forward(p: dict, x, n_head: int, attention=SERIAL_ATTENTION):
+def mlp_forward(p: dict, h):
+    """GPT-2's MLP: gelu(h W_fc + b_fc) W_proj + b_proj."""
+    h, c_fc = L.linear_forward(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])  # (B, T, 4C)
+    h, gelu = L.gelu_forward(h)  # (B, T, 4C)
+    h, m_proj = L.linear_forward(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])  # (B, T, C)
+    return h, (c_fc, gelu, m_proj)
+
+
+def mlp_backward(dout, cache):
+    c_fc, gelu, m_proj = cache
+    g = {}
+    dh, g["mlp.c_proj.weight"], g["mlp.c_proj.bias"] = L.linear_backward(dout, m_proj)
+    dh = L.gelu_backward(dh, gelu)
+    dh, g["mlp.c_fc.weight"], g["mlp.c_fc.bias"] = L.linear_backward(dh, c_fc)
+    return dh, g
+
+
+def block_forward(p: dict, x, n_head: int, moe: M.MoEContext | None = None,
+                  attention=SERIAL_ATTENTION):
     """One pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.)).
 
+    With ``moe``, the MLP is a mixture of experts (refmp.nn.moe); its cache carries its loss.
     ``attention`` is the (forward, backward) pair of the attention core; context parallelism
     passes its own (refmp.parallel.context), everything else in the block stays per token.
     """
@@ -150,21 +205,22 @@ def block_forward(p: dict, x, n_head: int, attention=SERIAL_ATTENTION):
     a, a_proj = L.linear_forward(a, p["attn.c_proj.weight"], p["attn.c_proj.bias"])  # (B, T, C)
     x = x + a  # (B, T, C) residual
     h, ln2 = L.layernorm_forward(x, p["ln_2.weight"], p["ln_2.bias"])  # (B, T, C)
-    h, c_fc = L.linear_forward(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])  # (B, T, 4C)
-    h, gelu = L.gelu_forward(h)  # (B, T, 4C)
-    h, m_proj = L.linear_forward(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])  # (B, T, C)
+    h, mlp = mlp_forward(p, h) if moe is None else M.moe_forward(p, h, moe)  # (B, T, C)
     out = x + h  # (B, T, C) residual
-    return out, (ln1, c_attn, attn, a_proj, ln2, c_fc, gelu, m_proj)
+    return out, (ln1, c_attn, attn, a_proj, ln2, mlp)
 
 
-def block_backward(dout, cache):
-    """Mirror of block_forward; returns dx and the block's gradients (names inside the block)."""
-    ln1, c_attn, attn, a_proj, ln2, c_fc, gelu, m_proj = cache
-    g = {}
+def block_backward(dout, cache, dloss: float = 1.0):
+    """Mirror of block_forward; returns dx and the block's gradients (names inside the block).
+
+    ``dloss`` scales the gradient of an MoE layer's own losses (1 for the plain loss).
+    """
+    ln1, c_attn, attn, a_proj, ln2, mlp = cache
     # forward was: out = x + h   (the residual passes dout to both branches)
-    dh, g["mlp.c_proj.weight"], g["mlp.c_proj.bias"] = L.linear_backward(dout, m_proj)
-    dh = L.gelu_backward(dh, gelu)
-    dh, g["mlp.c_fc.weight"], g["mlp.c_fc.bias"] = L.linear_backward(dh, c_fc)
+    if isinstance(mlp, M.MoECache):
+        dh, g = M.moe_backward(dout, mlp, dloss)
+    else:
+        dh, g = mlp_backward(dout, mlp)
     dx, g["ln_2.weight"], g["ln_2.bias"] = L.layernorm_backward(dh, ln2)
     dx += dout
     # forward was: x = x + a
@@ -185,7 +241,10 @@ def block_backward(dout, cache):
 
 def block_backward_input(dout, cache):
     """B pass: returns dx, the LayerNorm gradients, and what the W pass needs (dout per linear)."""
-    ln1, c_attn, attn, a_proj, ln2, c_fc, gelu, m_proj = cache
+    ln1, c_attn, attn, a_proj, ln2, mlp = cache
+    if isinstance(mlp, M.MoECache):
+        raise ValueError("the zero-bubble B/W split is written for the dense MLP, not MoE")
+    c_fc, gelu, m_proj = mlp
     g, w_todo = {}, []  # w_todo: (name, dout of that linear, its cache)
     # forward was: out = x + h
     w_todo.append(("mlp.c_proj", dout, m_proj))
@@ -255,15 +314,25 @@ class GPT:
     def num_params(self) -> int:
         return sum(math.prod(s) for s in param_shapes(self.cfg).values())  # also when sharded
 
-    def forward(self, idx, targets=None, denom=None):
-        """(loss, cache) given targets (B, T); (logits, None) without them."""
+    def forward(self, idx, targets=None, denom=None, stats_comm=None, dispatch=None):
+        """(loss, cache) given targets (B, T); (logits, None) without them.
+
+        MoE only: ``stats_comm`` sums the routing statistics over the ranks that share the
+        global batch (dp); ``dispatch`` says where the experts run (default: all here).
+        """
         cfg = self.cfg
+        if targets is not None and denom is None:
+            denom = idx.size  # the loss is the mean over these tokens
+        moe = cfg.moe_context(denom if targets is not None else None, stats_comm, dispatch)
         x, emb = embed_forward(self.params, idx)  # (B, T, C)
         blocks = []
         for i in range(cfg.n_layer):
-            x, c = block_forward(block_params(self.params, i), x, cfg.n_head)
+            x, c = block_forward(block_params(self.params, i), x, cfg.n_head,
+                                 moe if cfg.is_moe(i) else None)
             blocks.append(c)
         out, head = head_forward(self.params, x, targets, denom)
+        if targets is not None and cfg.n_expert:
+            out = out + sum(c[-1].loss for c in blocks if isinstance(c[-1], M.MoECache))
         return out, (emb, blocks, head)
 
     def backward(self, cache, dloss=1.0, on_ready=None) -> None:
@@ -279,7 +348,7 @@ class GPT:
         self._accumulate(g)
         ready([k for k in g if k != "wte.weight"])  # wte waits for the embedding's share
         for i in reversed(range(self.cfg.n_layer)):
-            dx, g = block_backward(dx, blocks[i])
+            dx, g = block_backward(dx, blocks[i], dloss)
             self._accumulate({f"h.{i}.{k}": v for k, v in g.items()})
             ready([f"h.{i}.{k}" for k in g])
         g = embed_backward(dx, emb)
@@ -293,7 +362,18 @@ class GPT:
         for k, v in g.items():
             self.grads[k] = v if self.grads[k] is None else self.grads[k] + v
 
-    def generate(self, idx, max_new_tokens: int):
+    @staticmethod
+    def moe_stats(cache) -> dict:
+        """The MoE layers' global routing statistics of a forward (empty for a dense model)."""
+        layers = [c[-1].stats for c in cache[1] if isinstance(c[-1], M.MoECache)]
+        if not layers:
+            return {}
+        return {"moe": {"tokens_per_expert": [s["tokens_per_expert"] for s in layers],
+                        "dropped": [s["dropped"] for s in layers],
+                        "aux_loss": sum(s["aux_loss"] for s in layers),
+                        "z_loss": sum(s["z_loss"] for s in layers)}}
+
+    def generate(self, idx, max_new_tokens: int, dispatch=None):
         """Greedy decoding: append the most likely next token, max_new_tokens times.
 
         Recomputes the whole prefix each step (no KV cache): simple, and fine for the short
@@ -302,7 +382,7 @@ class GPT:
         xp = backend.array_module(idx)
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.cfg.block_size :]
-            logits, _ = self.forward(ctx)
+            logits, _ = self.forward(ctx, dispatch=dispatch)
             nxt = logits[:, -1, :].argmax(axis=-1)  # (B,)
             idx = xp.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
         return idx

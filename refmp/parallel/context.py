@@ -128,7 +128,7 @@ class ContextParallel:
         h, emb = gpt.embed_forward(p, x, positions=self.positions)  # (b, Tl, C) global positions
         blocks = []
         for i in range(self.model.cfg.n_layer):
-            h, c = gpt.block_forward(gpt.block_params(p, i), h, n_head, attention)  # (b, Tl, C)
+            h, c = gpt.block_forward(gpt.block_params(p, i), h, n_head, attention=attention)  # (b, Tl, C)
             blocks.append(c)
         self.attn_bytes = sum(nbytes_of(c[2][1]) for c in blocks)  # the attention caches
         loss, head = gpt.head_forward(p, h, y, denom)  # my tokens' loss sum / (B*T): a share

@@ -68,10 +68,9 @@ def ready_order(cfg) -> list[str]:
     """Parameter names in the order GPT.backward completes their gradients."""
     from refmp.nn.gpt import block_param_shapes
 
-    block = list(block_param_shapes(cfg))
     names = ["ln_f.weight", "ln_f.bias"]
     for i in reversed(range(cfg.n_layer)):
-        names += [f"h.{i}.{k}" for k in block]
+        names += [f"h.{i}.{k}" for k in block_param_shapes(cfg, i)]  # MoE blocks differ
     return names + ["wte.weight", "wpe.weight"]
 
 
@@ -209,7 +208,8 @@ class DataParallel:
         for m, (xm, ym) in enumerate(split_microbatches(x, y, self.M)):
             last = m == self.M - 1
             t = self.timeline.now()
-            loss, cache = self.model.forward(xm, ym, denom)  # (b/M, T) rows -> a loss share
+            # (b/M, T) rows -> a loss share; MoE routing statistics are summed over dp
+            loss, cache = self.model.forward(xm, ym, denom, stats_comm=self.dp)
             self.timeline.add("compute", f"forward mb{m}", t, self.timeline.now())
             self.peak_activations = max(self.peak_activations,
                                         activation_bytes(cache, self.model.params.values()))
@@ -219,6 +219,7 @@ class DataParallel:
             if hook is None:
                 self.timeline.add("compute", f"backward mb{m}", self._t, self.timeline.now())
             share += float(loss)
+            self.stats = self.model.moe_stats(cache)  # {} for a dense model
         return share
 
     def _start_ready_buckets(self, names: list[str]) -> None:
