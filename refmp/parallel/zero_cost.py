@@ -72,3 +72,33 @@ def comm_per_step(cfg: GPTConfig, dp: int, stage: int, microbatches: int = 1,
     blocks = sum(s for u, s in sizes.items() if u.startswith("h."))
     gathered = 2 * sizes["embed"] + 2 * blocks + sizes["ln_f"]
     return {"reduce_scatter": M * itemsize * n_pad, "allgather": M * itemsize * gathered}
+
+
+# --- ZeRO 1/2 over a tp or pp runner (refmp.parallel.zero_compose) --------------------------
+# One unit: the n elements a rank holds (its tp shards, or its pipeline stage's parameters),
+# padded to n' = a multiple of dp. Per rank: params b n', grads b n' (stage 1) or b n'/dp
+# (stage 2), optimizer 2 b n'/dp; per step, over dp: reduce-scatter b n' + all-gather b n'
+# (replacing the runner's all-reduce of b n), once per step at either stage.
+
+
+def tp_local_numel(cfg: GPTConfig, tp: int) -> int:
+    """Elements one tensor-parallel rank holds (refmp.parallel.tensor_runner's splits)."""
+    C, V = cfg.n_embd, cfg.vocab_size
+    Vp = -(-V // tp) * tp  # the vocabulary padded to a multiple of tp (vocab.padded_vocab)
+    block = (3 * C * C + 3 * C + C * C + 4 * C * C + 4 * C + 4 * C * C) // tp  # split ones
+    block += 2 * C + 2 * C + C + C  # replicated: ln_1, ln_2, the two c_proj biases
+    return Vp * C // tp + cfg.block_size * C + cfg.n_layer * block + 2 * C
+
+
+def sharded_memory_per_rank(n_local: int, dp: int, stage: int, itemsize: int = 4) -> dict:
+    """Bytes of params, grads and AdamW state per rank, ZeRO 1/2 over a runner's n_local."""
+    n_pad = padded(n_local, dp)
+    return {"params": itemsize * n_pad,
+            "grads": itemsize * (n_pad if stage == 1 else n_pad // dp),
+            "optimizer": 2 * itemsize * n_pad // dp}
+
+
+def sharded_comm_per_step(n_local: int, dp: int, itemsize: int = 4) -> dict[str, int]:
+    """Ledger bytes per step over dp, ZeRO 1/2 over a runner's n_local (no all-reduce)."""
+    n_pad = padded(n_local, dp)
+    return {"reduce_scatter": itemsize * n_pad, "allgather": itemsize * n_pad, "allreduce": 0}
