@@ -22,7 +22,8 @@ from refmp.checkpoint import read_tensors
 from refmp.data import Dataset
 from refmp.grid import ProcessGrid
 from refmp.nn import GPTConfig, gpt
-from refmp.parallel.tensor_runner import shard
+from refmp.parallel.tensor import cache_bytes
+from refmp.parallel.tensor_runner import TensorParallel, shard
 from refmp.parallel.zero_compose import ShardedOptimizer
 from refmp.parallel.zero_cost import (
     sharded_comm_per_step,
@@ -118,6 +119,13 @@ def check(cfg, axis, serial, par):
     mem, want = par.memory(), sharded_memory_per_rank(n_local, 2, cfg.zero, itemsize=8)
     for kind in ("params", "grads", "optimizer"):
         bad.check(np.testing.assert_equal, mem[kind], want[kind], err_msg=f"{kind} bytes")
+    if axis == "tp":  # activations: as plain tp's on one micro-batch (the flat buffer is no
+        # activation, though the caches hold views of it)
+        plain = TensorParallel(serial.model, grid, cfg.sequence_parallel, cfg.microbatches)
+        x = np.zeros((cfg.batch_size // (2 * cfg.microbatches), mcfg.block_size), np.int64)
+        _, cache = plain.forward(x, x.copy(), 1)  # collective over tp
+        bad.check(np.testing.assert_equal, mem["activations"],
+                  cache_bytes(cache, plain.params.values()), err_msg="activation bytes")
     # dp communication: reduce-scatter + all-gather replace the all-reduce, each step
     want = sharded_comm_per_step(n_local, 2, itemsize=8)
     for op, got in sent.items():
