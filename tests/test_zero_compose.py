@@ -60,24 +60,30 @@ def stage_numel(run: ShardedOptimizer, cfg: GPTConfig, pp_rank: int, pp: int) ->
 @settings(max_examples=8, phases=[Phase.explicit, Phase.generate], deadline=None)
 @given(axis=st.sampled_from(["tp", "pp"]), zero=st.sampled_from([1, 2]),
        M=st.sampled_from([1, 2]), sp=st.booleans(),
-       schedule=st.sampled_from(["gpipe", "1f1b", "zb-h1"]), hs=st.integers(1, 3),
+       schedule=st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved"]), hs=st.integers(1, 3),
        V=st.integers(3, 13), T=st.sampled_from([2, 4]), clip=st.sampled_from([0.0, 0.05, 10.0]),
        seed=st.integers(0, 99))
 @example(axis="tp", zero=1, M=1, sp=False, schedule="1f1b", hs=2, V=11, T=4, clip=0.05, seed=1)
 @example(axis="tp", zero=2, M=2, sp=True, schedule="1f1b", hs=3, V=7, T=4, clip=0.05, seed=2)
 @example(axis="pp", zero=1, M=2, sp=False, schedule="1f1b", hs=2, V=11, T=4, clip=0.05, seed=3)
 @example(axis="pp", zero=2, M=2, sp=False, schedule="zb-h1", hs=3, V=5, T=2, clip=0.05, seed=4)
+@example(axis="pp", zero=1, M=2, sp=False, schedule="interleaved", hs=1, V=6, T=2, clip=0.05,
+         seed=5)
 @collective
 def test_zero_over_tp_and_pp_equals_serial(axis, zero, M, sp, schedule, hs, V, T, clip, seed):
-    n_head, n_layer, dp = 2, 2, 2
+    n_head, n_layer, dp, v = 2, 2, 2, 1
+    if axis == "pp" and schedule == "interleaved":  # 2 chunks per pipeline rank
+        n_layer, v, M = 4, 2, 2
     cfg = TrainConfig(n_layer=n_layer, n_head=n_head, n_embd=n_head * hs, block_size=T,
                       batch_size=dp * M * 2, steps=3, lr=0.01, warmup_steps=1, grad_clip=clip,
                       dtype="float64", seed=seed, progress=False, zero=zero, microbatches=M,
                       tp=2 if axis == "tp" else 1, pp=2 if axis == "pp" else 1,
-                      sequence_parallel=sp and axis == "tp", schedule=schedule)
+                      sequence_parallel=sp and axis == "tp", schedule=schedule,
+                      virtual_stages=v)
     ds = Dataset(np.random.default_rng(seed).integers(0, V, 120), V, "random")
     serial = Trainer(dataclasses.replace(cfg, zero=0, microbatches=1, tp=1, pp=1,
-                                         sequence_parallel=False, schedule="1f1b"),
+                                         sequence_parallel=False, schedule="1f1b",
+                                         virtual_stages=1),
                      grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
     par = Trainer(cfg, grid=ProcessGrid(MPI.COMM_WORLD, tp=cfg.tp, pp=cfg.pp), dataset=ds)
     try:
