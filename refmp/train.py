@@ -152,10 +152,14 @@ def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
             raise ConfigError("--tp with --pp or --cp: not implemented yet")
         from refmp.parallel.tensor_runner import TensorParallel, check_tensor_parallel
 
-        check_zero_composes(cfg.zero, "--tp")
         check_tensor_parallel(model.cfg.n_head, grid.sizes["tp"],
                               cfg.block_size or model.cfg.block_size, cfg.sequence_parallel)
-        return with_zero(TensorParallel(model, grid, cfg.sequence_parallel, cfg.microbatches))
+        tp = TensorParallel(model, grid, cfg.sequence_parallel, cfg.microbatches)
+        if cfg.zero == 3:  # each tp shard sharded over dp, gathered unit by unit
+            from refmp.parallel.zero3_tensor import ZeRO3Tensor
+
+            return ZeRO3Tensor(tp, model, grid)
+        return with_zero(tp)
     if grid.sizes["pp"] > 1:
         if grid.sizes["cp"] > 1:
             raise ConfigError("--pp > 1 with --cp: not implemented yet")

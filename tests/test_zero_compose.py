@@ -1,5 +1,5 @@
-"""ZeRO 1/2 composed with tensor parallelism (tp 2 x dp 2) and pipeline parallelism (pp 2 x
-dp 2) equals the serial run (float64), under real MPI on 4 ranks.
+"""ZeRO 1/2/3 composed with tensor parallelism (tp 2 x dp 2) and ZeRO 1/2 with pipeline
+parallelism (pp 2 x dp 2) equal the serial run (float64), under real MPI on 4 ranks.
 
 Every rank trains the serial model itself (COMM_SELF) next to the composed one. A rank holds
 its tp shards (or its stage's parameters), and of those only its dp slice of the gradients
@@ -24,11 +24,15 @@ from refmp.grid import ProcessGrid
 from refmp.nn import GPTConfig, gpt
 from refmp.parallel.tensor import cache_bytes
 from refmp.parallel.tensor_runner import TensorParallel, shard
+from refmp.parallel.zero3_tensor import ZeRO3Tensor
 from refmp.parallel.zero_compose import ShardedOptimizer
 from refmp.parallel.zero_cost import (
     sharded_comm_per_step,
     sharded_memory_per_rank,
+    stage3_comm_per_step,
+    stage3_memory_per_rank,
     tp_local_numel,
+    tp_unit_sizes,
 )
 from refmp.train import TrainConfig, Trainer
 
@@ -40,8 +44,8 @@ def local_of(run: ShardedOptimizer, full: dict, axis: str, tp_comm) -> dict:
     """The serial arrays cut as the inner runner holds them (its tp shards / its stage's)."""
     inner = run.inner
     if axis == "tp":
-        return {k: shard(k, full[k], tp_comm.rank, tp_comm.size, inner.V_pad)
-                for k in inner.params}
+        return {k: shard(k, v, tp_comm.rank, tp_comm.size, inner.V_pad)
+                for k, v in full.items()}  # every parameter has a tp shard
     return {k: full[k] for k in inner.params}
 
 
@@ -58,19 +62,22 @@ def stage_numel(run: ShardedOptimizer, cfg: GPTConfig, pp_rank: int, pp: int) ->
 @pytest.mark.mpi
 @pytest.mark.parallel(nprocs=4)
 @settings(max_examples=8, phases=[Phase.explicit, Phase.generate], deadline=None)
-@given(axis=st.sampled_from(["tp", "pp"]), zero=st.sampled_from([1, 2]),
+@given(layout=st.sampled_from([("tp", 1), ("tp", 2), ("tp", 3), ("pp", 1), ("pp", 2)]),
        M=st.sampled_from([1, 2]), sp=st.booleans(),
        schedule=st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved"]), hs=st.integers(1, 3),
        V=st.integers(3, 13), T=st.sampled_from([2, 4]), clip=st.sampled_from([0.0, 0.05, 10.0]),
        seed=st.integers(0, 99))
-@example(axis="tp", zero=1, M=1, sp=False, schedule="1f1b", hs=2, V=11, T=4, clip=0.05, seed=1)
-@example(axis="tp", zero=2, M=2, sp=True, schedule="1f1b", hs=3, V=7, T=4, clip=0.05, seed=2)
-@example(axis="pp", zero=1, M=2, sp=False, schedule="1f1b", hs=2, V=11, T=4, clip=0.05, seed=3)
-@example(axis="pp", zero=2, M=2, sp=False, schedule="zb-h1", hs=3, V=5, T=2, clip=0.05, seed=4)
-@example(axis="pp", zero=1, M=2, sp=False, schedule="interleaved", hs=1, V=6, T=2, clip=0.05,
+@example(layout=("tp", 1), M=1, sp=False, schedule="1f1b", hs=2, V=11, T=4, clip=0.05, seed=1)
+@example(layout=("tp", 2), M=2, sp=True, schedule="1f1b", hs=3, V=7, T=4, clip=0.05, seed=2)
+@example(layout=("tp", 3), M=1, sp=False, schedule="1f1b", hs=2, V=11, T=4, clip=0.05, seed=6)
+@example(layout=("tp", 3), M=2, sp=True, schedule="1f1b", hs=3, V=7, T=4, clip=0.05, seed=7)
+@example(layout=("pp", 1), M=2, sp=False, schedule="1f1b", hs=2, V=11, T=4, clip=0.05, seed=3)
+@example(layout=("pp", 2), M=2, sp=False, schedule="zb-h1", hs=3, V=5, T=2, clip=0.05, seed=4)
+@example(layout=("pp", 1), M=2, sp=False, schedule="interleaved", hs=1, V=6, T=2, clip=0.05,
          seed=5)
 @collective
-def test_zero_over_tp_and_pp_equals_serial(axis, zero, M, sp, schedule, hs, V, T, clip, seed):
+def test_zero_over_tp_and_pp_equals_serial(layout, M, sp, schedule, hs, V, T, clip, seed):
+    axis, zero = layout
     n_head, n_layer, dp, v = 2, 2, 2, 1
     if axis == "pp" and schedule == "interleaved":  # 2 chunks per pipeline rank
         n_layer, v, M = 4, 2, 2
@@ -96,7 +103,7 @@ def test_zero_over_tp_and_pp_equals_serial(axis, zero, M, sp, schedule, hs, V, T
 
 def check(cfg, axis, serial, par):
     run, grid, bad = par.runner, par.grid, Mismatches()
-    assert isinstance(run, ShardedOptimizer)
+    assert isinstance(run, ZeRO3Tensor if cfg.zero == 3 else ShardedOptimizer)
     for s in range(cfg.steps):
         a, b = serial.step(), par.step()
         bad.check(close, b["loss"], a["loss"], **TOL, err_msg=f"loss at step {s}")
@@ -110,7 +117,7 @@ def check(cfg, axis, serial, par):
             bad.check(close, run.params[k], want_p[k], **TOL, err_msg=f"weight {k} after {s}")
         # and the runner computes on the full local arrays, all-gathered over dp
         want_local = local_of(run, serial.model.params, axis, grid.comm["tp"])
-        for k, v in run.inner.params.items():
+        for k, v in run.inner.params.items():  # (stage 3: none, they are freed)
             bad.check(close, v, want_local[k], **TOL, err_msg=f"local weight {k} after {s}")
     led = grid.ledger
     sent = {op: led.bytes(op, "dp") for op in ("allreduce", "reduce_scatter", "allgather")}
@@ -123,6 +130,8 @@ def check(cfg, axis, serial, par):
     n_local = (tp_local_numel(mcfg, 2) if axis == "tp"
                else stage_numel(run, mcfg, grid.coords["pp"], 2))
     mem, want = par.memory(), sharded_memory_per_rank(n_local, 2, cfg.zero, itemsize=8)
+    if cfg.zero == 3:  # each unit of the tp shards padded to a multiple of dp, then / dp
+        want = stage3_memory_per_rank(tp_unit_sizes(mcfg, 2), 2, itemsize=8)
     for kind in ("params", "grads", "optimizer"):
         bad.check(np.testing.assert_equal, mem[kind], want[kind], err_msg=f"{kind} bytes")
     if axis == "tp":  # activations: as plain tp's on one micro-batch (the flat buffer is no
@@ -134,8 +143,11 @@ def check(cfg, axis, serial, par):
                   cache_bytes(cache, plain.params.values()), err_msg="activation bytes")
     # dp communication: reduce-scatter + all-gather replace the all-reduce, each step
     want = sharded_comm_per_step(n_local, 2, itemsize=8)
+    if cfg.zero == 3:  # per micro-batch: reduce-scatter every unit, gather embed/blocks twice
+        want = stage3_comm_per_step(tp_unit_sizes(mcfg, 2), 2, cfg.microbatches, itemsize=8)
     for op, got in sent.items():
-        bad.check(np.testing.assert_equal, got, cfg.steps * want[op], err_msg=f"{op}@dp bytes")
+        bad.check(np.testing.assert_equal, got, cfg.steps * want.get(op, 0),
+                  err_msg=f"{op}@dp bytes")
     bad.assert_none()
 
 
@@ -154,6 +166,8 @@ COMMON = ["train", "--n-embd", "8", "--n-layer", "2", "--n-head", "2", "--steps"
 
 @pytest.mark.cli
 @pytest.mark.parametrize("layout", [["--zero", "1", "--tp", "2", "--dp", "2"],
+                                    ["--zero", "3", "--tp", "2", "--dp", "2",
+                                     "--sequence-parallel", "--microbatches", "2"],
                                     ["--zero", "2", "--pp", "2", "--dp", "2",
                                      "--microbatches", "2"]])
 def test_cli_trains_and_saves_the_full_model(layout, tmp_path):
@@ -171,10 +185,9 @@ def test_cli_trains_and_saves_the_full_model(layout, tmp_path):
 
 @pytest.mark.cli
 @pytest.mark.parametrize("args, message", [
-    (["--zero", "3", "--tp", "2"], "--zero 3 with --tp: not implemented"),
     (["--zero", "3", "--pp", "2", "--n-layer", "2"], "--zero 3 with --pp: not implemented"),
 ])
-def test_zero3_over_tp_or_pp_is_refused(args, message):
+def test_zero3_over_pp_is_refused(args, message):
     r = refmp(4, ["train", "--n-embd", "8", "--steps", "1", "--no-progress", *args], timeout=60)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr

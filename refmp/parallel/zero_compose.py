@@ -41,11 +41,12 @@ from refmp.parallel.zero import Unit, decay_names
 
 
 def check_zero_composes(stage: int, axis: str) -> None:
-    """Refuse ZeRO stage 3 over tp/pp (same answer on every rank, before any communication)."""
+    """Refuse ZeRO stage 3 over pp (same answer on every rank, before any communication);
+    over tp it is refmp.parallel.zero3_tensor."""
     if stage == 3:
         raise ConfigError(f"--zero 3 with {axis}: not implemented (stage 3 would all-gather "
-                          f"each layer's shards over dp inside the {axis} runner's forward and "
-                          f"backward); use --zero 1 or 2 with {axis}")
+                          f"each layer's weights over dp inside the pipeline's forward and "
+                          f"backward actions); use --zero 1 or 2 with {axis}")
 
 
 class ShardedOptimizer:
