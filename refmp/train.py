@@ -158,20 +158,31 @@ def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.bucket_mb < 0:
         raise ConfigError(f"--bucket-mb must be >= 0, got {cfg.bucket_mb}")
+    from refmp.parallel.zero_compose import ShardedOptimizer, check_zero_composes
+
+    def with_zero(runner):  # ZeRO 1/2 over what the tp / pp runner holds (zero_compose.py)
+        return ShardedOptimizer(runner, grid, cfg.zero) if cfg.zero else runner
+
     if grid.sizes["tp"] > 1 or cfg.sequence_parallel:
-        if grid.sizes["pp"] > 1 or grid.sizes["cp"] > 1 or cfg.zero:
-            raise ConfigError("--tp with --pp, --cp or --zero: not implemented yet")
+        if grid.sizes["pp"] > 1 or grid.sizes["cp"] > 1:
+            raise ConfigError("--tp with --pp or --cp: not implemented yet")
         from refmp.parallel.tensor_runner import TensorParallel, check_tensor_parallel
 
         check_tensor_parallel(model.cfg.n_head, grid.sizes["tp"],
                               cfg.block_size or model.cfg.block_size, cfg.sequence_parallel)
-        return TensorParallel(model, grid, cfg.sequence_parallel, cfg.microbatches)
+        tp = TensorParallel(model, grid, cfg.sequence_parallel, cfg.microbatches)
+        if cfg.zero == 3:  # each tp shard sharded over dp, gathered unit by unit
+            from refmp.parallel.zero3_tensor import ZeRO3Tensor
+
+            return ZeRO3Tensor(tp, model, grid)
+        return with_zero(tp)
     if grid.sizes["pp"] > 1:
-        if cfg.zero or grid.sizes["cp"] > 1:
-            raise ConfigError("--pp > 1 with --zero or --cp: not implemented yet")
+        if grid.sizes["cp"] > 1:
+            raise ConfigError("--pp > 1 with --cp: not implemented yet")
         from refmp.parallel.pipeline.runner import PipelineParallel
 
-        return PipelineParallel(model, grid, cfg)
+        check_zero_composes(cfg.zero, "--pp")
+        return with_zero(PipelineParallel(model, grid, cfg))
     if cfg.trace:
         raise ConfigError("--trace records a pipeline's timeline: it needs --pp > 1")
     if grid.sizes["cp"] > 1:

@@ -184,7 +184,13 @@ def cache_bytes(cache, exclude=()) -> int:
     Views count as the buffer they look into (q, k and v are views of c_attn's output), and
     each buffer once: this is the activation memory the cache holds until backward.
     """
-    skip = {id(a) for a in exclude}
+    def root_of(a):
+        while getattr(a, "base", None) is not None:
+            a = a.base
+        return a
+
+    # parameters, and the buffers they are views of (ZeRO keeps them in one flat buffer)
+    skip = {id(a) for a in exclude} | {id(root_of(a)) for a in exclude}
     seen: dict[int, int] = {}
 
     def walk(obj):
@@ -194,9 +200,7 @@ def cache_bytes(cache, exclude=()) -> int:
         elif hasattr(obj, "nbytes") and hasattr(obj, "base"):
             if id(obj) in skip:
                 return
-            root = obj
-            while getattr(root, "base", None) is not None:
-                root = root.base
+            root = root_of(obj)
             if id(root) not in skip:
                 seen[id(root)] = int(root.nbytes)
 

@@ -134,6 +134,7 @@ class TensorParallel:
         self.replicated = [k for k in self.params if split_of(k) is None]
         self.grads: dict = {k: None for k in self.params}
         self.peak_activations = 0  # most bytes one micro-batch's caches held (memory report)
+        self.reduce_dp = True  # False under ZeRO (zero_compose.py): it reduce-scatters over dp
 
     def batch_rows(self, B: int) -> slice:
         if self.M < 1 or B % (self.dp.size * self.M):
@@ -199,13 +200,16 @@ class TensorParallel:
             flat = flatten(arrays)  # (replicated parameters,)
             self.tp.allreduce(flat)
             unflatten_into(flat, arrays)
-        allreduce_grads(self.grads, self.dp)  # then the usual sum over data-parallel ranks
+        if self.reduce_dp:
+            allreduce_grads(self.grads, self.dp)  # then the usual sum over data-parallel ranks
 
-    def grad_sum_sq(self, local: float) -> float:
+    def grad_sum_sq(self, local: float, grads: dict | None = None) -> float:
         """Shards' squares summed over tp; replicated gradients (identical on every tp rank)
-        counted once. ``local`` mixes the two, so the split is recomputed here."""
-        repl = sum(float((self.grads[k] ** 2).sum()) for k in self.replicated)
-        sharded = sum(float((g ** 2).sum()) for k, g in self.grads.items() if split_of(k))
+        counted once. ``local`` mixes the two, so the split is recomputed here, over
+        ``grads`` (default: this rank's; ZeRO passes its dp shard's pieces, by name)."""
+        grads = self.grads if grads is None else grads
+        repl = sum(float((g ** 2).sum()) for k, g in grads.items() if not split_of(k))
+        sharded = sum(float((g ** 2).sum()) for k, g in grads.items() if split_of(k))
         return self.tp.allreduce_scalar(sharded) + repl
 
     def loss_total(self, share: float) -> float:

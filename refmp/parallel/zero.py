@@ -71,6 +71,10 @@ class Unit:
             v[...] = arrays[k]
         return flat
 
+    def shard_of(self, arrays: dict, xp, dtype) -> dict:
+        """This rank's pieces of full, named ``arrays`` (e.g. a serial run's gradients)."""
+        return self.pieces(self.flatten(arrays, xp, dtype)[self.lo : self.hi])
+
     def pieces(self, shard) -> dict:
         """This rank's elements of each parameter (and of the padding) as views of ``shard``."""
         out = {}
@@ -80,6 +84,12 @@ class Unit:
             if a < b:
                 out[k] = shard[a - self.lo : b - self.lo]  # (b-a,) flat piece
         return out
+
+
+def decay_names(pieces: dict, shapes: dict) -> set[str]:
+    """The pieces that get weight decay: those of parameters whose own ndim >= 2 (a flat
+    piece of a matrix is 1-D but is decayed; biases, gains and the padding are not)."""
+    return {k for k in pieces if k in shapes and len(shapes[k]) >= 2}
 
 
 class WeightRef:
@@ -138,7 +148,7 @@ class ZeRO:
         for u, U in self.units.items():
             self._params.update(U.pieces(pshards[u]))
             self._grads.update(U.pieces(gshards[u]))
-        self.decay = {k for k in self._params if k in shapes and len(shapes[k]) >= 2}
+        self.decay = decay_names(self._params, shapes)
         self.peak_activations = 0
 
     @property
@@ -153,7 +163,7 @@ class ZeRO:
         """This rank's pieces of a full, named dict (e.g. the serial model's gradients)."""
         out = {}
         for U in self.units.values():
-            out.update(U.pieces(U.flatten(full, self.xp, self.dtype)[U.lo : U.hi]))
+            out.update(U.shard_of(full, self.xp, self.dtype))
         return out
 
     def batch_rows(self, B: int) -> slice:

@@ -67,6 +67,7 @@ class PipelineParallel:
         self.stage = Stage({k: model.params[k] for k in names}, chunks, self.S, m.n_head)
         self.exe = Executor(self.stage, self.pp, m.n_embd, model.params[WTE].dtype)
         self.actions = schedule(cfg.schedule, P, M, r, V)
+        self.reduce_dp = True  # False under ZeRO (zero_compose.py): it reduce-scatters over dp
 
     @property
     def params(self) -> dict:
@@ -96,12 +97,15 @@ class PipelineParallel:
             theirs = self.pp.recv(mine.shape, mine.dtype, other, tag=TIED_TAG)
             wait(req)
             mine += theirs  # a + b == b + a exactly: both ends hold the same sum
-        allreduce_grads(self.grads, self.dp)  # sum over dp: now the global gradient
+        if self.reduce_dp:
+            allreduce_grads(self.grads, self.dp)  # sum over dp: now the global gradient
 
-    def grad_sum_sq(self, local: float) -> float:
-        """Sum the stages' squares over pp; wte counts once (not again on the last stage)."""
-        if self.last:
-            g = self.grads[WTE]
+    def grad_sum_sq(self, local: float, grads: dict | None = None) -> float:
+        """Sum the stages' squares over pp; wte counts once (not again on the last stage).
+        ``grads``: what ``local`` summed (default: this rank's; ZeRO: its dp shard's pieces)."""
+        grads = self.grads if grads is None else grads
+        if self.last and WTE in grads:
+            g = grads[WTE]
             local -= float((g * g).sum())
         return self.pp.allreduce_scalar(local)  # dp ranks hold replicas: not summed
 
