@@ -142,15 +142,16 @@ def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.bucket_mb < 0:
         raise ConfigError(f"--bucket-mb must be >= 0, got {cfg.bucket_mb}")
-    if grid.sizes["tp"] > 1 or cfg.sequence_parallel:
-        if grid.sizes["pp"] > 1 or grid.sizes["cp"] > 1 or cfg.zero:
-            raise ConfigError("--tp with --pp, --cp or --zero: not implemented yet")
+    tensor = grid.sizes["tp"] > 1 or cfg.sequence_parallel
+    if tensor and grid.sizes["pp"] == 1:
+        if grid.sizes["cp"] > 1 or cfg.zero:
+            raise ConfigError("--tp with --cp or --zero: not implemented yet")
         from refmp.parallel.tensor_runner import TensorParallel, check_tensor_parallel
 
         check_tensor_parallel(model.cfg.n_head, grid.sizes["tp"],
                               cfg.block_size or model.cfg.block_size, cfg.sequence_parallel)
         return TensorParallel(model, grid, cfg.sequence_parallel, cfg.microbatches)
-    if grid.sizes["pp"] > 1:
+    if grid.sizes["pp"] > 1:  # with --tp too: tensor-parallel stages (tp x pp)
         if cfg.zero or grid.sizes["cp"] > 1:
             raise ConfigError("--pp > 1 with --zero or --cp: not implemented yet")
         from refmp.parallel.pipeline.runner import PipelineParallel
