@@ -16,15 +16,22 @@ executor run either the serial model's pieces (refmp.nn.gpt) or Megatron's (tp x
   block's output is already sharded along T: Korthikanti et al. 2022, sec. 4.2), so SP also
   divides the pipeline's point-to-point bytes by tp.
 
-The zero-bubble split (B then W) exists for the serial pieces only (check_pipeline_tp).
+Zero bubble (Qi et al. 2023) splits each block's backward into B (the input gradient, which
+the previous stage waits for) and W (the weight gradients, deferred). For the tensor-parallel
+block the split keeps every collective, only moving some into W: a row-parallel layer's B
+does its g backward (identity, or SP's all-gather of dZ) and keeps dZ for W; a column-parallel
+layer's B computes dX = dY W_r^T and its f backward (all-reduce, or SP's reduce-scatter), and
+its W does SP's re-gather of X (Korthikanti sec. 4.2.3) just before dW = X^T dY. The tp ranks
+of a stage run the same W slots, so those all-gathers still pair up, and the ledger's totals
+equal the unsplit backward's.
 """
 
 from __future__ import annotations
 
 from refmp.backend import array_module
 from refmp.comm import Comm
-from refmp.errors import ConfigError
 from refmp.nn import gpt
+from refmp.nn import layers as L
 from refmp.parallel import tensor as tpl
 from refmp.parallel import vocab
 
@@ -66,6 +73,54 @@ class TensorPieces:
     def block_backward(self, dout, cache):
         return tpl.block_backward(dout, cache, self.comm)  # my shards' gradients
 
+    def block_backward_input(self, dout, cache):
+        """Zero bubble's B for tpl.block_backward: dx, LayerNorm and row-bias gradients, and
+        what W needs (name, kind, dout of that linear, its cache)."""
+        ln1, c_attn, attn, a_proj, ln2, c_fc, gelu, m_proj = cache
+        g, todo = {}, []
+        # forward was: out = x + h
+        dh, dz, g["mlp.c_proj.bias"] = self._row_input(dout, m_proj)  # (b, T, 4C/tp)
+        todo.append(("mlp.c_proj", "row", dz, m_proj))
+        dh = L.gelu_backward(dh, gelu)
+        todo.append(("mlp.c_fc", "column", dh, c_fc))
+        dx, g["ln_2.weight"], g["ln_2.bias"] = L.layernorm_backward(
+            self._column_input(dh, c_fc), ln2)  # like x
+        dx += dout
+        # forward was: x = x + a
+        da, dz, g["attn.c_proj.bias"] = self._row_input(dx, a_proj)  # (b, T, C/tp)
+        todo.append(("attn.c_proj", "row", dz, a_proj))
+        dqkv = L.attention_backward(da, attn)  # (b, T, 3C/tp)
+        todo.append(("attn.c_attn", "column", dqkv, c_attn))
+        dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(
+            self._column_input(dqkv, c_attn), ln1)
+        return dx + dh, g, todo
+
+    def block_backward_weight(self, todo) -> dict:
+        """Zero bubble's W: dW_r = X^T dY of the four linears (SP re-gathers X here)."""
+        g = {}
+        for name, kind, dout, ((x, w, has_bias), sp) in todo:
+            if kind == "column" and sp:
+                x = tpl.gather_from_sp(x, self.comm)  # (b, T, C_in): the SP re-gather
+            g[f"{name}.weight"], db = L.linear_backward_weight(dout, (x, w, has_bias))
+            if db is not None:  # column layers' biases (row biases were done in B)
+                g[f"{name}.bias"] = db
+        return g
+
+    def _row_input(self, dout, cache):
+        """B of a row-parallel layer: (dY_r (b, T, C_in/tp), dZ kept for W, db)."""
+        lin, sp = cache
+        db = dout.sum(axis=tuple(range(dout.ndim - 1)))  # (C_out,) partial over tp with SP
+        dz = tpl.reduce_scatter_to_sp_backward(dout, self.comm) if sp else dout  # g backward
+        return L.linear_backward_input(dz, lin), dz, db
+
+    def _column_input(self, dout, cache):
+        """B of a column-parallel layer: dX = sum_r dY_r W_r^T (f backward over tp)."""
+        lin, sp = cache
+        dx = L.linear_backward_input(dout, lin)  # (b, T, C_in) partial over tp
+        if sp:
+            return tpl.gather_from_sp_backward(dx, self.comm)  # (b, T/tp, C_in)
+        return tpl.copy_to_tp_backward(dx, self.comm)  # (b, T, C_in)
+
     def head_forward(self, p: dict, x, targets=None, denom=None):
         """Loss share (the same on every tp rank), or my logits (b, T, Vl) without targets."""
         if targets is None:
@@ -83,10 +138,3 @@ class TensorPieces:
         return vocab.argmax_forward(array_module(logits_last).ascontiguousarray(logits_last),
                                     self.comm)
 
-
-def check_pipeline_tp(schedule: str, tp: int) -> None:
-    """Refuse what tp x pp does not do (same answer on every rank, before communication)."""
-    if tp > 1 and schedule == "zb-h1":
-        raise ConfigError("--schedule zb-h1 with --tp > 1: not implemented (splitting the "
-                          "tensor-parallel backward into B and W would move its communication); "
-                          "use naive, gpipe, 1f1b or interleaved")

@@ -39,7 +39,7 @@ from refmp.parallel.pipeline.partition import (
     partition,
     piece_costs,
 )
-from refmp.parallel.pipeline.pieces import SerialPieces, TensorPieces, check_pipeline_tp
+from refmp.parallel.pipeline.pieces import SerialPieces, TensorPieces
 from refmp.parallel.pipeline.schedules import schedule
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
@@ -63,7 +63,6 @@ class PipelineParallel:
         self.m, self.v, self.name = M, V, cfg.schedule
         split = parse_stage_layers(cfg.stage_layers)
         check_pipeline(m.n_layer, P, M, cfg.schedule, V, split, cfg.batch_size // grid.dp)
-        check_pipeline_tp(cfg.schedule, self.tp.size)
         check_tensor_parallel(m.n_head, self.tp.size, cfg.block_size or m.block_size, self.sp)
         self.S = P * V
         blocks = partition(m.n_layer, self.S, piece_costs(m.n_embd, m.block_size, m.vocab_size),
