@@ -163,9 +163,10 @@ def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     def with_zero(runner):  # ZeRO 1/2 over what the tp / pp runner holds (zero_compose.py)
         return ShardedOptimizer(runner, grid, cfg.zero) if cfg.zero else runner
 
-    if grid.sizes["tp"] > 1 or cfg.sequence_parallel:
-        if grid.sizes["pp"] > 1 or grid.sizes["cp"] > 1:
-            raise ConfigError("--tp with --pp or --cp: not implemented yet")
+    tensor = grid.sizes["tp"] > 1 or cfg.sequence_parallel
+    if tensor and grid.sizes["pp"] == 1:
+        if grid.sizes["cp"] > 1:
+            raise ConfigError("--tp with --cp: not implemented yet")
         from refmp.parallel.tensor_runner import TensorParallel, check_tensor_parallel
 
         check_tensor_parallel(model.cfg.n_head, grid.sizes["tp"],
@@ -176,9 +177,11 @@ def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
 
             return ZeRO3Tensor(tp, model, grid)
         return with_zero(tp)
-    if grid.sizes["pp"] > 1:
+    if grid.sizes["pp"] > 1:  # with --tp too: tensor-parallel stages (tp x pp)
         if grid.sizes["cp"] > 1:
             raise ConfigError("--pp > 1 with --cp: not implemented yet")
+        if tensor and cfg.zero:
+            raise ConfigError("--zero with --tp and --pp together: not implemented yet")
         from refmp.parallel.pipeline.runner import PipelineParallel
 
         check_zero_composes(cfg.zero, "--pp")

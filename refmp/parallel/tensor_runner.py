@@ -30,6 +30,7 @@ M times as many calls:
 from __future__ import annotations
 
 from refmp import backend
+from refmp.comm import Comm
 from refmp.data import dp_rows
 from refmp.errors import ConfigError
 from refmp.nn.gpt import block_params
@@ -232,15 +233,20 @@ class TensorParallel:
 
     def full_params(self) -> dict | None:
         """The full model, unpadded, GPT-2 names, on world rank 0 (collective over tp)."""
-        out = {}
-        for k, v in self.params.items():
-            if split_of(k) is None:
-                out[k] = v
-                continue
-            axis = split_of(k)[0]
-            moved = backend.array_module(v).moveaxis(v, axis, 0)  # split axis first
-            got = self.tp.allgather(moved)  # (tp * n, ...) pieces in rank order
-            pieces = [backend.array_module(v).moveaxis(a, 0, axis)
-                      for a in got.reshape((self.tp.size, -1) + moved.shape[1:])]
-            out[k] = unshard(k, pieces, self.cfg.vocab_size)
+        out = gather_shards(self.params, self.tp, self.cfg.vocab_size)
         return out if self.grid.rank == 0 else None
+
+
+def gather_shards(params: dict, tp: Comm, V: int) -> dict:
+    """Every parameter of ``params`` whole, unpadded, on every tp rank (all-gathers over tp)."""
+    out = {}
+    for k, v in params.items():
+        if split_of(k) is None:
+            out[k] = v
+            continue
+        xp, axis = backend.array_module(v), split_of(k)[0]
+        moved = xp.moveaxis(v, axis, 0)  # split axis first
+        got = tp.allgather(xp.ascontiguousarray(moved))  # (tp * n, ...) pieces in rank order
+        pieces = [xp.moveaxis(a, 0, axis) for a in got.reshape((tp.size, -1) + moved.shape[1:])]
+        out[k] = unshard(k, pieces, V)
+    return out

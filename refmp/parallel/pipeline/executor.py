@@ -1,7 +1,8 @@
 """Interpret a rank's action list over MPI: one training step of a pipeline schedule.
 
 Shapes: b_i rows of micro-batch i, T time, C channels; pp ranks, S chunks (chunk c on rank
-c % pp).
+c % pp). With tensor and sequence parallelism (tp x pp) a boundary carries (b_i, T/tp, C)
+instead of (b_i, T, C) (pieces.py).
 
 Communication (on grid.comm["pp"]), implied by the chunk graph (schedules.py):
   after F(i, c), c < S-1: send the output (b_i, T, C) to rank (c+1) % pp   (an activation)
@@ -70,7 +71,7 @@ class Executor:
         self.events, self.peak_held = [], 0
         for a in actions:
             i, c = a.mb, a.chunk
-            shape = (xs[i].shape[0], xs[i].shape[1], self.C)  # (b_i, T, C)
+            shape = st.pieces.act_shape(*xs[i].shape, self.C)  # (b_i, T, C); T/tp with SP
             if a.kind == "F":
                 inp = xs[i] if c == 0 else self._recv(shape, i, c, grad=False)
                 t0 = time.perf_counter()
