@@ -143,10 +143,19 @@ def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
     if cfg.bucket_mb < 0:
         raise ConfigError(f"--bucket-mb must be >= 0, got {cfg.bucket_mb}")
     if grid.sizes["tp"] > 1 or cfg.sequence_parallel:
-        if grid.sizes["pp"] > 1 or grid.sizes["cp"] > 1 or cfg.zero:
-            raise ConfigError("--tp with --pp, --cp or --zero: not implemented yet")
+        if grid.sizes["pp"] > 1 or cfg.zero:
+            raise ConfigError("--tp with --pp or --zero: not implemented yet")
         from refmp.parallel.tensor_runner import TensorParallel, check_tensor_parallel
 
+        if grid.sizes["cp"] > 1:  # cp x tp (x dp): CP attention inside TP blocks
+            from refmp.parallel.context_tensor import ContextTensorParallel, check_context_tensor
+
+            T = cfg.block_size or model.cfg.block_size
+            check_tensor_parallel(model.cfg.n_head, grid.sizes["tp"], T, False)
+            check_context_tensor(model.cfg.n_head, grid.sizes["tp"], grid.sizes["cp"], T,
+                                 cfg.cp_algo, cfg.cp_balance, cfg.sequence_parallel)
+            return ContextTensorParallel(model, grid, T, cfg.cp_algo, cfg.cp_balance,
+                                         cfg.microbatches)
         check_tensor_parallel(model.cfg.n_head, grid.sizes["tp"],
                               cfg.block_size or model.cfg.block_size, cfg.sequence_parallel)
         return TensorParallel(model, grid, cfg.sequence_parallel, cfg.microbatches)
