@@ -78,7 +78,8 @@ def assert_ledger(tr: Trainer, cfg: TrainConfig) -> None:
     b, Tl, C = cfg.batch_size // tr.grid.dp, tr.T // cp, cfg.n_embd
     n_local = sum(int(v.size) for v in tr.runner.params.values())
     want = {("allreduce", "tp"): ((4 * L_ + 2) * b * Tl * C * w + 3 * b * Tl * w, (4 * L_ + 5) * M),
-            ("allreduce", "cp"): (n_local * w, 1)}
+            ("allreduce", "cp"): (n_local * w, 1),
+            ("allreduce", "dp"): ((n_local * w, 1) if tr.grid.dp > 1 else (0, 0))}
     if cfg.cp_algo == "ring":
         want["send", "cp"] = (L_ * 3 * (cp - 1) * 2 * b * Tl * (C // tp) * w, L_ * 3 * (cp - 1) * M)
     else:
@@ -87,17 +88,9 @@ def assert_ledger(tr: Trainer, cfg: TrainConfig) -> None:
     assert got == want, (got, want)
 
 
-@pytest.mark.mpi
-@pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("algo,balance,M", [(*LAYOUTS[0], 1), (*LAYOUTS[1], 2), (*LAYOUTS[2], 1)])
-@collective
-def test_cp_tp_training_equals_serial(algo, balance, M):
-    """cp=2 x tp=2: 3 AdamW steps with clipping that bites, vocab 7 (padded to 8)."""
-    cfg = TrainConfig(n_layer=2, n_head=4, n_embd=8, block_size=8, batch_size=2, steps=3,
-                      lr=0.02, warmup_steps=1, grad_clip=0.05, dtype="float64", seed=3,
-                      progress=False, cp=2, tp=2, cp_algo=algo, cp_balance=balance,
-                      microbatches=M)
-    ds = Dataset(np.random.default_rng(0).integers(0, 7, 200), 7, "random")
+def assert_same_run(cfg: TrainConfig) -> Trainer:
+    """cfg.steps steps, serial (COMM_SELF) and cp x tp x dp (COMM_WORLD), shard by shard."""
+    ds = Dataset(np.random.default_rng(0).integers(0, 7, 200), 7, "random")  # vocab 7: pad 8
     serial = Trainer(TrainConfig(**{**cfg.__dict__, "cp": 1, "tp": 1, "microbatches": 1}),
                      grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
     par = Trainer(cfg, dataset=ds)
@@ -120,6 +113,31 @@ def test_cp_tp_training_equals_serial(algo, balance, M):
             bad.check(close, full[k], v, **TOL, err_msg=f"gathered {k}")
     free(par)
     bad.assert_none()
+    return par
+
+
+def small_cfg(**kw) -> TrainConfig:
+    base = dict(n_layer=2, n_head=4, n_embd=8, block_size=8, batch_size=2, steps=3, lr=0.02,
+                warmup_steps=1, grad_clip=0.05, dtype="float64", seed=3, progress=False, cp=2,
+                tp=2)
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.mark.mpi
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("algo,balance,M", [(*LAYOUTS[0], 1), (*LAYOUTS[1], 2), (*LAYOUTS[2], 1)])
+@collective
+def test_cp_tp_training_equals_serial(algo, balance, M):
+    """cp=2 x tp=2: 3 AdamW steps with clipping that bites (grad_clip 0.05)."""
+    assert_same_run(small_cfg(cp_algo=algo, cp_balance=balance, microbatches=M))
+
+
+@pytest.mark.mpi
+@pytest.mark.parallel(nprocs=8)
+@collective
+def test_cp_tp_dp_training_equals_serial():
+    """cp=2 x tp=2 x dp=2 (8 ranks, oversubscribed): the same, gradients also summed over dp."""
+    assert assert_same_run(small_cfg(cp_algo="ring", batch_size=4)).grid.dp == 2
 
 
 # --- the command line ------------------------------------------------------------------------
