@@ -165,10 +165,19 @@ def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
 
     tensor = grid.sizes["tp"] > 1 or cfg.sequence_parallel
     if tensor and grid.sizes["pp"] == 1:
-        if grid.sizes["cp"] > 1:
-            raise ConfigError("--tp with --cp: not implemented yet")
+        if grid.sizes["cp"] > 1 and cfg.zero:
+            raise ConfigError("--zero with --tp and --cp together: not implemented yet")
         from refmp.parallel.tensor_runner import TensorParallel, check_tensor_parallel
 
+        if grid.sizes["cp"] > 1:  # cp x tp (x dp): CP attention inside TP blocks
+            from refmp.parallel.context_tensor import ContextTensorParallel, check_context_tensor
+
+            T = cfg.block_size or model.cfg.block_size
+            check_tensor_parallel(model.cfg.n_head, grid.sizes["tp"], T, False)
+            check_context_tensor(model.cfg.n_head, grid.sizes["tp"], grid.sizes["cp"], T,
+                                 cfg.cp_algo, cfg.cp_balance, cfg.sequence_parallel)
+            return ContextTensorParallel(model, grid, T, cfg.cp_algo, cfg.cp_balance,
+                                         cfg.microbatches)
         check_tensor_parallel(model.cfg.n_head, grid.sizes["tp"],
                               cfg.block_size or model.cfg.block_size, cfg.sequence_parallel)
         tp = TensorParallel(model, grid, cfg.sequence_parallel, cfg.microbatches)

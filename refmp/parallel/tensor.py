@@ -33,6 +33,7 @@ from __future__ import annotations
 from refmp.backend import array_module
 from refmp.comm import Comm
 from refmp.nn import layers as L
+from refmp.nn.gpt import SERIAL_ATTENTION
 
 # --- the f and g operators (Megatron fig. 3), as forward/backward pairs -------------------
 
@@ -132,17 +133,23 @@ def row_backward(dout, cache, comm: Comm):
 # --- one transformer block (the parallel twin of refmp.nn.gpt.block_forward) ----------------
 
 
-def block_forward(p: dict, x, n_head: int, comm: Comm, sp: bool = False):
+def block_forward(p: dict, x, n_head: int, comm: Comm, sp: bool = False,
+                  attention=SERIAL_ATTENTION):
     """Pre-LN block on this rank's shards; ``n_head`` is the global head count.
 
     x is (B, T, C) replicated over tp, or (B, T/tp, C) with sequence parallelism; the
     LayerNorms and residual adds run on it as they are (replicated, or sharded along T).
+    ``attention`` is the (forward, backward) pair of the attention core, run on this rank's
+    NH/tp heads, as in refmp.nn.gpt.block_forward: context parallelism passes its ring or
+    Ulysses attention (refmp.parallel.context_tensor).
     """
+    attn_forward, attn_backward = attention
     nh = n_head // comm.size  # heads on this rank
     h, ln1 = L.layernorm_forward(x, p["ln_1.weight"], p["ln_1.bias"])  # like x
     qkv, c_attn = column_forward(h, p["attn.c_attn.weight"], p["attn.c_attn.bias"], comm, sp)
     # qkv (B, T, 3C/tp) = [q | k | v] of my heads: attention needs no communication
-    a, attn = L.attention_forward(qkv, nh)  # (B, T, C/tp)
+    a, attn = attn_forward(qkv, nh)  # (B, T, C/tp)
+    attn = (attn_backward, attn)
     a, a_proj = row_forward(a, p["attn.c_proj.weight"], p["attn.c_proj.bias"], comm, sp)
     x = x + a  # residual, like x
     h, ln2 = L.layernorm_forward(x, p["ln_2.weight"], p["ln_2.bias"])
@@ -169,7 +176,8 @@ def block_backward(dout, cache, comm: Comm):
     dx += dout
     # forward was: x = x + a
     da, g["attn.c_proj.weight"], g["attn.c_proj.bias"] = row_backward(dx, a_proj, comm)
-    dqkv = L.attention_backward(da, attn)  # (B, T, 3C/tp)
+    attn_backward, attn = attn
+    dqkv = attn_backward(da, attn)  # (B, T, 3C/tp)
     dh, g["attn.c_attn.weight"], g["attn.c_attn.bias"] = column_backward(dqkv, c_attn, comm)
     dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(dh, ln1)
     return dx + dh, g

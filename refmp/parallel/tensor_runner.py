@@ -33,7 +33,7 @@ from refmp import backend
 from refmp.comm import Comm
 from refmp.data import dp_rows
 from refmp.errors import ConfigError
-from refmp.nn.gpt import block_params
+from refmp.nn.gpt import SERIAL_ATTENTION, block_params
 from refmp.parallel import tensor as tpl
 from refmp.parallel import vocab
 from refmp.parallel.data import allreduce_grads, flatten, unflatten_into
@@ -148,16 +148,18 @@ class TensorParallel:
 
     # --- the model, split ------------------------------------------------------------------
 
-    def forward(self, idx, targets=None, denom=None, sp: bool | None = None):
-        """(loss share, cache) with targets; (my logits (B, T, Vl), None) without."""
+    def forward(self, idx, targets=None, denom=None, sp: bool | None = None, positions=None,
+                attention=SERIAL_ATTENTION):
+        """(loss share, cache) with targets; (my logits (B, T, Vl), None) without.
+        ``positions`` and ``attention``: see refmp.parallel.context_tensor."""
         sp = self.sp if sp is None else sp
         p, tp = self.params, self.tp
         if sp and idx.shape[1] % tp.size:
             raise ConfigError(f"sequence parallelism: T ({idx.shape[1]}) not divisible by tp")
-        x, emb = vocab.embed_forward(p, idx, tp, sp)  # (B, T, C) or (B, T/tp, C)
+        x, emb = vocab.embed_forward(p, idx, tp, sp, positions)  # (B, T, C) or (B, T/tp, C)
         blocks = []
         for i in range(self.cfg.n_layer):
-            x, c = tpl.block_forward(block_params(p, i), x, self.cfg.n_head, tp, sp)
+            x, c = tpl.block_forward(block_params(p, i), x, self.cfg.n_head, tp, sp, attention)
             blocks.append(c)
         if targets is None:
             logits, _ = vocab.logits_forward(p, x, tp, self.cfg.vocab_size, sp)

@@ -42,11 +42,12 @@ def padded_vocab(V: int, tp: int) -> int:
 # --- embedding: masked lookup, then a sum over tp ------------------------------------------
 
 
-def embed_forward(p: dict, idx, comm: Comm, sp: bool = False):
+def embed_forward(p: dict, idx, comm: Comm, sp: bool = False, positions=None):
     """x = wte[idx] + wpe[positions], with wte split by rows over tp.
 
     idx (B, T) is replicated. Returns (B, T, C) replicated, or (B, T/tp, C) with sequence
-    parallelism (then this rank's positions are [r*T/tp, (r+1)*T/tp)).
+    parallelism (then this rank's positions are [r*T/tp, (r+1)*T/tp)). ``positions`` (T,),
+    if given, are the tokens' global positions (context parallelism; not with SP).
     """
     xp = backend.array_module(p["wte.weight"])
     Vl = p["wte.weight"].shape[0]
@@ -58,9 +59,11 @@ def embed_forward(p: dict, idx, comm: Comm, sp: bool = False):
     tok[~mine] = 0.0  # (B, T, C) partial over tp: only my ids are filled in
     # the sum over tp puts every token's row in place (each id is owned by exactly one rank)
     tok = reduce_scatter_to_sp(tok, comm) if sp else reduce_from_tp(tok, comm)
-    T = tok.shape[1]
-    t0 = comm.rank * T if sp else 0  # my first position
-    pos, pos_cache = L.embedding_forward(xp.arange(t0, t0 + T), p["wpe.weight"])  # (T, C)
+    if positions is None:
+        T = tok.shape[1]
+        t0 = comm.rank * T if sp else 0  # my first position
+        positions = xp.arange(t0, t0 + T)  # (T,)
+    pos, pos_cache = L.embedding_forward(positions, p["wpe.weight"])  # (T, C)
     return tok + pos, (tok_cache, mine, pos_cache, sp)
 
 
