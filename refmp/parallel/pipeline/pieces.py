@@ -89,7 +89,8 @@ class TensorPieces:
         # forward was: x = x + a
         da, dz, g["attn.c_proj.bias"] = self._row_input(dx, a_proj)  # (b, T, C/tp)
         todo.append(("attn.c_proj", "row", dz, a_proj))
-        dqkv = L.attention_backward(da, attn)  # (b, T, 3C/tp)
+        attn_backward, attn = attn  # the block keeps (backward, cache) of its attention core
+        dqkv = attn_backward(da, attn)  # (b, T, 3C/tp)
         todo.append(("attn.c_attn", "column", dqkv, c_attn))
         dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(
             self._column_input(dqkv, c_attn), ln1)
