@@ -82,11 +82,12 @@ def layernorm_forward(x, w, b):
     """Normalize each token's C channels, then scale and shift (Ba et al. 2016)."""
     xp = array_module(x)
     mean = x.mean(axis=-1, keepdims=True)  # (B, T, 1)
-    xc = x - mean  # (B, T, C)
-    var = (xc * xc).mean(axis=-1, keepdims=True)  # (B, T, 1), biased like torch
+    xhat = x - mean  # (B, T, C), centred; normalized in place below
+    var = (xhat * xhat).mean(axis=-1, keepdims=True)  # (B, T, 1), biased like torch
     rstd = 1.0 / xp.sqrt(var + LN_EPS)  # (B, T, 1)
-    xhat = xc * rstd  # (B, T, C)
-    out = xhat * w + b  # (B, T, C)
+    xhat *= rstd  # (B, T, C)
+    out = xhat * w
+    out += b  # (B, T, C)
     return out, (xhat, rstd, w)
 
 
@@ -109,8 +110,16 @@ def layernorm_backward(dout, cache):
 def gelu_forward(x):
     """gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi)."""
     xp = array_module(x)
-    th = xp.tanh(GELU_K * x * (1.0 + 0.044715 * x * x))  # same shape as x (x*x, not x**3: faster)
-    out = 0.5 * x * (1.0 + th)
+    # u = k x (1 + 0.044715 x^2), built in one buffer (x*x rather than x**3, in place: faster)
+    th = x * x
+    th *= 0.044715
+    th += 1.0
+    th *= x
+    th *= GELU_K
+    xp.tanh(th, out=th)  # same shape as x
+    out = th + 1.0
+    out *= x
+    out *= 0.5
     return out, (x, th)
 
 
