@@ -77,6 +77,14 @@ class StagedRequest(MPI.Request):
         return self
 
 
+def sleep_until(done) -> None:
+    """Call ``done()`` until it is true, sleeping between calls (10 us, doubling to 1 ms)."""
+    delay = 1e-5
+    while not done():
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+
+
 def wait(req: MPI.Request | None):
     """Wait for a request without busy-polling: Test, then sleep, backing off to 1 ms.
 
@@ -84,10 +92,7 @@ def wait(req: MPI.Request | None):
     """
     if req is None:
         return
-    delay = 1e-5
-    while not req.Test():
-        time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
+    sleep_until(req.Test)  # Test also drives MPI's progress engine
     if isinstance(req, StagedRequest) and req.finish is not None:
         req.finish()
         req.finish = req.keep = None
@@ -136,6 +141,13 @@ class Comm:
                 self.ledger.record("stage_h2d", self.axis, out.nbytes)
             backend.copy_from_host(out, host)
 
+    def _out_of_place(self, start, buf, out):
+        """Run ``start(send, recv)`` on what MPI may touch, wait, and copy a staged result back."""
+        m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
+        wait(start(m_in, m_out))
+        self._finish(out, m_out)
+        return out
+
     # --- collectives on arrays --------------------------------------------------------------
 
     def allreduce(self, buf, op: str = "sum"):
@@ -160,10 +172,7 @@ class Comm:
         if self.size == 1:
             out[...] = buf
             return out
-        m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
-        wait(self.mpi.Iallgather(m_in, m_out))
-        self._finish(out, m_out)
-        return out
+        return self._out_of_place(self.mpi.Iallgather, buf, out)
 
     def reduce_scatter(self, buf):
         """Sum ``buf`` over ranks and return this rank's 1/size slice of axis 0."""
@@ -175,10 +184,8 @@ class Comm:
         if self.size == 1:
             out[...] = buf
             return out
-        m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
-        wait(self.mpi.Ireduce_scatter_block(m_in, m_out, op=MPI.SUM))
-        self._finish(out, m_out)
-        return out
+        return self._out_of_place(
+            lambda send, recv: self.mpi.Ireduce_scatter_block(send, recv, op=MPI.SUM), buf, out)
 
     def alltoall(self, buf):
         """Block j of ``buf`` (axis 0 in ``size`` equal blocks) goes to rank j; block j of the
@@ -192,10 +199,7 @@ class Comm:
         if self.size == 1:
             out[...] = buf
             return out
-        m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
-        wait(self.mpi.Ialltoall(m_in, m_out))
-        self._finish(out, m_out)
-        return out
+        return self._out_of_place(self.mpi.Ialltoall, buf, out)
 
     def alltoallv(self, buf, send_rows, recv_rows):
         """Variable all-to-all along axis 0: the next ``send_rows[j]`` rows of ``buf`` go to
@@ -217,10 +221,8 @@ class Comm:
             return out
         sdispl = np.concatenate([[0], np.cumsum(send)[:-1]])
         rdispl = np.concatenate([[0], np.cumsum(recv)[:-1]])
-        m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
-        wait(self.mpi.Ialltoallv([m_in, (send, sdispl)], [m_out, (recv, rdispl)]))
-        self._finish(out, m_out)
-        return out
+        return self._out_of_place(
+            lambda s, r: self.mpi.Ialltoallv([s, (send, sdispl)], [r, (recv, rdispl)]), buf, out)
 
     def bcast(self, buf, root: int = 0):
         """In-place broadcast of ``buf`` (contiguous) from ``root``; returns ``buf``."""
@@ -271,10 +273,7 @@ class Comm:
         xp = backend.xp
         out = xp.empty(shape, dtype=dtype)
         status = MPI.Status()
-        delay = 1e-5
-        while not self.mpi.Iprobe(source=source, tag=tag, status=status):
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+        sleep_until(lambda: self.mpi.Iprobe(source=source, tag=tag, status=status))
         got = status.Get_count(MPI.BYTE)
         if got != out.nbytes:
             raise ValueError(

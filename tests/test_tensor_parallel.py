@@ -18,6 +18,7 @@ from refmp.nn import gpt
 from refmp.nn import layers as L
 from refmp.parallel import tensor as tpl
 from refmp.parallel import vocab
+from refmp.parallel.data import activation_bytes
 from refmp.parallel.tensor_runner import shard, split_of
 from refmp.train import TrainConfig, Trainer
 
@@ -136,8 +137,8 @@ def test_block_equals_serial_block(heads_per, hs, B, t_per, sp, seed):
         if sp and split_of(f"h.0.{k}") is None:
             pg[k] = comm.allreduce(pg[k])
     bad = Mismatches()
-    check_block_memory(bad, cfg, B, comm.size, sp, serial=tpl.cache_bytes(cache, full.values()),
-                       got=tpl.cache_bytes(pcache, mine.values()))
+    check_block_memory(bad, cfg, B, comm.size, sp, serial=activation_bytes(cache, full.values()),
+                       got=activation_bytes(pcache, mine.values()))
     bad.check(close, pout, t_shard(out, comm, sp), **TOL, err_msg="block output")
     bad.check(close, pdx, t_shard(dx, comm, sp), **TOL, err_msg="block dx")
     for k, v in g.items():

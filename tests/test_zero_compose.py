@@ -22,7 +22,7 @@ from refmp.checkpoint import read_tensors
 from refmp.data import Dataset
 from refmp.grid import ProcessGrid
 from refmp.nn import GPTConfig, gpt
-from refmp.parallel.tensor import cache_bytes
+from refmp.parallel.data import activation_bytes
 from refmp.parallel.tensor_runner import TensorParallel, shard
 from refmp.parallel.zero3_tensor import ZeRO3Tensor
 from refmp.parallel.zero_compose import ShardedOptimizer
@@ -140,7 +140,7 @@ def check(cfg, axis, serial, par):
         x = np.zeros((cfg.batch_size // (2 * cfg.microbatches), mcfg.block_size), np.int64)
         _, cache = plain.forward(x, x.copy(), 1)  # collective over tp
         bad.check(np.testing.assert_equal, mem["activations"],
-                  cache_bytes(cache, plain.params.values()), err_msg="activation bytes")
+                  activation_bytes(cache, plain.params.values()), err_msg="activation bytes")
     # dp communication: reduce-scatter + all-gather replace the all-reduce, each step
     want = sharded_comm_per_step(n_local, 2, itemsize=8)
     if cfg.zero == 3:  # per micro-batch: reduce-scatter every unit, gather embed/blocks twice

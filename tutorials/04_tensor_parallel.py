@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from refmp.data import AdditionTask
 from refmp.grid import ProcessGrid
-from refmp.parallel.tensor import cache_bytes
+from refmp.parallel.data import activation_bytes
 from refmp.parallel.tensor_runner import comm_bytes_per_step, shard
 from refmp.train import TrainConfig, Trainer
 
@@ -69,9 +69,9 @@ for sp in (False, True):
     # activation memory: the caches of one forward pass (parameters left out)
     x = np.stack([ds.tokens[i * T : i * T + T] for i in range(B)])
     _, cache = run.runner.forward(x, x, B * T)
-    mine = cache_bytes(cache, run.runner.params.values())
+    mine = activation_bytes(cache, run.runner.params.values())
     _, scache = serial.model.forward(x, x)
-    ref = cache_bytes(scache, serial.model.params.values())
+    ref = activation_bytes(scache, serial.model.params.values())
     say(f"activation memory per rank: {mine:,} bytes (serial model: {ref:,}; ratio "
         f"{ref / mine:.2f})\n")
 

@@ -181,36 +181,3 @@ def block_backward(dout, cache, comm: Comm):
     dh, g["attn.c_attn.weight"], g["attn.c_attn.bias"] = column_backward(dqkv, c_attn, comm)
     dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(dh, ln1)
     return dx + dh, g
-
-
-# --- what a cache holds (activation memory) -------------------------------------------------
-
-
-def cache_bytes(cache, exclude=()) -> int:
-    """Bytes of the distinct arrays a cache keeps alive, parameters (``exclude``) left out.
-
-    Views count as the buffer they look into (q, k and v are views of c_attn's output), and
-    each buffer once: this is the activation memory the cache holds until backward.
-    """
-    def root_of(a):
-        while getattr(a, "base", None) is not None:
-            a = a.base
-        return a
-
-    # parameters, and the buffers they are views of (ZeRO keeps them in one flat buffer)
-    skip = {id(a) for a in exclude} | {id(root_of(a)) for a in exclude}
-    seen: dict[int, int] = {}
-
-    def walk(obj):
-        if isinstance(obj, (tuple, list)):
-            for o in obj:
-                walk(o)
-        elif hasattr(obj, "nbytes") and hasattr(obj, "base"):
-            if id(obj) in skip:
-                return
-            root = root_of(obj)
-            if id(root) not in skip:
-                seen[id(root)] = int(root.nbytes)
-
-    walk(cache)
-    return sum(seen.values())

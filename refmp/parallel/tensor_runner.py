@@ -36,7 +36,7 @@ from refmp.errors import ConfigError
 from refmp.nn.gpt import SERIAL_ATTENTION, block_params
 from refmp.parallel import tensor as tpl
 from refmp.parallel import vocab
-from refmp.parallel.data import allreduce_grads, flatten, unflatten_into
+from refmp.parallel.data import activation_bytes, allreduce_grads, flatten, unflatten_into
 
 # how each sharded parameter is split: (axis, "heads" for c_attn's packed [q|k|v])
 SPLITS = {
@@ -189,7 +189,7 @@ class TensorParallel:
         for m in range(self.M):
             xm, ym = x[m * b : (m + 1) * b].copy(), y[m * b : (m + 1) * b].copy()  # (b/M, T)
             loss, cache = self.forward(xm, ym, denom)
-            live = tpl.cache_bytes(cache, exclude=self.params.values())
+            live = activation_bytes(cache, exclude=self.params.values())
             self.peak_activations = max(self.peak_activations, live)
             self.backward(cache)
             share += float(loss)

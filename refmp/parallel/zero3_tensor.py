@@ -30,7 +30,7 @@ from refmp.comm import Comm
 from refmp.nn.gpt import block_params
 from refmp.parallel import tensor as tpl
 from refmp.parallel import vocab
-from refmp.parallel.data import flatten, unflatten_into
+from refmp.parallel.data import activation_bytes, flatten, unflatten_into
 from refmp.parallel.tensor_runner import split_of
 from refmp.parallel.zero import Unit, attach, decay_names, detach
 
@@ -120,7 +120,7 @@ class ZeRO3Tensor:
                 blocks.append(detach(c, p))  # the weights can go; the cache names them
             p = {**self._weights("ln_f"), "wte.weight": self._weights("embed")["wte.weight"]}
             loss, head = vocab.head_forward(p, h, ym, denom, tp, cfg.vocab_size, sp)
-            self.peak_activations = max(self.peak_activations, tpl.cache_bytes(
+            self.peak_activations = max(self.peak_activations, activation_bytes(
                 (emb, blocks, head), exclude=list(p.values())))
             # backward, mirror order; each unit's gradient handed on as soon as complete
             dh, g = vocab.head_backward(1.0, head, tp)
