@@ -45,15 +45,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     g.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
                    help="cpu (NumPy) or gpu (CuPy, one GPU per rank); default $REFMP_DEVICE or cpu")
+    # MoE: all but --n-expert default to None, so an explicit flag is visible: it wins over
+    # an --init file's metadata; None means GPTConfig's default
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--n-expert", type=int, default=0, help="experts per MoE layer (0: dense)")
-    g.add_argument("--top-k", type=int, default=2, help="experts per token (2)")
-    g.add_argument("--moe-every", type=int, default=1, help="block i is MoE if i %% N == 0 (1)")
-    g.add_argument("--capacity-factor", type=float, default=1.25,
-                   help="slots per expert: ceil(CF*K*T/E) per sequence; 0: no limit (1.25)")
-    g.add_argument("--aux-loss-coef", type=float, default=0.01,
-                   help="load-balancing loss weight alpha (0.01)")
-    g.add_argument("--z-loss-coef", type=float, default=0.001, help="router z-loss weight (0.001)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="experts per token (default 2, or the --init file's)")
+    g.add_argument("--moe-every", type=int, default=None,
+                   help="block i is MoE if i %% N == 0 (default 1, or the --init file's routers)")
+    g.add_argument("--capacity-factor", type=float, default=None,
+                   help="slots per expert: ceil(CF*K*T/E) per sequence; 0: no limit "
+                        "(default 1.25, or the --init file's)")
+    g.add_argument("--aux-loss-coef", type=float, default=None,
+                   help="load-balancing loss weight alpha (default 0.01, or the --init file's)")
+    g.add_argument("--z-loss-coef", type=float, default=None,
+                   help="router z-loss weight (default 0.001, or the --init file's)")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,11 @@ def run(cfg: TrainConfig) -> dict:
     tr = Trainer(cfg)
     rank0 = tr.grid.rank == 0
     log = open(cfg.log_json, "w") if (rank0 and cfg.log_json) else None
+    if rank0 and cfg.init:  # where a flag overrides the file, said once (the file was read)
+        from refmp.checkpoint import moe_flags, read_config
+
+        for note in read_config(cfg.init, cfg.n_head, moe_flags(cfg))[1]:
+            print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)
     if rank0:
         m = tr.model.cfg
         print(f"refmp train: {tr.ds.name}, {len(tr.ds.tokens):,} tokens, vocab {m.vocab_size}; "

@@ -30,11 +30,13 @@ class TrainConfig:
     n_head: int | None = None  # None: 4, or what an --init file's metadata says
     n_embd: int = 64
     n_expert: int = 0  # mixture of experts (refmp.nn.moe); 0: dense
-    top_k: int = 2
-    moe_every: int = 1
-    capacity_factor: float = 1.25
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
+    # the MoE settings below: None means not given, so GPTConfig's default or what an --init
+    # file says; a value given wins over the file's metadata (refmp.checkpoint.read_config)
+    top_k: int | None = None
+    moe_every: int | None = None
+    capacity_factor: float | None = None
+    aux_loss_coef: float | None = None
+    z_loss_coef: float | None = None
     block_size: int | None = None  # None: one addition problem (13), else 64
     batch_size: int = 128
     steps: int = 1500
@@ -115,11 +117,16 @@ def build_dataset(cfg: TrainConfig) -> Dataset:
 
 
 def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
-    """A fresh GPT (GPT-2 init) or one loaded from --init; checked against the data."""
-    from refmp.checkpoint import load_model
+    """A fresh GPT (GPT-2 init) or one loaded from --init; checked against the data.
 
+    MoE settings left None take GPTConfig's defaults, or with --init the file's metadata;
+    those given win over the file (refmp.checkpoint.read_config says where they differ).
+    """
+    from refmp.checkpoint import load_model, moe_flags
+
+    moe = moe_flags(cfg)  # the MoE settings given, by GPTConfig field name
     if cfg.init is not None:
-        model = load_model(cfg.init, n_head=cfg.n_head, dtype=cfg.dtype)
+        model = load_model(cfg.init, n_head=cfg.n_head, dtype=cfg.dtype, moe=moe)
         if cfg.block_size is not None and cfg.block_size > model.cfg.block_size:
             raise ConfigError(f"--block-size {cfg.block_size} exceeds the block size "
                               f"{model.cfg.block_size} of {cfg.init}")
@@ -127,8 +134,7 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
         # the addition task: one problem per window, so every position keeps one role
         T = cfg.block_size or (ds.task.line_len if ds.task else 64)
         mcfg = GPTConfig(ds.vocab_size, T, cfg.n_layer, cfg.n_head or 4, cfg.n_embd,
-                         cfg.n_expert, cfg.top_k, cfg.moe_every, cfg.capacity_factor,
-                         cfg.aux_loss_coef, cfg.z_loss_coef)
+                         cfg.n_expert, **moe)
         mcfg.check()
         model = GPT.create(mcfg, cfg.seed, cfg.dtype)
     if ds.vocab_size > model.cfg.vocab_size:
