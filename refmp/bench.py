@@ -1,27 +1,40 @@
-"""``refmp bench``: time training steps and report ms/step, tokens/s, FLOP/s and MFU.
+"""``refmp bench``: time training steps and report ms/step, tokens/s, FLOP/s, MFU and bytes.
+
+It takes every layout flag of ``refmp train`` (--dp --tp --pp --cp --ep, --zero, the pipeline,
+cp and MoE options; cli.py registers them once for both commands) on a model from a preset.
 
 Model FLOPs per step (the work a dense implementation must do, as in Chowdhery et al. 2022,
 appendix B): 6 * N * tokens for the matrix products of N parameters (forward 2, backward 4),
 where N leaves out wpe (a lookup, no product) but keeps wte (it is the LM head's matrix),
 plus 12 * L * T * C * tokens for attention's q k^T and att v (refmp computes the full T x T
-products, masked, so this is work done, not an upper bound).
+products, masked, so this is work done, not an upper bound). For a mixture of experts N is
+the active parameters: each expert's weights count top_k / n_expert (a token visits top_k
+of the n_expert experts), the router counts in full; tokens dropped at capacity are still
+counted, so this is the routed model's work, not what a layer with drops did.
 
 MFU divides the achieved FLOP/s by a peak that the command measures itself: every rank
 times a large float32/float64 matrix product at the same moment (so oversubscribed ranks
 see the cores they really share), and the peaks are summed.
+
+Communication: rank 0's byte ledger (refmp.comm.Ledger) over the timed steps only, grouped
+by axis ("tp", "dp", "dp+cp", ...), then by operation: the figures a ledger entry counts, as
+seen from one rank (with --pp, other stages' sends and receives may differ).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
+from collections import defaultdict
 
 import numpy as np
 
 from refmp import backend
 from refmp.data import Dataset
+from refmp.nn.params import GPTConfig, param_shapes
 
 PRESETS = {
     "small": dict(n_layer=4, n_embd=256, n_head=8, block_size=128, batch_size=8, vocab=256,
@@ -43,19 +56,39 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="cpu (NumPy) or gpu (CuPy); default $REFMP_DEVICE or cpu")
     p.add_argument("--steps", type=int, default=20, help="timed steps (20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
-    p.add_argument("--microbatches", type=int, default=1, help="pipeline micro-batches (1)")
-    from refmp.parallel.pipeline.schedules import SCHEDULES
-
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="with --pp (1f1b)")
-    p.add_argument("--virtual-stages", type=int, default=1, help="for interleaved (1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def model_flops_per_step(n_params_dense: int, n_layer: int, T: int, C: int, tokens: int) -> float:
+# TrainConfig fields that bench takes from train's own flags, as given (cli.add_layout_args,
+# cli.add_moe_args)
+LAYOUT = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "microbatches", "bucket_mb",
+          "schedule", "virtual_stages", "stage_layers", "cp_algo", "cp_balance")
+MOE = ("n_expert", "top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+
+
+def active_params(cfg: GPTConfig) -> float:
+    """N of the FLOP count: parameters in matrix products per token, wpe left out, each
+    expert's counted top_k / n_expert (see the module docstring)."""
+    n = 0.0
+    for name, shape in param_shapes(cfg).items():
+        if name == "wpe.weight":
+            continue  # a lookup, no product
+        share = cfg.top_k / cfg.n_expert if ".mlp.experts." in name else 1.0
+        n += share * math.prod(shape)
+    return n
+
+
+def model_flops_per_step(n_params: float, n_layer: int, T: int, C: int, tokens: int) -> float:
     """6 N tokens + 12 L T C tokens (see the module docstring)."""
-    return 6.0 * n_params_dense * tokens + 12.0 * n_layer * T * C * tokens
+    return 6.0 * n_params * tokens + 12.0 * n_layer * T * C * tokens
+
+
+def ledger_by_axis(entries: dict[tuple[str, str], list[int]]) -> dict[str, dict[str, dict]]:
+    """{(op, axis): [bytes, count]} as {axis: {op: {"bytes": .., "count": ..}}}, sorted."""
+    out: dict[str, dict[str, dict]] = {}
+    for (op, axis), (b, c) in sorted(entries.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        out.setdefault(axis, {})[op] = {"bytes": b, "count": c}
+    return out
 
 
 def measure_peak(dtype: str, n: int = 1024, reps: int = 5) -> float:
@@ -87,55 +120,86 @@ def run_bench(args) -> dict:
         raise ConfigError("--steps must be at least 1 and --warmup at least 0")
     cfg = TrainConfig(n_layer=spec["n_layer"], n_head=spec["n_head"], n_embd=spec["n_embd"],
                       block_size=spec["block_size"], batch_size=spec["batch_size"],
-                      steps=args.warmup + args.steps, dtype=spec["dtype"], dp=args.dp,
-                      device=args.device,
-                      pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
-                      virtual_stages=args.virtual_stages,
-                      lr_schedule="constant", lr=1e-4, progress=False)
+                      steps=args.warmup + args.steps, dtype=spec["dtype"], device=args.device,
+                      lr_schedule="constant", lr=1e-4, progress=False, trace=args.trace,
+                      **{k: getattr(args, k) for k in LAYOUT + MOE})
     rng = np.random.default_rng(1)
     n_tok = (spec["batch_size"] * (args.warmup + args.steps) + 1) * spec["block_size"] + 1
     ds = Dataset(rng.integers(0, spec["vocab"], n_tok), spec["vocab"], "random tokens")
     tr = Trainer(cfg, dataset=ds)
-    world = tr.grid.world
+    world, ledger = tr.grid.world, tr.grid.ledger
     for _ in range(args.warmup):
         tr.step()
-    times = []
+    times, sent = [], defaultdict(lambda: [0, 0])  # sent: the timed steps' ledger entries
     for _ in range(args.steps):
         world.barrier()  # time whole-job steps: every rank starts together
+        ledger.reset()  # count this step's communication only, not the timing's
         t0 = time.perf_counter()
         tr.step()
-        times.append(world.allreduce_scalar(time.perf_counter() - t0, op="max"))
+        dt = time.perf_counter() - t0
+        for key, (b, c) in ledger.entries.items():
+            sent[key][0] += b
+            sent[key][1] += c
+        times.append(world.allreduce_scalar(dt, op="max"))
     n = 8192 if args.device == "gpu" else 1024  # big enough to reach the peak
     peak = world.allreduce_scalar(measure_peak(spec["dtype"], n))  # summed over ranks
     sec = float(np.median(times))
     m = tr.model.cfg
     tokens = cfg.batch_size * tr.T
-    dense = tr.model.num_params() - m.block_size * m.n_embd  # leave out wpe
-    flops = model_flops_per_step(dense, m.n_layer, tr.T, m.n_embd, tokens)
+    n_active = active_params(m)
+    flops = model_flops_per_step(n_active, m.n_layer, tr.T, m.n_embd, tokens)
+    layout = {**tr.grid.sizes, **{k: getattr(cfg, k) for k in LAYOUT if k not in tr.grid.sizes}}
     out = {
         "ms_per_step": 1e3 * sec, "tokens_per_s": tokens / sec, "gflops": flops / sec / 1e9,
         "mfu": flops / sec / peak, "peak_gflops": peak / 1e9, "params": tr.model.num_params(),
-        "world_size": world.size, "steps": args.steps, "model": spec, "device": tr.device_info,
+        "active_params": n_active, "world_size": world.size, "steps": args.steps,
+        "model": {**spec, **({k: getattr(m, k) for k in MOE} if m.n_expert else {})},
+        "layout": layout,
+        "device": tr.device_info,
         "ms_per_step_min": 1e3 * min(times), "ms_per_step_max": 1e3 * max(times),
+        "ledger": ledger_by_axis(sent),  # rank 0's, summed over the timed steps
     }
     if args.pp > 1:  # the last step's measured timeline against the simulated formula
         from refmp.parallel.pipeline.simulate import bubble_formula
 
-        out["bubble"] = tr.runner.timeline().bubble()
+        timeline = tr.runner.timeline()  # collective over pp
+        out["bubble"] = timeline.bubble()
         out["bubble_theory"] = bubble_formula(args.schedule, args.pp, args.microbatches,
                                               args.virtual_stages)
+        if args.trace and world.rank == 0:
+            timeline.write_trace(args.trace)
     if world.rank == 0:
         if args.json:
             print(json.dumps(out))
         else:
-            print(f"refmp bench: preset {args.preset} {spec}, {out['params']:,} parameters, "
-                  f"{world.size} rank(s)")
-            print(f"  {out['ms_per_step']:.1f} ms/step (median of {args.steps}; "
-                  f"min {out['ms_per_step_min']:.1f}, max {out['ms_per_step_max']:.1f})")
-            print(f"  {out['tokens_per_s']:,.0f} tokens/s, {out['gflops']:.2f} GFLOP/s model, "
-                  f"peak {out['peak_gflops']:.1f} GFLOP/s measured, MFU {100 * out['mfu']:.1f}%")
-            if "bubble" in out:
-                print(f"  pipeline {args.schedule}, pp {args.pp}, {args.microbatches} "
-                      f"micro-batches: bubble {out['bubble']:.4f} measured (last step), "
-                      f"theory {out['bubble_theory']:.4f}")
+            print_report(out, args)
     return out
+
+
+def print_report(out: dict, args) -> None:
+    lay = out["layout"]
+    axes = " x ".join(f"{a}={lay[a]}" for a in ("pp", "dp", "cp", "tp", "ep"))
+    extra = [f"zero {lay['zero']}"] if lay["zero"] else []
+    extra += ["sequence parallel"] if lay["sequence_parallel"] else []
+    extra += [f"cp {lay['cp_algo']} {lay['cp_balance']}"] if lay["cp"] > 1 else []
+    extra += [f"{lay['microbatches']} micro-batches"] if lay["microbatches"] > 1 else []
+    moe = out["model"]
+    print(f"refmp bench: preset {args.preset} {moe}, {out['params']:,} parameters, "
+          f"{out['world_size']} rank(s)")
+    print(f"  layout {', '.join([axes, *extra])}")
+    if moe.get("n_expert"):
+        print(f"  mixture of experts: {moe['n_expert']} experts, top-{moe['top_k']}; FLOPs "
+              f"count {out['active_params']:,.0f} active parameters (experts at top_k/n_expert)")
+    print(f"  {out['ms_per_step']:.1f} ms/step (median of {args.steps}; "
+          f"min {out['ms_per_step_min']:.1f}, max {out['ms_per_step_max']:.1f})")
+    print(f"  {out['tokens_per_s']:,.0f} tokens/s, {out['gflops']:.2f} GFLOP/s model, "
+          f"peak {out['peak_gflops']:.1f} GFLOP/s measured, MFU {100 * out['mfu']:.1f}%")
+    if "bubble" in out:
+        print(f"  pipeline {args.schedule}, pp {args.pp}, {args.microbatches} "
+              f"micro-batches: bubble {out['bubble']:.4f} measured (last step), "
+              f"theory {out['bubble_theory']:.4f}")
+    print("  communication per step, rank 0 (bytes; calls by operation):")
+    for axis, ops in out["ledger"].items():
+        total = sum(v["bytes"] for v in ops.values()) // args.steps
+        calls = ", ".join(f"{op} {v['count'] // args.steps}" for op, v in ops.items())
+        print(f"    {axis:<8} {total:>14,} B  ({calls})")

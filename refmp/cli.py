@@ -45,8 +45,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     g.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
                    help="cpu (NumPy) or gpu (CuPy, one GPU per rank); default $REFMP_DEVICE or cpu")
-    # MoE: all but --n-expert default to None, so an explicit flag is visible: it wins over
-    # an --init file's metadata; None means GPTConfig's default
+    add_moe_args(p)
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    """MoE flags (train and bench). All but --n-expert default to None, so an explicit flag
+    is visible: it wins over an --init file's metadata; None means GPTConfig's default."""
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--n-expert", type=int, default=0, help="experts per MoE layer (0: dense)")
     g.add_argument("--top-k", type=int, default=None,
@@ -87,6 +91,20 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (0)")
     g.add_argument("--grad-clip", type=float, default=1.0,
                    help="clip the global gradient norm to this (0: off; default 1.0)")
+    add_layout_args(p)
+    g = p.add_argument_group("files")
+    g.add_argument("--init", default=None, metavar="PATH.safetensors",
+                   help="start from these weights; the model shape is read from them")
+    g.add_argument("--save", default=None, metavar="PATH.safetensors",
+                   help="write the trained model (full, GPT-2 names) once at the end")
+    g.add_argument("--log-json", default=None, metavar="PATH",
+                   help="one JSON object per step, then a summary object")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """How the ranks split the work (train and bench): the axes, ZeRO, pipeline, cp options."""
     g = p.add_argument_group("layout")
     g.add_argument("--dp", type=int, default=None,
                    help="data-parallel ranks (default: world size / (pp*cp*tp))")
@@ -114,15 +132,6 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp-balance", choices=["zigzag", "contiguous"], default="zigzag",
                    help="zigzag: rank r holds chunks r and 2cp-1-r of 2cp, equal causal work "
                         "(default); contiguous: chunk r of cp")
-    g = p.add_argument_group("files")
-    g.add_argument("--init", default=None, metavar="PATH.safetensors",
-                   help="start from these weights; the model shape is read from them")
-    g.add_argument("--save", default=None, metavar="PATH.safetensors",
-                   help="write the trained model (full, GPT-2 names) once at the end")
-    g.add_argument("--log-json", default=None, metavar="PATH",
-                   help="one JSON object per step, then a summary object")
-    g.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -137,7 +146,9 @@ def make_parser() -> argparse.ArgumentParser:
                                    "tokens/s, model FLOP/s and MFU against a measured peak.")
     from refmp.bench import add_bench_args
 
-    add_bench_args(b)
+    add_bench_args(b)  # the model preset and the timing; the rest is train's own flags
+    add_moe_args(b)
+    add_layout_args(b)
     from refmp.parallel.pipeline.command import add_schedule_parser
 
     add_schedule_parser(sub)

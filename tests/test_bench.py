@@ -1,0 +1,69 @@
+"""`refmp bench` takes train's layout flags, obeys them, and reports the ledger per axis."""
+
+import json
+
+import pytest
+from mpi_helpers import refmp
+
+from refmp.bench import active_params
+from refmp.nn.params import GPTConfig
+
+pytestmark = pytest.mark.cli
+
+TINY = ["bench", "--preset", "tiny", "--steps", "2", "--warmup", "1"]
+TINY_PARAMS = 120_576  # 2 layers, n_embd 64, block 64, vocab 256
+
+
+def bench_json(n: int, flags: list[str]) -> dict:
+    r = refmp(n, [*TINY, *flags, "--json"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)  # one object: rank 0 alone prints
+
+
+def test_tp_is_obeyed_and_its_allreduces_are_ledgered():
+    out = bench_json(2, ["--tp", "2"])
+    lay = out["layout"]
+    assert (lay["tp"], lay["dp"], lay["pp"], lay["cp"], lay["zero"]) == (2, 1, 1, 1, 0)
+    tp = out["ledger"]["tp"]
+    assert tp["allreduce"]["bytes"] > 0 and tp["allreduce"]["count"] > 0
+    assert tp["allreduce"]["count"] % out["steps"] == 0  # every timed step alike
+    assert set(out["ledger"].get("dp", {})) <= {"metric"}  # no gradient traffic over dp of 1
+
+
+def test_zero_1_shards_over_dp():
+    out = bench_json(2, ["--dp", "2", "--zero", "1"])
+    lay = out["layout"]
+    assert (lay["dp"], lay["tp"], lay["zero"]) == (2, 1, 1)
+    dp = out["ledger"]["dp"]
+    # ZeRO: gradients reduce-scattered, parameters all-gathered, no all-reduce; each moves
+    # the full float32 model once per step
+    assert "allreduce" not in dp
+    for op in ("reduce_scatter", "allgather"):
+        assert dp[op]["bytes"] == out["steps"] * 4 * TINY_PARAMS, op
+
+
+def test_text_report_has_one_line_per_axis():
+    r = refmp(2, [*TINY, "--cp", "2", "--cp-algo", "ulysses", "--cp-balance", "contiguous"],
+              timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("refmp bench:") == 1
+    assert "cp=2" in r.stdout and "cp ulysses contiguous" in r.stdout
+    lines = [x.split() for x in r.stdout.splitlines() if x.startswith("    ")]
+    assert [x[0] for x in lines] == ["cp", "dp"]  # axis, bytes per step, "B", (calls)
+    cp_bytes = int(lines[0][1].replace(",", ""))
+    assert cp_bytes > 0 and "alltoall" in r.stdout
+
+
+def test_bench_refuses_bad_layout_once():
+    r = refmp(2, [*TINY, "--tp", "3"], timeout=60)
+    assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr
+
+
+def test_moe_flops_count_active_parameters():
+    C = 64
+    dense = GPTConfig(256, 64, 2, 4, C)
+    expert = C * 4 * C + 4 * C + 4 * C * C + C  # one GPT-2 MLP
+    assert active_params(dense) == TINY_PARAMS - 64 * C  # wpe is a lookup
+    for k in (1, 2):  # block 0's MLP becomes a router (C x 4, in full) and 4 experts, k visited
+        moe = GPTConfig(256, 64, 2, 4, C, n_expert=4, top_k=k, moe_every=2)
+        assert active_params(moe) == active_params(dense) + C * 4 + (k - 1) * expert, k
