@@ -112,8 +112,14 @@ def clip_grad_norm(grads: dict, max_norm: float,
     when it is below 1. Returns the norm before clipping.
     """
     norm = global_grad_norm(grads, sum_sq)
+    clip_grads(grads, max_norm, norm)
+    return norm
+
+
+def clip_grads(grads: dict, max_norm: float, norm: float) -> None:
+    """Scale gradients in place by max_norm / (norm + 1e-6) when that is below 1 (torch's rule),
+    given the global norm (computed by whoever knows which elements each rank owns)."""
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for g in grads.values():
             g *= coef
-    return norm

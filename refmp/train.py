@@ -1,10 +1,10 @@
 """The training loop behind ``refmp train`` (and the parity tests' whole-step runs).
 
-One step, on every rank:
+One step, on every rank, whatever the layout (the runner is refmp.parallel.engine.Engine):
   1. take this rank's rows of the global batch (layout-invariant order, refmp.data);
   2. forward and backward, the loss being this rank's share of the global mean;
-  3. sum gradients over dp (refmp.parallel.data), so every rank holds the global gradient;
-  4. clip by the global norm, then the optimizer step (identical on every dp rank).
+  3. reduce: every gradient piece this rank owns becomes the global gradient's;
+  4. clip by the global norm, then the optimizer step on the owned pieces.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -20,8 +21,8 @@ from refmp.data import AdditionTask, Dataset, get_batch, load_tokens, shuffle_pe
 from refmp.errors import ConfigError
 from refmp.grid import ProcessGrid
 from refmp.nn import GPT, GPTConfig
-from refmp.optim import SGD, AdamW, clip_grad_norm
-from refmp.parallel.data import DataParallel
+from refmp.comm import Comm
+from refmp.optim import SGD, AdamW, clip_grads
 
 
 @dataclass
@@ -147,74 +148,51 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
     return model
 
 
-def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT):
-    """The strategy that computes and communicates a step on this layout."""
-    if grid.sizes["ep"] > 1 or model.cfg.n_expert:
-        from refmp.parallel.expert import ExpertParallel, check_expert_layout
+class Runner(Protocol):
+    """What the Trainer drives: refmp.parallel.engine.Engine, for every layout.
 
-        check_expert_layout(model.cfg.n_expert, grid.sizes["ep"])
-        others = [a for a in ("tp", "pp", "cp") if grid.sizes[a] > 1]
-        if others or cfg.zero or cfg.microbatches != 1 or cfg.sequence_parallel:
-            raise ConfigError("mixture of experts with --tp, --pp, --cp, --zero or --microbatches:"
-                              " not implemented yet")
-        if grid.sizes["ep"] > 1:
-            return ExpertParallel(model, grid)
-        return DataParallel(model, grid, 1, cfg.bucket_mb)
-    if cfg.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
-    if cfg.bucket_mb < 0:
-        raise ConfigError(f"--bucket-mb must be >= 0, got {cfg.bucket_mb}")
-    from refmp.parallel.zero_compose import ShardedOptimizer, check_zero_composes
+    ``params`` / ``grads`` are the arrays this rank updates, by name (flat pieces of shards
+    are welcome: the optimizer is elementwise), ``decay`` the names that get weight decay;
+    ``eval_comm`` the ranks that split evaluation prompts; ``stats`` the last step's extra
+    figures for the log (MoE routing).
+    """
 
-    def with_zero(runner):  # ZeRO 1/2 over what the tp / pp runner holds (zero_compose.py)
-        return ShardedOptimizer(runner, grid, cfg.zero) if cfg.zero else runner
+    params: dict
+    grads: dict
+    decay: set[str]
+    eval_comm: Comm
+    stats: dict
 
-    tensor = grid.sizes["tp"] > 1 or cfg.sequence_parallel
-    if tensor and grid.sizes["pp"] == 1:
-        if grid.sizes["cp"] > 1 and cfg.zero:
-            raise ConfigError("--zero with --tp and --cp together: not implemented yet")
-        from refmp.parallel.tensor_runner import TensorParallel, check_tensor_parallel
+    def batch_rows(self, B: int) -> slice: ...  # the rows of the global batch this rank reads
 
-        if grid.sizes["cp"] > 1:  # cp x tp (x dp): CP attention inside TP blocks
-            from refmp.parallel.context_tensor import ContextTensorParallel, check_context_tensor
+    def zero_grad(self) -> None: ...
 
-            T = cfg.block_size or model.cfg.block_size
-            check_tensor_parallel(model.cfg.n_head, grid.sizes["tp"], T, False)
-            check_context_tensor(model.cfg.n_head, grid.sizes["tp"], grid.sizes["cp"], T,
-                                 cfg.cp_algo, cfg.cp_balance, cfg.sequence_parallel)
-            return ContextTensorParallel(model, grid, T, cfg.cp_algo, cfg.cp_balance,
-                                         cfg.microbatches)
-        check_tensor_parallel(model.cfg.n_head, grid.sizes["tp"],
-                              cfg.block_size or model.cfg.block_size, cfg.sequence_parallel)
-        tp = TensorParallel(model, grid, cfg.sequence_parallel, cfg.microbatches)
-        if cfg.zero == 3:  # each tp shard sharded over dp, gathered unit by unit
-            from refmp.parallel.zero3_tensor import ZeRO3Tensor
+    def forward_backward(self, x, y, denom: int) -> None: ...  # grads += this rank's share
 
-            return ZeRO3Tensor(tp, model, grid)
-        return with_zero(tp)
-    if grid.sizes["pp"] > 1:  # with --tp too: tensor-parallel stages (tp x pp)
-        if grid.sizes["cp"] > 1:
-            raise ConfigError("--pp > 1 with --cp: not implemented yet")
-        if tensor and cfg.zero:
-            raise ConfigError("--zero with --tp and --pp together: not implemented yet")
-        from refmp.parallel.pipeline.runner import PipelineParallel
+    def reduce_grads(self) -> None: ...  # grads become the global gradient's owned pieces
 
-        check_zero_composes(cfg.zero, "--pp")
-        return with_zero(PipelineParallel(model, grid, cfg))
-    if cfg.trace:
-        raise ConfigError("--trace records a pipeline's timeline: it needs --pp > 1")
-    if grid.sizes["cp"] > 1:
-        if cfg.zero or cfg.microbatches != 1:
-            raise ConfigError("--cp > 1 with --zero or --microbatches: not implemented yet")
-        from refmp.parallel.context import ContextParallel
+    def grad_norm(self) -> float: ...  # the global L2 norm, each element counted once
 
-        T = cfg.block_size or model.cfg.block_size
-        return ContextParallel(model, grid, T, cfg.cp_algo, cfg.cp_balance)
-    if cfg.zero:
-        from refmp.parallel.zero import ZeRO
+    def after_step(self) -> None: ...  # after the optimizer (ZeRO 1/2: all-gather)
 
-        return ZeRO(model, grid, cfg.zero, cfg.microbatches)
-    return DataParallel(model, grid, cfg.microbatches, cfg.bucket_mb)
+    def loss_total(self) -> float: ...  # the step's global loss
+
+    def generate(self, idx, n: int): ...  # greedy decoding (collective where split)
+
+    def full_params(self) -> dict | None: ...  # the whole model on rank 0 (collective)
+
+    def timeline(self): ...  # the last step's pipeline timeline (collective over pp)
+
+    def memory(self) -> dict[str, int]: ...  # bytes held: params, grads, activations
+
+
+def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT) -> Runner:
+    """The one engine, after every layout rule has been checked (the same on every rank)."""
+    from refmp.parallel.engine import Engine
+    from refmp.parallel.layout import check_layout
+
+    check_layout(cfg, model.cfg, grid.world.size, grid.sizes)
+    return Engine(model, grid, cfg)
 
 
 def build_optimizer(cfg: TrainConfig, params: dict, decay=None):
@@ -256,7 +234,7 @@ def start_gpu(grid: ProcessGrid) -> dict:
 
 
 class Trainer:
-    """Holds the grid, data, model and optimizer of one data-parallel run."""
+    """Holds the grid, data, runner and optimizer of one run, on any layout."""
 
     def __init__(self, cfg: TrainConfig, grid: ProcessGrid | None = None,
                  dataset: Dataset | None = None):
@@ -277,9 +255,9 @@ class Trainer:
         self.ds, self.model = agreed(self.grid.world, setup)
         self.T = cfg.block_size or self.model.cfg.block_size
         self.runner = build_runner(cfg, self.grid, self.model)
-        self.rows = agreed(self.grid.world, lambda: self.runner.batch_rows(cfg.batch_size))
+        self.rows = self.runner.batch_rows(cfg.batch_size)
         self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
-        self.opt = build_optimizer(cfg, self.runner.params, getattr(self.runner, "decay", None))
+        self.opt = build_optimizer(cfg, self.runner.params, self.runner.decay)
         self.step_num = 0
 
     def step(self) -> dict:
@@ -290,19 +268,20 @@ class Trainer:
         x, y = backend.from_host(x), backend.from_host(y)
         run.zero_grad()
         denom = cfg.batch_size * self.T  # the global token count: each rank's loss is a share
-        share = run.forward_backward(x, y, denom)
-        run.reduce_grads()  # now grads is the global gradient of this rank's params
-        norm = (clip_grad_norm(run.grads, cfg.grad_clip, run.grad_sum_sq)
-                if cfg.grad_clip > 0 else float("nan"))
+        run.forward_backward(x, y, denom)
+        run.reduce_grads()  # now grads is the global gradient of this rank's pieces
+        norm = float("nan")
+        if cfg.grad_clip > 0:
+            norm = run.grad_norm()
+            clip_grads(run.grads, cfg.grad_clip, norm)
         self.opt.lr = lr_at(cfg, self.step_num)
         self.opt.step(run.grads)
-        if hasattr(run, "after_step"):
-            run.after_step()  # ZeRO 1/2: all-gather the updated parameter shards
-        loss = run.loss_total(share)
+        run.after_step()  # ZeRO 1/2: all-gather the updated parameter shards
+        loss = run.loss_total()
         backend.sync()
         rec = {"step": self.step_num, "loss": loss, "grad_norm": norm, "lr": self.opt.lr,
                "tokens": cfg.batch_size * self.T, "seconds": time.perf_counter() - t0}
-        rec.update(getattr(run, "stats", None) or {})  # e.g. MoE routing statistics
+        rec.update(run.stats)  # e.g. MoE routing statistics
         self.step_num += 1
         return rec
 
@@ -324,6 +303,5 @@ class Trainer:
             "grads": sum(int(g.nbytes) for g in run.grads.values() if g is not None),
             "optimizer": self.opt.state_bytes(),
         }
-        if hasattr(run, "memory"):  # the runner's own buffers and peak activations
-            mem.update(run.memory())
+        mem.update(run.memory())  # the runner's own buffers and peak activations
         return mem

@@ -7,7 +7,7 @@ from mpi_helpers import collective
 
 from refmp.comm import Comm
 from refmp.errors import ConfigError
-from refmp.grid import ProcessGrid, check_layout
+from refmp.grid import ProcessGrid, check_sizes
 
 pytestmark = pytest.mark.mpi
 
@@ -74,12 +74,12 @@ def test_grid_coordinates_and_axes():
 
 
 def test_check_layout_errors():
-    assert check_layout(8, pp=2, tp=2) == {"pp": 2, "dp": 2, "cp": 1, "tp": 2, "ep": 1}
+    assert check_sizes(8, pp=2, tp=2) == {"pp": 2, "dp": 2, "cp": 1, "tp": 2, "ep": 1}
     with pytest.raises(ConfigError, match=r"does not match the 4 MPI processes"):
-        check_layout(4, dp=3)
+        check_sizes(4, dp=3)
     with pytest.raises(ConfigError, match="does not divide the world size"):
-        check_layout(4, tp=3)
+        check_sizes(4, tp=3)
     with pytest.raises(ConfigError, match="must divide --dp"):
-        check_layout(4, dp=4, ep=3)
+        check_sizes(4, dp=4, ep=3)
     with pytest.raises(ConfigError, match="at least 1"):
-        check_layout(4, pp=0)
+        check_sizes(4, pp=0)

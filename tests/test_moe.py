@@ -110,9 +110,11 @@ def test_aux_losses_values():
     logits = h.reshape(-1, C) @ p["mlp.router.weight"]
     lse = np.log(np.exp(logits).sum(axis=-1))
     probs = np.exp(logits - lse[:, None])
-    top = np.argsort(-logits, axis=-1)[:, :K]
-    f = np.bincount(top.ravel(), minlength=E) / (K * 2 * T)
-    aux = 0.1 * E * (f * probs.mean(axis=0)).sum()
+    top = np.argsort(-logits, axis=-1)[:, :K].reshape(2, T, K)
+    # per sequence (DeepSeek-V3's sequence-wise balance loss), averaged over the 2 sequences
+    f = np.stack([np.bincount(top[b].ravel(), minlength=E) / (K * T) for b in range(2)])
+    P = probs.reshape(2, T, E).mean(axis=1)  # (2, E)
+    aux = 0.1 * E * (f * P).sum(axis=1).mean()
     z = 0.01 * (lse**2).mean()
     assert cache.loss == pytest.approx(aux + z, rel=1e-12)
     assert cache.stats["aux_loss"] == pytest.approx(aux, rel=1e-12)

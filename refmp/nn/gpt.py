@@ -10,7 +10,9 @@ The LM head is tied to ``wte``: logits = x @ wte^T.
 
 The model is split into three kinds of piece, each a forward/backward pair, so that the
 parallel strategies can reuse them: ``embed`` (tokens + positions), ``block`` (one
-transformer layer) and ``head`` (final LayerNorm, tied LM head, cross-entropy).
+transformer layer) and ``head`` (final LayerNorm, tied LM head, cross-entropy). The block is
+written once, against an :class:`Ops` object that runs its linears and its attention core:
+the serial Ops here, or refmp.parallel.ops.ParallelOps for every parallel layout.
 
 Mixture of experts (``n_expert`` > 0): the MLP of block i is an MoE layer (refmp.nn.moe) when
 i % moe_every == 0, with ``h.{i}.mlp.router.weight`` (C, E) and ``h.{i}.mlp.experts.{e}.*``
@@ -55,105 +57,122 @@ def embed_backward(dx, cache) -> dict:
     }
 
 
-SERIAL_ATTENTION = (L.attention_forward, L.attention_backward)
+class Ops:
+    """The pieces one block is made of, serial; refmp.parallel.ops.ParallelOps splits them.
+
+    ``column`` and ``row`` are the linears that enter and leave a parallel region (here plain
+    linears, y = x W + b); ``attention`` is the core softmax(q k^T / sqrt(HS)) v on this rank's
+    ``n_head`` heads; ``embed`` and ``head`` are the model's two ends. A block written against
+    these (block_forward below) runs unchanged under tensor, sequence, context and expert
+    parallelism: only the Ops change.
+    """
+
+    def __init__(self, n_head: int):
+        self.n_head = n_head  # heads this rank computes
+
+    def column(self, x, w, b):
+        return L.linear_forward(x, w, b)  # (B, T, out)
+
+    def row(self, x, w, b):
+        return L.linear_forward(x, w, b)  # (B, T, out)
+
+    def linear_backward(self, dout, cache):
+        return L.linear_backward(dout, cache)  # dx, dw, db
+
+    def linear_backward_input(self, dout, cache):
+        """Zero bubble's B half: dx now, and what the W half needs."""
+        return L.linear_backward_input(dout, cache), (dout, cache)
+
+    def linear_backward_weight(self, item):
+        """Zero bubble's W half: dw, db."""
+        return L.linear_backward_weight(*item)
+
+    def attention(self, qkv):
+        return L.attention_forward(qkv, self.n_head)  # (B, T, C)
+
+    def attention_backward(self, da, cache):
+        return L.attention_backward(da, cache)  # (B, T, 3C)
+
+    def embed(self, p: dict, idx):
+        return embed_forward(p, idx)  # (B, T, C)
+
+    def embed_backward(self, dx, cache) -> dict:
+        return embed_backward(dx, cache)
+
+    def head(self, p: dict, x, targets=None, denom=None):
+        return head_forward(p, x, targets, denom)  # loss share, or logits (B, T, V)
+
+    def head_backward(self, dloss, cache):
+        return head_backward(dloss, cache)
+
+    def next_token(self, logits_last):
+        return logits_last.argmax(axis=-1)  # (B,) from (B, V)
 
 
-def mlp_forward(p: dict, h):
-    """GPT-2's MLP: gelu(h W_fc + b_fc) W_proj + b_proj."""
-    h, c_fc = L.linear_forward(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])  # (B, T, 4C)
-    h, gelu = L.gelu_forward(h)  # (B, T, 4C)
-    h, m_proj = L.linear_forward(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])  # (B, T, C)
-    return h, (c_fc, gelu, m_proj)
-
-
-def mlp_backward(dout, cache):
-    c_fc, gelu, m_proj = cache
-    g = {}
-    dh, g["mlp.c_proj.weight"], g["mlp.c_proj.bias"] = L.linear_backward(dout, m_proj)
-    dh = L.gelu_backward(dh, gelu)
-    dh, g["mlp.c_fc.weight"], g["mlp.c_fc.bias"] = L.linear_backward(dh, c_fc)
-    return dh, g
-
-
-def block_forward(p: dict, x, n_head: int, moe: M.MoEContext | None = None,
-                  attention=SERIAL_ATTENTION):
+def block_forward(p: dict, x, ops: Ops, moe: M.MoEContext | None = None):
     """One pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.)).
 
     With ``moe``, the MLP is a mixture of experts (refmp.nn.moe); its cache carries its loss.
-    ``attention`` is the (forward, backward) pair of the attention core; context parallelism
-    passes its own (refmp.parallel.context), everything else in the block stays per token.
+    ``ops`` runs the linears and the attention core (serial here; see Ops).
     """
-    attn_forward, attn_backward = attention
-    h, ln1 = L.layernorm_forward(x, p["ln_1.weight"], p["ln_1.bias"])  # (B, T, C)
-    qkv, c_attn = L.linear_forward(h, p["attn.c_attn.weight"], p["attn.c_attn.bias"])  # (B, T, 3C)
-    a, attn = attn_forward(qkv, n_head)  # (B, T, C)
-    attn = (attn_backward, attn)
-    a, a_proj = L.linear_forward(a, p["attn.c_proj.weight"], p["attn.c_proj.bias"])  # (B, T, C)
-    x = x + a  # (B, T, C) residual
-    h, ln2 = L.layernorm_forward(x, p["ln_2.weight"], p["ln_2.bias"])  # (B, T, C)
-    h, mlp = mlp_forward(p, h) if moe is None else M.moe_forward(p, h, moe)  # (B, T, C)
-    out = x + h  # (B, T, C) residual
-    return out, (ln1, c_attn, attn, a_proj, ln2, mlp)
+    h, ln1 = L.layernorm_forward(x, p["ln_1.weight"], p["ln_1.bias"])  # like x
+    qkv, c_attn = ops.column(h, p["attn.c_attn.weight"], p["attn.c_attn.bias"])  # (B, T, 3C)
+    a, attn = ops.attention(qkv)  # (B, T, C)
+    a, a_proj = ops.row(a, p["attn.c_proj.weight"], p["attn.c_proj.bias"])  # like x
+    x = x + a  # residual
+    h, ln2 = L.layernorm_forward(x, p["ln_2.weight"], p["ln_2.bias"])  # like x
+    if moe is None:  # GPT-2's MLP: gelu(h W_fc + b_fc) W_proj + b_proj
+        h, c_fc = ops.column(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])  # (B, T, 4C)
+        h, gelu = L.gelu_forward(h)  # (B, T, 4C)
+        h, m_proj = ops.row(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])  # like x
+        mlp = (c_fc, gelu, m_proj)
+    else:
+        h, mlp = M.moe_forward(p, h, moe)  # like x
+    return x + h, (ln1, c_attn, attn, a_proj, ln2, mlp)  # residual
 
 
-def block_backward(dout, cache, dloss: float = 1.0):
+def block_backward(dout, cache, ops: Ops, todo: list | None = None, dloss: float = 1.0):
     """Mirror of block_forward; returns dx and the block's gradients (names inside the block).
 
-    ``dloss`` scales the gradient of an MoE layer's own losses (1 for the plain loss).
+    ``todo``: the zero-bubble split (Qi et al. 2023, sec. 2). Given a list, the four linears'
+    weight gradients are not computed but their inputs appended to it, for
+    block_backward_weight to do later (W); everything else, dx included (B), is done now.
+    An MoE MLP does its whole backward in B. ``dloss`` scales the gradient of an MoE layer's
+    own losses (1 for the plain loss).
     """
     ln1, c_attn, attn, a_proj, ln2, mlp = cache
+    g = {}
+
+    def linear(name: str, d, c):
+        if todo is None:
+            dx, g[f"{name}.weight"], g[f"{name}.bias"] = ops.linear_backward(d, c)
+            return dx
+        dx, item = ops.linear_backward_input(d, c)
+        todo.append((name, item))
+        return dx
+
     # forward was: out = x + h   (the residual passes dout to both branches)
     if isinstance(mlp, M.MoECache):
-        dh, g = M.moe_backward(dout, mlp, dloss)
+        dh, gm = M.moe_backward(dout, mlp, dloss)
+        g.update(gm)
     else:
-        dh, g = mlp_backward(dout, mlp)
+        c_fc, gelu, m_proj = mlp
+        dh = L.gelu_backward(linear("mlp.c_proj", dout, m_proj), gelu)  # (B, T, 4C)
+        dh = linear("mlp.c_fc", dh, c_fc)  # like x
     dx, g["ln_2.weight"], g["ln_2.bias"] = L.layernorm_backward(dh, ln2)
     dx += dout
     # forward was: x = x + a
-    da, g["attn.c_proj.weight"], g["attn.c_proj.bias"] = L.linear_backward(dx, a_proj)
-    attn_backward, attn = attn
-    dqkv = attn_backward(da, attn)
-    dh, g["attn.c_attn.weight"], g["attn.c_attn.bias"] = L.linear_backward(dqkv, c_attn)
+    dqkv = ops.attention_backward(linear("attn.c_proj", dx, a_proj), attn)  # (B, T, 3C)
+    dh = linear("attn.c_attn", dqkv, c_attn)
     dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(dh, ln1)
     return dx + dh, g
 
 
-# The zero-bubble split of block_backward (Qi et al. 2023, sec. 2): B computes the gradient
-# of the block's input, which the previous pipeline stage waits for; W computes the weight
-# gradients of the four linears (half of the backward's matrix products), which nobody waits
-# for and can be deferred to fill a bubble. LayerNorm gains' gradients are cheap sums that fall
-# out of dx's computation, so B keeps them. Together B + W equal block_backward exactly.
-
-
-def block_backward_input(dout, cache):
-    """B pass: returns dx, the LayerNorm gradients, and what the W pass needs (dout per linear)."""
-    ln1, c_attn, attn, a_proj, ln2, mlp = cache
-    if isinstance(mlp, M.MoECache):
-        raise ValueError("the zero-bubble B/W split is written for the dense MLP, not MoE")
-    c_fc, gelu, m_proj = mlp
-    g, w_todo = {}, []  # w_todo: (name, dout of that linear, its cache)
-    # forward was: out = x + h
-    w_todo.append(("mlp.c_proj", dout, m_proj))
-    dh = L.gelu_backward(L.linear_backward_input(dout, m_proj), gelu)  # (B, T, 4C)
-    w_todo.append(("mlp.c_fc", dh, c_fc))
-    dx, g["ln_2.weight"], g["ln_2.bias"] = L.layernorm_backward(
-        L.linear_backward_input(dh, c_fc), ln2)
-    dx += dout
-    # forward was: x = x + a
-    w_todo.append(("attn.c_proj", dx, a_proj))
-    attn_backward, attn = attn
-    dqkv = attn_backward(L.linear_backward_input(dx, a_proj), attn)  # (B, T, 3C)
-    w_todo.append(("attn.c_attn", dqkv, c_attn))
-    dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(
-        L.linear_backward_input(dqkv, c_attn), ln1)
-    return dx + dh, g, w_todo
-
-
-def block_backward_weight(w_todo) -> dict:
-    """W pass: the linears' weight gradients, dW = x^T dout, from what the B pass kept."""
+def block_backward_weight(todo: list, ops: Ops) -> dict:
+    """Zero bubble's W pass: dW = x^T dout (and db) of the linears block_backward deferred."""
     g = {}
-    for name, dout, cache in w_todo:
-        g[f"{name}.weight"], g[f"{name}.bias"] = L.linear_backward_weight(dout, cache)
+    for name, item in todo:
+        g[f"{name}.weight"], g[f"{name}.bias"] = ops.linear_backward_weight(item)
     return g
 
 
@@ -200,20 +219,19 @@ class GPT:
     def num_params(self) -> int:
         return sum(math.prod(s) for s in param_shapes(self.cfg).values())  # also when sharded
 
-    def forward(self, idx, targets=None, denom=None, stats_comm=None, dispatch=None):
+    def forward(self, idx, targets=None, denom=None, dispatch=None):
         """(loss, cache) given targets (B, T); (logits, None) without them.
 
-        MoE only: ``stats_comm`` sums the routing statistics over the ranks that share the
-        global batch (dp); ``dispatch`` says where the experts run (default: all here).
+        MoE only: ``dispatch`` says where the experts run (default: all here).
         """
-        cfg = self.cfg
+        cfg, ops = self.cfg, Ops(self.cfg.n_head)
         if targets is not None and denom is None:
             denom = idx.size  # the loss is the mean over these tokens
-        moe = cfg.moe_context(denom if targets is not None else None, stats_comm, dispatch)
+        moe = cfg.moe_context(denom if targets is not None else None, dispatch)
         x, emb = embed_forward(self.params, idx)  # (B, T, C)
         blocks = []
         for i in range(cfg.n_layer):
-            x, c = block_forward(block_params(self.params, i), x, cfg.n_head,
+            x, c = block_forward(block_params(self.params, i), x, ops,
                                  moe if cfg.is_moe(i) else None)
             blocks.append(c)
         out, head = head_forward(self.params, x, targets, denom)
@@ -221,25 +239,16 @@ class GPT:
             out = out + sum(c[-1].loss for c in blocks if isinstance(c[-1], M.MoECache))
         return out, (emb, blocks, head)
 
-    def backward(self, cache, dloss=1.0, on_ready=None) -> None:
-        """Accumulate gradients into self.grads (call zero_grad first for a fresh step).
-
-        ``on_ready(names)``, if given, is called as soon as the gradients of ``names`` are
-        complete (head, then blocks in reverse, then embeddings), so that a data-parallel
-        runner can start reducing them while backward goes on (refmp.parallel.data).
-        """
-        ready = on_ready or (lambda names: None)
+    def backward(self, cache, dloss=1.0) -> None:
+        """Accumulate gradients into self.grads (call zero_grad first for a fresh step)."""
+        ops = Ops(self.cfg.n_head)
         emb, blocks, head = cache
         dx, g = head_backward(dloss, head)
         self._accumulate(g)
-        ready([k for k in g if k != "wte.weight"])  # wte waits for the embedding's share
         for i in reversed(range(self.cfg.n_layer)):
-            dx, g = block_backward(dx, blocks[i], dloss)
+            dx, g = block_backward(dx, blocks[i], ops, dloss=dloss)
             self._accumulate({f"h.{i}.{k}": v for k, v in g.items()})
-            ready([f"h.{i}.{k}" for k in g])
-        g = embed_backward(dx, emb)
-        self._accumulate(g)  # wte also gets the head's share: tied
-        ready(list(g))
+        self._accumulate(embed_backward(dx, emb))  # wte also gets the head's share: tied
 
     def zero_grad(self) -> None:
         self.grads = {k: None for k in self.params}
@@ -250,14 +259,9 @@ class GPT:
 
     @staticmethod
     def moe_stats(cache) -> dict:
-        """The MoE layers' global routing statistics of a forward (empty for a dense model)."""
-        layers = [c[-1].stats for c in cache[1] if isinstance(c[-1], M.MoECache)]
-        if not layers:
-            return {}
-        return {"moe": {"tokens_per_expert": [s["tokens_per_expert"] for s in layers],
-                        "dropped": [s["dropped"] for s in layers],
-                        "aux_loss": sum(s["aux_loss"] for s in layers),
-                        "z_loss": sum(s["z_loss"] for s in layers)}}
+        """The MoE layers' routing statistics of a forward (empty for a dense model)."""
+        return moe_summary([c[-1].stats["raw"] for c in cache[1]
+                            if isinstance(c[-1], M.MoECache)])
 
     def generate(self, idx, max_new_tokens: int, dispatch=None):
         """Greedy decoding: append the most likely next token, max_new_tokens times.
@@ -272,3 +276,16 @@ class GPT:
             nxt = logits[:, -1, :].argmax(axis=-1)  # (B,)
             idx = xp.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
         return idx
+
+
+def moe_summary(raws: list, E: int | None = None) -> dict:
+    """{"moe": per-layer tokens per expert and dropped fraction, summed aux and z losses}
+    from each MoE layer's [assigned (E), kept (E), aux, z] (refmp.nn.moe.routing_summary)."""
+    if not raws:
+        return {}
+    E = (len(raws[0]) - 2) // 2 if E is None else E
+    layers = [M.routing_summary(r, E) for r in raws]
+    return {"moe": {"tokens_per_expert": [s["tokens_per_expert"] for s in layers],
+                    "dropped": [s["dropped"] for s in layers],
+                    "aux_loss": sum(s["aux_loss"] for s in layers),
+                    "z_loss": sum(s["z_loss"] for s in layers)}}

@@ -51,20 +51,20 @@ def linear_forward(x, w, b=None):
 
 
 def linear_backward(dout, cache):
-    """dx = dout W^T, dW = x^T dout (summed over all leading axes), db = sum of dout."""
-    x, w, has_bias = cache
-    x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-    d2 = dout.reshape(-1, dout.shape[-1])  # (N, out)
-    dx = (d2 @ w.T).reshape(x.shape)  # (..., in)
-    dw = x2.T @ d2  # (in, out)
-    db = d2.sum(axis=0) if has_bias else None  # (out,)
+    """dx = dout W^T, dW = x^T dout (summed over all leading axes), db = sum of dout.
+
+    The two halves below, run back to back: the zero-bubble split (B now, W later) runs the
+    same products, so both give bitwise the same gradients.
+    """
+    dx = linear_backward_input(dout, cache)
+    dw, db = linear_backward_weight(dout, cache)
     return dx, dw, db
 
 
 def linear_backward_input(dout, cache):
     """The input half of linear_backward: dx = dout W^T (zero-bubble's B pass, Qi et al. 2023)."""
     x, w, has_bias = cache
-    return dout @ w.T  # (..., in)
+    return (dout.reshape(-1, dout.shape[-1]) @ w.T).reshape(*dout.shape[:-1], w.shape[0])
 
 
 def linear_backward_weight(dout, cache):

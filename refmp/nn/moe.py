@@ -19,11 +19,18 @@ The layer, for x (N, C) the output of ln_2:
                                                       residual connection carries the token)
     expert_e(x) = gelu(x W1_e + b1_e) W2_e + b2_e    (GPT-2's MLP, one per expert)
 
-and two losses added to the model loss (means over the GLOBAL batch of N_glob tokens):
+and two losses added to the model loss, both per-token sums over N_glob (the global token
+count, B_glob T), so that every rank's part is a *share* like the cross-entropy's:
 
-    aux = alpha E sum_e f_e P_e,   f_e = (assignments to e, before dropping) / (K N_glob),
-                                   P_e = sum_n p[n, e] / N_glob
-    z   = beta sum_n logsumexp(logits_n)^2 / N_glob
+    aux = alpha E / N_glob  sum_b sum_t sum_e f_be p[b, t, e],
+          f_be = (assignments of sequence b to e, before dropping) / (K T)
+    z   = beta / N_glob  sum_n logsumexp(logits_n)^2
+
+The load-balancing loss is per sequence (DeepSeek-V3's sequence-wise balance loss, Megatron's
+``seq_aux_loss``): for one sequence, E sum_e f_be P_be with P_be its mean router probability,
+averaged over the batch. A global-batch f_e (Switch, eq. 4) cannot be known in a pipeline:
+1F1B runs the first micro-batch's backward before the last one's forward. Per sequence, it
+depends on nothing but the sequence, so no layout changes it.
 
 Capacity and dropping (``capacity_keep``): each expert takes at most
 cap = ceil(CF K T / E) assignments from each sequence (CF = capacity_factor; CF = 0 means no
@@ -35,14 +42,13 @@ not (as GShard).
 
 Gradients: top-k selection and dropping are piecewise constant in the weights, so no gradient
 flows through *which* experts are chosen; it flows through the gate values (into p, the
-softmax, the router), through the experts, and through both losses (f_e is a count:
-constant; P_e and the logsumexp are smooth).
+softmax, the router), through the experts, and through both losses (f_be is a count:
+constant; p and the logsumexp are smooth).
 
-Data parallelism: f_e is a statistic of the whole global batch, so an MoE layer sums its
-per-expert counts over the data-parallel ranks (one all-reduce of a (3E + 1,) buffer per
-layer, ``stats_comm``) before using them. Everything else is a per-token sum divided by
-N_glob, so each rank's losses are *shares* that add up over ranks to the serial value, like
-the cross-entropy (refmp.parallel.data). The same buffer gives global statistics for logs.
+A sequence split over ranks (context parallelism, or sequence parallelism over tp): the
+dropping rule and f_be need the whole sequence's choices, so ``ctx.seq`` (refmp.parallel.
+expert.SequenceSplit) all-gathers the small (B, T, K) index of chosen experts over those
+ranks and sums the (B, E) counts; everything else stays per token.
 
 Experts run batched: the kept assignments are sorted by expert and padded into one
 (E, Emax, C) array, so each layer of the experts is one batched matmul (no loop over tokens
@@ -176,8 +182,9 @@ class MoEContext:
     """What an MoE layer needs besides its weights, for one forward call.
 
     ``denom``: the global token count N_glob of the losses (None: no losses, e.g. decoding);
-    ``stats_comm``: the ranks whose tokens make up the global batch (dp), or None (serial);
-    ``dispatch``: where the experts run (LocalExperts, or expert parallelism's all-to-all).
+    ``dispatch``: where the experts run (LocalExperts, or expert parallelism's all-to-all);
+    ``seq``: the ranks a sequence is split over (refmp.parallel.expert.SequenceSplit), or
+    None when each rank holds whole sequences.
     """
 
     n_expert: int
@@ -186,8 +193,8 @@ class MoEContext:
     aux_loss_coef: float
     z_loss_coef: float
     denom: int | None = None
-    stats_comm: object = None
     dispatch: object = field(default_factory=LocalExperts)
+    seq: object = None
 
 
 class MoECache(NamedTuple):
@@ -206,9 +213,16 @@ class MoECache(NamedTuple):
     yk: Any
     dispatch_cache: Any
     ctx: MoEContext
-    f: Any  # (E,) global f_e, None without losses
+    f: Any  # (B, E) f_be of each sequence, None without losses
     loss: Any  # this rank's share of aux + z (0.0 without losses)
-    stats: dict
+    stats: dict  # this rank's routing figures; "raw": [assigned (E), kept (E), aux, z]
+
+
+def routing_summary(raw, E: int) -> dict:
+    """Logged figures from [assigned (E), kept (E), aux, z] (one rank's, or summed)."""
+    return {"tokens_per_expert": [int(v) for v in raw[E:2 * E]],
+            "dropped": float(1.0 - raw[E:2 * E].sum() / max(1.0, raw[:E].sum())),
+            "aux_loss": float(raw[-2]), "z_loss": float(raw[-1]), "raw": raw}
 
 
 def moe_forward(p: dict, h, ctx: MoEContext):
@@ -226,8 +240,11 @@ def moe_forward(p: dict, h, ctx: MoEContext):
     chosen = xp.take_along_axis(probs, top, axis=-1)  # (N, K)
     gates = chosen / chosen.sum(axis=-1, keepdims=True) if K > 1 else chosen  # (N, K)
     # --- capacity: which assignments are kept (the rule is capacity_keep's docstring)
-    cap = capacity(ctx.capacity_factor, K, T, E)
-    keep = capacity_keep(top.reshape(B, T, K), E, cap).reshape(B * T * K)  # (N*K,)
+    top_bt = top.reshape(B, T, K)  # (B, T, K) my tokens' choices
+    full = top_bt if ctx.seq is None else ctx.seq.gather(top_bt)  # (B, T_seq, K) whole sequences
+    Ts = full.shape[1]  # the sequence's length (T, or T * ranks when split)
+    keep = capacity_keep(full, E, capacity(ctx.capacity_factor, K, Ts, E))  # (B, T_seq, K)
+    keep = (keep if ctx.seq is None else ctx.seq.mine(keep)).reshape(B * T * K)  # (N*K,)
     # --- dispatch: kept assignments sorted by expert (then by token), run the experts
     flat = top.reshape(B * T * K)  # (N*K,) expert of assignment a = n*K + k
     kept = xp.flatnonzero(keep)  # (M,)
@@ -240,30 +257,23 @@ def moe_forward(p: dict, h, ctx: MoEContext):
     yk[order] = ys
     yk = yk.reshape(B * T, K, C)  # (N, K, C)
     out = (gates[..., None] * yk).sum(axis=1)  # (N, C)
-    # --- statistics and losses over the global batch
-    assigned = xp.bincount(flat, minlength=E)  # (E,) before dropping
-    stats = xp.concatenate([assigned, xp.asarray(counts), probs.sum(axis=0),
-                            (lse * lse).sum()[None]]).astype(xp.float64)  # (3E + 1,)
-    if ctx.denom is not None and ctx.stats_comm is not None:
-        ctx.stats_comm.allreduce(stats)  # sum over dp: the global batch's counts (exact)
-    stats = backend.to_host(stats)
-    g_assigned, g_kept, g_psum, g_zsum = stats[:E], stats[E:2 * E], stats[2 * E:3 * E], stats[-1]
-    n_glob = ctx.denom if ctx.denom is not None else B * T
-    summary = {
-        "tokens_per_expert": [int(v) for v in g_kept],
-        "dropped": float(1.0 - g_kept.sum() / max(1.0, g_assigned.sum())),
-        "aux_loss": float(ctx.aux_loss_coef * E * (g_assigned / (K * n_glob) * g_psum).sum()
-                          / n_glob),
-        "z_loss": float(ctx.z_loss_coef * g_zsum / n_glob),
-    }
-    f, loss = None, 0.0
+    # --- losses: shares of per-token sums over the global token count (module docstring)
+    f, loss, aux, z = None, 0.0, 0.0, 0.0
     if ctx.denom is not None:
-        f = xp.asarray(g_assigned / (K * ctx.denom), dtype=h.dtype)  # (E,) global f_e
-        aux = ctx.aux_loss_coef * E * (f * probs.sum(axis=0)).sum() / ctx.denom  # my share
+        onehot = (top_bt[..., None] == xp.arange(E)).sum(axis=2)  # (B, T, E) my assignments
+        per_seq = onehot.sum(axis=1).astype(h.dtype)  # (B, E)
+        if ctx.seq is not None:
+            per_seq = ctx.seq.sum(per_seq)  # the whole sequences' counts
+        f = per_seq / (K * Ts)  # (B, E) f_be
+        aux = ctx.aux_loss_coef * E * (f * probs.reshape(B, T, E).sum(axis=1)).sum() / ctx.denom
         z = ctx.z_loss_coef * (lse * lse).sum() / ctx.denom  # my share
         loss = aux + z
+    # --- this rank's routing figures, for logs (the engine sums them over ranks)
+    assigned = backend.to_host(xp.bincount(flat, minlength=E))  # (E,) before dropping
+    raw = np.concatenate([assigned, counts, [float(aux), float(z)]]).astype(np.float64)
+    stats = routing_summary(raw, E)
     cache = MoECache(router, probs, lse, top, chosen, gates, order, yk, dcache, ctx, f, loss,
-                     summary)
+                     stats)
     return out.reshape(B, T, C), cache
 
 
@@ -297,8 +307,10 @@ def moe_backward(dout, cache: MoECache, dloss: float = 1.0):
     dprobs = xp.zeros_like(c.probs)  # (N, E)
     dprobs[xp.arange(N)[:, None], c.top] = dchosen  # the K experts of a token are distinct
     if c.f is not None:
-        # forward was: aux = alpha E sum_e f_e sum_n p[n, e] / N_glob (f_e constant)
-        dprobs += dloss * ctx.aux_loss_coef * ctx.n_expert * c.f / ctx.denom  # (E,) broadcast
+        # forward was: aux = alpha E sum_{b,t,e} f_be p[b, t, e] / N_glob (f_be constant)
+        Bs = c.f.shape[0]
+        dp_aux = (dloss * ctx.aux_loss_coef * ctx.n_expert / ctx.denom) * c.f  # (B, E)
+        dprobs += xp.repeat(dp_aux, N // Bs, axis=0)  # (N, E): each token, its sequence's
     # forward was: probs = softmax(logits)
     dlogits = c.probs * (dprobs - (dprobs * c.probs).sum(axis=-1, keepdims=True))  # (N, E)
     if c.f is not None:

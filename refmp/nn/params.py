@@ -39,10 +39,10 @@ class GPTConfig:
         """Is block i's MLP a mixture of experts?"""
         return self.n_expert > 0 and i % self.moe_every == 0
 
-    def moe_context(self, denom=None, stats_comm=None, dispatch=None) -> M.MoEContext:
+    def moe_context(self, denom=None, dispatch=None, seq=None) -> M.MoEContext:
         """An MoE layer's settings for one forward call (see refmp.nn.moe.MoEContext)."""
         ctx = M.MoEContext(self.n_expert, self.top_k, self.capacity_factor, self.aux_loss_coef,
-                           self.z_loss_coef, denom, stats_comm)
+                           self.z_loss_coef, denom, seq=seq)
         if dispatch is not None:
             ctx.dispatch = dispatch
         return ctx

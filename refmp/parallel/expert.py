@@ -3,11 +3,13 @@
 Shapes: C channels, E experts, El = E/ep experts per rank, M this rank's kept assignments
 (token, expert), R the assignments this rank's experts receive from the whole ep group.
 
-Layout (Lepikhin et al. 2020, GShard; Fedus et al. 2021, Switch): ep is carved from the
-data-parallel ranks (refmp.grid). Every rank holds all non-expert weights (data parallel over
-all of dp, as refmp.parallel.data) and the El experts e in [ep_rank El, (ep_rank + 1) El) of
-each MoE layer. The ranks in one ep group hold different experts; the ranks of an edp group
-(same ep_rank, different ep groups) hold the same ones and sum their gradients.
+Layout (Lepikhin et al. 2020, GShard; Fedus et al. 2021, Switch; Megatron's MoE parallel
+folding): ep is carved from the dp x cp ranks (refmp.grid). Every rank holds the non-expert
+weights of its stage and tp shard (replicated over dp x cp) and the El experts e in
+[ep_rank El, (ep_rank + 1) El) of each of its MoE layers. The ranks in one ep group hold
+different experts; the ranks of an edp group (same ep_rank, different ep groups) hold the
+same ones and sum their gradients (refmp.parallel.placement). Experts are not split over tp:
+every tp rank runs them (on the same tokens, or with sequence parallelism on its T/tp).
 
 One MoE layer, forward (refmp.nn.moe routes and combines; :class:`ExpertDispatch` moves):
   1. each rank routes its own tokens: kept assignments sorted by expert, counts (E,);
@@ -22,8 +24,8 @@ Backward mirrors it: the output gradients go to the experts (M x C), the input g
 back (R x C). So the ledger holds, per MoE layer and step, on each rank: one "alltoall" of
 E int64 counts and four "alltoallv" calls moving 2 (M + R) C itemsize bytes (send side).
 
-Gradients: non-expert weights are summed over dp (all-reduce, refmp.parallel.data); expert
-weights over edp. The routing statistics of the aux loss are summed over dp (refmp.nn.moe).
+A sequence split over cp (or SP) ranks keeps the per-sequence capacity rule and f_be exact:
+:class:`SequenceSplit` gathers the (B, T, K) routing index over those ranks.
 """
 
 from __future__ import annotations
@@ -31,11 +33,8 @@ from __future__ import annotations
 import numpy as np
 
 from refmp import backend
-from refmp.data import dp_rows
 from refmp.errors import ConfigError
-from refmp.nn import GPT
 from refmp.nn import moe as M
-from refmp.parallel.data import allreduce_grads
 
 
 def check_expert_layout(n_expert: int, ep: int) -> None:
@@ -110,78 +109,28 @@ class ExpertDispatch:
         return dxs, M.unstack_grads(ids, g)
 
 
-class ExpertParallel:
-    """Data parallelism for the dense weights, expert parallelism (ep) for the experts.
+class SequenceSplit:
+    """The ranks one sequence is split over (cp, and tp with sequence parallelism), for the
+    MoE layer's per-sequence rules (refmp.nn.moe): ``held[j]`` are the global positions of
+    the tokens group rank j holds, in the order it holds them."""
 
-    Implements the runner interface of refmp.parallel.data.DataParallel (read its docstring).
-    """
+    def __init__(self, comm, held: list):
+        self.comm = comm
+        order = np.concatenate(held)  # rank-major slots -> natural positions
+        self.to_natural = backend.from_host(np.argsort(order))
+        self.here = backend.from_host(held[comm.rank])  # my tokens' positions
 
-    def __init__(self, model: GPT, grid):
-        check_expert_layout(model.cfg.n_expert, grid.ep)
-        self.grid, self.full_model = grid, model
-        self.dp, self.ep, self.edp = grid.comm["dp"], grid.comm["ep"], grid.comm["edp"]
-        # the generator of the evaluation must run the same prompts on all peers of an ep
-        # group (its forward is collective over ep): split prompts over edp, not dp
-        self.eval_comm = self.edp
-        El = model.cfg.n_expert // self.ep.size
-        mine = range(self.ep.rank * El, (self.ep.rank + 1) * El)
-        # slice the full model (init is layout-independent): dense weights and my experts
-        local = {k: v for k, v in model.params.items()
-                 if not is_expert(k) or expert_index(k) in mine}
-        self.model = GPT(model.cfg, local)
-        self.dispatch = ExpertDispatch(self.ep, model.cfg.n_expert)
-        self.stats = {}
+    def gather(self, top):
+        """(B, Tl, K) my tokens' chosen experts -> (B, T, K) the whole sequences', in order:
+        an all-gather of the small routing index, never the activations."""
+        xp = backend.array_module(top)
+        got = self.comm.allgather(xp.ascontiguousarray(top.transpose(1, 0, 2)))  # (T, B, K)
+        return got[self.to_natural].transpose(1, 0, 2)
 
-    @property
-    def params(self) -> dict:
-        return self.model.params  # dense weights and my experts
+    def mine(self, a):
+        """(B, T, ...) over whole sequences -> (B, Tl, ...) at my tokens."""
+        return a[:, self.here]
 
-    @property
-    def grads(self) -> dict:
-        return self.model.grads
-
-    def batch_rows(self, B: int) -> slice:
-        return dp_rows(B, self.dp.size, self.dp.rank)  # every rank reads its own rows
-
-    def zero_grad(self) -> None:
-        self.model.zero_grad()
-
-    def forward_backward(self, x, y, denom: int) -> float:
-        loss, cache = self.model.forward(x, y, denom, stats_comm=self.dp, dispatch=self.dispatch)
-        self.model.backward(cache)
-        self.stats = self.model.moe_stats(cache)
-        return float(loss)
-
-    def reduce_grads(self) -> None:
-        g = self.model.grads
-        allreduce_grads({k: v for k, v in g.items() if not is_expert(k)}, self.dp)
-        allreduce_grads({k: v for k, v in g.items() if is_expert(k)}, self.edp)
-
-    def grad_sum_sq(self, local: float) -> float:
-        # dense gradients are replicated over dp: count once; experts differ over ep: add up
-        # (``local`` mixes both, so the two parts are recomputed here)
-        dense = sum(float((v * v).sum()) for k, v in self.grads.items() if not is_expert(k))
-        experts = sum(float((v * v).sum()) for k, v in self.grads.items() if is_expert(k))
-        return dense + self.ep.allreduce_scalar(experts)
-
-    def loss_total(self, share: float) -> float:
-        return self.dp.allreduce_scalar(share)  # sum of shares = the global mean loss
-
-    def generate(self, idx, n: int):
-        return self.model.generate(idx, n, dispatch=self.dispatch)
-
-    def full_params(self) -> dict | None:
-        """Gather every expert over ep (collective: all ranks call it); rank 0 gets the model."""
-        xp, p, E = backend.xp, self.model.params, self.model.cfg.n_expert
-        full = dict(p)
-        for i in range(self.model.cfg.n_layer):
-            if not self.model.cfg.is_moe(i):
-                continue
-            pre = f"h.{i}.mlp.experts."
-            ids = sorted({expert_index(k) for k in p if k.startswith(pre)})
-            for s in M.EXPERT_PARAMS:
-                stacked = self.ep.allgather(xp.stack([p[f"{pre}{e}.{s}"] for e in ids]))  # (E,.)
-                full.update({f"{pre}{e}.{s}": stacked[e] for e in range(E)})
-        if self.grid.rank != 0:
-            return None
-        return {k: full[k] for k in self.full_model.params}  # GPT-2 order
+    def sum(self, a):
+        """Sum a per-sequence statistic (B, E) over the ranks holding the sequence's parts."""
+        return self.comm.allreduce(backend.array_module(a).ascontiguousarray(a))

@@ -33,7 +33,6 @@ from __future__ import annotations
 from refmp.backend import array_module
 from refmp.comm import Comm
 from refmp.nn import layers as L
-from refmp.nn.gpt import SERIAL_ATTENTION
 
 # --- the f and g operators (Megatron fig. 3), as forward/backward pairs -------------------
 
@@ -130,54 +129,38 @@ def row_backward(dout, cache, comm: Comm):
     return dx, dw, db
 
 
-# --- one transformer block (the parallel twin of refmp.nn.gpt.block_forward) ----------------
+# --- the zero-bubble split of the two (Qi et al. 2023): B now, W later ------------------
+# The split keeps every collective, only moving some into W: a row-parallel layer's B does
+# its g backward (identity, or SP's all-gather of dZ) and keeps dZ for W; a column-parallel
+# layer's B computes dX = dY W_r^T and its f backward (all-reduce, or SP's reduce-scatter),
+# and its W does SP's re-gather of X (Korthikanti sec. 4.2.3) just before dW = X^T dY. The tp
+# ranks of a stage run the same W slots, so those all-gathers still pair up.
 
 
-def block_forward(p: dict, x, n_head: int, comm: Comm, sp: bool = False,
-                  attention=SERIAL_ATTENTION):
-    """Pre-LN block on this rank's shards; ``n_head`` is the global head count.
-
-    x is (B, T, C) replicated over tp, or (B, T/tp, C) with sequence parallelism; the
-    LayerNorms and residual adds run on it as they are (replicated, or sharded along T).
-    ``attention`` is the (forward, backward) pair of the attention core, run on this rank's
-    NH/tp heads, as in refmp.nn.gpt.block_forward: context parallelism passes its ring or
-    Ulysses attention (refmp.parallel.context_tensor).
-    """
-    attn_forward, attn_backward = attention
-    nh = n_head // comm.size  # heads on this rank
-    h, ln1 = L.layernorm_forward(x, p["ln_1.weight"], p["ln_1.bias"])  # like x
-    qkv, c_attn = column_forward(h, p["attn.c_attn.weight"], p["attn.c_attn.bias"], comm, sp)
-    # qkv (B, T, 3C/tp) = [q | k | v] of my heads: attention needs no communication
-    a, attn = attn_forward(qkv, nh)  # (B, T, C/tp)
-    attn = (attn_backward, attn)
-    a, a_proj = row_forward(a, p["attn.c_proj.weight"], p["attn.c_proj.bias"], comm, sp)
-    x = x + a  # residual, like x
-    h, ln2 = L.layernorm_forward(x, p["ln_2.weight"], p["ln_2.bias"])
-    h, c_fc = column_forward(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"], comm, sp)  # (B, T, 4C/tp)
-    h, gelu = L.gelu_forward(h)  # (B, T, 4C/tp): elementwise, so columns stay mine
-    h, m_proj = row_forward(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"], comm, sp)
-    out = x + h  # residual, like x
-    return out, (ln1, c_attn, attn, a_proj, ln2, c_fc, gelu, m_proj)
+def column_backward_input(dout, cache, comm: Comm):
+    """B of a column-parallel layer: dX = sum_r dY_r W_r^T (f backward); what W needs."""
+    lin, sp = cache
+    dx = L.linear_backward_input(dout, lin)  # (B, T, C_in) partial over tp
+    dx = gather_from_sp_backward(dx, comm) if sp else copy_to_tp_backward(dx, comm)
+    return dx, (dout, cache)
 
 
-def block_backward(dout, cache, comm: Comm):
-    """Mirror of block_forward; the gradients are this rank's shards (names inside the block).
+def column_backward_weight(dout, cache, comm: Comm):
+    """W of a column-parallel layer: dW_r = X^T dY_r, db_r (SP re-gathers X here)."""
+    (x, w, has_bias), sp = cache
+    if sp:
+        x = gather_from_sp(x, comm)  # (B, T, C_in): the SP re-gather
+    return L.linear_backward_weight(dout, (x, w, has_bias))
 
-    With sequence parallelism the LayerNorm and c_proj-bias gradients are partial over tp
-    (each rank saw T/tp positions): the caller sums them over tp.
-    """
-    ln1, c_attn, attn, a_proj, ln2, c_fc, gelu, m_proj = cache
-    g = {}
-    # forward was: out = x + h
-    dh, g["mlp.c_proj.weight"], g["mlp.c_proj.bias"] = row_backward(dout, m_proj, comm)
-    dh = L.gelu_backward(dh, gelu)
-    dh, g["mlp.c_fc.weight"], g["mlp.c_fc.bias"] = column_backward(dh, c_fc, comm)
-    dx, g["ln_2.weight"], g["ln_2.bias"] = L.layernorm_backward(dh, ln2)
-    dx += dout
-    # forward was: x = x + a
-    da, g["attn.c_proj.weight"], g["attn.c_proj.bias"] = row_backward(dx, a_proj, comm)
-    attn_backward, attn = attn
-    dqkv = attn_backward(da, attn)  # (B, T, 3C/tp)
-    dh, g["attn.c_attn.weight"], g["attn.c_attn.bias"] = column_backward(dqkv, c_attn, comm)
-    dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(dh, ln1)
-    return dx + dh, g
+
+def row_backward_input(dout, cache, comm: Comm):
+    """B of a row-parallel layer: dY_r = dZ W_r^T (g backward first); what W needs."""
+    lin, sp = cache
+    dz = reduce_scatter_to_sp_backward(dout, comm) if sp else reduce_from_tp_backward(dout, comm)
+    return L.linear_backward_input(dz, lin), (dout, dz, lin)
+
+
+def row_backward_weight(dout, dz, lin):
+    """W of a row-parallel layer: dW_r = Y_r^T dZ; db = sum of dZ (partial over tp with SP)."""
+    db = dout.sum(axis=tuple(range(dout.ndim - 1)))  # (C_out,)
+    return L.linear_backward_weight(dz, lin)[0], db

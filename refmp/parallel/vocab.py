@@ -46,8 +46,8 @@ def embed_forward(p: dict, idx, comm: Comm, sp: bool = False, positions=None):
     """x = wte[idx] + wpe[positions], with wte split by rows over tp.
 
     idx (B, T) is replicated. Returns (B, T, C) replicated, or (B, T/tp, C) with sequence
-    parallelism (then this rank's positions are [r*T/tp, (r+1)*T/tp)). ``positions`` (T,),
-    if given, are the tokens' global positions (context parallelism; not with SP).
+    parallelism (then this rank's positions are the r-th T/tp of them). ``positions`` (T,),
+    if given, are the tokens' global positions (context parallelism).
     """
     xp = backend.array_module(p["wte.weight"])
     Vl = p["wte.weight"].shape[0]
@@ -60,9 +60,10 @@ def embed_forward(p: dict, idx, comm: Comm, sp: bool = False, positions=None):
     # the sum over tp puts every token's row in place (each id is owned by exactly one rank)
     tok = reduce_scatter_to_sp(tok, comm) if sp else reduce_from_tp(tok, comm)
     if positions is None:
+        positions = xp.arange(idx.shape[1])  # (T,)
+    if sp:  # my T/tp of them (context parallelism: of this rank's cp tokens)
         T = tok.shape[1]
-        t0 = comm.rank * T if sp else 0  # my first position
-        positions = xp.arange(t0, t0 + T)  # (T,)
+        positions = positions[comm.rank * T : (comm.rank + 1) * T]
     pos, pos_cache = L.embedding_forward(positions, p["wpe.weight"])  # (T, C)
     return tok + pos, (tok_cache, mine, pos_cache, sp)
 
@@ -90,12 +91,12 @@ def logits_forward(p: dict, x, comm: Comm, V: int, sp: bool = False):
     """Final LayerNorm, then my logits h wte_r^T (B, T, Vl); padded ids get -inf."""
     h, ln_f = L.layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])  # like x
     wte = p["wte.weight"]
-    logits, lm = column_forward(h, wte.T, None, comm, sp)  # (B, T, Vl): column-parallel head
+    logits, ((x, _, _), sp) = column_forward(h, wte.T, None, comm, sp)  # (B, T, Vl)
     Vl = wte.shape[0]
     n_pad = min(Vl, max(0, comm.rank * Vl + Vl - V))  # ids >= V at the end of my shard
     if n_pad:
         logits[..., Vl - n_pad:] = -float("inf")  # padding: never in the softmax or argmax
-    return logits, (ln_f, lm)
+    return logits, (ln_f, x, wte, sp)  # wte itself, not a view (ZeRO-3 frees it by name)
 
 
 def head_forward(p: dict, x, targets, denom, comm: Comm, V: int, sp: bool = False):
@@ -107,9 +108,10 @@ def head_forward(p: dict, x, targets, denom, comm: Comm, V: int, sp: bool = Fals
 
 def head_backward(dloss, cache, comm: Comm):
     """dx and the head's gradients: ln_f (replicated) and my share of the tied wte."""
-    (ln_f, lm), ce = cache
+    (ln_f, x, wte, sp), ce = cache
     dlogits = cross_entropy_backward(dloss, ce)  # (B, T, Vl)
-    dh, dwte_t, _ = column_backward(dlogits, lm, comm)  # dh summed over tp; dwte_t (C, Vl)
+    # forward was: logits = h wte_r^T, a column-parallel linear
+    dh, dwte_t, _ = column_backward(dlogits, ((x, wte.T, False), sp), comm)  # dwte_t (C, Vl)
     g = {"wte.weight": dwte_t.T}  # (Vl, C)
     dx, g["ln_f.weight"], g["ln_f.bias"] = L.layernorm_backward(dh, ln_f)
     return dx, g

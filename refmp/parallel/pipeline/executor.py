@@ -1,8 +1,9 @@
 """Interpret a rank's action list over MPI: one training step of a pipeline schedule.
 
 Shapes: b_i rows of micro-batch i, T time, C channels; pp ranks, S chunks (chunk c on rank
-c % pp). With tensor and sequence parallelism (tp x pp) a boundary carries (b_i, T/tp, C)
-instead of (b_i, T, C) (pieces.py).
+c % pp). T is the tokens of a sequence this rank holds (T/cp with context parallelism);
+with sequence parallelism a boundary carries (b_i, T/tp, C) (Korthikanti et al. 2022, sec.
+4.2: the block's output is already sharded along T), so SP divides these bytes by tp.
 
 Communication (on grid.comm["pp"]), implied by the chunk graph (schedules.py):
   after F(i, c), c < S-1: send the output (b_i, T, C) to rank (c+1) % pp   (an activation)
@@ -35,10 +36,11 @@ def tag(mb: int, chunk: int, n_chunks: int, grad: bool) -> int:
 class Executor:
     """Runs action lists for one Stage over the pp communicator, timing every action."""
 
-    def __init__(self, stage: Stage, comm: Comm, C: int, dtype):
-        self.stage, self.comm, self.C, self.dtype = stage, comm, C, dtype
+    def __init__(self, stage: Stage, comm: Comm, dtype):
+        self.stage, self.comm, self.dtype = stage, comm, dtype
         self.events: list[Event] = []  # the last step's timeline on this rank
         self.peak_held = 0  # most micro-batch caches held at once in the last step
+        self.on_forward = None  # called with the live caches after each forward (memory)
 
     def _send(self, x, shape, mb: int, chunk: int, grad: bool, pending: list) -> None:
         t0 = time.perf_counter()
@@ -71,7 +73,8 @@ class Executor:
         self.events, self.peak_held = [], 0
         for a in actions:
             i, c = a.mb, a.chunk
-            shape = st.pieces.act_shape(*xs[i].shape, self.C)  # (b_i, T, C); T/tp with SP
+            final = i == len(xs) - 1  # the step's last micro-batch
+            shape = st.act_shape(*xs[i].shape)  # (b_i, T, C); T/tp with SP
             if a.kind == "F":
                 inp = xs[i] if c == 0 else self._recv(shape, i, c, grad=False)
                 t0 = time.perf_counter()
@@ -79,6 +82,8 @@ class Executor:
                 held += 1
                 self.peak_held = max(self.peak_held, held)
                 self._event("F", i, c, t0)
+                if self.on_forward is not None:
+                    self.on_forward(caches)
                 if c == S - 1:
                     loss += float(out)
                 else:
@@ -86,14 +91,14 @@ class Executor:
             elif a.kind == "B":
                 dout = None if c == S - 1 else self._recv(shape, i, c, grad=True)
                 t0 = time.perf_counter()
-                dx, todos[i, c] = st.backward(c, dout, caches.pop((i, c)), split)
+                dx, todos[i, c] = st.backward(c, dout, caches.pop((i, c)), split, final)
                 held -= 0 if split else 1
                 self._event("B", i, c, t0)
                 if dx is not None:
                     self._send(dx, shape, i, c - 1, grad=True, pending=pending)
             else:  # W
                 t0 = time.perf_counter()
-                st.weight(todos.pop((i, c)))
+                st.weight(todos.pop((i, c)), final)
                 held -= 1
                 self._event("W", i, c, t0)
         t0 = time.perf_counter()

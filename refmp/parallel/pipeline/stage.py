@@ -1,89 +1,135 @@
 """The model chunks one pipeline rank holds, as forward / backward / weight-gradient passes.
 
-Shapes: b rows of one micro-batch, T time, C channels, V vocabulary.
+Shapes: b rows of one micro-batch, T tokens per sequence on this rank (T/cp with context
+parallelism, then /tp with sequence parallelism), C channels.
 
 A chunk is a run of consecutive blocks (partition.py); chunk 0 also embeds the tokens and
-the last chunk also applies ln_f, the tied head and the loss. Every pass calls the pieces
-(pieces.py): the serial ones of refmp.nn.gpt, so a chunk computes exactly what the serial
-model computes there, or their tensor-parallel twins (tp x pp).
+the last chunk also applies ln_f, the tied head and the loss. Every pass runs the one block
+of refmp.nn.gpt through the layout's Ops (refmp.parallel.ops), on weights the Sharder hands
+out unit by unit (refmp.parallel.sharding): views of resident buffers, or, with ZeRO-3,
+gathered just before the forward and again just before the backward. After each unit's
+backward of a micro-batch the Sharder is told its gradient is ready, so it can reduce it
+while the schedule goes on. pp = 1 is the same code with one chunk.
 """
 
 from __future__ import annotations
 
-from refmp.backend import array_module
 from refmp.nn import gpt
-from refmp.parallel.pipeline.pieces import SerialPieces
+from refmp.nn import moe as M
+from refmp.parallel.sharding import attach, detach
 
 
 class Stage:
-    """This rank's parameters, gradients and chunks (chunk id -> block indices); ``pieces``
-    runs the embedding, blocks and head (SerialPieces, or TensorPieces for tp x pp)."""
+    """This rank's chunks (chunk id -> block indices), its Ops and its Sharder.
 
-    def __init__(self, params: dict, chunks: dict[int, range], n_chunks: int, n_head: int,
-                 pieces=None):
-        self.params, self.chunks, self.n_chunks, self.n_head = params, chunks, n_chunks, n_head
-        self.pieces = pieces if pieces is not None else SerialPieces()
-        self.grads: dict = {}
-        self.zero_grad()
+    ``moe(denom)`` makes the MoEContext of one forward (None: a dense model); ``sp_div`` is
+    tp with sequence parallelism (the boundary activation holds T/tp tokens), else 1.
+    """
 
-    def zero_grad(self) -> None:
-        self.grads = {k: array_module(p).zeros_like(p) for k, p in self.params.items()}
+    def __init__(self, chunks: dict[int, range], n_chunks: int, cfg, ops, sharder, moe=None,
+                 sp_div: int = 1):
+        self.chunks, self.n_chunks, self.cfg, self.ops = chunks, n_chunks, cfg, ops
+        self.sharder, self.moe, self.sp_div = sharder, moe, sp_div
+        self.zero3 = sharder.stage == 3
+        self.reset_stats()
 
-    def _add(self, g: dict, prefix: str = "") -> None:
-        for k, v in g.items():
-            self.grads[prefix + k] += v
+    def reset_stats(self) -> None:
+        self.aux = 0.0  # this rank's share of the MoE losses in this step
+        self.moe_raw: dict[int, object] = {}  # block -> summed routing figures (refmp.nn.moe)
 
-    def forward(self, c: int, inp, targets=None, denom=None, pieces=None):
+    def act_shape(self, b: int, T: int) -> tuple[int, int, int]:
+        return (b, T // self.sp_div, self.cfg.n_embd)  # what crosses a stage boundary
+
+    def block_weights(self, i: int, weights) -> dict:
+        """Block i's parameters by their name inside the block (dense unit + its experts)."""
+        p = dict(weights(f"h.{i}"))
+        if f"h.{i}.experts" in self.sharder.units:
+            p.update(weights(f"h.{i}.experts"))
+        return gpt.block_params(p, i)
+
+    def forward(self, c: int, inp, targets=None, denom=None, ops=None, weights=None):
         """Chunk c on one micro-batch: inp is token ids (chunk 0) or the previous chunk's
-        output (b, T, C). Returns the output (b, T, C), or the loss share on the last chunk
-        (logits without targets), and the cache the backward needs. ``pieces`` overrides
-        the stage's own (decoding runs tensor parallelism without SP)."""
-        p, first, last = self.params, c == 0, c == self.n_chunks - 1
-        run = pieces if pieces is not None else self.pieces
-        emb = None
-        if first:
-            inp, emb = run.embed_forward(p, inp)  # (b, T, C)
-        x, blocks = inp, []
+        output. Returns the output, or on the last chunk the loss share (logits without
+        targets), and the cache the backward needs. ``ops``/``weights`` override the
+        stage's own (decoding runs whole prompts on gathered weights)."""
+        ops, weights = ops or self.ops, weights or self.sharder.weights
+        train = targets is not None
+        release = (lambda cache, p: detach(cache, p)) if self.zero3 and train else (lambda c_, p: c_)
+        x, emb, head, blocks = inp, None, None, []
+        if c == 0:
+            x, emb = ops.embed({**weights("wte"), **weights("wpe")}, inp)  # (b, T, C)
+        ctx = self.moe(denom if train else None) if self.moe else None
         for i in self.chunks[c]:
-            x, cache = run.block_forward(gpt.block_params(p, i), x, self.n_head)  # (b, T, C)
-            blocks.append(cache)
-        head = None
-        if last:
-            x, head = run.head_forward(p, x, targets, denom)  # scalar: this micro-batch's share
+            p = self.block_weights(i, weights)
+            x, bc = gpt.block_forward(p, x, ops, ctx if self.cfg.is_moe(i) else None)
+            if train and isinstance(bc[-1], M.MoECache):
+                self.aux += float(bc[-1].loss)
+                raw = bc[-1].stats["raw"]
+                self.moe_raw[i] = raw if i not in self.moe_raw else self.moe_raw[i] + raw
+            blocks.append(release(bc, p))  # ZeRO-3: the cache names the weights, not holds them
+        if c == self.n_chunks - 1:
+            p = {**weights("ln_f"), **weights("wte")}
+            x, head = ops.head(p, x, targets, denom)  # loss share, or logits
+            head = release(head, p)
         return x, (emb, blocks, head)
 
-    def backward(self, c: int, dout, cache, split: bool):
+    def backward(self, c: int, dout, cache, split: bool, final: bool):
         """Chunk c's backward; returns (dx of the chunk's input or None, what W needs).
 
-        dout is the gradient of the chunk's output (b, T, C), or None on the last chunk (the
-        loss share's own gradient is 1). Without ``split`` every gradient is accumulated here;
-        with it the linears' weight gradients and the embedding's are left for :meth:`weight`.
+        dout is the gradient of the chunk's output, or None on the last chunk (the loss
+        share's own gradient is 1). With ``split`` (zero bubble) the linears' weight
+        gradients and the embedding's are left for :meth:`weight`. ``final``: this is the
+        step's last micro-batch (the Sharder starts stage 0's all-reduces then).
         """
         emb, blocks, head = cache
-        run, dx = self.pieces, dout
+        sh, dx = self.sharder, dout
         if head is not None:
-            dx, g = run.head_backward(1.0, head)  # (b, T, C); ln_f and wte (tied) gradients
-            self._add(g)
+            if self.zero3:  # gathered again: the forward's copy was freed
+                head = attach(head, {**sh.weights("ln_f"), **sh.weights("wte")})
+            dx, g = self.ops.head_backward(1.0, head)  # ln_f and the tied wte's head share
+            sh.accumulate("wte", {"wte.weight": g.pop("wte.weight")})
+            sh.accumulate("ln_f", g)
+            sh.grad_ready("ln_f", final)
+            if 0 not in self.chunks:  # the last stage's own copy of wte is complete
+                sh.grad_ready("wte", final)
         todo = []
         for i, bc in zip(reversed(self.chunks[c]), reversed(blocks), strict=True):
+            if self.zero3:
+                bc = attach(bc, self.block_weights(i, sh.weights))
+            w_todo = [] if split else None
+            dx, g = gpt.block_backward(dx, bc, self.ops, w_todo)
+            self._add_block(i, g, final, dense_ready=not split)
             if split:
-                dx, g, w_todo = run.block_backward_input(dx, bc)  # (b, T, C)
                 todo.append((i, w_todo))
-            else:
-                dx, g = run.block_backward(dx, bc)  # (b, T, C)
-            self._add(g, f"h.{i}.")
         if emb is None:
             return dx, todo
         if split:
             todo.append(("embed", (dx, emb)))
         else:
-            self._add(run.embed_backward(dx, emb))  # wte: the embedding's share (tied)
+            self._embed_backward(dx, emb, final)
         return None, todo
 
-    def weight(self, todo) -> None:
+    def weight(self, todo, final: bool) -> None:
         """The W pass: the weight gradients a split backward deferred."""
         for i, w in todo:
             if i == "embed":
-                self._add(self.pieces.embed_backward(*w))
+                self._embed_backward(*w, final)
             else:
-                self._add(self.pieces.block_backward_weight(w), f"h.{i}.")
+                self._add_block(i, gpt.block_backward_weight(w, self.ops), final, True)
+
+    def _add_block(self, i: int, g: dict, final: bool, dense_ready: bool) -> None:
+        dense = {f"h.{i}.{k}": v for k, v in g.items() if not M.EXPERT.match(k)}
+        experts = {f"h.{i}.{k}": v for k, v in g.items() if M.EXPERT.match(k)}
+        self.sharder.accumulate(f"h.{i}", dense)
+        if experts:  # an MoE block's experts are complete after its B
+            self.sharder.accumulate(f"h.{i}.experts", experts)
+            self.sharder.grad_ready(f"h.{i}.experts", final)
+        if dense_ready:
+            self.sharder.grad_ready(f"h.{i}", final)
+
+    def _embed_backward(self, dx, emb, final: bool) -> None:
+        g = self.ops.embed_backward(dx, emb)  # needs no weights, only the token ids
+        self.sharder.accumulate("wte", {"wte.weight": g["wte.weight"]})  # + the head's share
+        self.sharder.accumulate("wpe", {"wpe.weight": g["wpe.weight"]})
+        self.sharder.grad_ready("wte", final)
+        self.sharder.grad_ready("wpe", final)

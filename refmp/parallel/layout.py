@@ -1,0 +1,65 @@
+"""check_layout: every rule a layout must meet, with its reason, before anything is built.
+
+A pure function of the training configuration, the model's shape and the world size, so every
+rank refuses a bad layout with the same message before any communication. Every axis
+composes with every other; what is left are the arithmetic rules of each split.
+"""
+
+from __future__ import annotations
+
+from refmp.errors import ConfigError
+from refmp.grid import check_sizes
+from refmp.parallel.context import ALGOS, ChunkLayout
+from refmp.parallel.pipeline.partition import check_pipeline, parse_stage_layers
+
+
+def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[str, int]:
+    """Refuse what this layout cannot split; return the axis sizes (dp filled in).
+
+    ``cfg``: a refmp.train.TrainConfig; ``mcfg``: the model's GPTConfig; ``sizes``: the
+    grid's, when one was made already (else read from cfg and checked against world_size).
+    """
+    s = sizes or check_sizes(world_size, cfg.pp, cfg.dp, cfg.cp, cfg.tp, cfg.ep)
+    pp, dp, cp, tp, ep = s["pp"], s["dp"], s["cp"], s["tp"], s["ep"]
+    T, B, M = cfg.block_size or mcfg.block_size, cfg.batch_size, cfg.microbatches
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
+    if cfg.bucket_mb < 0:
+        raise ConfigError(f"--bucket-mb must be >= 0, got {cfg.bucket_mb}")
+    if M < 1:
+        raise ConfigError(f"--microbatches must be at least 1, got {M}")
+    if B % (dp * M):
+        raise ConfigError(f"--batch-size ({B}) must be divisible by dp * microbatches "
+                          f"({dp} * {M}): every micro-batch has the same rows")
+    # tensor (and sequence) parallelism: whole heads per rank; T/tp tokens per rank with SP
+    if mcfg.n_head % tp:
+        raise ConfigError(f"--tp {tp} must divide the number of heads n_head "
+                          f"({mcfg.n_head}): each tensor-parallel rank computes whole heads")
+    if cfg.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel shards activations over the tensor-parallel "
+                          "ranks: it needs --tp > 1")
+    # context parallelism: equal chunks; Ulysses splits each tp rank's heads again over cp
+    if cfg.cp_algo not in ALGOS:
+        raise ConfigError(f"--cp-algo must be one of {', '.join(ALGOS)}, got {cfg.cp_algo!r}")
+    if cp > 1:
+        if T % cp:
+            raise ConfigError(f"--cp {cp} must divide the block size T ({T}); the addition "
+                              f"task's default T is 13: pass --block-size or --digits")
+        ChunkLayout(T, cp, cfg.cp_balance)  # refuses a T the chunks cannot split
+        if cfg.cp_algo == "ulysses" and (mcfg.n_head // tp) % cp:
+            raise ConfigError(f"--cp-algo ulysses gives each of the {cp} cp ranks a share of "
+                              f"the n_head/tp = {mcfg.n_head // tp} heads of a tp rank, which "
+                              f"must be divisible by --cp {cp}")
+    if cfg.sequence_parallel and (T // cp) % tp:
+        raise ConfigError(f"--sequence-parallel: --tp {tp} must divide the tokens each rank "
+                          f"holds, T/cp = {T}/{cp}: each tp rank keeps a 1/tp of them")
+    # experts: whole experts per ep rank, carved from dp x cp (check_sizes)
+    if ep > 1 and mcfg.n_expert == 0:
+        raise ConfigError(f"--ep {ep} needs a mixture-of-experts model (--n-expert > 0)")
+    if mcfg.n_expert % ep:
+        raise ConfigError(f"--n-expert ({mcfg.n_expert}) must be divisible by --ep ({ep}): "
+                          f"every expert-parallel rank holds E/ep experts")
+    # the pipeline (pp = 1 is a one-stage schedule: gradient accumulation)
+    check_pipeline(mcfg.n_layer, pp, M, cfg.schedule, cfg.virtual_stages,
+                   parse_stage_layers(cfg.stage_layers), B // dp)
+    return s

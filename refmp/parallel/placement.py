@@ -1,0 +1,145 @@
+"""Placement: for every parameter, which axis splits it, which axes sum its gradient.
+
+Shapes: C channels, NH heads, V vocabulary, Vp = V padded to a multiple of tp, E experts,
+El = E/ep experts per rank; pp, dp, cp, tp, ep (and edp = dp cp / ep) group sizes.
+
+This table is the only place that knows how a layout cuts the model. The engine slices the
+full (layout-independent) initial weights with it, the Sharder reads which group reduces each
+unit, clipping reads who counts each element once, ``--save`` reads how to glue shards back:
+
+    parameter            split              gradient summed over     copies (counted once)
+    wte.weight           tp rows (Vp/tp)    dp cp                    dp cp; pp ends (tied)
+    c_attn w/b           tp heads (q|k|v)   dp cp                    dp cp
+    c_proj.weight (x2)   tp rows            dp cp                    dp cp
+    c_fc w/b             tp columns         dp cp                    dp cp
+    experts.{e}.*        ep (whole experts) edp (+ tp with SP)       edp tp
+    everything else      -                  dp cp (+ tp with SP)     dp cp tp
+
+(wpe, the LayerNorms, the two c_proj biases and the router are replicated over tp: every tp
+rank computes them on the same tokens, or with sequence parallelism on its T/tp of them, and
+then their gradients are partial over tp.) Pipeline stages hold disjoint blocks; wte lives on
+the first stage (embedding) and, with pp > 1, as a copy on the last (the tied head).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from refmp import backend
+from refmp.nn import moe as M
+from refmp.parallel.vocab import padded_vocab
+
+# tp splits: name inside a block (or the top-level name) -> (dim, kind)
+TP_SPLITS = {
+    "wte.weight": (0, "vocab"),
+    "attn.c_attn.weight": (1, "heads"),
+    "attn.c_attn.bias": (0, "heads"),
+    "attn.c_proj.weight": (0, None),
+    "mlp.c_fc.weight": (1, None),
+    "mlp.c_fc.bias": (0, None),
+    "mlp.c_proj.weight": (0, None),
+}
+
+
+class Place(NamedTuple):
+    tp_split: tuple | None  # (dim, kind) when split over tp, else None
+    expert: int | None  # the expert index, for expert parameters
+    reduce: tuple[str, ...]  # grid axes (or "edp") its gradient is summed over
+    copies: tuple[str, ...]  # axes holding identical copies after the sums (count once)
+
+
+def local_name(name: str) -> str:
+    """The name inside a block (``attn.c_attn.weight``), or the top-level name."""
+    return name.split(".", 2)[-1] if name.startswith("h.") else name
+
+
+def place(name: str, sp: bool) -> Place:
+    """The row of the table above for ``name`` (sp: sequence parallelism is on)."""
+    m = M.EXPERT.search(name)
+    tp_extra = ("tp",) if sp else ()
+    if m is not None:
+        return Place(None, int(m.group(1)), ("edp", *tp_extra), ("edp", "tp"))
+    split = TP_SPLITS.get(local_name(name))
+    if split is not None:
+        return Place(split, None, ("dp", "cp"), ("dp", "cp"))
+    return Place(None, None, ("dp", "cp", *tp_extra), ("dp", "cp", "tp"))
+
+
+def unit_of(name: str) -> str:
+    """The Sharder unit of a parameter: ``wte``, ``wpe``, ``h.{i}``, ``h.{i}.experts``, ``ln_f``.
+
+    wte is a unit of its own so that the two pipeline ends hold it with the same flat layout
+    (its tied gradient is then summed shard by shard, whatever the ZeRO stage)."""
+    if name.startswith(("wte", "wpe", "ln_f")):
+        return name.split(".")[0]
+    block = ".".join(name.split(".")[:2])
+    return f"{block}.experts" if M.EXPERT.search(name) else block
+
+
+# --- slicing a full parameter to this rank's shard, and gluing shards back -------------------
+
+
+def tp_shard(name: str, full, rank: int, tp: int):
+    """This tp rank's piece of the full parameter (a copy)."""
+    xp = backend.array_module(full)
+    split = TP_SPLITS.get(local_name(name))
+    if split is None or tp == 1:
+        return full.copy()
+    dim, kind = split
+    if kind == "vocab" and full.shape[0] % tp:  # padding rows, zero
+        pad = xp.zeros((padded_vocab(full.shape[0], tp) - full.shape[0],) + full.shape[1:],
+                       full.dtype)
+        full = xp.concatenate([full, pad])  # (Vp, C)
+    if kind == "heads":  # (.., 3C) as (.., 3, C): my heads' columns of each of q, k and v
+        C = full.shape[dim] // 3
+        packed = full.reshape(full.shape[:-1] + (3, C))
+        n = C // tp
+        mine = xp.ascontiguousarray(packed[..., rank * n : (rank + 1) * n])  # (.., 3, C/tp)
+        return mine.reshape(full.shape[:-1] + (3 * n,))  # (.., 3C/tp) = [q_r | k_r | v_r]
+    n = full.shape[dim] // tp
+    sl = [slice(None)] * full.ndim
+    sl[dim] = slice(rank * n, (rank + 1) * n)
+    return full[tuple(sl)].copy()
+
+
+def tp_unshard(name: str, pieces: list, V: int):
+    """The full parameter from every tp rank's piece, in rank order (inverse of tp_shard)."""
+    xp = backend.array_module(pieces[0])
+    split = TP_SPLITS.get(local_name(name))
+    if split is None or len(pieces) == 1:
+        return pieces[0]
+    dim, kind = split
+    if kind == "heads":  # each piece is [q_r | k_r | v_r]: regroup as [q | k | v]
+        packed = xp.stack([p.reshape(p.shape[:-1] + (3, -1)) for p in pieces], axis=-2)
+        return packed.reshape(packed.shape[:-3] + (-1,))
+    full = xp.concatenate(pieces, axis=dim)
+    return full[:V] if kind == "vocab" else full
+
+
+def gather_tp(params: dict, tp, V: int) -> dict:
+    """Every parameter of ``params`` whole, unpadded, on every tp rank (all-gathers over tp)."""
+    out = {}
+    for k, v in params.items():
+        split = TP_SPLITS.get(local_name(k))
+        if split is None or tp.size == 1:
+            out[k] = v
+            continue
+        xp, dim = backend.array_module(v), split[0]
+        moved = xp.moveaxis(v, dim, 0)  # split axis first
+        got = tp.allgather(xp.ascontiguousarray(moved))  # (tp * n, ...) pieces in rank order
+        pieces = [xp.moveaxis(a, 0, dim) for a in got.reshape((tp.size, -1) + moved.shape[1:])]
+        out[k] = tp_unshard(k, pieces, V)
+    return out
+
+
+def gather_experts(params: dict, ep, n_expert: int) -> dict:
+    """``params`` with every MoE layer's experts gathered over ep (collective over ep)."""
+    xp, out = backend.xp, dict(params)
+    layers = sorted({k.split(".")[1] for k in params if M.EXPERT.search(k)}, key=int)
+    for i in layers:
+        pre = f"h.{i}.mlp.experts."
+        ids = sorted({int(M.EXPERT.search(k).group(1)) for k in params if k.startswith(pre)})
+        for s in M.EXPERT_PARAMS:
+            stacked = ep.allgather(xp.stack([params[f"{pre}{e}.{s}"] for e in ids]))  # (E, ...)
+            out.update({f"{pre}{e}.{s}": stacked[e] for e in range(n_expert)})
+    return out

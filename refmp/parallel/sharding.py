@@ -1,0 +1,223 @@
+"""The Sharder: data parallelism and ZeRO 0-3 over whatever local arrays a rank holds.
+
+Rajbhandari et al. 2020, "ZeRO", sec. 5. Shapes: P elements of a unit, Pp = P padded up to a
+multiple of the unit's group size n (no padding at stage 0), S = Pp/n the slice a rank owns.
+
+A rank's local parameters (its tp shards, its pipeline stage's blocks, its experts) are cut
+into units (placement.unit_of: ``wte``, ``wpe``, each block ``h.{i}``, its experts
+``h.{i}.experts``, ``ln_f``), each flattened in order into one buffer. A unit is replicated
+over a group of ranks: dense units over dp x cp (grid.group("dp", "cp")), expert units over
+edp. That replication is what the stages remove, on each unit's own group:
+
+    stage 0   full params, full grads: the gradient is all-reduced, in buckets, as soon as
+              its unit is complete after the last micro-batch (overlapping backward, as
+              PyTorch DDP, Li et al. 2020); ``bucket_mb`` 0: one all-reduce after backward
+    stage 1   ... optimizer state on the S owned elements only; the full gradient is
+              reduce-scattered once per step; the updated slices all-gathered after the step
+    stage 2   ... gradients too: each unit's gradient is reduce-scattered as soon as a
+              micro-batch completes it, and only the slice S is kept
+    stage 3   ... parameters too: a unit's weights are all-gathered just before each forward
+              and each backward that needs them (``weights``), and freed after
+
+The units' gradients are summed shares of the global loss (refmp.parallel.data), so the slice
+a rank owns equals the same elements of the serial gradient. Clipping and the optimizer see
+``params`` / ``grads``: the owned slice of every unit, split back by parameter into flat
+pieces (so weight decay still goes to matrices only; the padding is a piece of its own whose
+gradient is always 0). The pipeline calls ``weights`` / ``accumulate`` / ``grad_ready``
+around its actions: ZeRO (any stage) composes with every schedule, micro-batch by micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from refmp.backend import array_module
+from refmp.comm import Comm, wait
+
+
+class Unit:
+    """One unit flattened into a padded buffer (Pp,), and the slice [lo, hi) this rank owns."""
+
+    def __init__(self, name: str, shapes: dict, n: int, rank: int):
+        self.name, self.shapes = name, shapes
+        self.offsets, o = {}, 0
+        for k, s in shapes.items():
+            self.offsets[k] = o
+            o += math.prod(s)
+        self.numel = o  # P
+        self.padded = -(-o // n) * n  # Pp, a multiple of n
+        self.shard = self.padded // n  # S
+        self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
+
+    def views(self, flat) -> dict:
+        """The unit's parameters (full shapes) as views of a full flat buffer (Pp,)."""
+        return {k: flat[o : o + math.prod(s)].reshape(s)
+                for (k, s), o in zip(self.shapes.items(), self.offsets.values(), strict=True)}
+
+    def flatten(self, arrays: dict, xp, dtype):
+        """One padded flat buffer (Pp,) holding ``arrays`` (by name) in order, zeros after."""
+        flat = xp.zeros(self.padded, dtype=dtype)
+        for k, v in self.views(flat).items():
+            v[...] = arrays[k]
+        return flat
+
+    def pieces(self, shard) -> dict:
+        """This rank's elements of each parameter (and of the padding) as views of ``shard``."""
+        out = {}
+        ends = [(k, o, o + math.prod(self.shapes[k])) for k, o in self.offsets.items()]
+        for k, a, b in ends + [(f"{self.name}.padding", self.numel, self.padded)]:
+            a, b = max(a, self.lo), min(b, self.hi)
+            if a < b:
+                out[k] = shard[a - self.lo : b - self.lo]  # (b-a,) flat piece
+        return out
+
+
+class WeightRef:
+    """Stands in a cache for a weight that stage 3 freed; ``attach`` puts the weight back."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def detach(cache, p: dict):
+    """The cache with every array of ``p`` replaced by a WeightRef (so the weights can go)."""
+    names = {id(v): k for k, v in p.items()}
+
+    def walk(c):
+        if isinstance(c, tuple):
+            items = [walk(x) for x in c]
+            return type(c)(*items) if hasattr(c, "_fields") else tuple(items)  # NamedTuples too
+        return WeightRef(names[id(c)]) if id(c) in names else c
+
+    return walk(cache)
+
+
+def attach(cache, p: dict):
+    """Inverse of detach, with the freshly gathered weights ``p``."""
+    if isinstance(cache, tuple):
+        items = [attach(c, p) for c in cache]
+        return type(cache)(*items) if hasattr(cache, "_fields") else tuple(items)
+    return p[cache.name] if isinstance(cache, WeightRef) else cache
+
+
+class Sharder:
+    """ZeRO ``stage`` over ``local`` (name -> array), cut into ``units`` (unit -> names), each
+    reduced over ``groups[unit]``. The model computes on ``weights(unit)``."""
+
+    def __init__(self, local: dict, units: dict[str, list[str]], groups: dict[str, Comm],
+                 stage: int, bucket_mb: float = 25.0):
+        self.stage, self.groups, self.bucket_bytes = stage, groups, int(bucket_mb * 2**20)
+        p0 = next(iter(local.values()))
+        self.xp, self.dtype = array_module(p0), p0.dtype
+        self.units = {u: Unit(u, {k: tuple(local[k].shape) for k in ks},
+                              groups[u].size if stage else 1, groups[u].rank if stage else 0)
+                      for u, ks in units.items()}
+        self.pbuf, self.gbuf, self.work = {}, {}, {}
+        self.params, self.grads = {}, {}  # the owned pieces, by name (the optimizer's view)
+        for u, U in self.units.items():
+            full = U.flatten(local, self.xp, self.dtype)  # (Pp,)
+            self.pbuf[u] = full if stage < 3 else full[U.lo : U.hi].copy()  # stage 3: (S,)
+            self.gbuf[u] = self.xp.zeros(U.padded if stage < 2 else U.shard, self.dtype)
+            self.params.update(U.pieces(self.pbuf[u][U.lo : U.hi] if stage < 3 else self.pbuf[u]))
+            self.grads.update(U.pieces(self.gbuf[u][U.lo : U.hi] if stage < 2 else self.gbuf[u]))
+        self.decay = {k for k in self.params
+                      if any(len(U.shapes.get(k, ())) >= 2 for U in self.units.values())}
+        self._open: list = []  # stage 0: [units, flat, request] of started all-reduces
+        self._ready: dict[str, list[str]] = {}  # stage 0: complete units not yet started, by group
+
+    # --- what the model computes with ---------------------------------------------------------
+
+    def weights(self, u: str) -> dict:
+        """Unit u's parameters (full local shapes): views of the resident buffer, or, at
+        stage 3, of an all-gather made now (S -> Pp), alive only while the caller keeps it."""
+        U = self.units[u]
+        if self.stage < 3 or self.groups[u].size == 1:
+            return U.views(self.pbuf[u])
+        return U.views(self.groups[u].allgather(self.pbuf[u]))
+
+    def full_local(self) -> dict:
+        """Every local parameter whole (stage 3: gathered; collective over every group)."""
+        out = {}
+        for u in self.units:
+            out.update({k: v.copy() if self.stage == 3 else v for k, v in self.weights(u).items()})
+        return out
+
+    # --- gradients as backward produces them ---------------------------------------------------
+
+    def zero_grad(self) -> None:
+        for g in self.gbuf.values():
+            g[...] = 0
+
+    def accumulate(self, u: str, g: dict) -> None:
+        """Add this micro-batch's gradients ``g`` (names of unit u, full local shapes)."""
+        U = self.units[u]
+        if self.stage < 2:
+            target = self.gbuf[u]  # (Pp,) the full gradient lives here all step
+        else:  # stage 2/3: a full buffer only until this micro-batch's reduce-scatter
+            if u not in self.work:
+                self.work[u] = self.xp.zeros(U.padded, self.dtype)
+            target = self.work[u]
+        views = U.views(target)
+        for k, v in g.items():
+            views[k] += v
+
+    def grad_ready(self, u: str, final: bool) -> None:
+        """Unit u's gradient of this micro-batch is complete (``final``: of the step's last)."""
+        if self.stage >= 2:
+            # reduce-scatter: sum the ranks' shares (Pp) and keep my S; the full buffer goes
+            work, group = self.work.pop(u), self.groups[u]
+            self.gbuf[u] += group.reduce_scatter(work) if group.size > 1 else work
+        elif self.stage == 0 and final and self.bucket_bytes > 0:
+            ready = self._ready.setdefault(self.groups[u].axis, [])
+            ready.append(u)
+            if sum(self.gbuf[v].nbytes for v in ready) >= self.bucket_bytes:
+                self._start(ready)
+                ready.clear()
+
+    def _start(self, units: list[str]) -> None:
+        """Start the all-reduce of one bucket: these units' gradients, flattened together."""
+        group = self.groups[units[0]]
+        if group.size == 1:
+            return  # nothing to sum
+        flat = self.xp.concatenate([self.gbuf[u] for u in units])
+        self._open.append((list(units), flat, group.allreduce_start(flat)))
+
+    def finish(self) -> None:
+        """After the step's backward: every owned slice holds the summed gradient."""
+        if self.stage == 0:
+            if self.bucket_bytes <= 0:  # one all-reduce per group, after backward
+                for axis in dict.fromkeys(g.axis for g in self.groups.values()):
+                    self._start([u for u in self.units if self.groups[u].axis == axis])
+            for ready in self._ready.values():  # the last, partly filled buckets
+                if ready:
+                    self._start(ready)
+            self._ready = {}
+            for units, flat, req in self._open:
+                wait(req)
+                o = 0
+                for u in units:
+                    self.gbuf[u][...] = flat[o : o + self.gbuf[u].size]
+                    o += self.gbuf[u].size
+            self._open = []
+        elif self.stage == 1:  # one reduce-scatter per unit per step
+            for u, U in self.units.items():
+                if self.groups[u].size > 1:
+                    self.gbuf[u][U.lo : U.hi] = self.groups[u].reduce_scatter(self.gbuf[u])
+        # stage 2/3: reduce-scattered unit by unit during backward
+
+    def owned_grad(self, u: str):
+        """The flat owned slice of unit u's gradient (S,), or all of it at stage 0."""
+        U = self.units[u]
+        return self.gbuf[u][U.lo : U.hi] if self.stage < 2 else self.gbuf[u]
+
+    def after_step(self) -> None:
+        if self.stage in (1, 2):  # all-gather: each rank's updated S elements -> the full Pp
+            for u, U in self.units.items():
+                if self.groups[u].size > 1:
+                    self.pbuf[u][...] = self.groups[u].allgather(self.pbuf[u][U.lo : U.hi])
+        # stage 0: every rank made the same update; stage 3: weights stay sharded
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the parameter and gradient buffers this rank keeps between steps."""
+        return {"params": sum(int(b.nbytes) for b in self.pbuf.values()),
+                "grads": sum(int(b.nbytes) for b in self.gbuf.values())}
