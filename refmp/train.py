@@ -17,11 +17,11 @@ from typing import Protocol
 import numpy as np
 
 from refmp import backend
+from refmp.comm import Comm
 from refmp.data import AdditionTask, Dataset, get_batch, load_tokens, shuffle_perm
 from refmp.errors import ConfigError
 from refmp.grid import ProcessGrid
 from refmp.nn import GPT, GPTConfig
-from refmp.comm import Comm
 from refmp.optim import SGD, AdamW, clip_grads
 
 

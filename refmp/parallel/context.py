@@ -21,20 +21,19 @@ with a late one so every rank does the same work (Megatron-LM's context parallel
 Positions: the position embedding uses each token's global position (its chunk's offset).
 The loss is each rank's share of the global mean (its tokens' loss sum over B*T), so summing
 shares and gradients over cp and dp gives the serial loss and gradient exactly (as in
-refmp.parallel.data). Weights are replicated: every rank holds the full model.
+refmp.parallel.data): dense gradients are summed over grid.group("dp", "cp").
+
+In the engine (refmp.parallel.engine) context parallelism is two things only: the tokens a
+rank takes from each row (``ChunkLayout.positions``) and the attention core of its Ops
+(refmp.parallel.ops): everything else composes with it unchanged (tp, SP, pipelines, ZeRO,
+experts).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from refmp import backend
-from refmp.data import dp_rows
 from refmp.errors import ConfigError
-from refmp.nn import gpt
-from refmp.parallel.context_ring import RingAttention
-from refmp.parallel.context_ulysses import UlyssesAttention
-from refmp.parallel.data import allreduce_grads
 
 ALGOS = ("ring", "ulysses")
 BALANCES = ("zigzag", "contiguous")
@@ -80,85 +79,3 @@ def nbytes_of(obj) -> int:
     if isinstance(obj, (tuple, list)):
         return sum(nbytes_of(o) for o in obj)
     return int(getattr(obj, "nbytes", 0))
-
-
-class ContextParallel:
-    """The runner (interface: refmp.parallel.data.DataParallel) for cp x dp layouts.
-
-    Generation for evaluation runs the full, replicated model on every rank (prompts are a
-    few tokens: splitting them would cost more messages than it saves); the cp ranks of a dp
-    group decode the same prompts, so ``eval_comm`` is dp.
-    """
-
-    def __init__(self, model, grid, T: int, algo: str = "ring", balance: str = "zigzag"):
-        self.model, self.grid = model, grid
-        self.cp, self.dp = grid.comm["cp"], grid.comm["dp"]
-        self.eval_comm = self.dp
-        self.layout = ChunkLayout(T, self.cp.size, balance)
-        n_head = model.cfg.n_head
-        if algo not in ALGOS:
-            raise ConfigError(f"--cp-algo must be one of {', '.join(ALGOS)}, got {algo!r}")
-        if algo == "ulysses" and n_head % self.cp.size:
-            raise ConfigError(f"--cp-algo ulysses gives each of the {self.cp.size} cp ranks "
-                              f"n_head/cp heads, but n_head ({n_head}) is not divisible by "
-                              f"--cp {self.cp.size}")
-        cls = RingAttention if algo == "ring" else UlyssesAttention
-        self.attn = cls(self.cp, self.layout)
-        self.positions = backend.from_host(self.layout.positions(self.cp.rank))  # (Tl,)
-        self.attn_bytes = 0  # activation bytes the attention caches held in the last step
-
-    @property
-    def params(self) -> dict:
-        return self.model.params
-
-    @property
-    def grads(self) -> dict:
-        return self.model.grads
-
-    def batch_rows(self, B: int) -> slice:
-        return dp_rows(B, self.dp.size, self.dp.rank)  # cp ranks of a dp group share rows
-
-    def zero_grad(self) -> None:
-        self.model.zero_grad()
-
-    def forward_backward(self, x, y, denom: int) -> float:
-        p, n_head, attention = self.params, self.model.cfg.n_head, (self.attn.forward,
-                                                                    self.attn.backward)
-        x, y = x[:, self.positions], y[:, self.positions]  # (b, Tl) my tokens of every row
-        h, emb = gpt.embed_forward(p, x, positions=self.positions)  # (b, Tl, C) global positions
-        blocks = []
-        for i in range(self.model.cfg.n_layer):
-            h, c = gpt.block_forward(gpt.block_params(p, i), h, n_head, attention=attention)  # (b, Tl, C)
-            blocks.append(c)
-        self.attn_bytes = sum(nbytes_of(c[2][1]) for c in blocks)  # the attention caches
-        loss, head = gpt.head_forward(p, h, y, denom)  # my tokens' loss sum / (B*T): a share
-        dh, g = gpt.head_backward(1.0, head)
-        self._accumulate(g)
-        for i in reversed(range(self.model.cfg.n_layer)):
-            dh, g = gpt.block_backward(dh, blocks[i])
-            self._accumulate({f"h.{i}.{k}": v for k, v in g.items()})
-        self._accumulate(gpt.embed_backward(dh, emb))  # wpe: only my positions' rows are nonzero
-        return float(loss)
-
-    def _accumulate(self, g: dict) -> None:
-        grads = self.model.grads
-        for k, v in g.items():
-            grads[k] = v if grads[k] is None else grads[k] + v
-
-    def reduce_grads(self) -> None:
-        # the cp ranks saw different tokens of the same rows, the dp ranks different rows:
-        # both hold shares of the global gradient, so sum over both (one all-reduce each)
-        allreduce_grads(self.model.grads, self.cp)
-        allreduce_grads(self.model.grads, self.dp)
-
-    def grad_sum_sq(self, local: float) -> float:
-        return local  # replicated after reduce_grads: count once
-
-    def loss_total(self, share: float) -> float:
-        return self.dp.allreduce_scalar(self.cp.allreduce_scalar(share))
-
-    def generate(self, idx, n: int):
-        return self.model.generate(idx, n)  # the full model, on every rank (see the docstring)
-
-    def full_params(self) -> dict | None:
-        return self.model.params if self.grid.rank == 0 else None

@@ -241,7 +241,14 @@ class Engine:
     def full_params(self) -> dict | None:
         """The whole model, GPT-2 names, on world rank 0 (collective): gathered over the
         ZeRO groups, then tp, then ep; then each stage sends its part to the first."""
-        local = self.sharder.full_local()
+        return self._whole(self.sharder.full_local())
+
+    def full_grads(self) -> dict | None:
+        """The whole gradient of the last step (after clipping), like full_params: what a
+        test compares with the serial model's, element by element."""
+        return self._whole(self.sharder.full_local(grads=True))
+
+    def _whole(self, local: dict) -> dict | None:
         local = gather_tp(local, self.tp, self.mcfg.vocab_size)
         if self.mcfg.n_expert and self.ep.size > 1:
             local = gather_experts(local, self.ep, self.mcfg.n_expert)

@@ -135,11 +135,18 @@ class Sharder:
             return U.views(self.pbuf[u])
         return U.views(self.groups[u].allgather(self.pbuf[u]))
 
-    def full_local(self) -> dict:
-        """Every local parameter whole (stage 3: gathered; collective over every group)."""
+    def full_local(self, grads: bool = False) -> dict:
+        """Every local parameter (or its gradient) whole: the owned slices all-gathered over
+        each unit's group where they are sharded (collective over every group)."""
         out = {}
-        for u in self.units:
-            out.update({k: v.copy() if self.stage == 3 else v for k, v in self.weights(u).items()})
+        for u, U in self.units.items():
+            if not grads:
+                out.update({k: v.copy() for k, v in self.weights(u).items()})
+                continue
+            flat, group = self.owned_grad(u), self.groups[u]
+            if self.stage > 0 and group.size > 1:
+                flat = group.allgather(self.xp.ascontiguousarray(flat))  # (Pp,)
+            out.update({k: v.copy() for k, v in U.views(flat).items()})
         return out
 
     # --- gradients as backward produces them ---------------------------------------------------

@@ -1,27 +1,33 @@
 """What data parallelism and ZeRO cost per rank, from the model's shapes alone (the formulas).
 
-Rajbhandari et al. 2020, sec. 5 and 7: with N parameters, dp ranks, b bytes per element and
-AdamW (two moments, no master copy since refmp keeps one precision), per rank
+Rajbhandari et al. 2020, sec. 5 and 7: with N parameters on a rank, n ranks in its ZeRO
+group (dp x cp for dense weights, edp for experts), b bytes per element and AdamW (two
+moments, no master copy since refmp keeps one precision), per rank
 
     stage 0 (plain DP):  params b N      grads b N      optimizer 2 b N
-    stage 1:             params b N'     grads b N'     optimizer 2 b N'/dp
-    stage 2:             params b N'     grads b N'/dp  optimizer 2 b N'/dp
-    stage 3:             params b N'/dp  grads b N'/dp  optimizer 2 b N'/dp
+    stage 1:             params b N'     grads b N'     optimizer 2 b N'/n
+    stage 2:             params b N'     grads b N'/n   optimizer 2 b N'/n
+    stage 3:             params b N'/n   grads b N'/n   optimizer 2 b N'/n
 
-where N' = sum over units (embeddings, each block, ln_f) of the unit's size rounded up to a
-multiple of dp: refmp shards each unit separately (refmp.parallel.zero), so that stage 3 can
-gather one unit at a time. Communication per step (the ledger's convention, refmp.comm: an
-all-reduce or reduce-scatter counts its input, an all-gather its output), M micro-batches:
+where N' = sum over the rank's units of the unit's size rounded up to a multiple of n: the
+Sharder (refmp.parallel.sharding) shards each unit separately (``wte``, ``wpe``, each block
+``h.{i}`` and its experts, ``ln_f``: refmp.parallel.placement.unit_of), so that stage 3 can
+gather one unit at a time. N is what the rank holds: its tp shards of its pipeline stage's
+units (``unit_sizes``). Communication per step on the group (the ledger's convention,
+refmp.comm: an all-reduce or reduce-scatter counts its input, an all-gather its output), M
+micro-batches:
 
     stage 0: all-reduce b N (in buckets)
     stage 1: reduce-scatter b N' + all-gather b N'
     stage 2: reduce-scatter M b N' (each micro-batch, unit by unit) + all-gather b N'
-    stage 3: reduce-scatter M b N' + all-gather M b (2 N'_embed + 2 N'_blocks + N'_ln_f)
-             (embeddings twice: for the embedding and for the tied head; each block before
-             its forward and again before its backward; ln_f once, the head's forward and
-             backward running back to back)
+    stage 3: reduce-scatter M b N' + all-gather M b (g_wte wte' + wpe' + 2 blocks' + 2 ln_f')
 
-The wire traffic of a ring is (dp-1)/dp of these per reduce-scatter or all-gather, and twice
+Stage 3 gathers each unit just before each forward and each backward that needs its weights:
+a block twice, ln_f twice (the head's forward and backward), wpe once (the embedding's
+backward needs only the token ids), and wte g_wte times: for the embedding's forward (on the
+first stage) and for the head's forward and backward (on the last): 3 without a pipeline.
+
+The wire traffic of a ring is (n-1)/n of these per reduce-scatter or all-gather, and twice
 that per all-reduce: so stages 1 and 2 move what plain DP moves, stage 3 1.5 times that.
 """
 
@@ -30,97 +36,63 @@ from __future__ import annotations
 import math
 
 from refmp.nn.gpt import GPTConfig, param_shapes
+from refmp.parallel.placement import TP_SPLITS, local_name, place, unit_of
+from refmp.parallel.vocab import padded_vocab
 
 
-def unit_sizes(cfg: GPTConfig) -> dict[str, int]:
-    """Elements per unit: ``embed`` (wte, wpe), ``h.{i}``, ``ln_f``."""
-    sizes = {"embed": 0, **{f"h.{i}": 0 for i in range(cfg.n_layer)}, "ln_f": 0}
+def unit_sizes(cfg: GPTConfig, tp: int = 1, blocks=None, first: bool = True,
+               last: bool = True, ep: int = 1, ep_rank: int = 0) -> dict[str, int]:
+    """Elements per unit one rank holds: its tp shards of ``blocks`` (default: all), wte and
+    wpe if ``first``, ln_f and wte if ``last``, and its E/ep experts."""
+    blocks = range(cfg.n_layer) if blocks is None else blocks
+    held = {f"h.{i}." for i in blocks}
+    sizes: dict[str, int] = {}
     for k, s in param_shapes(cfg).items():
-        unit = "embed" if k.startswith(("wte", "wpe")) else ".".join(k.split(".")[:2])
-        unit = "ln_f" if k.startswith("ln_f") else unit
-        sizes[unit] += math.prod(s)
+        top = k.split(".")[0]
+        mine = (top in ("wte", "wpe") and first) or (top in ("wte", "ln_f") and last) or \
+               (k.startswith("h.") and ".".join(k.split(".")[:2]) + "." in held)
+        e = place(k, False).expert
+        if not mine or (e is not None and e // (cfg.n_expert // ep) != ep_rank):
+            continue
+        n = math.prod(s)
+        if TP_SPLITS.get(local_name(k)) is not None:
+            n = (padded_vocab(s[0], tp) * s[1] if top == "wte" else n) // tp
+        sizes[unit_of(k)] = sizes.get(unit_of(k), 0) + n
     return sizes
 
 
-def padded(n: int, dp: int) -> int:
-    return -(-n // dp) * dp
+def padded(n: int, group: int) -> int:
+    return -(-n // group) * group
 
 
-def memory_per_rank(cfg: GPTConfig, dp: int, stage: int, itemsize: int = 4) -> dict[str, int]:
+def memory_per_rank(sizes: dict[str, int], n: int, stage: int, itemsize: int = 4) -> dict:
     """Bytes of parameters, gradients and AdamW state per rank (the table above)."""
-    n = sum(unit_sizes(cfg).values())
-    n_pad = sum(padded(s, dp) for s in unit_sizes(cfg).values())
     if stage == 0:
-        return {"params": itemsize * n, "grads": itemsize * n, "optimizer": 2 * itemsize * n}
-    shard = n_pad // dp
+        total = sum(sizes.values())
+        return {"params": itemsize * total, "grads": itemsize * total,
+                "optimizer": 2 * itemsize * total}
+    n_pad = sum(padded(s, n) for s in sizes.values())
+    shard = n_pad // n
     return {"params": itemsize * (n_pad if stage < 3 else shard),
             "grads": itemsize * (n_pad if stage < 2 else shard),
             "optimizer": 2 * itemsize * shard}
 
 
-def comm_per_step(cfg: GPTConfig, dp: int, stage: int, microbatches: int = 1,
-                  itemsize: int = 4) -> dict[str, int]:
-    """Ledger bytes per step by operation (the list above)."""
-    sizes = {u: padded(s, dp) for u, s in unit_sizes(cfg).items()}
-    n_pad, M = sum(sizes.values()), microbatches
+def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int = 1,
+                  itemsize: int = 4, first: bool = True, last: bool = True) -> dict[str, int]:
+    """Ledger bytes per step on the ZeRO group, by operation (the list above)."""
+    if n == 1:
+        return {"allreduce": 0, "reduce_scatter": 0, "allgather": 0}
+    pad = {u: padded(s, n) for u, s in sizes.items()}
+    n_pad, M = sum(pad.values()), microbatches
     if stage == 0:
-        return {"allreduce": itemsize * sum(unit_sizes(cfg).values())}
-    if stage == 1:
-        return {"reduce_scatter": itemsize * n_pad, "allgather": itemsize * n_pad}
-    if stage == 2:
-        return {"reduce_scatter": M * itemsize * n_pad, "allgather": itemsize * n_pad}
-    return stage3_comm_per_step(unit_sizes(cfg), dp, M, itemsize)
-
-
-def stage3_comm_per_step(sizes: dict[str, int], dp: int, microbatches: int = 1,
-                         itemsize: int = 4) -> dict[str, int]:
-    """Stage 3's ledger bytes per step over dp, from the (unpadded) unit sizes a rank shards:
-    the whole model's (unit_sizes), or one tp rank's shards' (tp_unit_sizes)."""
-    sizes = {u: padded(s, dp) for u, s in sizes.items()}
-    n_pad, M = sum(sizes.values()), microbatches
-    blocks = sum(s for u, s in sizes.items() if u.startswith("h."))
-    gathered = 2 * sizes["embed"] + 2 * blocks + sizes["ln_f"]
-    return {"reduce_scatter": M * itemsize * n_pad, "allgather": M * itemsize * gathered}
-
-
-# --- ZeRO 1/2 over a tp or pp runner (refmp.parallel.zero_compose) --------------------------
-# One unit: the n elements a rank holds (its tp shards, or its pipeline stage's parameters),
-# padded to n' = a multiple of dp. Per rank: params b n', grads b n' (stage 1) or b n'/dp
-# (stage 2), optimizer 2 b n'/dp; per step, over dp: reduce-scatter b n' + all-gather b n'
-# (replacing the runner's all-reduce of b n), once per step at either stage.
-
-
-def tp_unit_sizes(cfg: GPTConfig, tp: int) -> dict[str, int]:
-    """Elements per unit one tensor-parallel rank holds (tensor_runner's splits)."""
-    C, V = cfg.n_embd, cfg.vocab_size
-    Vp = -(-V // tp) * tp  # the vocabulary padded to a multiple of tp (vocab.padded_vocab)
-    block = (3 * C * C + 3 * C + C * C + 4 * C * C + 4 * C + 4 * C * C) // tp  # split ones
-    block += 2 * C + 2 * C + C + C  # replicated: ln_1, ln_2, the two c_proj biases
-    return {"embed": Vp * C // tp + cfg.block_size * C,
-            **{f"h.{i}": block for i in range(cfg.n_layer)}, "ln_f": 2 * C}
-
-
-def tp_local_numel(cfg: GPTConfig, tp: int) -> int:
-    """Elements one tensor-parallel rank holds."""
-    return sum(tp_unit_sizes(cfg, tp).values())
-
-
-def sharded_memory_per_rank(n_local: int, dp: int, stage: int, itemsize: int = 4) -> dict:
-    """Bytes of params, grads and AdamW state per rank, ZeRO 1/2 over a runner's n_local."""
-    n_pad = padded(n_local, dp)
-    return {"params": itemsize * n_pad,
-            "grads": itemsize * (n_pad if stage == 1 else n_pad // dp),
-            "optimizer": 2 * itemsize * n_pad // dp}
-
-
-def sharded_comm_per_step(n_local: int, dp: int, itemsize: int = 4) -> dict[str, int]:
-    """Ledger bytes per step over dp, ZeRO 1/2 over a runner's n_local (no all-reduce)."""
-    n_pad = padded(n_local, dp)
-    return {"reduce_scatter": itemsize * n_pad, "allgather": itemsize * n_pad, "allreduce": 0}
-
-
-def stage3_memory_per_rank(sizes: dict[str, int], dp: int, itemsize: int = 4) -> dict:
-    """Stage 3 over tp (refmp.parallel.zero3_tensor): each unit of a tp rank's shards
-    (tp_unit_sizes) padded to a multiple of dp, then 1/dp of params, grads and AdamW state."""
-    shard = sum(padded(s, dp) for s in sizes.values()) // dp
-    return {"params": itemsize * shard, "grads": itemsize * shard, "optimizer": 2 * itemsize * shard}
+        return {"allreduce": itemsize * sum(sizes.values()), "reduce_scatter": 0, "allgather": 0}
+    if stage in (1, 2):
+        return {"allreduce": 0, "reduce_scatter": (1 if stage == 1 else M) * itemsize * n_pad,
+                "allgather": itemsize * n_pad}
+    g_wte = (1 if first else 0) + (2 if last else 0)
+    blocks = sum(s for u, s in pad.items() if u.startswith("h."))
+    gathered = (g_wte * pad.get("wte", 0) + pad.get("wpe", 0) + 2 * blocks
+                + 2 * pad.get("ln_f", 0))
+    return {"allreduce": 0, "reduce_scatter": M * itemsize * n_pad,
+            "allgather": M * itemsize * gathered}

@@ -1,0 +1,72 @@
+"""Serial-vs-parallel parity of whole training steps, for any layout (used by many tests).
+
+Rank 0 trains the serial model itself (on MPI.COMM_SELF, the whole batch); every rank trains
+the layout under test (on COMM_WORLD). After each step the layout's whole gradient and whole
+weights are gathered to rank 0 (Engine.full_grads / full_params: collective) and compared
+element by element with the serial run's, as are the loss and the gradient norm. Mismatches
+are collected and asserted after the last collective (mpi_helpers.Mismatches).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+from mpi_helpers import Mismatches
+
+from refmp import backend
+from refmp.grid import ProcessGrid
+from refmp.train import TrainConfig, Trainer
+
+TOL = dict(rtol=1e-9, atol=1e-12)  # float64: rounding only (sums in other orders)
+SERIAL_ONLY = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "microbatches",
+               "schedule", "virtual_stages", "stage_layers", "cp_algo", "cp_balance",
+               "bucket_mb")
+
+
+def serial_config(cfg: TrainConfig) -> TrainConfig:
+    """The same run on one rank: every layout field at its default."""
+    from dataclasses import fields, replace
+
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in SERIAL_ONLY}
+    return replace(cfg, **defaults)
+
+
+def host(d: dict) -> dict:
+    return {k: np.asarray(backend.to_host(v)) for k, v in d.items()}
+
+
+def assert_same_run(cfg: TrainConfig, ds=None, grid: ProcessGrid | None = None,
+                    tol: dict | None = None, check=None) -> Trainer:
+    """Train ``cfg`` on the world and serially; assert every step matches. Returns the
+    parallel Trainer (its ledger and memory for further checks). ``check(par, step)``, if
+    given, runs after each step on every rank (collectives allowed)."""
+    tol = tol or TOL
+    world = MPI.COMM_WORLD
+    serial = None
+    if world.rank == 0:
+        serial = Trainer(serial_config(cfg), grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
+    par = Trainer(cfg, grid=grid, dataset=ds)
+    close = np.testing.assert_allclose
+    bad = Mismatches()
+    for s in range(cfg.steps):
+        a = serial.step() if serial is not None else None
+        b = par.step()
+        grads, params = par.runner.full_grads(), par.runner.full_params()
+        if check is not None:
+            check(par, s)
+        if a is None:
+            continue
+        sg, sp = host(serial.runner.full_grads()), host(serial.runner.full_params())
+        bad.check(close, b["loss"], a["loss"], **tol, err_msg=f"loss at step {s}")
+        bad.check(close, b["grad_norm"], a["grad_norm"], **tol, err_msg=f"norm at step {s}")
+        if "moe" in a:
+            bad.check(close, b["moe"]["aux_loss"], a["moe"]["aux_loss"], **tol,
+                      err_msg=f"aux loss at step {s}")
+            bad.check(close, b["moe"]["tokens_per_expert"], a["moe"]["tokens_per_expert"],
+                      err_msg=f"tokens per expert at step {s}")
+        grads, params = host(grads), host(params)
+        for k in sp:
+            bad.check(close, grads[k], sg[k], **tol, err_msg=f"gradient {k} at step {s}")
+            bad.check(close, params[k], sp[k], **tol, err_msg=f"weight {k} after step {s}")
+    bad.assert_none()
+    return par
