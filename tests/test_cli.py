@@ -24,7 +24,7 @@ def serial_weights(steps: int, **kw) -> dict:
     tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
     for _ in range(steps):
         tr.step()
-    return tr.model.params
+    return tr.runner.full_params()
 
 
 def test_train_save_log_and_init_round_trip(tmp_path):
@@ -54,7 +54,7 @@ def test_train_save_log_and_init_round_trip(tmp_path):
     for _ in range(2):
         tr.step()
     resumed = load_file(str(b))
-    for k, v in tr.model.params.items():
+    for k, v in tr.runner.full_params().items():
         np.testing.assert_allclose(resumed[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
 
 

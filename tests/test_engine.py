@@ -1,0 +1,182 @@
+"""One engine, any layout: pp x dp x cp x tp with experts, ZeRO 0-3, SP and micro-batches.
+
+Level 2/3 parity (float64, 3 AdamW steps with clipping: loss, every gradient and every weight
+equal to the serial run, tests/parity.py) over layouts drawn by hypothesis on 8 ranks, the
+layouts the first version refused, and one 16-rank 4D run with experts; then the ledger and
+the memory of a composed layout against the single-axis formulas, scaled by the other axes.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+from mpi_helpers import Mismatches, collective, refmp
+from parity import assert_same_run
+
+from refmp.data import Dataset
+from refmp.parallel.tensor import comm_bytes_per_step
+from refmp.parallel.zero_cost import comm_per_step, memory_per_rank, unit_sizes
+from refmp.train import TrainConfig, Trainer
+
+pytestmark = pytest.mark.mpi
+
+
+def config(**kw) -> TrainConfig:
+    base = dict(n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=4, steps=3,
+                lr=0.01, warmup_steps=1, grad_clip=0.05, dtype="float64", seed=3,
+                progress=False, capacity_factor=1.0, top_k=2)
+    return TrainConfig(**{**base, **kw})
+
+
+def data(V: int = 17, seed: int = 0) -> Dataset:
+    return Dataset(np.random.default_rng(seed).integers(0, V, 400), V, "random")
+
+
+@st.composite
+def layouts(draw, world: int = 8):
+    """A layout of ``world`` ranks and the options that fit it (every rule of check_layout)."""
+    sizes = [1, 2, 4]
+    pp = draw(st.sampled_from(sizes))
+    tp = draw(st.sampled_from([t for t in sizes if pp * t <= world]))
+    cp = draw(st.sampled_from([c for c in sizes if world % (pp * tp * c) == 0]))
+    dp = world // (pp * tp * cp)
+    moe = draw(st.booleans())
+    ep = draw(st.sampled_from([e for e in sizes if (dp * cp) % e == 0])) if moe else 1
+    kw = dict(pp=pp, tp=tp, cp=cp, dp=dp, ep=ep, zero=draw(st.integers(0, 3)),
+              microbatches=draw(st.sampled_from([1, 2])), n_expert=4 if moe else 0,
+              top_k=draw(st.sampled_from([1, 2])),
+              capacity_factor=draw(st.sampled_from([0.0, 1.0])),
+              cp_algo=draw(st.sampled_from(["ring", "ulysses"] if (4 // tp) % cp == 0
+                                           else ["ring"])),
+              cp_balance=draw(st.sampled_from(["zigzag", "contiguous"])),
+              sequence_parallel=tp > 1 and draw(st.booleans()))
+    if pp > 1:
+        kw["schedule"] = draw(st.sampled_from(["1f1b", "gpipe", "zb-h1", "interleaved"]))
+        if kw["schedule"] == "interleaved":
+            kw.update(virtual_stages=2, microbatches=pp, n_layer=2 * pp)
+        kw.setdefault("n_layer", max(2, pp))
+    kw["batch_size"] = dp * kw["microbatches"]
+    return kw, draw(st.sampled_from([16, 17]))  # vocabulary divisible by tp, or not
+
+
+@pytest.mark.parallel(nprocs=8)
+@settings(max_examples=8)
+@given(layout=layouts())
+@collective
+def test_any_layout_of_8_ranks_equals_serial(layout):
+    kw, V = layout
+    assert_same_run(config(**kw), data(V))
+
+
+# the layouts the runners of the first version refused (issue 11, "Why"), on 4 ranks
+REFUSED_BEFORE = [
+    dict(pp=2, cp=2, microbatches=2),
+    dict(cp=2, dp=2, zero=2),
+    dict(cp=2, dp=2, microbatches=2),
+    dict(tp=2, pp=2, zero=1, microbatches=2),
+    dict(tp=2, pp=2, zero=2, microbatches=2, schedule="zb-h1"),
+    dict(pp=2, dp=2, zero=3, microbatches=2),
+    dict(tp=2, cp=2, zero=1, cp_algo="ulysses"),
+    dict(tp=2, cp=2, sequence_parallel=True),
+    dict(n_expert=4, tp=2, dp=2, ep=2, sequence_parallel=True),
+    dict(n_expert=4, pp=2, dp=2, ep=2, microbatches=2, schedule="zb-h1"),
+    dict(n_expert=4, cp=2, dp=2, ep=4),
+    dict(n_expert=4, dp=4, ep=2, zero=3, microbatches=2, batch_size=8),
+]
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_layouts_refused_before_now_equal_serial():
+    for kw in REFUSED_BEFORE:
+        assert_same_run(config(**kw), data())
+
+
+@pytest.mark.parallel(nprocs=16)
+@collective
+def test_5d_pp2_dp2_cp2_tp2_with_experts_and_zero1():
+    kw = dict(pp=2, dp=2, cp=2, tp=2, ep=2, n_expert=4, zero=1, microbatches=2, steps=2)
+    assert_same_run(config(**kw), data())
+
+
+@pytest.mark.parallel(nprocs=8)
+@collective
+def test_composed_ledger_and_memory_equal_the_single_axis_formulas():
+    """tp2 x cp2 x dp2 with ZeRO-1 and 2 micro-batches: each axis moves what its own formula
+    says, with the other axes' splits put in (b = B/dp rows, s = T/cp tokens, C/tp heads)."""
+    cfg = config(tp=2, cp=2, dp=2, zero=1, microbatches=2, batch_size=4, steps=2)
+    tr = Trainer(cfg, dataset=data(16))
+    tr.grid.ledger.reset()
+    for _ in range(cfg.steps):
+        tr.step()
+    led, m, w = tr.grid.ledger, tr.runner.mcfg, 8
+    b, s, C, L = cfg.batch_size // 2, cfg.block_size // 2, m.n_embd, m.n_layer
+    tp_want = comm_bytes_per_step(b, s, C, L, False, w)["allreduce"]
+    sizes = unit_sizes(m, tp=2)
+    zero_want = comm_per_step(sizes, 4, 1, cfg.microbatches, w)
+    # the ring: per layer (cp-1) K/V blocks forward, again backward, and the dK/dV shares
+    ring_want = 3 * (2 - 1) * L * 2 * b * s * (C // 2) * w
+    bad = Mismatches()
+    bad.check(np.testing.assert_equal, led.bytes("allreduce", "tp"), cfg.steps * tp_want)
+    for op in ("reduce_scatter", "allgather"):
+        bad.check(np.testing.assert_equal, led.bytes(op, "dp+cp"), cfg.steps * zero_want[op],
+                  err_msg=op)
+    bad.check(np.testing.assert_equal, led.bytes("allreduce", "dp+cp"), 0)
+    bad.check(np.testing.assert_equal, led.bytes("send", "cp"), cfg.steps * ring_want)
+    mem, want = tr.memory(), memory_per_rank(sizes, 4, 1, itemsize=w)
+    for k in ("params", "grads", "optimizer"):
+        bad.check(np.testing.assert_equal, mem[k], want[k], err_msg=k)
+    bad.assert_none()
+
+
+def test_grid_groups_are_cached_and_named_by_their_axes():
+    from refmp.grid import ProcessGrid
+
+    g = ProcessGrid(MPI.COMM_SELF)
+    assert g.group("dp", "cp") is g.group("cp", "dp")  # one communicator per group
+    assert g.group("dp", "cp").axis == "dp" and g.size("dp", "cp") == 1
+    assert not hasattr(g, "dp")  # sizes and coordinates are data: g.sizes, g.coords
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("n,args,message", [
+    (2, ["--tp", "2", "--n-head", "3", "--n-embd", "12"], "must divide the number of heads"),
+    (4, ["--cp", "2", "--tp", "2", "--cp-algo", "ulysses", "--n-head", "2",
+         "--block-size", "8"], "must be divisible by --cp 2"),
+    (2, ["--ep", "2"], "needs a mixture-of-experts model"),
+    (2, ["--ep", "4", "--n-expert", "4"], "must divide dp * cp"),
+    (2, ["--sequence-parallel"], "it needs --tp > 1"),
+    (2, ["--tp", "2", "--cp", "1", "--sequence-parallel", "--block-size", "7"],
+     "must divide the tokens each rank"),
+])
+def test_arithmetic_refusals_are_one_message_on_every_rank(n, args, message):
+    r = refmp(n, ["train", "--no-progress", "--steps", "1", *args], timeout=60)
+    assert r.returncode != 0
+    assert r.stderr.count(message) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.cli
+def test_cli_runs_a_4d_layout_with_experts(tmp_path):
+    """pp2 x cp2 x tp2 (8 ranks) from the command line, --save equal to the serial run's."""
+    out = tmp_path / "m.safetensors"
+    args = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "8",
+            "--digits", "2", "--batch-size", "4", "--steps", "2", "--dtype", "float64",
+            "--n-expert", "4", "--no-progress"]
+    r = refmp(8, ["train", *args, "--pp", "2", "--cp", "2", "--tp", "2", "--ep", "2",
+                  "--zero", "2", "--microbatches", "2", "--save", str(out)], timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "pp=2 x dp=1 x cp=2 x tp=2 x ep=2" in r.stdout
+    from safetensors.numpy import load_file
+
+    cfg = TrainConfig(n_layer=2, n_head=4, n_embd=16, block_size=8, digits=2, batch_size=4,
+                      steps=2, dtype="float64", n_expert=4, progress=False)  # the CLI's run
+    from refmp.grid import ProcessGrid
+
+    serial = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
+    for _ in range(cfg.steps):
+        serial.step()
+    want, got = serial.runner.full_params(), load_file(str(out))
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
