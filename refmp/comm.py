@@ -237,11 +237,15 @@ class Comm:
 
     def allreduce_scalar(self, value: float, op: str = "sum") -> float:
         """All-reduce one float (a loss or a count); ledgered as op "metric", not "allreduce"."""
-        buf = np.array([value], dtype=np.float64)
+        return float(self.allreduce_metrics([value], op)[0])
+
+    def allreduce_metrics(self, values, op: str = "sum") -> np.ndarray:
+        """All-reduce a few host floats (losses, counts, statistics), as op "metric"."""
+        buf = np.array(values, dtype=np.float64)
         self.ledger.record("metric", self.axis, buf.nbytes)
         if self.size > 1:
             wait(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op]))
-        return float(buf[0])
+        return buf
 
     def allgather_obj(self, obj) -> list:
         """Gather a small picklable object from every rank (used for agreement, not data)."""

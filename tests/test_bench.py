@@ -49,7 +49,7 @@ def test_text_report_has_one_line_per_axis():
     assert r.stdout.count("refmp bench:") == 1
     assert "cp=2" in r.stdout and "cp ulysses contiguous" in r.stdout
     lines = [x.split() for x in r.stdout.splitlines() if x.startswith("    ")]
-    assert [x[0] for x in lines] == ["cp", "dp"]  # axis, bytes per step, "B", (calls)
+    assert [x[0] for x in lines] == ["cp", "world"]  # axis, bytes per step, "B", (calls)
     cp_bytes = int(lines[0][1].replace(",", ""))
     assert cp_bytes > 0 and "alltoall" in r.stdout
 

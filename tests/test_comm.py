@@ -73,13 +73,35 @@ def test_grid_coordinates_and_axes():
     assert edp == ([0, 2] if rank % 2 == 0 else [1, 3])
 
 
-def test_check_layout_errors():
+def test_check_sizes_errors():
     assert check_sizes(8, pp=2, tp=2) == {"pp": 2, "dp": 2, "cp": 1, "tp": 2, "ep": 1}
     with pytest.raises(ConfigError, match=r"does not match the 4 MPI processes"):
         check_sizes(4, dp=3)
     with pytest.raises(ConfigError, match="does not divide the world size"):
         check_sizes(4, tp=3)
-    with pytest.raises(ConfigError, match="must divide --dp"):
+    with pytest.raises(ConfigError, match=r"must divide dp \* cp"):
         check_sizes(4, dp=4, ep=3)
+    assert check_sizes(4, dp=2, cp=2, ep=4)["ep"] == 4  # experts carved from dp x cp
     with pytest.raises(ConfigError, match="at least 1"):
         check_sizes(4, pp=0)
+
+
+@pytest.mark.parallel(nprocs=8)
+@collective
+def test_groups_of_axes_and_experts_carved_from_dp_x_cp():
+    rank = MPI.COMM_WORLD.rank
+    g = ProcessGrid(dp=2, cp=2, tp=2)  # rank = (dp_i * 2 + cp_i) * 2 + tp_i
+    dense = g.group("dp", "cp")  # ranks with my tp coordinate: 4 of them, 2 apart
+    assert dense is g.group("cp", "dp") and dense.axis == "dp+cp" and dense.size == 4
+    assert list(dense.allgather(np.array([rank]))) == [rank % 2 + 2 * j for j in range(4)]
+    assert g.group("cp", "tp").axis == "cp+tp" and g.size("cp", "tp") == 4
+    # ep 4 over the dp x cp ranks (f = dp_i * 2 + cp_i) of each tp slice; edp is what is left
+    g4 = ProcessGrid(dp=2, cp=2, tp=2, ep=4)
+    assert list(g4.comm["ep"].allgather(np.array([rank]))) == [rank % 2 + 2 * j for j in range(4)]
+    assert g4.comm["edp"].size == 1
+    g2 = ProcessGrid(dp=2, cp=2, tp=2, ep=2)
+    f = rank // 2  # the dp x cp index
+    assert list(g2.comm["ep"].allgather(np.array([rank]))) == [
+        2 * (2 * (f // 2) + j) + rank % 2 for j in range(2)]
+    assert list(g2.comm["edp"].allgather(np.array([rank]))) == [
+        2 * (2 * j + f % 2) + rank % 2 for j in range(2)]

@@ -194,8 +194,8 @@ class Engine:
         shares (partial over tp with SP) summed once each, over the whole world."""
         ce, aux = self._loss
         tp0 = self.tp.rank == 0
-        parts = np.array([ce if tp0 else 0.0, aux if (tp0 or self.sp) else 0.0])
-        return float(self.grid.world.allreduce(backend.from_host(parts)).sum())
+        parts = [ce if tp0 else 0.0, aux if (tp0 or self.sp) else 0.0]
+        return float(self.grid.world.allreduce_metrics(parts).sum())
 
     @property
     def stats(self) -> dict:
@@ -208,7 +208,7 @@ class Engine:
             raw[i] = r
         if self.tp.rank != 0 and not self.sp:
             raw[:] = 0  # tp ranks routed the same tokens: count them once
-        self.grid.world.allreduce(raw)
+        raw = self.grid.world.allreduce_metrics(raw)
         return gpt.moe_summary([raw[i] for i in range(L) if self.mcfg.is_moe(i)], E)
 
     # --- decoding and the whole model ---------------------------------------------------------
