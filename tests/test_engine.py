@@ -180,3 +180,13 @@ def test_cli_runs_a_4d_layout_with_experts(tmp_path):
     want, got = serial.runner.full_params(), load_file(str(out))
     for k, v in want.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.tutorial
+def test_tutorial_08_any_layout():
+    from mpi_helpers import mpiexec
+
+    r = mpiexec(8, ["python", "tutorials/08_any_layout.py"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: any layout == serial" in r.stdout
+    assert r.stdout.count("ZeRO-1 owns") == 1 and r.stdout.count("\n7 ") == 1  # 8 rows
