@@ -98,6 +98,7 @@ class ProcessGrid:
                 index = index * self.sizes[a] + self.coords[a]
             label = "+".join(a for a in key if self.sizes[a] > 1) or key[0]
             self._groups[key] = Comm(self.mpi.Split(colour, index), label, self.ledger)
+            self._groups[key].cuda_aware = self.world.cuda_aware
         return self._groups[key]
 
     def size(self, *axes: str) -> int:

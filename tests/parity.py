@@ -35,6 +35,17 @@ def host(d: dict) -> dict:
     return {k: np.asarray(backend.to_host(v)) for k, v in d.items()}
 
 
+def gathered(par: Trainer) -> tuple:
+    """The layout's whole gradient and weights (collective), left out of its ledger, so
+    that tests can hold the ledger of the training steps alone against the formulas."""
+    led = par.grid.ledger
+    saved = {k: list(v) for k, v in led.entries.items()}
+    out = par.runner.full_grads(), par.runner.full_params()
+    led.entries.clear()
+    led.entries.update(saved)
+    return out
+
+
 def assert_same_run(cfg: TrainConfig, ds=None, grid: ProcessGrid | None = None,
                     tol: dict | None = None, check=None) -> Trainer:
     """Train ``cfg`` on the world and serially; assert every step matches. Returns the
@@ -51,7 +62,7 @@ def assert_same_run(cfg: TrainConfig, ds=None, grid: ProcessGrid | None = None,
     for s in range(cfg.steps):
         a = serial.step() if serial is not None else None
         b = par.step()
-        grads, params = par.runner.full_grads(), par.runner.full_params()
+        grads, params = gathered(par)
         if check is not None:
             check(par, s)
         if a is None:

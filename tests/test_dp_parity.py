@@ -1,73 +1,98 @@
 """Level 2/3: data-parallel training equals the serial run, under real MPI (float64).
 
-Every rank trains the serial model itself (on MPI.COMM_SELF, the whole batch) and the
-data-parallel model (on COMM_WORLD, its rows of the batch), step by step, and compares the
-loss, the gradients after the all-reduce and clipping, and the updated weights.
+Rank 0 trains the serial model itself (on MPI.COMM_SELF, the whole batch) beside the
+data-parallel engine (on COMM_WORLD, each rank its rows of the batch): loss, norm, every
+gradient after the all-reduce and clipping, every weight after each step (tests/parity.py).
+Then the ledger: the gradients are all-reduced once per step in total (8 bytes per parameter
+in float64), in as many calls as the Sharder's bucket rule forms buckets.
 """
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective
+from mpi_helpers import collective
+from parity import assert_same_run
 
 from refmp.data import Dataset
-from refmp.grid import ProcessGrid
-from refmp.train import TrainConfig, Trainer
+from refmp.nn import GPTConfig
+from refmp.parallel.zero_cost import unit_sizes
+from refmp.train import TrainConfig
 
 pytestmark = pytest.mark.mpi
 
-TOL = dict(rtol=1e-9, atol=1e-12)  # float64: rounding only (sums in a different order)
+
+def buckets_per_step(sizes: dict[str, int], bucket_mb: float, itemsize: int) -> int:
+    """All-reduce calls per step of stage 0 (DDP's rule, refmp.parallel.sharding.Sharder):
+    units become ready in backward order, ln_f, h.{L-1}, ..., h.0, then wte and wpe in the
+    embedding's backward (with pp = 1 the tied wte is complete only then); a bucket starts
+    as soon as the ready units hold ``bucket_mb``; what is left goes after backward.
+    ``bucket_mb`` 0: one all-reduce of everything after backward."""
+    limit = int(bucket_mb * 2**20)
+    if limit <= 0:
+        return 1
+    L = sum(u.startswith("h.") for u in sizes)
+    calls, held = 0, 0
+    for u in ["ln_f", *(f"h.{i}" for i in reversed(range(L))), "wte", "wpe"]:
+        held += itemsize * sizes[u]
+        if held >= limit:
+            calls, held = calls + 1, 0
+    return calls + (held > 0)
 
 
-def assert_same_run(cfg: TrainConfig, ds: Dataset) -> None:
-    serial = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
-    dp = Trainer(cfg, grid=ProcessGrid(MPI.COMM_WORLD), dataset=ds)
-    assert dp.grid.dp == MPI.COMM_WORLD.size
-    close = np.testing.assert_allclose
-    bad = Mismatches()  # assert after the last collective, so no rank fails alone mid-run
-    for s in range(cfg.steps):
-        a, b = serial.step(), dp.step()
-        bad.check(close, b["loss"], a["loss"], **TOL, err_msg=f"loss at step {s}")
-        bad.check(close, b["grad_norm"], a["grad_norm"], **TOL, err_msg=f"norm at step {s}")
-        for k in serial.model.params:
-            bad.check(close, dp.model.grads[k], serial.model.grads[k], **TOL,
-                      err_msg=f"gradient {k} at step {s}")
-            bad.check(close, dp.model.params[k], serial.model.params[k], **TOL,
-                      err_msg=f"weight {k} after step {s}")
-    bad.assert_none()
-    # one all-reduce of every gradient per step: 8 bytes per parameter in float64
-    n = dp.model.num_params()
-    assert dp.grid.ledger.count("allreduce", "dp") == cfg.steps
-    assert dp.grid.ledger.bytes("allreduce", "dp") == cfg.steps * 8 * n
+def assert_same_run_and_ledger(cfg: TrainConfig, ds: Dataset) -> int:
+    """Parity with the serial run, then the dp ledger; returns the buckets per step."""
+    par = assert_same_run(cfg, ds)
+    assert par.grid.sizes["dp"] == MPI.COMM_WORLD.size
+    sizes = unit_sizes(par.model.cfg)  # elements of wte, wpe, each block, ln_f
+    n_buckets = buckets_per_step(sizes, cfg.bucket_mb, 8)
+    led = par.grid.ledger  # every gradient once per step: 8 bytes per parameter in float64
+    assert led.bytes("allreduce", "dp") == cfg.steps * 8 * sum(sizes.values())
+    assert led.count("allreduce", "dp") == cfg.steps * n_buckets, (led.as_dict(), n_buckets)
+    return n_buckets
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
 @settings(max_examples=6)
 @given(n_layer=st.integers(1, 2), n_head=st.integers(1, 2), hs=st.integers(1, 4),
-       V=st.integers(3, 17), T=st.integers(2, 6), rows=st.integers(1, 2),
+       V=st.integers(3, 17), T=st.integers(2, 6), rows=st.integers(1, 2), M=st.integers(1, 2),
+       bucket_mb=st.sampled_from([25.0, 0.0, 1e-3, 4e-3]),
        optimizer=st.sampled_from(["adamw", "sgd"]), clip=st.sampled_from([0.0, 0.05, 10.0]),
        shuffle=st.booleans(), seed=st.integers(0, 1000))
+@example(n_layer=2, n_head=2, hs=4, V=17, T=6, rows=1, M=2, bucket_mb=1e-3, optimizer="adamw",
+         clip=0.05, shuffle=False, seed=1)  # every block fills a 1e-3 MB bucket alone
 @collective
-def test_dp_training_equals_serial(n_layer, n_head, hs, V, T, rows, optimizer, clip, shuffle,
-                                   seed):
+def test_dp_training_equals_serial(n_layer, n_head, hs, V, T, rows, M, bucket_mb, optimizer,
+                                   clip, shuffle, seed):
     size = MPI.COMM_WORLD.size
     cfg = TrainConfig(n_layer=n_layer, n_head=n_head, n_embd=n_head * hs, block_size=T,
-                      batch_size=rows * size, steps=3, optimizer=optimizer, lr=0.01,
+                      batch_size=rows * M * size, steps=3, optimizer=optimizer, lr=0.01,
                       warmup_steps=1, momentum=0.9, grad_clip=clip, dtype="float64", seed=seed,
-                      shuffle=shuffle, progress=False)
+                      shuffle=shuffle, progress=False, microbatches=M, bucket_mb=bucket_mb)
     rng = np.random.default_rng(seed)
     ds = Dataset(rng.integers(0, V, 200), V, "random")
-    assert_same_run(cfg, ds)
+    n_buckets = assert_same_run_and_ledger(cfg, ds)
+    if bucket_mb == 25.0:  # the default: a tiny model fills no bucket, one all-reduce a step
+        assert n_buckets == 1
 
 
 @pytest.mark.parallel(nprocs=2)
 @collective
 def test_dp_addition_task_equals_serial():
-    """The built-in task, AdamW with clipping that bites, a few steps (a golden run)."""
-    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=16, batch_size=8, steps=4, grad_clip=0.5,
-                      dtype="float64", progress=False)
+    """The built-in task, AdamW with clipping that bites, a few steps (a golden run), with
+    the default 25 MB buckets (one all-reduce a step) and with buckets a little larger than
+    a block, where the order units become ready in decides the count."""
     from refmp.data import AdditionTask
 
-    assert_same_run(cfg, AdditionTask(3, seed=0, n_train=500, n_test=10).dataset())
+    ds = AdditionTask(3, seed=0, n_train=500, n_test=10).dataset()
+    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=16, batch_size=8, steps=4, grad_clip=0.5,
+                      dtype="float64", progress=False)
+    assert assert_same_run_and_ledger(cfg, ds) == 1
+    # ln_f + h.1 fill the first bucket, h.0 + wte the second, wpe goes after backward: 3
+    # calls (forward order, or a wte ready at the head, would make 2)
+    sizes = unit_sizes(GPTConfig(ds.vocab_size, ds.task.line_len, 2, 2, 16))
+    mb = 8 * (sizes["h.0"] + sizes["ln_f"] / 2) / 2**20
+    assert assert_same_run_and_ledger(replace(cfg, bucket_mb=mb, steps=2), ds) == 3

@@ -1,9 +1,13 @@
 """Tensor parallelism inside pipeline stages (tp x pp) equals the serial run (float64, MPI).
 
-Every rank trains the serial model itself (COMM_SELF) and its tp shard of its pipeline stage
-(COMM_WORLD, tp 2 x pp 2), step by step, and compares the loss, the norm, every gradient and
-weight shard by shard (after the tied-wte swap, the SP reduction and clipping). Then the
-ledger against the analytic bytes and calls per stage, the gathered model, greedy decoding.
+tp 2 x pp 2 on 4 ranks, every schedule (zero bubble and interleaved included), SP on and
+off, through the engine: tests/parity.py trains the serial model on rank 0 next to the
+layout and compares the loss, the norm, every gradient and every weight, gathered, after
+each step (the tied wte summed between the two ends, SP's sum of the replicated gradients,
+clipping). After the last step, one more with the ledger reset: its bytes and calls on tp
+per stage against the analytic formula and its bytes on pp; the gathered model in GPT-2
+order; greedy decoding through the stages and the vocabulary shards against the serial
+model's.
 """
 
 import numpy as np
@@ -12,11 +16,13 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, refmp
+from parity import assert_same_run
 from safetensors.numpy import load_file
 
 from refmp.data import Dataset
 from refmp.grid import ProcessGrid
-from refmp.parallel.tensor_runner import shard
+from refmp.nn import gpt
+from refmp.parallel.placement import place
 from refmp.parallel.vocab import padded_vocab
 from refmp.train import TrainConfig, Trainer
 
@@ -27,17 +33,19 @@ close = np.testing.assert_allclose
 
 
 def free(*trainers):
+    """Give a trainer's communicators back to MPI (each example makes a grid)."""
     for tr in trainers:
-        for c in tr.grid.comm.values():
+        g = tr.grid
+        for c in {id(c): c for c in (*g.comm.values(), g.group("dp", "cp"))}.values():
             c.mpi.Free()
 
 
 def expected_ledger(cfg, run, b, T, C) -> dict:
     """(bytes, calls) per step on tp for this stage, and the bytes it sends on pp.
 
-    Per micro-batch, the tensor_runner.py formula restricted to what this stage holds:
-    L_r blocks, the embedding if first (its g), the head and loss if last (its f and the
-    cross-entropy's three (b, s) sums). With SP the all-reduces become reduce-scatters and
+    Per micro-batch, refmp.parallel.tensor.comm_bytes_per_step restricted to what this stage
+    holds: L_r blocks, the embedding if first (its g), the head and loss if last (its f and
+    the cross-entropy's three (b, s) sums). With SP the all-reduces become reduce-scatters and
     all-gathers (6 per block: 2 gathers, 2 re-gathers, 2 of g's backward; the embedding's
     backward 1; the head's gather and re-gather 2), plus one all-reduce of the replicated
     gradients per step.
@@ -46,8 +54,8 @@ def expected_ledger(cfg, run, b, T, C) -> dict:
     first, last, M, w = int(run.first), int(run.last), cfg.microbatches, 8
     act, loss = b * T * C * w, 3 * b * T * w
     n = run.tp.size
-    if cfg.sequence_parallel:
-        n_repl = sum(int(run.params[k].size) for k in run.replicated)
+    if cfg.sequence_parallel:  # the replicated parameters this stage holds
+        n_repl = sum(int(v.size) for k, v in run.params.items() if place(k, True).tp_split is None)
         k_rs, k_ag = 4 * L_r + first + last, 6 * L_r + first + 2 * last
         tp = {"reduce_scatter": (k_rs * act, k_rs * M), "allgather": (k_ag * act, k_ag * M),
               "allreduce": (last * loss + n_repl * w, 3 * M * last + 1)}
@@ -56,80 +64,80 @@ def expected_ledger(cfg, run, b, T, C) -> dict:
         tp = {"reduce_scatter": (0, 0), "allgather": (0, 0),
               "allreduce": (k * act + last * loss, (k + 3 * last) * M)}
     boundaries = sum((c < run.S - 1) + (c > 0) for c in run.stage.chunks)
-    Vp = padded_vocab(run.cfg.vocab_size, n)
+    Vp = padded_vocab(run.mcfg.vocab_size, n)
     tied = (Vp // n) * C * w if (first or last) else 0  # my wte shard, to my tp peer's stage
     sent = boundaries * act // (n if cfg.sequence_parallel else 1) + tied
     return {"tp": tp, "sent": sent}
 
 
-def assert_same_run(cfg: TrainConfig, ds: Dataset) -> None:
-    serial_cfg = TrainConfig(**{**cfg.__dict__, "tp": 1, "pp": 1, "sequence_parallel": False,
-                                "microbatches": 1, "schedule": "1f1b", "virtual_stages": 1})
-    serial = Trainer(serial_cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
-    par = Trainer(cfg, grid=ProcessGrid(MPI.COMM_WORLD, tp=cfg.tp, pp=cfg.pp), dataset=ds)
-    run, tp = par.runner, par.grid.comm["tp"]
-    Vp = padded_vocab(serial.model.cfg.vocab_size, tp.size)
-    bad = Mismatches()
-    par.grid.ledger.reset()
-    for s in range(cfg.steps):
-        a, b = serial.step(), par.step()
-        bad.check(close, b["loss"], a["loss"], **TOL, err_msg=f"loss at step {s}")
-        bad.check(close, b["grad_norm"], a["grad_norm"], **TOL, err_msg=f"norm at step {s}")
-        for k in run.params:
-            want_g = shard(k, serial.model.grads[k], tp.rank, tp.size, Vp)
-            bad.check(close, run.grads[k], want_g, **TOL, err_msg=f"grad {k} step {s} "
-                      f"rank {par.grid.rank}")
-            want_w = shard(k, serial.model.params[k], tp.rank, tp.size, Vp)
-            bad.check(close, run.params[k], want_w, **TOL, err_msg=f"weight {k} step {s}")
-    led, m = par.grid.ledger, serial.model.cfg
-    got = {op: (led.bytes(op, "tp") // cfg.steps, led.count(op, "tp") // cfg.steps)
+def check_ledger_model_and_decoding(par, bad: Mismatches) -> None:
+    """One more step, ledger reset: tp and pp traffic per stage against expected_ledger; the
+    gathered model (rank 0, GPT-2 names and order, None elsewhere); greedy decoding through
+    the pipeline against the serial model on the same weights (collectives on every rank;
+    mismatches go to ``bad``)."""
+    cfg, run, grid = par.cfg, par.runner, par.grid
+    grid.ledger.reset()
+    par.step()
+    led, m = grid.ledger, run.mcfg
+    got = {op: (led.bytes(op, "tp"), led.count(op, "tp"))
            for op in ("reduce_scatter", "allgather", "allreduce")}
-    got_sent = led.bytes("send", "pp") // cfg.steps
-    want = expected_ledger(cfg, run, cfg.batch_size // par.grid.dp, par.T, m.n_embd)
-    bad.check(np.testing.assert_equal, got, want["tp"], err_msg=f"tp ledger rank {par.grid.rank}")
-    bad.check(np.testing.assert_equal, got_sent, want["sent"], err_msg="pp bytes sent")
+    sent = led.bytes("send", "pp")
+    want = expected_ledger(cfg, run, cfg.batch_size // grid.sizes["dp"], par.T, m.n_embd)
     full = run.full_params()  # collective over tp and pp
-    prompt = serial.ds.tokens[: 2 * par.T].reshape(2, par.T)[:, : max(1, par.T - 2)]
+    prompt = par.ds.tokens[: 2 * par.T].reshape(2, par.T)[:, : max(1, par.T - 2)]
     decoded = run.generate(prompt, 2)  # collective over pp and tp
-    bad.check(np.testing.assert_array_equal, decoded, serial.model.generate(prompt, 2),
-              err_msg="greedy decoding through the tp x pp pipeline")
-    if par.grid.rank == 0:  # the whole model, unpadded, GPT-2 names and order
-        bad.check(np.testing.assert_equal, list(full), list(serial.model.params))
-        for k, v in serial.model.params.items():
-            bad.check(close, full.get(k), v, **TOL, err_msg=f"full_params {k}")
+    bad.check(np.testing.assert_equal, got, want["tp"], err_msg=f"tp ledger rank {grid.rank}")
+    bad.check(np.testing.assert_equal, sent, want["sent"], err_msg=f"pp bytes sent rank {grid.rank}")
+    if grid.rank == 0:  # the whole model, unpadded, GPT-2 names and order
+        bad.check(np.testing.assert_equal, list(full), list(gpt.param_shapes(m)))
+        serial = gpt.GPT(m, full).generate(prompt, 2)
+        bad.check(np.testing.assert_array_equal, decoded, serial,
+                  err_msg="greedy decoding through the tp x pp pipeline")
     else:
         bad.check(np.testing.assert_equal, full, None)
-    free(serial, par)
-    bad.assert_none()
 
 
 @pytest.mark.parallel(nprocs=4)
 @settings(max_examples=6, phases=[Phase.explicit, Phase.generate])  # no shrinking under MPI
-@example(schedule="gpipe", sp=True, V=7, k=2, extra_layers=1, heads_per=1, clip=0.05, seed=1)
-@example(schedule="1f1b", sp=False, V=7, k=1, extra_layers=0, heads_per=2, clip=0.05, seed=2)
-@example(schedule="1f1b", sp=True, V=6, k=2, extra_layers=1, heads_per=1, clip=10.0, seed=3)
-@example(schedule="interleaved", sp=True, V=5, k=1, extra_layers=0, heads_per=1, clip=0.05,
-         seed=4)
-@example(schedule="zb-h1", sp=True, V=7, k=2, extra_layers=1, heads_per=1, clip=0.05, seed=5)
-@example(schedule="zb-h1", sp=False, V=6, k=1, extra_layers=0, heads_per=2, clip=0.05, seed=6)
+@example(schedule="gpipe", sp=True, V=7, k=2, extra_layers=1,
+         heads_per=1, clip=0.05, rows=1, seed=1)
+@example(schedule="1f1b", sp=False, V=7, k=1, extra_layers=0,
+         heads_per=2, clip=0.05, rows=2, seed=2)
+@example(schedule="1f1b", sp=True, V=6, k=2, extra_layers=1,
+         heads_per=1, clip=10.0, rows=1, seed=3)
+@example(schedule="interleaved", sp=True, V=5, k=1, extra_layers=0,
+         heads_per=1, clip=0.05, rows=2, seed=4)
+@example(schedule="zb-h1", sp=True, V=7, k=2, extra_layers=1,
+         heads_per=1, clip=0.05, rows=1, seed=5)
+@example(schedule="zb-h1", sp=False, V=6, k=1, extra_layers=0,
+         heads_per=2, clip=0.05, rows=2, seed=6)
 @given(schedule=st.sampled_from(["naive", "gpipe", "1f1b", "interleaved", "zb-h1"]),
        sp=st.booleans(),
        V=st.integers(3, 11), k=st.integers(1, 2), extra_layers=st.integers(0, 1),
-       heads_per=st.integers(1, 2), clip=st.sampled_from([0.05, 10.0]), seed=st.integers(0, 999))
+       heads_per=st.integers(1, 2), clip=st.sampled_from([0.05, 10.0]), rows=st.integers(1, 2),
+       seed=st.integers(0, 999))
 @collective
 def test_tp2_x_pp2_training_equals_serial(schedule, sp, V, k, extra_layers, heads_per, clip,
-                                          seed):
-    """tp 2 x pp 2, several AdamW steps with clipping; V odd pads the vocabulary shards."""
+                                          rows, seed):
+    """tp 2 x pp 2, several AdamW steps with clipping; V odd pads the vocabulary shards;
+    M micro-batches of ``rows`` rows."""
     tp, pp = 2, 2
     v = 2 if schedule == "interleaved" else 1
     M = k * pp if schedule == "interleaved" else k + 1
     cfg = TrainConfig(n_layer=pp * v + extra_layers, n_head=heads_per * tp, n_embd=4 * heads_per,
-                      block_size=2 * tp, batch_size=M + 1, steps=3, lr=0.02, warmup_steps=1,
+                      block_size=2 * tp, batch_size=M * rows, steps=3, lr=0.02, warmup_steps=1,
                       grad_clip=clip, dtype="float64", seed=seed, tp=tp, pp=pp,
                       sequence_parallel=sp, microbatches=M, schedule=schedule,
                       virtual_stages=v, progress=False)
     rng = np.random.default_rng(seed)
-    assert_same_run(cfg, Dataset(rng.integers(0, V, 200), V, "random"))
+    bad = Mismatches()
+
+    def after(par, step):  # on every rank, before parity asserts: no rank fails alone
+        if step == cfg.steps - 1:
+            check_ledger_model_and_decoding(par, bad)
+
+    free(assert_same_run(cfg, Dataset(rng.integers(0, V, 200), V, "random"), check=after))
+    bad.assert_none()
 
 
 @pytest.mark.cli
@@ -150,9 +158,9 @@ def test_cli_tp2_x_pp2_trains_saves_and_evaluates(tmp_path, layout):
     tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
     for _ in range(3):
         tr.step()
-    saved = load_file(str(out))
-    assert set(saved) == set(tr.model.params)
-    for k, v in tr.model.params.items():  # full (vocab 13, unpadded), GPT-2 names
+    saved, want = load_file(str(out)), tr.runner.full_params()
+    assert set(saved) == set(want)
+    for k, v in want.items():  # full (vocab 13, unpadded), GPT-2 names
         assert saved[k].shape == v.shape, k
         np.testing.assert_allclose(saved[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
 
@@ -160,7 +168,7 @@ def test_cli_tp2_x_pp2_trains_saves_and_evaluates(tmp_path, layout):
 @pytest.mark.cli
 @pytest.mark.parametrize("args,message", [
     (["--n-head", "3", "--n-embd", "12"], "--tp 2 must divide the number of heads"),
-    (["--sequence-parallel", "--block-size", "5"], "must divide the sequence length"),
+    (["--sequence-parallel", "--block-size", "5"], "must divide the tokens each rank holds"),
 ])
 def test_tp_x_pp_bad_input_fails_cleanly(args, message):
     r = refmp(4, ["train", "--tp", "2", "--pp", "2", "--n-layer", "2", "--n-embd", "8",

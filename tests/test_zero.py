@@ -1,61 +1,77 @@
 """Gradient accumulation, bucketed all-reduce and ZeRO 1/2/3 equal the serial run (float64).
 
-Every rank trains the serial model itself (COMM_SELF, the whole batch, one micro-batch) and
-the data-parallel one (COMM_WORLD), step by step. A ZeRO rank holds only its shard of the
-gradients and optimizer state (and, stage 3, of the weights), so it is compared with the same
-elements of the serial arrays (``runner.shard_of``). Memory and ledger bytes are held against
-the formulas of refmp.parallel.zero_cost, exactly.
+Rank 0 trains the serial model itself (COMM_SELF, the whole batch, one micro-batch) beside
+the engine on dp ranks (COMM_WORLD); after every step the whole gradient and the whole
+weights are gathered from the shards and compared element by element (tests/parity.py).
+The memory a rank keeps and the bytes its ledger counts are held against the formulas of
+refmp.parallel.zero_cost, exactly, on the Sharder's units (zero_cost.unit_sizes).
 """
+
+import contextlib
+from unittest import mock
 
 import numpy as np
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refmp
+from parity import assert_same_run
 
 from refmp.data import Dataset
-from refmp.grid import ProcessGrid
-from refmp.nn import GPTConfig
+from refmp.nn import GPT, GPTConfig
 from refmp.parallel.data import activation_bytes
-from refmp.parallel.zero_cost import comm_per_step, memory_per_rank
-from refmp.train import TrainConfig, Trainer
+from refmp.parallel.engine import Engine
+from refmp.parallel.zero_cost import comm_per_step, memory_per_rank, unit_sizes
+from refmp.train import TrainConfig
 
-TOL = dict(rtol=1e-9, atol=1e-12)
+OPS = ("allreduce", "reduce_scatter", "allgather")
 
 
-def train_both(cfg: TrainConfig, ds: Dataset, bad: Mismatches):
-    serial = Trainer(TrainConfig(**{**vars(cfg), "zero": 0, "microbatches": 1}),
-                     grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
-    par = Trainer(cfg, grid=ProcessGrid(MPI.COMM_WORLD), dataset=ds)
-    run, close = par.runner, np.testing.assert_allclose
-    for s in range(cfg.steps):
-        a, b = serial.step(), par.step()
-        bad.check(close, b["loss"], a["loss"], **TOL, err_msg=f"loss at step {s}")
-        bad.check(close, b["grad_norm"], a["grad_norm"], **TOL, err_msg=f"norm at step {s}")
-        # the elements this rank owns (all of them without ZeRO) after reduction and clipping
-        want_g = run.shard_of(serial.model.grads) if cfg.zero else serial.model.grads
-        want_p = run.shard_of(serial.model.params) if cfg.zero else serial.model.params
-        for k in want_g:
-            bad.check(close, run.grads[k], want_g[k], **TOL, err_msg=f"grad {k} at step {s}")
-            bad.check(close, run.params[k], want_p[k], **TOL, err_msg=f"weight {k} after {s}")
+@contextlib.contextmanager
+def ledger_of_the_steps():
+    """Keep assert_same_run's own gathers out of the ledger: after every step it gathers
+    the whole gradient and the whole weights (Engine.full_grads / full_params, over the
+    ZeRO groups too), which is not what a training step moves."""
+
+    def unrecorded(gather):
+        def run(self):
+            kept = {key: list(entry) for key, entry in self.grid.ledger.entries.items()}
+            out = gather(self)
+            self.grid.ledger.entries.clear()
+            self.grid.ledger.entries.update(kept)
+            return out
+        return run
+
+    with mock.patch.object(Engine, "full_grads", unrecorded(Engine.full_grads)), \
+            mock.patch.object(Engine, "full_params", unrecorded(Engine.full_params)):
+        yield
+
+
+def check_memory_and_ledger(par, sizes: dict[str, int], bad: Mismatches, first: bool = True,
+                            last: bool = True) -> None:
+    """This rank's kept bytes and its dense ZeRO group's ledger (dp x cp, n ranks) equal
+    the formulas on ``sizes``, the units it holds (float64: 8 bytes per element)."""
+    cfg, n, label = par.cfg, par.grid.size("dp", "cp"), par.grid.group("dp", "cp").axis
+    mem, want = par.memory(), memory_per_rank(sizes, n, cfg.zero, itemsize=8)
+    for kind in ("params", "grads", "optimizer"):
+        bad.check(np.testing.assert_equal, mem[kind], want[kind], err_msg=f"{kind} bytes")
     led = par.grid.ledger
-    sent = {op: (led.bytes(op, "dp"), led.count(op, "dp"))
-            for op in ("allreduce", "reduce_scatter", "allgather")}  # before gathering below
-    full = run.full_params()  # collective (stage 3 gathers); rank 0 gets it
-    if full is not None:
-        for k, v in serial.model.params.items():
-            bad.check(close, full[k], v, **TOL, err_msg=f"gathered weight {k}")
-    return serial, par, sent
+    want = comm_per_step(sizes, n, cfg.zero, cfg.microbatches, 8, first, last)
+    for op in OPS:
+        bad.check(np.testing.assert_equal, led.bytes(op, label), cfg.steps * want[op],
+                  err_msg=f"{op}@{label} bytes")
 
 
 @pytest.mark.mpi
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=8, phases=[Phase.generate])  # no shrinking: each try makes 12 MPI comms
+@settings(max_examples=8, phases=[Phase.explicit, Phase.generate])  # no shrinking (MPI comms)
 @given(zero=st.sampled_from([0, 1, 2, 3]), M=st.sampled_from([1, 2]),
        bucket_mb=st.sampled_from([0.0, 1e-4, 4e-4, 25.0]), n_layer=st.integers(1, 2),
        n_head=st.integers(1, 2), hs=st.integers(1, 3), V=st.integers(3, 13),
        T=st.integers(2, 5), clip=st.sampled_from([0.0, 0.05, 10.0]), seed=st.integers(0, 99))
+@example(zero=2, M=2, bucket_mb=25.0, n_layer=2, n_head=2, hs=3, V=13, T=5, clip=0.05,
+         seed=1)  # stage 2 reduce-scatters every micro-batch
 @collective
 def test_training_equals_serial(zero, M, bucket_mb, n_layer, n_head, hs, V, T, clip, seed):
     dp = MPI.COMM_WORLD.size
@@ -64,62 +80,45 @@ def test_training_equals_serial(zero, M, bucket_mb, n_layer, n_head, hs, V, T, c
                       dtype="float64", seed=seed, progress=False, zero=zero, microbatches=M,
                       bucket_mb=bucket_mb)
     ds = Dataset(np.random.default_rng(seed).integers(0, V, 120), V, "random")
+    with ledger_of_the_steps():
+        par = assert_same_run(cfg, ds)
     bad = Mismatches()
-    serial, par, sent = train_both(cfg, ds, bad)
-    # memory: the ZeRO table, exactly (8 bytes per element in float64), padding included
+    # memory and communication: the ZeRO table on the units, padding included
     mcfg = GPTConfig(V, T, n_layer, n_head, n_head * hs)
-    mem, want = par.memory(), memory_per_rank(mcfg, dp, zero, itemsize=8)
-    for kind in ("params", "grads", "optimizer"):
-        bad.check(np.testing.assert_equal, mem[kind], want[kind], err_msg=f"{kind} bytes")
+    check_memory_and_ledger(par, unit_sizes(mcfg), bad)
     # peak activations: one micro-batch's caches, as the serial model's on the same rows
-    m = serial.model
+    m = GPT.create(mcfg, seed, "float64")
     x = np.zeros((cfg.batch_size // (dp * M), T), dtype=np.int64)
     _, cache = m.forward(x, x.copy(), 1)
-    bad.check(np.testing.assert_equal, mem["activations"],
+    bad.check(np.testing.assert_equal, par.memory()["activations"],
               activation_bytes(cache, m.params.values()), err_msg="activation bytes")
-    # communication per step = the formulas (metrics, the loss and norm, are ledgered apart)
-    want = comm_per_step(mcfg, dp, zero, M, itemsize=8)
-    for op, (b, _) in sent.items():
-        bad.check(np.testing.assert_equal, b, cfg.steps * want.get(op, 0), err_msg=f"{op} bytes")
-    if zero == 0:
-        n_calls = len(par.runner.buckets) if bucket_mb else 1
-        bad.check(np.testing.assert_equal, sent["allreduce"][1], cfg.steps * n_calls,
-                  err_msg="all-reduce calls: one per bucket per step")
     bad.assert_none()
 
 
-@pytest.mark.mpi
-@pytest.mark.parallel(nprocs=2)
-@collective
-def test_buckets_start_during_backward():
-    """Buckets follow backward order; all but the last start before backward ends."""
-    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, batch_size=4, steps=1,
-                      dtype="float64", progress=False, bucket_mb=5e-3)
-    tr = Trainer(cfg, dataset=Dataset(np.arange(100) % 7, 7, "r"))
-    tr.step()
-    run = tr.runner
-    order = [k for b in run.buckets for k in b]
-    assert order[:2] == ["ln_f.weight", "ln_f.bias"] and order[-2:] == ["wte.weight", "wpe.weight"]
-    assert len(run.buckets) >= 3
-    ev = run.timeline.events
-    end_backward = max(e[3] for e in ev if e[1] == "backward embed")
-    starts = [e[2] for e in ev if e[0] == "comm"]
-    assert len(starts) == len(run.buckets)
-    assert all(t < end_backward for t in starts[:-1]), run.timeline.ascii()
-
-
 def test_formulas_match_the_paper_without_padding():
-    """With no padding (sizes divisible by dp): 4+4+8 bytes per parameter, divided by stage."""
+    """With no padding (every unit divisible by dp): 4+4+8 bytes per parameter, divided by
+    stage; stages 1 and 2 move what plain DP moves, stage 3 gathers every unit again."""
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
-    n = sum(cfg_sizes for cfg_sizes in [64 * 16 + 16 * 16, 2 * (12 * 16 * 16 + 13 * 16), 32])
-    dp = 4
-    assert memory_per_rank(cfg, dp, 0) == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
-    assert memory_per_rank(cfg, dp, 1) == {"params": 4 * n, "grads": 4 * n,
-                                           "optimizer": 8 * n // dp}
-    assert memory_per_rank(cfg, dp, 2) == {"params": 4 * n, "grads": 4 * n // dp,
-                                           "optimizer": 8 * n // dp}
-    assert memory_per_rank(cfg, dp, 3) == {"params": 4 * n // dp, "grads": 4 * n // dp,
-                                           "optimizer": 8 * n // dp}
+    sizes = unit_sizes(cfg)
+    n, dp = 64 * 16 + 16 * 16 + 2 * (12 * 16 * 16 + 13 * 16) + 32, 4
+    assert sum(sizes.values()) == n and all(s % dp == 0 for s in sizes.values())
+    assert memory_per_rank(sizes, dp, 0) == {"params": 4 * n, "grads": 4 * n,
+                                             "optimizer": 8 * n}
+    assert memory_per_rank(sizes, dp, 1) == {"params": 4 * n, "grads": 4 * n,
+                                             "optimizer": 8 * n // dp}
+    assert memory_per_rank(sizes, dp, 2) == {"params": 4 * n, "grads": 4 * n // dp,
+                                             "optimizer": 8 * n // dp}
+    assert memory_per_rank(sizes, dp, 3) == {"params": 4 * n // dp, "grads": 4 * n // dp,
+                                             "optimizer": 8 * n // dp}
+    assert comm_per_step(sizes, dp, 0)["allreduce"] == 4 * n
+    assert comm_per_step(sizes, dp, 1) == comm_per_step(sizes, dp, 2) == \
+        {"allreduce": 0, "reduce_scatter": 4 * n, "allgather": 4 * n}
+    # per micro-batch: wte 3x (embedding forward, head forward and backward), wpe 1x,
+    # each block and ln_f 2x (forward and backward)
+    blocks = n - sizes["wte"] - sizes["wpe"] - sizes["ln_f"]
+    gathered = 3 * sizes["wte"] + sizes["wpe"] + 2 * blocks + 2 * sizes["ln_f"]
+    assert comm_per_step(sizes, dp, 3, microbatches=2) == \
+        {"allreduce": 0, "reduce_scatter": 2 * 4 * n, "allgather": 2 * 4 * gathered}
 
 
 @pytest.mark.cli

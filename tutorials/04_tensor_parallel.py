@@ -4,10 +4,12 @@
 
 All ranks form one tensor-parallel group. Each holds 1/tp of every big matrix: the q, k and v
 columns of its own heads, its rows of the attention and MLP output projections, its columns
-of the MLP input, its rows of the (padded) token embedding. The script shows the shards,
-trains a few AdamW steps with and without sequence parallelism next to the serial model,
-holds the ledger's bytes against the formula, and reports the activation memory each rank's
-caches hold. Exits non-zero if anything differs.
+of the MLP input, its rows of the (padded) token embedding (refmp.parallel.placement). The
+one engine runs the layout: the serial block of refmp.nn.gpt, through ParallelOps
+(refmp.parallel.ops), whose linears are column- and row-parallel (refmp.parallel.tensor).
+The script shows the shards, trains a few AdamW steps with and without sequence parallelism
+next to the serial model, holds the ledger's bytes against the formula, and reports the
+activation memory each rank's caches hold. Exits non-zero if anything differs.
 """
 
 import sys
@@ -17,8 +19,9 @@ from mpi4py import MPI
 
 from refmp.data import AdditionTask
 from refmp.grid import ProcessGrid
-from refmp.parallel.data import activation_bytes
-from refmp.parallel.tensor_runner import comm_bytes_per_step, shard
+from refmp.parallel.placement import place, tp_shard
+from refmp.parallel.tensor import comm_bytes_per_step
+from refmp.parallel.vocab import padded_vocab
 from refmp.train import TrainConfig, Trainer
 
 world = MPI.COMM_WORLD
@@ -31,19 +34,20 @@ B, T, C, L_ = 4, 12, 16, 2
 ok = True
 
 # --- 1. who holds what ----------------------------------------------------------------------
-serial = Trainer(TrainConfig(**base), grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
+serial = Trainer(TrainConfig(**base), grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)  # per rank
+init = serial.runner.full_params()  # the whole model (the engine keeps only what it holds)
 say(f"tp = {tp} ranks; GPT: {L_} layers, 4 heads, C = {C}, vocabulary 13, T = {T}\n")
 say(f"{'parameter':<24} {'full':>10} {'rank 0 holds':>14}")
-Vp = -(-13 // tp) * tp
 for k in ["wte.weight", "wpe.weight", "h.0.ln_1.weight", "h.0.attn.c_attn.weight",
           "h.0.attn.c_attn.bias", "h.0.attn.c_proj.weight", "h.0.attn.c_proj.bias",
           "h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"]:
-    full = serial.model.params[k]
-    say(f"{k:<24} {str(full.shape):>10} {str(shard(k, full, 0, tp, Vp).shape):>14}")
-say(f"(wte padded from 13 to {Vp} rows; the padded logits are -inf, never in the loss)\n")
+    say(f"{k:<24} {str(init[k].shape):>10} {str(tp_shard(k, init[k], 0, tp).shape):>14}")
+say(f"(wte padded from 13 to {padded_vocab(13, tp)} rows; the padded logits are -inf, never "
+    f"in the loss)\n")
 
 # --- 2. train next to the serial model, with and without sequence parallelism ---------------
 serial_steps = [serial.step()["loss"] for _ in range(base["steps"])]
+want = serial.runner.full_params()
 for sp in (False, True):
     run = Trainer(TrainConfig(**base, tp=tp, sequence_parallel=sp), dataset=ds)
     led = run.grid.ledger
@@ -51,11 +55,12 @@ for sp in (False, True):
     losses = [run.step()["loss"] for _ in range(base["steps"])]
     measured = {op: led.bytes(op, "tp") // base["steps"]
                 for op in ("allreduce", "allgather", "reduce_scatter")}
-    n_repl = sum(int(run.runner.params[k].size) for k in run.runner.replicated)
+    # the replicated parameters (wpe, LayerNorms, c_proj biases): SP sums their gradients
+    n_repl = sum(int(v.size) for k, v in run.runner.params.items()
+                 if place(k, sp).tp_split is None)
     formula = comm_bytes_per_step(B, T, C, L_, sp, 8, n_repl)
     full = run.runner.full_params()  # gathered to rank 0, unpadded
-    worst = 0.0 if full is None else max(
-        float(np.abs(full[k] - serial.model.params[k]).max()) for k in full)
+    worst = 0.0 if full is None else max(float(np.abs(full[k] - want[k]).max()) for k in want)
     worst = world.allreduce(worst, op=MPI.MAX)
     same = worst < 1e-10 and np.allclose(losses, serial_steps, rtol=1e-10)
     ok &= same and measured == formula
@@ -66,12 +71,8 @@ for sp in (False, True):
     say(f"{'bytes/step on tp':<18} {'formula':>10} {'ledger':>10}")
     for op in formula:
         say(f"  {op:<16} {formula[op]:>10,} {measured[op]:>10,}")
-    # activation memory: the caches of one forward pass (parameters left out)
-    x = np.stack([ds.tokens[i * T : i * T + T] for i in range(B)])
-    _, cache = run.runner.forward(x, x, B * T)
-    mine = activation_bytes(cache, run.runner.params.values())
-    _, scache = serial.model.forward(x, x)
-    ref = activation_bytes(scache, serial.model.params.values())
+    # activation memory: the peak bytes of the forward caches (parameters left out)
+    mine, ref = run.runner.memory()["activations"], serial.runner.memory()["activations"]
     say(f"activation memory per rank: {mine:,} bytes (serial model: {ref:,}; ratio "
         f"{ref / mine:.2f})\n")
 

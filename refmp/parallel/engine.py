@@ -164,7 +164,7 @@ class Engine:
         self.peak_activations = max(self.peak_activations, activation_bytes(caches, keep))
 
     def reduce_grads(self) -> None:
-        """Every owned piece becomes the global gradient (the docstring's last paragraph)."""
+        """Every owned piece becomes the global gradient (the module docstring, last paragraph)."""
         sh = self.sharder
         sh.finish()  # dense over dp x cp, experts over edp
         if self.sp:  # SP: weights every tp rank saw T/tp of have gradients partial over tp

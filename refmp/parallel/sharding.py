@@ -180,6 +180,8 @@ class Sharder:
             if sum(self.gbuf[v].nbytes for v in ready) >= self.bucket_bytes:
                 self._start(ready)
                 ready.clear()
+        for _, _, req in self._open:  # MPICH has no progress thread: Test drives the open
+            req.Test()  # all-reduces while backward goes on (the earlier layers' work)
 
     def _start(self, units: list[str]) -> None:
         """Start the all-reduce of one bucket: these units' gradients, flattened together."""
