@@ -238,6 +238,17 @@ class Engine:
             idx = xp.concatenate([idx, nxt[:, None]], axis=1)
         return idx
 
+    def piece_index(self) -> dict:
+        """For every owned piece (``params``' names): the global flat index of each of its
+        elements in its full GPT-2 parameter, -1 for padding. What a sharded checkpoint
+        stores beside the values, so that any other layout can find its own elements."""
+        shapes, index = gpt.param_shapes(self.mcfg), {}
+        for U in self.sharder.units.values():
+            for k in U.shapes:
+                whole = np.arange(math.prod(shapes[k]), dtype=np.int64).reshape(shapes[k]) + 1
+                index[k] = tp_shard(k, whole, self.tp.rank, self.tp.size) - 1  # vocab pad: -1
+        return self.sharder.owned_index(index)
+
     def full_params(self) -> dict | None:
         """The whole model, GPT-2 names, on world rank 0 (collective): gathered over the
         ZeRO groups, then tp, then ep; then each stage sends its part to the first."""
