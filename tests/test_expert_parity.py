@@ -1,121 +1,193 @@
-"""Level 2/3 for mixture of experts: data- and expert-parallel training equal the serial run.
+"""Level 2/3 for mixture of experts: MoE training on every layout equals the serial run.
 
-Every rank trains the serial MoE model itself (COMM_SELF, the whole batch) and the parallel
-one (COMM_WORLD: dp = world size, experts over ep in {1, 2, 4}), step by step, float64, and
-compares losses, routing statistics, gradients and updated weights; then the all-to-all bytes
-in the ledger against what the serial model's routing implies, and the gathered model.
+tests/parity.assert_same_run trains the serial MoE model on rank 0 and the layout on every
+rank (float64), and compares after every step the loss, the MoE aux loss and tokens per
+expert, the norm, the whole gradient and the whole model. Layouts: experts over ep ranks
+carved from dp x cp (ep2 x dp2, ep4), with and without dropping, top-1 and top-2, ZeRO 0-3
+and micro-batches; and MoE composed with tp (with and without sequence parallelism), with
+pipelines (1f1b, zb-h1) and with cp (a sequence's capacity rule spans its cp ranks). The
+check hook holds the all-to-all(v) bytes of every step against what the routing implies
+(alltoallv_bytes, from the serial model's routing on the same weights), and the dropped
+fraction against the capacity arithmetic.
 """
-
-from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refmp
+from parity import assert_same_run
 
 from refmp.data import Dataset, dp_rows, get_batch
 from refmp.grid import ProcessGrid
+from refmp.nn import gpt
 from refmp.nn import moe as M
-from refmp.parallel.expert import alltoallv_bytes
+from refmp.parallel.context import ChunkLayout
+from refmp.parallel.expert import alltoallv_bytes, expert_index
 from refmp.train import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi
 
-TOL = dict(rtol=1e-9, atol=1e-12)
+
+def token_owners(grid: ProcessGrid, cfg: TrainConfig, B: int, T: int):
+    """owner (B, T): the dp x cp index f = dp_i cp + cp_i of the rank holding each token
+    (the ep folding, refmp.grid), and mask (B, T): the tokens the ranks of my tp coordinate
+    hold (all of them, unless sequence parallelism gives each tp rank T/tp)."""
+    s, tp_i = grid.sizes, grid.coords["tp"]
+    owner, mask = np.zeros((B, T), dtype=int), np.zeros((B, T), dtype=bool)
+    layout = ChunkLayout(T, s["cp"], cfg.cp_balance) if s["cp"] > 1 else None
+    for d in range(s["dp"]):
+        rows = dp_rows(B, s["dp"], d)
+        for c in range(s["cp"]):
+            held = layout.positions(c) if layout else np.arange(T)  # (T/cp,) positions
+            if cfg.sequence_parallel:  # my tp coordinate's T/(cp tp) of them
+                n = len(held) // s["tp"]
+                held = held[tp_i * n : (tp_i + 1) * n]
+            owner[rows, held[:, None]] = d * s["cp"] + c
+            mask[rows, held[:, None]] = True
+    return owner, mask
 
 
-def expected_alltoallv_bytes(serial: Trainer, step: int, grid: ProcessGrid) -> int:
-    """What the serial model's routing of this step implies for this rank (alltoallv_bytes)."""
-    cfg, m = serial.cfg, serial.model
-    x, y = get_batch(serial.ds.tokens, step, cfg.batch_size, serial.T, slice(None), serial.perm)
-    _, cache = m.forward(x, y)
-    owner = np.empty(cfg.batch_size, dtype=int)  # dp rank of each sequence
-    for r in range(grid.dp):
-        owner[dp_rows(cfg.batch_size, grid.dp, r)] = r
-    total = 0
-    for c in cache[1]:
-        if isinstance(c[-1], M.MoECache):
-            order = c[-1].order  # kept assignments a = n K + k
-            tok, expert = order // m.cfg.top_k, c[-1].top.reshape(-1)[order]
-            total += alltoallv_bytes(owner[tok // serial.T], expert, grid.dp_rank, grid.ep,
-                                     m.cfg.n_expert, m.cfg.n_embd, 8)
-    return total
+class RoutingWatch:
+    """The parity run's check hook: after every step, this rank's all-to-all(v) bytes in the
+    ledger against alltoallv_bytes of the serial model's routing of that step's batch on the
+    weights the step started from (the initial ones, then the gathered model), and the
+    step's dropped fractions (collective: every rank calls it after every step)."""
+
+    def __init__(self, cfg: TrainConfig, ds: Dataset):
+        self.cfg, self.ds = cfg, ds
+        self.weights, self.before, self.bytes, self.dropped = None, 0, [], []
+
+    def __call__(self, par, s: int) -> None:
+        cfg, grid, run, m = self.cfg, par.grid, par.runner, par.model.cfg
+        if self.weights is None:  # layout-independent initialization: no communication
+            self.weights = gpt.init_params(m, cfg.seed, cfg.dtype)
+        B, T = cfg.batch_size, par.T
+        x, y = get_batch(self.ds.tokens, s, B, T)
+        _, cache = gpt.GPT(m, self.weights).forward(x, y)
+        owner, mask = token_owners(grid, cfg, B, T)
+        f = grid.coords["dp"] * grid.sizes["cp"] + grid.coords["cp"]  # my index in dp x cp
+        mine = {i for c in run.stage.chunks.values() for i in c}  # my stage's blocks
+        want = 0
+        for i, c in enumerate(cache[1]):
+            if i in mine and isinstance(c[-1], M.MoECache) and grid.sizes["ep"] > 1:
+                order = c[-1].order  # kept assignments a = n K + k, over the global batch
+                tok, expert = order // m.top_k, c[-1].top.reshape(-1)[order]
+                held = mask.reshape(-1)[tok]
+                want += alltoallv_bytes(owner.reshape(-1)[tok][held], expert[held], f,
+                                        grid.sizes["ep"], m.n_expert, m.n_embd, 8)
+        got = grid.ledger.bytes("alltoallv", "ep")
+        self.bytes.append((got - self.before, want))
+        self.before = got
+        self.dropped.append(run.stats["moe"]["dropped"])  # collective
+        if s < cfg.steps - 1:  # the weights the next step starts from, on every rank
+            self.weights = grid.world.mpi.bcast(run.full_params(), root=0)
 
 
-def assert_same_moe_run(cfg: TrainConfig, ds: Dataset, ep: int) -> None:
-    serial = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
-    par = Trainer(replace(cfg, ep=ep), grid=ProcessGrid(MPI.COMM_WORLD, ep=ep), dataset=ds)
-    grid, run = par.grid, par.runner
-    close = np.testing.assert_allclose
-    bad = Mismatches()
-    for s in range(cfg.steps):
-        want = expected_alltoallv_bytes(serial, s, grid) if ep > 1 else 0
-        before = grid.ledger.bytes("alltoallv", "ep")
-        a, b = serial.step(), par.step()
-        got = grid.ledger.bytes("alltoallv", "ep") - before
-        bad.check(close, got, want, rtol=0, err_msg=f"all-to-all bytes at step {s}")
-        bad.check(close, b["loss"], a["loss"], **TOL, err_msg=f"loss at step {s}")
-        bad.check(close, b["grad_norm"], a["grad_norm"], **TOL, err_msg=f"norm at step {s}")
-        bad.check(close, b["moe"]["tokens_per_expert"], a["moe"]["tokens_per_expert"], rtol=0,
-                  err_msg=f"tokens per expert at step {s}")
-        bad.check(close, b["moe"]["aux_loss"], a["moe"]["aux_loss"], **TOL,
-                  err_msg=f"aux loss at step {s}")
-        for k in run.params:
-            bad.check(close, run.grads[k], serial.model.grads[k], **TOL,
-                      err_msg=f"gradient {k} at step {s}")
-            bad.check(close, run.params[k], serial.model.params[k], **TOL,
-                      err_msg=f"weight {k} after step {s}")
-    full = run.full_params()  # collective
-    if grid.rank == 0:
-        bad.check(np.testing.assert_equal, list(full), list(serial.model.params))
-        for k, v in serial.model.params.items():
-            bad.check(close, full[k], v, **TOL, err_msg=f"gathered {k}")
+def check_moe_run(cfg: TrainConfig, ds: Dataset) -> None:
+    watch = RoutingWatch(cfg, ds)
+    par = assert_same_run(cfg, ds, check=watch)
+    grid, run, m, bad = par.grid, par.runner, par.model.cfg, Mismatches()
+    for s, (got, want) in enumerate(watch.bytes):
+        bad.check(np.testing.assert_equal, got, want, err_msg=f"all-to-all(v) bytes, step {s}")
+    # per dispatch (each MoE layer of my stage, each micro-batch): one all-to-all of the E
+    # int64 counts and four all-to-all(v) (tokens out and back, gradients out and back)
+    n_moe = sum(m.is_moe(i) for c in run.stage.chunks.values() for i in c)
+    calls = cfg.steps * n_moe * cfg.microbatches if grid.sizes["ep"] > 1 else 0
+    led = grid.ledger
+    bad.check(np.testing.assert_equal, led.count("alltoall", "ep"), calls, err_msg="alltoall calls")
+    bad.check(np.testing.assert_equal, led.bytes("alltoall", "ep"), calls * m.n_expert * 8,
+              err_msg="alltoall bytes")
+    bad.check(np.testing.assert_equal, led.count("alltoallv", "ep"), 4 * calls,
+              err_msg="alltoallv calls")
+    # my experts are E/ep of each MoE layer: ep rank r holds [r El, (r + 1) El)
+    El, r = m.n_expert // grid.sizes["ep"], grid.comm["ep"].rank
+    for u, U in run.sharder.units.items():
+        if u.endswith(".experts"):
+            bad.check(np.testing.assert_equal, sorted({expert_index(k) for k in U.shapes}),
+                      list(range(r * El, (r + 1) * El)), err_msg=f"experts of {u}")
+    # dropping: none without a capacity; certain when a sequence's K T assignments exceed
+    # the E cap slots (a sequence split over cp or SP ranks counts as a whole)
+    T = par.T
+    if not cfg.capacity_factor:
+        bad.check(np.testing.assert_equal, max(max(d) for d in watch.dropped), 0.0)
+    elif m.n_expert * M.capacity(cfg.capacity_factor, m.top_k, T, m.n_expert) < m.top_k * T:
+        assert min(min(d) for d in watch.dropped if d) > 0, watch.dropped
     bad.assert_none()
-    n_moe = sum(serial.model.cfg.is_moe(i) for i in range(cfg.n_layer))
-    E = serial.model.cfg.n_expert
-    assert grid.ledger.count("alltoall", "ep") == (cfg.steps * n_moe if ep > 1 else 0)
-    assert grid.ledger.bytes("alltoall", "ep") == (cfg.steps * n_moe * E * 8 if ep > 1 else 0)
-    assert grid.ledger.count("alltoallv", "ep") == (4 * cfg.steps * n_moe if ep > 1 else 0)
-    # experts are held by ep ranks each: only the rest is data parallel
-    if ep > 1:
-        assert len(run.params) < len(serial.model.params)
+
+
+def moe_config(size: int, E: int, K: int, cf: float, T: int, rows: int, seed: int,
+               **layout) -> TrainConfig:
+    """A small MoE run: ``rows`` sequences per data-parallel rank and micro-batch."""
+    dp = size // (layout.get("pp", 1) * layout.get("cp", 1) * layout.get("tp", 1))
+    return TrainConfig(n_layer=2, n_head=2, n_embd=8, block_size=T,
+                       batch_size=dp * rows * layout.get("microbatches", 1), steps=3, lr=0.01,
+                       warmup_steps=1, grad_clip=0.05, dtype="float64", seed=seed,
+                       n_expert=E, top_k=K, moe_every=layout.pop("moe_every", 1),
+                       capacity_factor=cf, aux_loss_coef=0.1, z_loss_coef=0.01,
+                       progress=False, **layout)
+
+
+def dataset(seed: int) -> Dataset:
+    return Dataset(np.random.default_rng(seed).integers(0, 11, 300), 11, "random")
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=6)
-@given(per_rank=st.sampled_from([2, 1]), K=st.integers(1, 2), ep=st.sampled_from([2, 4, 1]),
-       cf=st.sampled_from([0.0, 0.5, 1.25]), n_layer=st.integers(1, 2),
-       moe_every=st.integers(1, 2), T=st.integers(2, 6), rows=st.integers(1, 2),
-       clip=st.sampled_from([0.0, 0.05]), seed=st.integers(0, 1000))
-@example(per_rank=2, K=2, ep=4, cf=0.5, n_layer=2, moe_every=2, T=6, rows=2, clip=0.05, seed=7)
+@settings(max_examples=3, phases=[Phase.explicit, Phase.generate])  # no shrinking: fail fast
+@given(ep=st.sampled_from([1, 2, 4]), per_rank=st.sampled_from([1, 2]), K=st.integers(1, 2),
+       cf=st.sampled_from([0.0, 1.0, 0.5]), moe_every=st.integers(1, 2), T=st.integers(2, 6),
+       rows=st.integers(1, 2), zero=st.integers(0, 3), microbatches=st.integers(1, 2),
+       seed=st.integers(0, 1000))
+# always: ep2 x dp2 dropping, top-2 (on 4 ranks; ep2 on 2); ep4 dropless, top-1 (ep2 on 2)
+@example(ep=2, per_rank=2, K=2, cf=1.0, moe_every=1, T=6, rows=2, zero=0, microbatches=1,
+         seed=7)
+@example(ep=4, per_rank=1, K=1, cf=0.0, moe_every=2, T=5, rows=1, zero=0, microbatches=1,
+         seed=8)
 @collective
-def test_moe_training_equals_serial(per_rank, K, ep, cf, n_layer, moe_every, T, rows, clip,
-                                    seed):
+def test_moe_data_and_expert_parallel_equals_serial(ep, per_rank, K, cf, moe_every, T, rows,
+                                                    zero, microbatches, seed):
     size = MPI.COMM_WORLD.size
     ep = min(ep, size)  # (no assume() here: @collective would see it as a failure)
     E = max(2, ep * per_rank)  # divisible by ep
-    K = min(K, E)
-    cfg = TrainConfig(n_layer=n_layer, n_head=2, n_embd=8, block_size=T, batch_size=rows * size,
-                      steps=3, lr=0.01, warmup_steps=1, grad_clip=clip, dtype="float64",
-                      seed=seed, n_expert=E, top_k=K, moe_every=moe_every, capacity_factor=cf,
-                      aux_loss_coef=0.1, z_loss_coef=0.01, progress=False)
-    rng = np.random.default_rng(seed)
-    ds = Dataset(rng.integers(0, 11, 300), 11, "random")
-    assert_same_moe_run(cfg, ds, ep)
+    cfg = moe_config(size, E, min(K, E), cf, T, rows, seed, moe_every=moe_every, ep=ep,
+                     zero=zero, microbatches=microbatches)
+    check_moe_run(cfg, dataset(seed))
 
 
-@pytest.mark.parallel(nprocs=4)
+LAYOUTS = {  # MoE composed with each other axis; ep takes what dp x cp allows
+    "tp2": dict(tp=2),
+    "tp2 sp": dict(tp=2, sequence_parallel=True),
+    "pp2 1f1b": dict(pp=2, schedule="1f1b", microbatches=2),
+    "pp2 zb-h1": dict(pp=2, schedule="zb-h1", microbatches=2),
+    "cp2": dict(cp=2),
+    "cp2 ulysses": dict(cp=2, cp_algo="ulysses"),
+}
+
+
+@pytest.mark.parallel(nprocs=[2, 4])
+@settings(max_examples=2, phases=[Phase.explicit, Phase.generate])
+@given(layout=st.sampled_from(sorted(LAYOUTS)), big_ep=st.booleans(), K=st.integers(1, 2),
+       cf=st.sampled_from([0.5, 1.0, 0.0]), zero=st.integers(0, 3),
+       microbatches=st.integers(1, 2), seed=st.integers(0, 1000))
+# always: each layout once, with dropping (cf 0.5 drops for sure: 4 x 2 slots < 16), ZeRO
+# 1, 2 and 3 and micro-batches spread over them
+@example(layout="tp2", big_ep=True, K=2, cf=0.5, zero=1, microbatches=2, seed=1)
+@example(layout="tp2 sp", big_ep=True, K=2, cf=0.5, zero=3, microbatches=1, seed=2)
+@example(layout="pp2 1f1b", big_ep=True, K=2, cf=0.5, zero=2, microbatches=2, seed=3)
+@example(layout="pp2 zb-h1", big_ep=True, K=1, cf=1.0, zero=0, microbatches=2, seed=4)
+@example(layout="cp2", big_ep=True, K=2, cf=0.5, zero=0, microbatches=2, seed=5)
+@example(layout="cp2 ulysses", big_ep=False, K=1, cf=0.5, zero=3, microbatches=1, seed=6)
 @collective
-def test_ep2_inside_dp4_drops_tokens_and_matches():
-    """ep = 2 inside dp = 4 (two edp replicas of each expert), with dropping."""
-    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, batch_size=8, steps=3,
-                      lr=0.01, warmup_steps=1, grad_clip=0.05, dtype="float64", seed=3,
-                      n_expert=4, top_k=2, capacity_factor=0.5, aux_loss_coef=0.1,
-                      z_loss_coef=0.01, progress=False)
-    rng = np.random.default_rng(3)
-    assert_same_moe_run(cfg, Dataset(rng.integers(0, 11, 300), 11, "random"), ep=2)
+def test_moe_with_every_layout_equals_serial(layout, big_ep, K, cf, zero, microbatches, seed):
+    size, kw = MPI.COMM_WORLD.size, dict(LAYOUTS[layout])
+    kw.setdefault("microbatches", microbatches)
+    folded = size // (kw.get("pp", 1) * kw.get("tp", 1))  # dp x cp: where experts go
+    kw["ep"] = folded if big_ep else 1
+    n_head = 4 if kw.get("cp_algo") == "ulysses" else 2
+    cfg = moe_config(size, 4, K, cf, 8, 1, seed, zero=zero, **kw)
+    cfg = TrainConfig(**{**cfg.__dict__, "n_head": n_head})
+    check_moe_run(cfg, dataset(seed))
 
 
 @pytest.mark.parallel(nprocs=3)  # 3: blocks of every size 0..2 between every pair
@@ -143,7 +215,9 @@ SMALL = ["train", "--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--batch-s
     (["--ep", "2", "--n-expert", "3"], "--n-expert (3) must be divisible by --ep (2)"),
     (["--n-expert", "2", "--top-k", "3"], "--top-k (3) must be between 1 and --n-expert (2)"),
     (["--ep", "2"], "--ep 2 needs a mixture-of-experts model"),
-    (["--ep", "4", "--n-expert", "4"], "--ep (4) must divide --dp (2)"),
+    (["--ep", "4", "--n-expert", "4"], "--ep (4) must divide dp * cp (2 * 1)"),
+    (["--ep", "4", "--n-expert", "4", "--cp", "2", "--block-size", "8"],
+     "--ep (4) must divide dp * cp (1 * 2)"),
 ])
 def test_bad_expert_layouts_are_refused_on_every_rank(args, message):
     r = refmp(2, [*SMALL, *args], timeout=120)
@@ -174,9 +248,9 @@ def test_cli_expert_parallel_run_saves_the_full_model_and_reports_stats(tmp_path
     tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
     for _ in range(2):
         tr.step()
-    saved = load_file(str(a))
-    assert set(saved) == set(tr.model.params) and "h.0.mlp.experts.3.c_fc.weight" in saved
-    for k, v in tr.model.params.items():
+    saved, want = load_file(str(a)), tr.runner.full_params()
+    assert set(saved) == set(want) and "h.0.mlp.experts.3.c_fc.weight" in saved
+    for k, v in want.items():
         np.testing.assert_allclose(saved[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
     loaded = load_model(str(a), dtype="float64")  # --init reads the MoE shape back
     assert (loaded.cfg.n_expert, loaded.cfg.top_k, loaded.cfg.capacity_factor) == (4, 2, 0.5)

@@ -1,13 +1,13 @@
 """Pipeline-parallel training equals the serial run, under real MPI (float64), every schedule.
 
-Every rank trains the serial model itself (COMM_SELF, whole batch, one micro-batch) and its
-stage of the pipeline (COMM_WORLD, pp x dp), step by step, and compares the loss, the norm,
-the gradients of the parameters it holds (after the tied-wte exchange, the dp all-reduce and
-clipping) and the updated weights. Then it checks the ledger against the analytic bytes and
-the executor's peak activations against the simulator's.
+tests/parity.assert_same_run trains the serial model on rank 0 and the pipeline on every rank
+(pp 2 or 4, pp 2 x dp 2, pp 2 x cp 2, with ZeRO 0-3; or pp 1: a one-stage schedule), step by
+step, and compares the loss, the norm, the whole gradient and the whole model after every
+step. Its check hook watches the later steps: every send on pp (the boundary traffic, the
+tied-wte swap) and the ledger of the ZeRO group against the formulas, the executor's peak
+micro-batches held against the simulator's, the buffers against ZeRO's memory formula, and
+greedy decoding through the pipeline against the serial model's.
 """
-
-import dataclasses
 
 import numpy as np
 import pytest
@@ -15,114 +15,164 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refmp
+from parity import assert_same_run
 
 from refmp.data import Dataset
-from refmp.grid import ProcessGrid
+from refmp.nn import gpt
+from refmp.parallel.engine import TIED_TAG
 from refmp.parallel.pipeline.simulate import simulate_schedule
-from refmp.train import TrainConfig, Trainer
+from refmp.parallel.zero_cost import comm_per_step, memory_per_rank, padded, unit_sizes
+from refmp.train import TrainConfig
 
 pytestmark = pytest.mark.mpi
 
-TOL = dict(rtol=1e-9, atol=1e-12)
+
+class Watch:
+    """The parity run's check hook. After the first step it wraps the parallel Trainer's
+    step and its pp Comm's send, so that each later step records the ledger's bytes and
+    every pp send (dest, tag, bytes) of that step alone (not the parity check's gathers);
+    after the last step it gathers the model and decodes through the pipeline (collective:
+    every rank is here, so a failure found later on one rank cannot hang the others)."""
+
+    def __init__(self, steps: int, prompt):
+        self.steps, self.prompt = steps, prompt
+        self.ledgers, self.sends, self.full, self.decoded = [], [], None, None
+
+    def __call__(self, par, s: int) -> None:
+        if s == 0:
+            pp, send, step = par.runner.pp, par.runner.pp.send, par.step
+            log = []
+
+            def spy(buf, dest, tag=0):
+                log.append((dest, tag, int(buf.nbytes)))
+                return send(buf, dest, tag)
+
+            def watched():
+                par.grid.ledger.reset()
+                log.clear()
+                rec = step()
+                self.ledgers.append({k: v["bytes"] for k, v in par.grid.ledger.as_dict().items()})
+                self.sends.append(list(log))
+                return rec
+
+            pp.send, par.step = spy, watched
+        if s == self.steps - 1:
+            self.full = par.runner.full_params()  # collective
+            self.decoded = par.runner.generate(self.prompt, 2)  # collective over pp (and dp)
 
 
-def assert_same_run(cfg: TrainConfig, ds: Dataset) -> None:
-    serial_cfg = dataclasses.replace(cfg, pp=1, dp=None, microbatches=1, schedule="1f1b",
-                                     virtual_stages=1, stage_layers=None)
-    serial = Trainer(serial_cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
-    pipe = Trainer(cfg, grid=ProcessGrid(MPI.COMM_WORLD, pp=cfg.pp), dataset=ds)
-    try:
-        check_same_run(cfg, serial, pipe)
-    finally:  # MPI has a few thousand communicators: free each example's
-        for grid in (serial.grid, pipe.grid):
-            for comm in grid.comm.values():
-                comm.mpi.Free()
-
-
-def check_same_run(cfg: TrainConfig, serial: Trainer, pipe: Trainer) -> None:
-    run, close, bad = pipe.runner, np.testing.assert_allclose, Mismatches()
-    for s in range(cfg.steps):
-        a, b = serial.step(), pipe.step()
-        bad.check(close, b["loss"], a["loss"], **TOL, err_msg=f"loss at step {s}")
-        bad.check(close, b["grad_norm"], a["grad_norm"], **TOL, err_msg=f"norm at step {s}")
-        for k in run.params:
-            bad.check(close, run.grads[k], serial.model.grads[k], **TOL,
-                      err_msg=f"gradient {k} at step {s} on rank {pipe.grid.rank}")
-            bad.check(close, run.params[k], serial.model.params[k], **TOL,
-                      err_msg=f"weight {k} after step {s} on rank {pipe.grid.rank}")
-    sent, reduced = pipe.grid.ledger.bytes("send", "pp"), pipe.grid.ledger.bytes("allreduce", "dp")
-    full = run.full_params()  # collective over pp
-    prompt = serial.ds.tokens[: 2 * pipe.T].reshape(2, pipe.T)[:, : max(1, pipe.T - 2)]
-    decoded = run.generate(prompt, 2)  # collective over pp
-    bad.check(np.testing.assert_array_equal, decoded, serial.model.generate(prompt, 2),
-              err_msg="greedy decoding through the pipeline")
-    bad.assert_none()
-    # every parameter is held somewhere, and the gathered model is the serial one
-    if pipe.grid.rank == 0:
-        assert list(full) == list(serial.model.params)
-        for k, v in full.items():
-            close(v, serial.model.params[k], **TOL, err_msg=f"full_params {k}")
+def check_pipeline_run(cfg: TrainConfig, ds: Dataset) -> None:
+    T = cfg.block_size
+    watch = Watch(cfg.steps, ds.tokens[: 2 * T].reshape(2, T)[:, : max(1, T - 2)])
+    par = assert_same_run(cfg, ds, check=watch)
+    run, grid, bad = par.runner, par.grid, Mismatches()
+    m, P, r = par.model.cfg, grid.sizes["pp"], run.pp.rank
+    n_zero, axis = grid.size("dp", "cp"), grid.group("dp", "cp").axis  # the ZeRO group
+    # greedy decoding through the pipeline is the serial model's, on the trained weights
+    if grid.rank == 0:
+        serial = gpt.GPT(m, watch.full).generate(watch.prompt, 2)
+        bad.check(np.testing.assert_array_equal, watch.decoded, serial,
+                  err_msg="greedy decoding through the pipeline")
     # the executor held exactly what the simulator says this schedule holds
-    sim = simulate_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
-    assert run.exe.peak_held == sim.peak_held[run.pp.rank]
-    # ledger: activations and gradients cross each chunk boundary once per row, plus the tied
-    # wte gradient swapped between the two ends; one dp all-reduce of this rank's gradients
-    m, S, r = pipe.model.cfg, run.S, run.pp.rank
-    rows = cfg.batch_size // pipe.grid.dp
-    boundaries = sum((c < S - 1) + (c > 0) for c in run.stage.chunks)
-    tied = m.vocab_size * m.n_embd * 8 if r in (0, cfg.pp - 1) else 0
-    want = cfg.steps * (boundaries * rows * pipe.T * m.n_embd * 8 + tied)
-    assert sent == want
-    n_own = sum(p.size for p in run.params.values())
-    assert reduced == (cfg.steps * 8 * n_own if pipe.grid.dp > 1 else 0)
+    sim = simulate_schedule(cfg.schedule, P, cfg.microbatches, cfg.virtual_stages)
+    bad.check(np.testing.assert_equal, run.exe.peak_held, sim.peak_held[r], err_msg="peak held")
+    # ZeRO's memory formula on this rank's units (its stage's blocks, the ends it holds)
+    blocks = [i for c in run.stage.chunks.values() for i in c]
+    sizes = unit_sizes(m, 1, blocks, run.first, run.last)
+    want = memory_per_rank(sizes, n_zero, cfg.zero, 8)
+    mem = par.memory()
+    for k in ("params", "grads", "optimizer"):
+        bad.check(np.testing.assert_equal, mem[k], want[k], err_msg=f"memory {k}")
+    # the watched steps: sends on pp (b rows of T/cp tokens), and the ZeRO group's traffic
+    rows, C, Tl = cfg.batch_size // grid.sizes["dp"], m.n_embd, T // grid.sizes["cp"]
+    boundaries = sum((c < run.S - 1) + (c > 0) for c in run.stage.chunks)
+    # tied wte: the two ends swap the wte unit's owned gradient slice (all of it at ZeRO 0,
+    # the padded 1/(dp cp) at ZeRO 1-3; the same flat layout at both ends: Engine.reduce_grads)
+    n = n_zero if cfg.zero else 1
+    tied = [((P - 1) if run.first else 0, TIED_TAG, padded(m.vocab_size * C, n) // n * 8)]
+    tied = tied if P > 1 and (run.first or run.last) else []
+    zero = comm_per_step(sizes, n_zero, cfg.zero, cfg.microbatches, 8, run.first, run.last)
+    for s, (ledger, sends) in enumerate(zip(watch.ledgers, watch.sends, strict=True), 1):
+        acts = [x for x in sends if x[1] != TIED_TAG]
+        bad.check(np.testing.assert_equal, [x for x in sends if x[1] == TIED_TAG], tied,
+                  err_msg=f"tied wte swap at step {s}")
+        bad.check(np.testing.assert_equal, len(acts), boundaries * cfg.microbatches,
+                  err_msg=f"boundary sends at step {s}")
+        bad.check(np.testing.assert_equal, sum(x[2] for x in acts), boundaries * rows * Tl * C * 8,
+                  err_msg=f"boundary bytes at step {s}")
+        for op in ("send", "recv"):  # the ledger saw the same, and each send has its receive
+            bad.check(np.testing.assert_equal, ledger.get(f"{op}@pp", 0),
+                      sum(x[2] for x in sends), err_msg=f"{op}@pp at step {s}")
+        for op, b in zero.items():
+            bad.check(np.testing.assert_equal, ledger.get(f"{op}@{axis}", 0), b,
+                      err_msg=f"{op}@{axis} at step {s} (ZeRO {cfg.zero})")
+    assert len(watch.ledgers) == cfg.steps - 1
+    bad.assert_none()
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=8, phases=[Phase.explicit, Phase.generate])  # no shrinking: fail fast
+@settings(max_examples=3, phases=[Phase.explicit, Phase.generate])  # no shrinking: fail fast
 @given(schedule=st.sampled_from(["naive", "gpipe", "1f1b", "interleaved", "zb-h1"]),
-       big_pp=st.booleans(), k=st.integers(1, 2), extra_rows=st.integers(0, 1),
-       v=st.integers(1, 2), extra_layers=st.integers(0, 1), explicit=st.booleans(),
-       V=st.integers(3, 11), T=st.integers(2, 5), clip=st.sampled_from([0.0, 0.05, 10.0]),
-       seed=st.integers(0, 1000))
-@example(schedule="interleaved", big_pp=True, k=1, extra_rows=1, v=2, extra_layers=1,
-         explicit=True, V=5, T=3, clip=0.05, seed=7)  # always: interleaved at the largest pp
-@example(schedule="zb-h1", big_pp=True, k=2, extra_rows=1, v=1, extra_layers=1,
-         explicit=False, V=5, T=3, clip=0.05, seed=8)  # always: zb-h1, uneven micro-batches
+       layout=st.sampled_from(["pp", "pp2 x dp", "pp2 x cp"]), k=st.integers(1, 2),
+       rows=st.integers(1, 2), extra_layers=st.integers(0, 1), explicit=st.booleans(),
+       zero=st.integers(0, 3), V=st.integers(3, 11), T=st.integers(2, 5),
+       clip=st.sampled_from([0.0, 0.05, 10.0]), seed=st.integers(0, 1000))
+# always: every schedule, at the largest pp, at pp 2 x dp 2 and pp 2 x cp 2 (on 4 ranks; pp 2
+# on 2), and pp = 1
+@example(schedule="interleaved", layout="pp", k=1, rows=1, extra_layers=1, explicit=True,
+         zero=0, V=5, T=3, clip=0.05, seed=7)
+@example(schedule="zb-h1", layout="pp2 x dp", k=2, rows=1, extra_layers=1, explicit=False,
+         zero=3, V=5, T=3, clip=0.05, seed=8)
+@example(schedule="1f1b", layout="pp2 x dp", k=2, rows=2, extra_layers=0, explicit=False,
+         zero=1, V=7, T=4, clip=10.0, seed=9)
+@example(schedule="gpipe", layout="pp", k=1, rows=2, extra_layers=1, explicit=False,
+         zero=2, V=4, T=2, clip=0.0, seed=10)
+@example(schedule="naive", layout="pp2 x dp", k=1, rows=1, extra_layers=0, explicit=True,
+         zero=0, V=6, T=3, clip=0.05, seed=11)
+@example(schedule="interleaved", layout="pp2 x cp", k=1, rows=1, extra_layers=0,
+         explicit=False, zero=3, V=6, T=4, clip=0.05, seed=13)
+@example(schedule="zb-h1", layout="pp1", k=2, rows=1, extra_layers=0, explicit=False,
+         zero=2, V=6, T=3, clip=0.05, seed=12)
 @collective
-def test_pipeline_training_equals_serial(schedule, big_pp, k, extra_rows, v, extra_layers,
-                                         explicit, V, T, clip, seed):
+def test_pipeline_training_equals_serial(schedule, layout, k, rows, extra_layers, explicit,
+                                         zero, V, T, clip, seed):
     size = MPI.COMM_WORLD.size
-    pp = size if big_pp else 2
-    v = v if schedule == "interleaved" else 1
-    M = k * pp if schedule == "interleaved" else k + (pp - 1) * extra_rows
+    pp = {"pp": size, "pp1": 1}.get(layout, 2)
+    cp = size // 2 if layout == "pp2 x cp" else 1
+    T = 4 * cp if cp > 1 else T  # zig-zag: 2 cp chunks per rank
+    v = 2 if schedule == "interleaved" and pp > 1 else 1
+    schedule = schedule if v == 2 or schedule != "interleaved" else "1f1b"
+    M = k * pp if schedule == "interleaved" else k + (pp > 1)  # 1 to 3 micro-batches
     n_layer = pp * v + extra_layers
     split = [1] * (pp * v)
     split[seed % (pp * v)] += extra_layers
     cfg = TrainConfig(n_layer=n_layer, n_head=2, n_embd=4, block_size=T,
-                      batch_size=(size // pp) * (M + extra_rows), steps=3, lr=0.01,
-                      warmup_steps=1, grad_clip=clip, dtype="float64", seed=seed, pp=pp,
+                      batch_size=(size // pp // cp) * M * rows, steps=3, lr=0.01, warmup_steps=1,
+                      grad_clip=clip, dtype="float64", seed=seed, pp=pp, cp=cp, zero=zero,
                       microbatches=M, schedule=schedule, virtual_stages=v,
                       stage_layers=",".join(map(str, split)) if explicit else None,
                       progress=False)
     rng = np.random.default_rng(seed)
-    assert_same_run(cfg, Dataset(rng.integers(0, V, 300), V, "random"))
+    check_pipeline_run(cfg, Dataset(rng.integers(0, V, 300), V, "random"))
 
 
 @pytest.mark.parallel(nprocs=4)
 @collective
 def test_pp2_x_dp2_addition_task_equals_serial():
-    """pp 2 x dp 2 on the built-in task, 1F1B, AdamW with clipping that bites."""
+    """pp 2 x dp 2 on the built-in task, 1F1B, ZeRO-1, AdamW with clipping that bites."""
     from refmp.data import AdditionTask
 
     cfg = TrainConfig(n_layer=2, n_head=2, n_embd=8, batch_size=8, steps=3, grad_clip=0.5,
-                      dtype="float64", pp=2, microbatches=2, progress=False)
-    assert_same_run(cfg, AdditionTask(3, seed=0, n_train=200, n_test=10).dataset())
+                      dtype="float64", pp=2, microbatches=2, zero=1, progress=False)
+    ds = AdditionTask(3, seed=0, n_train=200, n_test=10).dataset()
+    check_pipeline_run(TrainConfig(**{**cfg.__dict__, "block_size": ds.task.line_len}), ds)
 
 
 @pytest.mark.parametrize("args, msg", [
     (["--pp", "2", "--n-layer", "1"], "only 1 layers"),
-    (["--pp", "2", "--n-layer", "4", "--microbatches", "3", "--schedule", "interleaved",
-      "--virtual-stages", "2"], "multiple of --pp"),
+    (["--pp", "2", "--n-layer", "4", "--microbatches", "3", "--batch-size", "6",
+      "--schedule", "interleaved", "--virtual-stages", "2"], "multiple of --pp"),
+    (["--pp", "2", "--n-layer", "2", "--microbatches", "3"], "every micro-batch has the same"),
     (["--pp", "2", "--n-layer", "2", "--stage-layers", "2,1"], "adds up to 3"),
 ])
 def test_bad_pipeline_input_through_the_cli(args, msg):

@@ -88,20 +88,44 @@ def test_bad_pipeline_layouts_are_refused(args, msg):
         check_pipeline(*args)
 
 
-def test_split_backward_equals_block_backward():
-    """B (input gradient) then W (weight gradients) give exactly what block_backward gives."""
+def split_vs_whole(p: dict, x, dout, ops, moe=None) -> None:
+    """B (block_backward with a todo list) then W (block_backward_weight) against the
+    unsplit block_backward: the same products in the same order, so bitwise equal."""
+    _, cache = gpt.block_forward(p, x, ops, moe)
+    dx, g = gpt.block_backward(dout, cache, ops)
+    todo = []
+    dx2, g2 = gpt.block_backward(dout, cache, ops, todo=todo)
+    # B did not compute the deferred linears' weight gradients: W does, from todo alone
+    linears = ["mlp.c_proj", "mlp.c_fc", "attn.c_proj", "attn.c_attn"][2 if moe else 0:]
+    assert [name for name, _ in todo] == linears  # in backward order
+    assert not any(f"{n}.{s}" in g2 for n in linears for s in ("weight", "bias"))
+    g2.update(gpt.block_backward_weight(todo, ops))
+    np.testing.assert_array_equal(dx2, dx)
+    assert sorted(g2) == sorted(g)
+    for k in g:
+        np.testing.assert_array_equal(g2[k], g[k], err_msg=k)
+
+
+def test_split_backward_equals_block_backward_bitwise():
+    """The zero-bubble split is a mode of gpt.block_backward (serial Ops): B + W == whole."""
     cfg = gpt.GPTConfig(vocab_size=11, block_size=5, n_layer=1, n_head=2, n_embd=8)
     p = gpt.block_params(gpt.init_params(cfg, seed=3, dtype="float64"), 0)
     rng = np.random.default_rng(0)
     x, dout = rng.standard_normal((2, 5, 8)), rng.standard_normal((2, 5, 8))
-    _, cache = gpt.block_forward(p, x, cfg.n_head)
-    dx, g = gpt.block_backward(dout, cache)
-    dx2, g2, todo = gpt.block_backward_input(dout, cache)
-    g2.update(gpt.block_backward_weight(todo))
-    np.testing.assert_array_equal(dx2, dx)
-    assert sorted(g2) == sorted(g)
-    for k in g:
-        np.testing.assert_allclose(g2[k], g[k], rtol=1e-13, atol=1e-15, err_msg=k)
+    split_vs_whole(p, x, dout, gpt.Ops(cfg.n_head))
+
+
+@pytest.mark.parametrize("cf", [0.0, 0.5])
+def test_split_backward_of_an_moe_block_equals_block_backward_bitwise(cf):
+    """An MoE block: its MLP (router, experts, both losses) runs whole in B; only the
+    attention linears wait for W. With dropping (cf 0.5) and without (0)."""
+    cfg = gpt.GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, n_embd=8,
+                        n_expert=4, top_k=2, capacity_factor=cf, aux_loss_coef=0.1,
+                        z_loss_coef=0.01)
+    p = gpt.block_params(gpt.init_params(cfg, seed=4, dtype="float64"), 0)
+    rng = np.random.default_rng(1)
+    x, dout = rng.standard_normal((3, 6, 8)), rng.standard_normal((3, 6, 8))
+    split_vs_whole(p, x, dout, gpt.Ops(cfg.n_head), cfg.moe_context(denom=3 * 6 + 5))
 
 
 def test_schedule_command_prints_timeline_and_writes_files(tmp_path, capsys):
@@ -136,21 +160,39 @@ def test_docs_timelines_are_what_refmp_prints(capsys):
         assert capsys.readouterr().out == shown, f"docs/pipeline.md drifted for {args}"
 
 
-def test_stage_chunks_in_sequence_equal_the_serial_model():
-    """Layer level, no MPI: one Stage holding chunks 0..2 of a 3-block GPT, run chunk after
-    chunk (split backward on one micro-batch, whole on the other), gives the GPT's loss and
-    gradients."""
-    from refmp.parallel.pipeline.stage import Stage
+@pytest.mark.parametrize("zero, n_expert", [(0, 0), (3, 0), (2, 2)])
+def test_stage_chunks_in_sequence_equal_the_serial_model(zero, n_expert):
+    """Layer level, no MPI: one Stage holding chunks 0..2 of a 3-block GPT (serial Ops, a
+    Sharder over one rank), run chunk after chunk (split backward on one micro-batch, whole
+    on the other), gives the GPT's loss and gradients. ZeRO-3 detaches the weights from the
+    caches and attaches them again for the backward; an MoE model adds its aux losses."""
+    from mpi4py import MPI
 
-    cfg = gpt.GPTConfig(vocab_size=7, block_size=4, n_layer=3, n_head=2, n_embd=4)
+    from refmp.comm import Comm, Ledger
+    from refmp.parallel.pipeline.stage import Stage
+    from refmp.parallel.placement import unit_of
+    from refmp.parallel.sharding import Sharder
+
+    cfg = gpt.GPTConfig(vocab_size=7, block_size=4, n_layer=3, n_head=2, n_embd=4,
+                        n_expert=n_expert, top_k=1, capacity_factor=1.0, aux_loss_coef=0.1)
     model = gpt.GPT.create(cfg, seed=1, dtype="float64")
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 7, (3, 4)), rng.integers(0, 7, (3, 4))
     loss, cache = model.forward(x, y, denom=12)
     model.backward(cache)
-    stage = Stage(model.params, {0: range(0, 1), 1: range(1, 3), 2: range(3, 3)}, 3, 2)
+    units: dict[str, list[str]] = {}
+    for k in model.params:
+        units.setdefault(unit_of(k), []).append(k)
+    one = Comm(MPI.COMM_SELF, "dp", Ledger())
+    sharder = Sharder(model.params, units, {u: one for u in units}, zero, bucket_mb=0)
+    moe = (lambda denom: cfg.moe_context(denom)) if n_expert else None
+    stage = Stage({0: range(0, 1), 1: range(1, 3), 2: range(3, 3)}, 3, cfg,
+                  gpt.Ops(cfg.n_head), sharder, moe)
+    assert stage.act_shape(2, 4) == (2, 4, 4)
+    sharder.zero_grad()
     total = 0.0
     for rows, split in ((slice(0, 2), True), (slice(2, 3), False)):  # two micro-batches
+        final = rows.stop == 3
         h, caches = x[rows], []
         for c in range(3):
             h, cc = stage.forward(c, h, y[rows], 12)
@@ -158,10 +200,16 @@ def test_stage_chunks_in_sequence_equal_the_serial_model():
         total += float(h)
         dx, todos = None, []
         for c in reversed(range(3)):
-            dx, todo = stage.backward(c, dx, caches[c], split)
+            dx, todo = stage.backward(c, dx, caches[c], split, final)
+            assert (dx is None) == (c == 0)
+            assert bool(todo) == (split and c < 2)  # chunk 2: the head only, no W
             todos.append(todo)
         for todo in todos if split else []:  # the deferred W passes
-            stage.weight(todo)
-    np.testing.assert_allclose(total, float(loss), rtol=1e-12)
+            stage.weight(todo, final)
+    sharder.finish()
+    np.testing.assert_allclose(total + stage.aux, float(loss), rtol=1e-12)
+    assert (stage.aux > 0) == bool(n_expert)
+    grads = sharder.full_local(grads=True)
+    assert sorted(grads) == sorted(model.grads)
     for k, g in model.grads.items():
-        np.testing.assert_allclose(stage.grads[k], g, rtol=1e-10, atol=1e-14, err_msg=k)
+        np.testing.assert_allclose(grads[k], g, rtol=1e-10, atol=1e-14, err_msg=k)

@@ -4,9 +4,10 @@
 
 Part 1 routes one sequence through an MoE layer and draws where each token goes: its top-2
 experts, the gates, and which assignments the capacity limit drops. Part 2 shows the two
-router losses. Part 3 trains the same MoE model serially and with its experts sharded over
-all ranks (--ep = world size), compares the weights, and holds the all-to-all bytes in the
-ledger against what the routing implies. Exits non-zero on a mismatch.
+router losses, recomputed by hand. Part 3 trains the same MoE model serially and with its
+experts sharded over all ranks (--ep = world size, carved from the data-parallel ranks),
+compares the weights, and holds the all-to-all bytes in the ledger against what the routing
+implies. Exits non-zero on a mismatch.
 """
 
 import sys
@@ -16,6 +17,7 @@ from mpi4py import MPI
 
 from refmp.data import ADD_CHARS, AdditionTask, dp_rows, get_batch
 from refmp.grid import ProcessGrid
+from refmp.nn import gpt
 from refmp.nn import moe as M
 from refmp.parallel.expert import alltoallv_bytes
 from refmp.train import TrainConfig, Trainer
@@ -33,8 +35,11 @@ cfg = TrainConfig(n_layer=2, n_head=2, n_embd=16, batch_size=4 * world.size, ste
                   progress=False)
 
 # --- Part 1: routing one sequence ------------------------------------------------------------
-serial = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
-model, T = serial.model, serial.T
+serial = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)  # every rank runs it
+T = serial.T
+# the engine keeps only the pieces it updates; full_params() is the whole model (on rank 0
+# of the trainer's grid: COMM_SELF here, so every rank)
+model = gpt.GPT(serial.model.cfg, serial.runner.full_params())
 x, y = get_batch(ds.tokens, 0, cfg.batch_size, T)  # (B, T)
 _, cache = model.forward(x[:1], y[:1])  # one sequence
 mc = cache[1][0][-1]  # block 0 is MoE (moe_every = 2: blocks 0, 2, ...)
@@ -57,39 +62,56 @@ for e in range(E):
 say("  (t' marks a second choice; a dropped assignment adds 0, the residual carries the token)")
 
 # --- Part 2: the two router losses -----------------------------------------------------------
+# The load-balancing loss is counted per sequence (DeepSeek-V3's sequence-wise balance loss,
+# Megatron's seq_aux_loss), not over the global batch as in Switch: in a 1F1B pipeline the
+# first micro-batch's backward runs before the last micro-batch's forward, so a batch-wide
+# f_e is not known yet when its gradient is needed. Per sequence, it depends on nothing else.
 st = mc.stats
-say(f"\nPart 2. load-balancing loss alpha E sum_e f_e P_e = {st['aux_loss']:.6f} "
-    f"(alpha = {cfg.aux_loss_coef}; perfect balance, f_e = P_e = 1/E, gives exactly alpha)")
-say(f"        router z-loss beta mean(logsumexp^2) = {st['z_loss']:.3e} "
-    f"(beta = {cfg.z_loss_coef}; keeps the logits small)")
+f = np.bincount(mc.top.reshape(-1), minlength=E) / (K * T)  # (E,) f_be of this sequence
+P = mc.probs.mean(axis=0)  # (E,) P_be: its mean router probability
+aux = cfg.aux_loss_coef * E * float((f * P).sum())  # one sequence: N_glob = T
+lse = np.log(np.exp(mc.router[0] @ mc.router[1]).sum(axis=-1))  # (T,) logsumexp of the logits
+z = cfg.z_loss_coef * float((lse**2).mean())
+say(f"\nPart 2. load-balancing loss, per sequence b (DeepSeek-V3's sequence-wise loss):\n"
+    f"        aux = alpha E / N_glob sum_b sum_t sum_e f_be p[b, t, e], f_be = assignments of "
+    f"b to e / (K T)\n        this sequence: f_be = {np.round(f, 3).tolist()}, "
+    f"aux = {st['aux_loss']:.6f} (by hand {aux:.6f})\n"
+    f"        (alpha = {cfg.aux_loss_coef}; balance within each sequence, f_be = P_be = 1/E, "
+    f"gives exactly alpha)")
+say(f"        router z-loss beta mean(logsumexp^2) = {st['z_loss']:.3e} (by hand {z:.3e}; "
+    f"beta = {cfg.z_loss_coef}; keeps the logits small)")
+ok &= abs(aux - st["aux_loss"]) <= 1e-12 and abs(z - st["z_loss"]) <= 1e-12
 
 # --- Part 3: expert parallelism == serial ----------------------------------------------------
 ep = world.size
 par = Trainer(TrainConfig(**{**cfg.__dict__, "ep": ep}), grid=ProcessGrid(world, ep=ep),
               dataset=ds)
 grid = par.grid
-say(f"\nPart 3. {grid.dp} data-parallel ranks, experts sharded over ep = {ep}: rank r holds "
+dp, dp_rank = grid.sizes["dp"], grid.coords["dp"]
+say(f"\nPart 3. {dp} data-parallel ranks, experts sharded over ep = {ep}: rank r holds "
     f"experts [{E // ep}r, {E // ep}(r+1)) of each MoE layer")
 owner = np.empty(cfg.batch_size, dtype=int)
-for r in range(grid.dp):
-    owner[dp_rows(cfg.batch_size, grid.dp, r)] = r
+for r in range(dp):
+    owner[dp_rows(cfg.batch_size, dp, r)] = r
 want = 0
 for step in range(cfg.steps):
-    # what this step's routing implies for my all-to-all bytes (from the serial model)
+    # what this step's routing implies for my all-to-all bytes (from the serial model, on the
+    # weights this step starts from)
     xs, ys = get_batch(ds.tokens, step, cfg.batch_size, T)
-    _, c = serial.model.forward(xs, ys)
+    _, c = gpt.GPT(serial.model.cfg, serial.runner.full_params()).forward(xs, ys)
     for b in c[1]:
         if isinstance(b[-1], M.MoECache):
             order = b[-1].order
             want += alltoallv_bytes(owner[order // K // T], b[-1].top.reshape(-1)[order],
-                                    grid.dp_rank, ep, E, cfg.n_embd, 8)
+                                    dp_rank, ep, E, cfg.n_embd, 8)
     a, b = serial.step(), par.step()
     say(f"step {step}: expert-parallel loss {b['loss']:.10f}   serial loss {a['loss']:.10f}   "
         f"tokens per expert {b['moe']['tokens_per_expert'][0]}")
     ok &= abs(a["loss"] - b["loss"]) <= 1e-9 * abs(a["loss"])
-worst = max(float(np.abs(v - serial.model.params[k]).max()) for k, v in par.runner.params.items())
+full, ref = par.runner.full_params(), serial.runner.full_params()  # collective; rank 0's
+worst = 0.0 if full is None else max(float(np.abs(v - ref[k]).max()) for k, v in full.items())
 got = grid.ledger.bytes("alltoallv", "ep")
-rows = world.gather((grid.dp_rank, got, want, grid.ledger.count("alltoallv", "ep")))
+rows = world.gather((dp_rank, got, want, grid.ledger.count("alltoallv", "ep")))
 say("\nall-to-all(v) bytes sent per rank: measured (ledger) vs 2 (M + R) C 8 from the routing")
 for r, g, w, n in rows or []:
     say(f"  rank {r}: {g:>8,} B measured   {w:>8,} B formula   ({n} calls)")
