@@ -113,7 +113,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="with --tp: shard LayerNorms and residuals along the sequence")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
     g.add_argument("--cp", type=int, default=1, help="context-parallel ranks (1)")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, within dp (1)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks, carved from the dp x cp ranks (1)")
     g.add_argument("--microbatches", type=int, default=1,
                    help="micro-batches per step: pipeline micro-batches, or gradient "
                         "accumulation without --pp (1)")
@@ -123,6 +124,10 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="ZeRO stage: 1 shards optimizer state, 2 also gradients, "
                         "3 also parameters (0: plain data parallel)")
+    g.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                   help="activation recomputation (Korthikanti et al. 2022): full keeps each "
+                        "block's input and recomputes its forward in backward; selective "
+                        "recomputes attention's softmax; same results, bitwise (none)")
     from refmp.parallel.pipeline.command import add_pipeline_args
 
     add_pipeline_args(p)

@@ -72,6 +72,7 @@ class TrainConfig:
     stage_layers: str | None = None  # "2,1,1": blocks per pipeline stage (default: balanced)
     trace: str | None = None  # write the last step's pipeline timeline (Chrome trace JSON)
     sequence_parallel: bool = False  # with --tp: shard LayerNorm/residual regions along T
+    recompute: str = "none"  # activation recomputation: none, selective or full
     init: str | None = None
     save: str | None = None
     log_json: str | None = None

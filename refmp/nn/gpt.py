@@ -67,8 +67,9 @@ class Ops:
     parallelism: only the Ops change.
     """
 
-    def __init__(self, n_head: int):
+    def __init__(self, n_head: int, keep_scores: bool = True):
         self.n_head = n_head  # heads this rank computes
+        self.keep_scores = keep_scores  # False: selective recomputation of the softmax
 
     def column(self, x, w, b):
         return L.linear_forward(x, w, b)  # (B, T, out)
@@ -88,7 +89,7 @@ class Ops:
         return L.linear_backward_weight(*item)
 
     def attention(self, qkv):
-        return L.attention_forward(qkv, self.n_head)  # (B, T, C)
+        return L.attention_forward(qkv, self.n_head, self.keep_scores)  # (B, T, C)
 
     def attention_backward(self, da, cache):
         return L.attention_backward(da, cache)  # (B, T, 3C)

@@ -142,19 +142,32 @@ def gelu_backward(dout, cache):
 # --- causal multi-head self-attention (the core, without the two projections) ------------
 
 
-def attention_forward(qkv, n_head):
+def attention_forward(qkv, n_head, keep_scores: bool = True):
     """softmax(q k^T / sqrt(HS) + causal mask) v, batched over B and NH (Vaswani et al. 2017).
 
     ``qkv`` is c_attn's output (B, T, 3C) laid out as [q | k | v], each C wide and split into
     NH heads of HS channels. Returns y (B, T, C) with the heads concatenated again.
+
+    ``keep_scores=False`` is selective recomputation (Korthikanti et al. 2022, sec. 5): the
+    cache keeps q, k, v (views of qkv, which c_attn's backward keeps anyway) but not the
+    (B, NH, T, T) softmax, which backward recomputes by the same operations, bitwise.
     """
-    xp = array_module(qkv)
     B, T, C3 = qkv.shape
     C = C3 // 3
     hs = C // n_head
     # (B, T, 3, NH, HS) -> (3, B, NH, T, HS): one transpose gives all three in head-major form
     q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # each (B, NH, T, HS)
     scale = 1.0 / math.sqrt(hs)
+    att = attention_weights(q, k, scale)  # (B, NH, T, T)
+    y = att @ v  # (B, NH, T, HS)
+    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C) heads side by side
+    return y, (q, k, v, att if keep_scores else None, scale)
+
+
+def attention_weights(q, k, scale):
+    """softmax(q k^T * scale) with the causal mask: (B, NH, T, T)."""
+    xp = array_module(q)
+    T = q.shape[2]
     att = q @ k.transpose(0, 1, 3, 2)  # (B, NH, T, T)
     att *= scale
     # causal mask: position t sees positions <= t only (-inf above the diagonal)
@@ -162,9 +175,7 @@ def attention_forward(qkv, n_head):
     att -= att.max(axis=-1, keepdims=True)  # stable softmax
     xp.exp(att, out=att)
     att /= att.sum(axis=-1, keepdims=True)  # (B, NH, T, T) attention weights
-    y = att @ v  # (B, NH, T, HS)
-    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C) heads side by side
-    return y, (q, k, v, att, scale)
+    return att
 
 
 def attention_backward(dout, cache):
@@ -172,6 +183,8 @@ def attention_backward(dout, cache):
     q, k, v, att, scale = cache
     xp = array_module(dout)
     B, NH, T, HS = q.shape
+    if att is None:  # selective recomputation: the forward's weights, again
+        att = attention_weights(q, k, scale)  # (B, NH, T, T)
     dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
     # forward was: y = att @ v
     datt = dy @ v.transpose(0, 1, 3, 2)  # (B, NH, T, T)

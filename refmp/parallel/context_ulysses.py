@@ -27,8 +27,9 @@ from refmp.nn import layers as L
 class UlyssesAttention:
     """``forward(qkv, n_head)`` / ``backward(dout, cache)``, as refmp.nn.layers' attention."""
 
-    def __init__(self, comm: Comm, layout):
+    def __init__(self, comm: Comm, layout, keep_scores: bool = True):
         self.comm, self.layout = comm, layout
+        self.keep_scores = keep_scores  # False: selective recomputation of the softmax
         held = np.concatenate([layout.positions(j) for j in range(comm.size)])  # rank-major
         self.by_rank = backend.from_host(held)  # natural-order index of each rank-major slot
         self.to_natural = backend.from_host(np.argsort(held))  # and its inverse
@@ -54,7 +55,7 @@ class UlyssesAttention:
         # (B, Tl, 3, NH, HS) -> (B, Tl, cp, 3*NH/cp*HS): group g's q, k, v side by side
         grouped = qkv.reshape(B, Tl, 3, cp, nh * hs).transpose(0, 1, 3, 2, 4)
         full = self._to_heads(grouped, B, Tl, 3 * nh * hs)  # (B, T, 3C/cp) all-to-all #1
-        y, cache = L.attention_forward(full, nh)  # (B, T, C/cp) the serial layer, my heads
+        y, cache = L.attention_forward(full, nh, self.keep_scores)  # (B, T, C/cp) the serial layer, my heads
         out = self._to_sequence(y, B, Tl, nh * hs)  # (B, Tl, C) all-to-all #2
         return out, (cache, nh)
 

@@ -62,13 +62,15 @@ class Engine:
         T = cfg.block_size or mc.block_size
         # context parallelism: my tokens of every sequence, and the attention core over cp
         attn, self.positions, held = None, None, [np.arange(T)]
+        keep = cfg.recompute == "none"  # selective / full: the softmax is not kept
         if s["cp"] > 1:
             layout = ChunkLayout(T, s["cp"], cfg.cp_balance)
-            attn = (RingAttention if cfg.cp_algo == "ring" else UlyssesAttention)(
-                grid.comm["cp"], layout)
+            attn = (RingAttention(grid.comm["cp"], layout) if cfg.cp_algo == "ring"
+                    else UlyssesAttention(grid.comm["cp"], layout, keep))
             held = [layout.positions(r) for r in range(s["cp"])]
             self.positions = backend.from_host(held[grid.coords["cp"]])  # (Tl,)
-        self.ops = ParallelOps(mc.n_head, mc.vocab_size, self.tp, self.sp, attn, self.positions)
+        self.ops = ParallelOps(mc.n_head, mc.vocab_size, self.tp, self.sp, attn, self.positions,
+                               keep)
         # pipeline: the chunks of this rank (chunk c on pp rank c % pp)
         P, V = s["pp"], cfg.virtual_stages
         self.S, r = P * V, self.pp.rank
@@ -105,7 +107,7 @@ class Engine:
             def moe(denom):
                 return mc.moe_context(denom, self.dispatch, seq if denom is not None else None)
         self.stage = Stage(chunks, self.S, mc, self.ops, self.sharder, moe,
-                           self.tp.size if self.sp else 1)
+                           self.tp.size if self.sp else 1, cfg.recompute == "full")
         self.exe = Executor(self.stage, self.pp, next(iter(local.values())).dtype)
         self.actions = schedule(cfg.schedule, P, self.M, r, V)
         self.schedule_name, self.v = cfg.schedule, V

@@ -34,9 +34,9 @@ class ParallelOps(gpt.Ops):
     ``attn`` (None: serial), and ``positions`` (None: 0..T-1) for the embedding."""
 
     def __init__(self, n_head: int, V: int, tp: Comm | None = None, sp: bool = False,
-                 attn=None, positions=None):
+                 attn=None, positions=None, keep_scores: bool = True):
         self.tp = tp if tp is not None and tp.size > 1 else None
-        super().__init__(n_head // (self.tp.size if self.tp else 1))  # NH/tp heads here
+        super().__init__(n_head // (self.tp.size if self.tp else 1), keep_scores)  # NH/tp here
         self.V, self.sp, self.attn, self.positions = V, sp and self.tp is not None, attn, positions
 
     def for_decoding(self) -> ParallelOps:

@@ -1,5 +1,6 @@
-"""Pipeline parallelism (--pp): partition, schedules as data, simulator, executor, runner.
+"""Pipeline parallelism (--pp): partition, schedules as data, simulator, executor, stage.
 
 Read in this order: partition.py, schedules.py, simulate.py (and timeline.py), stage.py,
-executor.py, runner.py. docs/pipeline.md explains the bubble and the schedules.
+executor.py; refmp/parallel/engine.py builds them for a layout (pp = 1 is a one-stage
+pipeline). docs/pipeline.md explains the bubble and the schedules.
 """

@@ -9,14 +9,27 @@ of refmp.nn.gpt through the layout's Ops (refmp.parallel.ops), on weights the Sh
 out unit by unit (refmp.parallel.sharding): views of resident buffers, or, with ZeRO-3,
 gathered just before the forward and again just before the backward. After each unit's
 backward of a micro-batch the Sharder is told its gradient is ready, so it can reduce it
-while the schedule goes on. pp = 1 is the same code with one chunk.
+while the schedule goes on. pp = 1 is the same code with one chunk. With full recomputation
+a block keeps only its input and runs its forward again at the start of its backward.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from refmp.nn import gpt
 from refmp.nn import moe as M
 from refmp.parallel.sharding import attach, detach
+
+
+class Recompute(NamedTuple):
+    """A block's cache under full recomputation (Korthikanti et al. 2022, sec. 5): its input
+    (B, T, C) and its MoE context; backward runs the forward again to rebuild the rest. The
+    recomputed forward repeats the block's communication too (tp, cp's ring, ep's
+    all-to-all), in the same order on every rank, so the ledger shows what it costs."""
+
+    x: Any
+    moe: Any
 
 
 class Stage:
@@ -27,9 +40,10 @@ class Stage:
     """
 
     def __init__(self, chunks: dict[int, range], n_chunks: int, cfg, ops, sharder, moe=None,
-                 sp_div: int = 1):
+                 sp_div: int = 1, recompute: bool = False):
         self.chunks, self.n_chunks, self.cfg, self.ops = chunks, n_chunks, cfg, ops
         self.sharder, self.moe, self.sp_div = sharder, moe, sp_div
+        self.recompute = recompute  # full recomputation: keep only each block's input
         self.zero3 = sharder.stage == 3
         self.reset_stats()
 
@@ -60,12 +74,15 @@ class Stage:
             x, emb = ops.embed({**weights("wte"), **weights("wpe")}, inp)  # (b, T, C)
         ctx = self.moe(denom if train else None) if self.moe else None
         for i in self.chunks[c]:
-            p = self.block_weights(i, weights)
-            x, bc = gpt.block_forward(p, x, ops, ctx if self.cfg.is_moe(i) else None)
+            p, moe = self.block_weights(i, weights), ctx if self.cfg.is_moe(i) else None
+            x_in = x
+            x, bc = gpt.block_forward(p, x, ops, moe)
             if train and isinstance(bc[-1], M.MoECache):
                 self.aux += float(bc[-1].loss)
                 raw = bc[-1].stats["raw"]
                 self.moe_raw[i] = raw if i not in self.moe_raw else self.moe_raw[i] + raw
+            if train and self.recompute:  # full recomputation: the input is all we keep
+                bc = Recompute(x_in, moe)
             blocks.append(release(bc, p))  # ZeRO-3: the cache names the weights, not holds them
         if c == self.n_chunks - 1:
             p = {**weights("ln_f"), **weights("wte")}
@@ -94,7 +111,10 @@ class Stage:
                 sh.grad_ready("wte", final)
         todo = []
         for i, bc in zip(reversed(self.chunks[c]), reversed(blocks), strict=True):
-            if self.zero3:
+            if isinstance(bc, Recompute):  # the block's forward again (bitwise the same)
+                _, bc = gpt.block_forward(self.block_weights(i, sh.weights), bc.x, self.ops,
+                                          bc.moe)
+            elif self.zero3:
                 bc = attach(bc, self.block_weights(i, sh.weights))
             w_todo = [] if split else None
             dx, g = gpt.block_backward(dx, bc, self.ops, w_todo)
