@@ -10,7 +10,8 @@ What it shows, each part checked against the serial model (exit status 1 on a mi
   4. ring and Ulysses attention equal serial attention (outputs and gradients), and the bytes
      each moved equal the formulas;
   5. when Ulysses beats the ring: bytes per rank per layer as cp grows;
-  6. whole training steps with --cp equal the serial steps.
+  6. whole training steps with --cp equal the serial steps: cp alone, and composed with dp
+     (ZeRO-1), tp (sequence parallel) and a pipeline, all through the one engine.
 """
 
 import math
@@ -164,22 +165,48 @@ say("Ulysses' volume per rank falls as 1/cp while the ring's stays ~6 b T C; but
     "cp | NH, and the ring hides its transfers behind block products that grow as Tl^2.")
 
 # --- 6. whole training steps -------------------------------------------------------------------
-say("\n== 6. three AdamW steps with --cp, against the serial run ==")
+# One engine (refmp.parallel.engine) runs every layout: context parallelism is the tokens each
+# rank takes from a row (ChunkLayout) and the attention core of its Ops; it composes with dp,
+# tp (and sequence parallelism), pipelines and ZeRO unchanged.
+say("\n== 6. three AdamW steps with --cp, alone and composed, against the serial run ==")
 V = 11
 ds = Dataset(np.random.default_rng(3).integers(0, V, 200), V, "random")
-for algo in ("ring", "ulysses"):
-    cfg = TrainConfig(n_layer=2, n_head=cp, n_embd=2 * cp, block_size=2 * cp, batch_size=2,
-                      steps=3, lr=0.01, warmup_steps=1, grad_clip=0.05, dtype="float64",
-                      progress=False, cp=cp, cp_algo=algo)
-    serial = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
-    par = Trainer(cfg, grid=ProcessGrid(world, cp=cp), dataset=ds)
+base = dict(n_layer=2, n_head=cp, n_embd=2 * cp, block_size=2 * cp, batch_size=2, steps=3,
+            lr=0.01, warmup_steps=1, grad_clip=0.05, dtype="float64", progress=False)
+layouts = [dict(cp=cp), dict(cp=cp, cp_algo="ulysses")]
+if cp % 4 == 0:  # half the ranks' worth of cp, times 2 of dp, tp or pp
+    half = cp // 2
+    layouts += [dict(cp=half, dp=2, zero=1), dict(cp=half, tp=2, sequence_parallel=True),
+                dict(pp=2, cp=half, microbatches=2, cp_balance="contiguous")]
+for lay in layouts:
+    cfg = TrainConfig(**base, **lay)
+    par = Trainer(cfg, dataset=ds)  # the grid from cfg: pp x dp x cp x tp = the world
+    # the serial run on rank 0 alone: the same config, every layout field at its default
+    serial = (Trainer(TrainConfig(**base), grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
+              if rank == 0 else None)
     for s in range(cfg.steps):
-        a, p = serial.step(), par.step()
-        check(math.isclose(a["loss"], p["loss"], rel_tol=1e-9), f"{algo} loss step {s}")
-    err = max(abs(par.model.params[k] - serial.model.params[k]).max() for k in serial.model.params)
-    check(err < 1e-12, f"{algo} weights")
-    say(f"{algo:>8}: final loss {p['loss']:.6f} (serial {a['loss']:.6f}), "
-        f"max |weight difference| {err:.1e}")
+        p = par.step()
+        if serial is not None:
+            a = serial.step()
+            check(math.isclose(a["loss"], p["loss"], rel_tol=1e-9), f"{lay} loss step {s}")
+    full = par.runner.full_params()  # collective: the whole model, gathered on rank 0
+    led, dp_ = par.grid.ledger, par.grid.sizes["dp"]
+    group = "dp+cp" if dp_ > 1 else "cp"  # the dense gradients: ONE reduction over dp x cp
+    op = "allreduce" if cfg.zero == 0 else "reduce_scatter"
+    calls = led.count(op, group) // cfg.steps
+    check(cfg.zero > 0 or calls == 1, f"{lay}: one all-reduce of the gradients per step")
+    check(led.bytes(op, "dp") == 0 and (dp_ == 1 or led.bytes(op, "cp") == 0),
+          f"{lay}: no reduction over dp or cp alone")
+    if serial is not None:
+        want = serial.runner.full_params()
+        err = max(abs(full[k] - want[k]).max() for k in want)
+        check(err < 1e-12, f"{lay} weights")
+        name = " x ".join(f"{k}={v}" for k, v in par.grid.sizes.items() if v > 1)
+        extra = ([cfg.cp_algo, cfg.cp_balance] + ["SP"] * cfg.sequence_parallel
+                 + [f"ZeRO-{cfg.zero}"] * (cfg.zero > 0))
+        say(f"{name} ({', '.join(extra)}): final loss {p['loss']:.6f} (serial {a['loss']:.6f}), "
+            f"max |weight difference| {err:.1e}\n{'':>4}dense gradients: {op}@{group}, "
+            f"{calls} call(s) per step" + (" (one per unit)" if cfg.zero else ""))
 
 bad = [f for fs in world.allgather(failures) for f in fs]
 if bad:
