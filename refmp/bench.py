@@ -12,6 +12,10 @@ the active parameters: each expert's weights count top_k / n_expert (a token vis
 of the n_expert experts), the router counts in full; tokens dropped at capacity are still
 counted, so this is the routed model's work, not what a layer with drops did.
 
+With --recompute the FLOPs executed exceed the model's: the extra forward work is reported
+apart (``recompute_gflops``, ``hardware_gflops``: Narayanan et al. 2021, eq. 3), and MFU
+stays model FLOPs over peak.
+
 MFU divides the achieved FLOP/s by a peak that the command measures itself: every rank
 times a large float32/float64 matrix product at the same moment (so oversubscribed ranks
 see the cores they really share), and the peaks are summed.
@@ -62,7 +66,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 # TrainConfig fields that bench takes from train's own flags, as given (cli.add_layout_args,
 # cli.add_moe_args)
 LAYOUT = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "microbatches", "bucket_mb",
-          "schedule", "virtual_stages", "stage_layers", "cp_algo", "cp_balance")
+          "schedule", "virtual_stages", "stage_layers", "cp_algo", "cp_balance", "recompute")
 MOE = ("n_expert", "top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
@@ -81,6 +85,16 @@ def active_params(cfg: GPTConfig) -> float:
 def model_flops_per_step(n_params: float, n_layer: int, T: int, C: int, tokens: int) -> float:
     """6 N tokens + 12 L T C tokens (see the module docstring)."""
     return 6.0 * n_params * tokens + 12.0 * n_layer * T * C * tokens
+
+
+def recompute_flops_per_step(mode: str, n_block_params: float, n_layer: int, T: int, C: int,
+                             tokens: int) -> float:
+    """The FLOPs recomputation adds (hardware FLOPs, Narayanan et al. 2021 eq. 3, beyond the
+    model's): full runs every block's forward again, 2 N_blocks tokens + 4 L T C tokens;
+    selective recomputes the softmax's scores q k^T, 2 L T C tokens."""
+    if mode == "full":
+        return 2.0 * n_block_params * tokens + 4.0 * n_layer * T * C * tokens
+    return 2.0 * n_layer * T * C * tokens if mode == "selective" else 0.0
 
 
 def ledger_by_axis(entries: dict[tuple[str, str], list[int]]) -> dict[str, dict[str, dict]]:
@@ -148,6 +162,8 @@ def run_bench(args) -> dict:
     tokens = cfg.batch_size * tr.T
     n_active = active_params(m)
     flops = model_flops_per_step(n_active, m.n_layer, tr.T, m.n_embd, tokens)
+    n_blocks = n_active - m.vocab_size * m.n_embd - 2 * m.n_embd  # less wte (the head), ln_f
+    extra = recompute_flops_per_step(cfg.recompute, n_blocks, m.n_layer, tr.T, m.n_embd, tokens)
     layout = {**tr.grid.sizes, **{k: getattr(cfg, k) for k in LAYOUT if k not in tr.grid.sizes}}
     out = {
         "ms_per_step": 1e3 * sec, "tokens_per_s": tokens / sec, "gflops": flops / sec / 1e9,
@@ -158,6 +174,8 @@ def run_bench(args) -> dict:
         "device": tr.device_info,
         "ms_per_step_min": 1e3 * min(times), "ms_per_step_max": 1e3 * max(times),
         "ledger": ledger_by_axis(sent),  # rank 0's, summed over the timed steps
+        "recompute": cfg.recompute, "recompute_gflops": extra / sec / 1e9,
+        "hardware_gflops": (flops + extra) / sec / 1e9,
     }
     if args.pp > 1:  # the last step's measured timeline against the simulated formula
         from refmp.parallel.pipeline.simulate import bubble_formula
@@ -183,6 +201,7 @@ def print_report(out: dict, args) -> None:
     extra += ["sequence parallel"] if lay["sequence_parallel"] else []
     extra += [f"cp {lay['cp_algo']} {lay['cp_balance']}"] if lay["cp"] > 1 else []
     extra += [f"{lay['microbatches']} micro-batches"] if lay["microbatches"] > 1 else []
+    extra += [f"recompute {lay['recompute']}"] if lay["recompute"] != "none" else []
     moe = out["model"]
     print(f"refmp bench: preset {args.preset} {moe}, {out['params']:,} parameters, "
           f"{out['world_size']} rank(s)")
@@ -194,6 +213,9 @@ def print_report(out: dict, args) -> None:
           f"min {out['ms_per_step_min']:.1f}, max {out['ms_per_step_max']:.1f})")
     print(f"  {out['tokens_per_s']:,.0f} tokens/s, {out['gflops']:.2f} GFLOP/s model, "
           f"peak {out['peak_gflops']:.1f} GFLOP/s measured, MFU {100 * out['mfu']:.1f}%")
+    if out["recompute"] != "none":
+        print(f"  recompute {out['recompute']}: {out['recompute_gflops']:.2f} GFLOP/s more "
+              f"executed ({out['hardware_gflops']:.2f} GFLOP/s hardware, model FLOPs above)")
     if "bubble" in out:
         print(f"  pipeline {args.schedule}, pp {args.pp}, {args.microbatches} "
               f"micro-batches: bubble {out['bubble']:.4f} measured (last step), "

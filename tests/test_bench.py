@@ -67,3 +67,24 @@ def test_moe_flops_count_active_parameters():
     for k in (1, 2):  # block 0's MLP becomes a router (C x 4, in full) and 4 experts, k visited
         moe = GPTConfig(256, 64, 2, 4, C, n_expert=4, top_k=k, moe_every=2)
         assert active_params(moe) == active_params(dense) + C * 4 + (k - 1) * expert, k
+
+
+def test_composed_layout_and_recompute_flops():
+    """pp 2 x cp 2 with full recomputation: obeyed, and the recomputed forward is counted as
+    hardware FLOPs beyond the model's (2 N_blocks + 4 L T C per token)."""
+    from refmp.bench import recompute_flops_per_step
+
+    out = bench_json(4, ["--pp", "2", "--cp", "2", "--microbatches", "2", "--recompute", "full"])
+    lay = out["layout"]
+    assert (lay["pp"], lay["cp"], lay["recompute"]) == (2, 2, "full")
+    assert out["ledger"]["cp"]["send"]["bytes"] > 0 and out["ledger"]["pp"]["send"]["bytes"] > 0
+    m = out["model"]
+    tokens = m["batch_size"] * m["block_size"]
+    n_blocks = out["active_params"] - m["vocab"] * m["n_embd"] - 2 * m["n_embd"]
+    extra = recompute_flops_per_step("full", n_blocks, m["n_layer"], m["block_size"],
+                                     m["n_embd"], tokens)
+    assert extra > 0
+    ratio = out["recompute_gflops"] / out["gflops"]
+    model = 6 * out["active_params"] * tokens + 12 * m["n_layer"] * m["block_size"] * m["n_embd"] * tokens
+    assert ratio == pytest.approx(extra / model, rel=1e-9)
+    assert out["hardware_gflops"] == pytest.approx(out["gflops"] + out["recompute_gflops"])
