@@ -10,6 +10,7 @@ with the flags the user gave winning over its metadata, and notes where they dif
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -48,12 +49,38 @@ def gpt2_name(key: str) -> str | None:
     return key
 
 
+def check_complete(path: str, flag: str = "--init") -> None:
+    """Refuse a truncated safetensors file (an interrupted copy or download), naming it.
+
+    The format: an 8-byte little-endian header length n, n bytes of JSON giving each
+    tensor's ``data_offsets`` [begin, end) in the data that follows; so the file must hold
+    8 + n + the largest end bytes. Other damage is left to safetensors' own message.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little")
+        if len(head) < 8 or 8 + n > size:
+            raise ConfigError(f"{flag} {path}: truncated, or not a safetensors file ({size:,} "
+                              f"bytes, too short for the header it starts with)")
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                       if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return  # not a header we can read: safetensors says what is wrong
+    if 8 + n + end > size:
+        raise ConfigError(f"{flag} {path}: truncated: the file has {size:,} bytes but its "
+                          f"header describes {8 + n + end:,} (an interrupted copy or download?)")
+
+
 def _open(path: str, read):
-    """``read(f)`` on the opened file; clear errors if it is missing or unreadable."""
+    """``read(f)`` on the opened file; clear errors if it is missing, truncated or unreadable."""
     from safetensors import safe_open
 
     if not os.path.isfile(path):
         raise ConfigError(f"--init {path}: no such file")
+    check_complete(path)
     try:
         with safe_open(path, framework="numpy") as f:
             return read(f)

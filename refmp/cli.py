@@ -1,7 +1,10 @@
 """The ``refmp`` command: ``refmp train`` and ``refmp bench`` (also ``python -m refmp``).
 
 Run it under MPI for more than one rank: ``mpiexec -n 2 refmp train --dp 2``.
-Bad input prints one message (from rank 0) and every rank exits with status 2.
+How a run ends when something goes wrong (refmp.faults, docs/faults.md): bad input prints
+one message (from rank 0) and every rank exits with status 2; a non-finite loss or gradient
+norm, one message and status 3; any other exception on any rank prints that rank's traceback
+(``[rank r]`` before each line) and aborts the whole job (MPI_Abort).
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ import os
 import sys
 from dataclasses import fields
 
-from refmp.errors import ConfigError
+from refmp.errors import ConfigError, TrainingError
 
 EXIT_BAD_INPUT = 2
+EXIT_TRAINING = 3  # a run stopped on every rank (refmp.errors.TrainingError)
 
 
 def launcher_rank() -> int:
@@ -82,7 +86,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
     g.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
                    help="cosine: linear warm-up then decay to --min-lr-ratio * lr")
-    g.add_argument("--warmup-steps", type=int, default=100)
+    g.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warm-up steps, at most --steps (default 100)")
     g.add_argument("--min-lr-ratio", type=float, default=0.1)
     g.add_argument("--weight-decay", type=float, default=0.1,
                    help="decoupled (AdamW) or L2 (SGD), on matrices only (0.1)")
@@ -175,16 +180,29 @@ def limit_threads() -> None:
         os.environ.setdefault(var, threads)
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Rules between flags as given (TrainConfig cannot tell a default from a choice)."""
+    if getattr(args, "warmup_steps", None) is not None and args.warmup_steps > args.steps:
+        raise ConfigError(f"--warmup-steps {args.warmup_steps} is more than --steps "
+                          f"{args.steps}: the learning rate would never reach --lr")
+
+
 def main(argv: list[str] | None = None) -> int:
     limit_threads()
     args = make_parser().parse_args(argv)
+    from refmp.faults import abort_job, write_pid
+
+    write_pid(launcher_rank())  # a testing hook (REFMP_TEST_PID_DIR), off by default
     try:
         if args.command == "train":
             from refmp.run import run
             from refmp.train import TrainConfig
 
+            check_flags(args)
             names = {f.name for f in fields(TrainConfig)}
-            run(TrainConfig(**{k: v for k, v in vars(args).items() if k in names}))
+            given = {k: v for k, v in vars(args).items()
+                     if k in names and not (k == "warmup_steps" and v is None)}
+            run(TrainConfig(**given))
         elif args.command == "bench":
             from refmp.bench import run_bench
 
@@ -193,10 +211,13 @@ def main(argv: list[str] | None = None) -> int:
             from refmp.parallel.pipeline.command import run_schedule
 
             run_schedule(args)
-    except ConfigError as e:
+    except (ConfigError, TrainingError) as e:  # raised on every rank: said once, rank 0
         if launcher_rank() == 0:
             sys.stderr.write(f"refmp {args.command}: error: {e}\n")
-        return EXIT_BAD_INPUT
+        return EXIT_BAD_INPUT if isinstance(e, ConfigError) else EXIT_TRAINING
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001  one rank: it must not wait alone
+        abort_job()  # this rank's traceback, then MPI_Abort ends every rank
+        raise
     return 0
 
 

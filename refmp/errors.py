@@ -1,5 +1,11 @@
-"""The one exception type for bad input (layouts, flags, files)."""
+"""The exception types refmp stops on cleanly (refmp.cli prints one message, from rank 0)."""
 
 
 class ConfigError(ValueError):
-    """Bad input from the user: refmp prints the message on every rank and exits non-zero."""
+    """Bad input from the user (layouts, flags, files), found before the first step on every
+    rank: refmp prints the message once and every rank exits with status 2."""
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on, seen by every rank at the same step (a non-finite loss or
+    gradient norm: global values): refmp prints the message once and exits with status 3."""

@@ -10,6 +10,10 @@ import sys
 import time
 from dataclasses import asdict
 
+import numpy as np
+
+from refmp.errors import TrainingError
+from refmp.faults import inject_fault
 from refmp.train import TrainConfig, Trainer
 
 
@@ -32,8 +36,16 @@ def run(cfg: TrainConfig) -> dict:
               f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}", flush=True)
     bar = _progress(cfg.steps, rank0 and cfg.progress)
     t_start, rec = time.perf_counter(), {}
-    for _ in range(cfg.steps):
-        rec = tr.step()
+    for step in range(cfg.steps):
+        inject_fault(tr.grid.rank, step)  # a testing hook (REFMP_FAULT_RANK), off by default
+        try:
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                rec = tr.step()  # a non-finite result is reported once, by the step's check
+        except TrainingError as e:  # every rank stops (refmp.cli says why, once)
+            if log:
+                log.write(json.dumps({"error": str(e), "step": step}) + "\n")
+                log.close()
+            raise
         if log:
             log.write(json.dumps(rec) + "\n")
         if bar is not None:

@@ -4,7 +4,9 @@ One step, on every rank, whatever the layout (the runner is refmp.parallel.engin
   1. take this rank's rows of the global batch (layout-invariant order, refmp.data);
   2. forward and backward, the loss being this rank's share of the global mean;
   3. reduce: every gradient piece this rank owns becomes the global gradient's;
-  4. clip by the global norm, then the optimizer step on the owned pieces.
+  4. stop if the global loss or gradient norm is not finite (every rank sees the same
+     values, so every rank stops: refmp.faults), else clip by the global norm, then the
+     optimizer step on the owned pieces.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from refmp import backend
 from refmp.comm import Comm
 from refmp.data import AdditionTask, Dataset, get_batch, load_tokens, shuffle_perm
 from refmp.errors import ConfigError
+from refmp.faults import check_finite, check_memory, check_outputs
 from refmp.grid import ProcessGrid
 from refmp.nn import GPT, GPTConfig
 from refmp.optim import SGD, AdamW, clip_grads
@@ -89,8 +92,16 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def _in(x: float, lo: float, hi: float, hi_open: bool = True) -> bool:
+    """lo <= x < hi (or <= hi); False for nan."""
+    return lo <= x and (x < hi if hi_open else x <= hi)
+
+
 def check_config(cfg: TrainConfig) -> None:
-    """Refuse bad values before anything is built (same answer on every rank)."""
+    """Refuse bad values before anything is built (same answer on every rank).
+
+    Comparisons are written so that nan fails them (nan < 0 is False: ``not x >= 0``).
+    """
     if cfg.optimizer not in ("sgd", "adamw"):
         raise ConfigError(f"--optimizer must be sgd or adamw, got {cfg.optimizer!r}")
     if cfg.dtype not in ("float32", "float64"):
@@ -102,8 +113,24 @@ def check_config(cfg: TrainConfig) -> None:
     for name in ("batch_size", "steps"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    if cfg.lr <= 0:
-        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise ConfigError(f"--lr must be positive and finite, got {cfg.lr}")
+    if cfg.warmup_steps < 0:
+        raise ConfigError(f"--warmup-steps must be >= 0, got {cfg.warmup_steps}")
+    if not _in(cfg.min_lr_ratio, 0, 1, hi_open=False):
+        raise ConfigError(f"--min-lr-ratio must be between 0 and 1, got {cfg.min_lr_ratio}")
+    for name in ("beta1", "beta2", "momentum"):  # 1 would never forget (and AdamW divides by 0)
+        if not _in(getattr(cfg, name), 0, 1):
+            raise ConfigError(f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
+    for name in ("weight_decay", "grad_clip", "bucket_mb", "capacity_factor", "aux_loss_coef",
+                 "z_loss_coef"):
+        x = getattr(cfg, name)
+        if x is not None and not _in(x, 0, math.inf):
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 and finite, got {x}")
+    if cfg.block_size is not None and cfg.block_size < 1:
+        raise ConfigError(f"--block-size must be at least 1, got {cfg.block_size}")
+    if cfg.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {cfg.seed}")
     if cfg.cp_algo not in ("ring", "ulysses"):
         raise ConfigError(f"--cp-algo must be ring or ulysses, got {cfg.cp_algo!r}")
     if cfg.cp_balance not in ("zigzag", "contiguous"):
@@ -118,35 +145,45 @@ def build_dataset(cfg: TrainConfig) -> Dataset:
     return load_tokens(cfg.data)
 
 
-def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
-    """A fresh GPT (GPT-2 init) or one loaded from --init; checked against the data.
+def model_config(cfg: TrainConfig, ds: Dataset) -> GPTConfig:
+    """The model's shape, from the flags or the --init file's header (no weight is made or
+    read), checked against the data: what the memory check needs before anything is big.
 
     MoE settings left None take GPTConfig's defaults, or with --init the file's metadata;
     those given win over the file (refmp.checkpoint.read_config says where they differ).
     """
-    from refmp.checkpoint import load_model, moe_flags
+    from refmp.checkpoint import moe_flags, read_config
 
     moe = moe_flags(cfg)  # the MoE settings given, by GPTConfig field name
     if cfg.init is not None:
-        model = load_model(cfg.init, n_head=cfg.n_head, dtype=cfg.dtype, moe=moe)
-        if cfg.block_size is not None and cfg.block_size > model.cfg.block_size:
+        mcfg, _ = read_config(cfg.init, cfg.n_head, moe)
+        if cfg.block_size is not None and cfg.block_size > mcfg.block_size:
             raise ConfigError(f"--block-size {cfg.block_size} exceeds the block size "
-                              f"{model.cfg.block_size} of {cfg.init}")
+                              f"{mcfg.block_size} of {cfg.init}")
     else:
         # the addition task: one problem per window, so every position keeps one role
         T = cfg.block_size or (ds.task.line_len if ds.task else 64)
         mcfg = GPTConfig(ds.vocab_size, T, cfg.n_layer, cfg.n_head or 4, cfg.n_embd,
                          cfg.n_expert, **moe)
         mcfg.check()
-        model = GPT.create(mcfg, cfg.seed, cfg.dtype)
-    if ds.vocab_size > model.cfg.vocab_size:
+    if ds.vocab_size > mcfg.vocab_size:
         raise ConfigError(f"the data has {ds.vocab_size} token ids but the model's vocabulary "
-                          f"is {model.cfg.vocab_size}")
-    T = cfg.block_size or model.cfg.block_size
+                          f"is {mcfg.vocab_size}")
+    T = cfg.block_size or mcfg.block_size
     if ds.n_windows(T) < 1:
         raise ConfigError(f"the data ({len(ds.tokens)} tokens) is shorter than one window of "
                           f"{T + 1} tokens; use a smaller --block-size")
-    return model
+    return mcfg
+
+
+def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
+    """A fresh GPT (GPT-2 init) or one loaded from --init, of model_config's shape."""
+    from refmp.checkpoint import load_model, moe_flags
+
+    mcfg = model_config(cfg, ds)
+    if cfg.init is not None:
+        return load_model(cfg.init, n_head=cfg.n_head, dtype=cfg.dtype, moe=moe_flags(cfg))
+    return GPT.create(mcfg, cfg.seed, cfg.dtype)
 
 
 class Runner(Protocol):
@@ -248,12 +285,21 @@ class Trainer:
         if cfg.device == "gpu":  # before any array is made: parameters go straight to the GPU
             self.device_info = start_gpu(self.grid)
 
-        def setup():
-            ds = dataset if dataset is not None else build_dataset(cfg)
-            model = build_model(cfg, ds)
-            return ds, model
+        from refmp.parallel.layout import check_layout
 
-        self.ds, self.model = agreed(self.grid.world, setup)
+        world = self.grid.world
+        # before any work, on every rank: the files rank 0 will write, the data and the
+        # model's shape, the layout's rules, then the memory the layout needs (refmp.faults)
+        agreed(world, lambda: check_outputs(cfg) if world.rank == 0 else None)
+
+        def shape():
+            ds = dataset if dataset is not None else build_dataset(cfg)
+            return ds, model_config(cfg, ds)
+
+        self.ds, mcfg = agreed(world, shape)
+        check_layout(cfg, mcfg, world.size, self.grid.sizes)  # pure: the same on every rank
+        agreed(world, lambda: check_memory(cfg, mcfg, self.grid))
+        self.model = agreed(world, lambda: build_model(cfg, self.ds))
         self.T = cfg.block_size or self.model.cfg.block_size
         self.runner = build_runner(cfg, self.grid, self.model)
         self.rows = self.runner.batch_rows(cfg.batch_size)
@@ -271,14 +317,14 @@ class Trainer:
         denom = cfg.batch_size * self.T  # the global token count: each rank's loss is a share
         run.forward_backward(x, y, denom)
         run.reduce_grads()  # now grads is the global gradient of this rank's pieces
-        norm = float("nan")
+        norm = run.grad_norm()  # global: also without clipping, for the check below
+        loss = run.loss_total()  # global (the forward's): the same on every rank
+        check_finite(self.step_num, loss, norm)  # every rank stops here, before the update
         if cfg.grad_clip > 0:
-            norm = run.grad_norm()
             clip_grads(run.grads, cfg.grad_clip, norm)
         self.opt.lr = lr_at(cfg, self.step_num)
         self.opt.step(run.grads)
         run.after_step()  # ZeRO 1/2: all-gather the updated parameter shards
-        loss = run.loss_total()
         backend.sync()
         rec = {"step": self.step_num, "loss": loss, "grad_norm": norm, "lr": self.opt.lr,
                "tokens": cfg.batch_size * self.T, "seconds": time.perf_counter() - t0}
