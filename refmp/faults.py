@@ -28,9 +28,12 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 import traceback
 
 from refmp.errors import ConfigError, TrainingError
+
+ABORT_GRACE_S = 1.0  # between a failing rank's traceback and MPI_Abort (abort_job)
 
 # --- output paths -------------------------------------------------------------------------
 
@@ -331,5 +334,6 @@ def abort_job() -> None:
     sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
     sys.stderr.write(f"[rank {rank}] refmp: aborting the job (MPI_Abort)\n")
     sys.stderr.flush()
+    time.sleep(ABORT_GRACE_S)  # for the launcher to forward it: the abort kills the pipes too
     mpi.COMM_WORLD.Abort(1)  # MPICH may return from it while the launcher kills the job:
     os._exit(1)  # then leave at once, without MPI_Finalize waiting on ranks that wait on us
