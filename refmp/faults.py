@@ -174,7 +174,8 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     (held_peak over its action list; a chunk's cache is its blocks' block_cache_elements,
     plus the head on the last chunk): what Engine.memory()["activations"] measures.
     ``workspace``: a backward's temporaries (the gradients of a cache's arrays), taken as
-    one more cache of the largest piece. ``setup``: the full model, which every rank builds
+    one more cache of the largest piece (with ZeRO-3, plus the largest unit, gathered whole
+    while it runs). ``setup``: the full model, which every rank builds
     (or reads from --init) before it keeps its slices.
     """
     from refmp.nn.gpt import param_shapes
@@ -210,6 +211,8 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
                    + (head if c == S - 1 else 0) for c in chunks}
     mem["activations"] = held_peak(schedule(cfg.schedule, pp, M, r, v), chunk_bytes)
     mem["workspace"] = max([block + moe] + ([head] if S - 1 in chunks else []))
+    if cfg.zero == 3:  # and the whole unit gathered for the forward or backward running now
+        mem["workspace"] += w * max(units.values())
     mem["setup"] = w * sum(math.prod(s) for s in param_shapes(mcfg).values())
     return mem
 
@@ -322,14 +325,15 @@ def write_pid(rank: int) -> None:
 
 
 def abort_job() -> None:
-    """From an ``except`` block: print this rank's traceback, each line prefixed with the rank,
-    and end the whole job with MPI_Abort (as ``python -m mpi4py`` does). Without MPI running,
-    or alone, re-raise instead (a plain traceback and exit status 1)."""
+    """From an ``except`` block: print this rank's traceback, each line prefixed with the rank
+    (for Ctrl-C, one line), and end the whole job with MPI_Abort (as ``python -m mpi4py``
+    does). Without MPI running, or alone, re-raise instead (Python's own traceback, status 1)."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.size == 1:
         raise  # the exception being handled
     rank = mpi.COMM_WORLD.Get_rank()
-    text = traceback.format_exc()
+    interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)  # Ctrl-C reaches every rank
+    text = "interrupted (KeyboardInterrupt)" if interrupted else traceback.format_exc()
     sys.stdout.flush()
     sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
     sys.stderr.write(f"[rank {rank}] refmp: aborting the job (MPI_Abort)\n")
