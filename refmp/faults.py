@@ -96,20 +96,24 @@ def check_outputs(cfg) -> None:
 
 
 def block_cache_elements(b: int, Tl: int, T: int, C: int, NH: int, tp: int = 1, sp: bool = False,
-                         cp_algo: str = "ring", cp: int = 1) -> int:
+                         cp_algo: str = "ring", cp: int = 1, recompute: str = "none") -> int:
     """Elements one block's forward cache keeps (docs/tensor_parallel.md's table, with cp).
 
     Serial: 20 BTC + 2 BT + B NH T^2 (the LayerNorm outputs and rstd, the c_attn and c_fc
     inputs, qkv, the attention output, c_fc's output, tanh and GELU, and the attention
     weights P); tp splits the 16 BTC inside the column/row pairs and P, SP the rest too. With
     cp each rank holds Tl tokens; Ulysses keeps P for its NH/cp heads over the whole sequence,
-    (b, NH/(tp cp), T, T); ring attention keeps no P (y and lse only, b Tl NH/tp more).
+    (b, NH/(tp cp), T, T); ring attention keeps no P, but its running output y and lse
+    (b NH Tl (HS + 1) / tp: q and K/V are its copies of qkv, counted as qkv).
+    docs/memory.md's recomputation: selective drops P, full keeps the block's input alone.
     """
     BTC, BT = b * Tl * C, b * Tl
-    if cp == 1 or cp_algo == "ulysses":
-        att = b * NH * Tl * T
+    if recompute == "full":
+        return BTC // tp if sp else BTC  # (b, s, C)
+    if cp > 1 and cp_algo == "ring":
+        att = b * NH * Tl + BTC  # the ring's lse and its running output y (b, NH, Tl, HS)
     else:
-        att = b * NH * Tl  # the ring's lse; its y is the attention output already counted
+        att = 0 if recompute == "selective" else b * NH * Tl * T
     if sp:
         return (20 * BTC + 2 * BT + att) // tp
     return 4 * BTC + 2 * BT + (16 * BTC + att) // tp
@@ -140,14 +144,19 @@ def moe_extra_bytes(b: int, Tl: int, T: int, C: int, E: int, K: int, cf: float, 
 
 def head_cache_bytes(b: int, Tl: int, C: int, V: int, tp: int = 1, sp: bool = False,
                      w: int = 4) -> int:
-    """The two ends' caches (tests/test_tensor_parallel.py's model_activation_bytes): ln_f's
-    input, output and rstd on s positions, Vl columns of the logits and the log-sum-exp, and
-    the int64 token ids and positions (with tp, two bool masks)."""
+    """The head's cache (tests/test_tensor_parallel.py's model_activation_bytes, less the
+    embedding's): ln_f's input, output and rstd on s positions, Vl columns of the logits and
+    the log-sum-exp, the int64 targets (with tp, a bool mask of those my shard owns)."""
     from refmp.parallel.vocab import padded_vocab
 
     s, BT = (Tl // tp if sp else Tl), b * Tl
     Vl = padded_vocab(V, tp) // tp
-    return w * (2 * b * s * C + b * s + BT * Vl + BT) + 8 * (2 * BT + Tl) + (2 * BT if tp > 1 else 0)
+    return w * (2 * b * s * C + b * s + BT * Vl + BT) + 8 * BT + (BT if tp > 1 else 0)
+
+
+def embed_cache_bytes(b: int, Tl: int, tp: int = 1) -> int:
+    """The embedding's cache: int64 token ids and positions (with tp, the owned-ids mask)."""
+    return 8 * (b * Tl + Tl) + (b * Tl if tp > 1 else 0)
 
 
 def held_peak(actions, chunk_bytes: dict) -> int:
@@ -172,11 +181,12 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     units over dp x cp, expert units over edp = dp cp/ep (AdamW: 2 moments; SGD: 1 with
     momentum, else 0). ``activations``: the caches its schedule keeps alive at once
     (held_peak over its action list; a chunk's cache is its blocks' block_cache_elements,
-    plus the head on the last chunk): what Engine.memory()["activations"] measures.
+    plus the embedding's on the first chunk and the head's on the last): what
+    Engine.memory()["activations"] measures.
     ``workspace``: a backward's temporaries (the gradients of a cache's arrays), taken as
-    one more cache of the largest piece (with ZeRO-3, plus the largest unit, gathered whole
-    while it runs). ``setup``: the full model, which every rank builds
-    (or reads from --init) before it keeps its slices.
+    one more whole cache of the largest piece, as recomputation rebuilds it (with ZeRO-3,
+    plus the largest unit, gathered whole while it runs). ``setup``: the full model, which
+    every rank builds (or reads from --init) before it keeps its slices.
     """
     from refmp.nn.gpt import param_shapes
     from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
@@ -203,14 +213,18 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     # activations: one micro-batch's cache per chunk, then the schedule's peak
     b, Tl = cfg.batch_size // (dp * M), T // cp
     sp, cf = cfg.sequence_parallel, mcfg.capacity_factor
-    block = w * block_cache_elements(b, Tl, T, C, NH, tp, sp, cfg.cp_algo, cp)
+    rebuilt = w * block_cache_elements(b, Tl, T, C, NH, tp, sp, cfg.cp_algo, cp)
+    block = w * block_cache_elements(b, Tl, T, C, NH, tp, sp, cfg.cp_algo, cp, cfg.recompute)
     moe = moe_extra_bytes(b, Tl, T, C, mcfg.n_expert, mcfg.top_k, cf, tp, sp, w, ep) \
         if mcfg.n_expert else 0
+    kept_moe = 0 if cfg.recompute == "full" else moe
     head = head_cache_bytes(b, Tl, C, V, tp, sp, w)
-    chunk_bytes = {c: sum(block + (moe if mcfg.is_moe(i) else 0) for i in chunks[c])
-                   + (head if c == S - 1 else 0) for c in chunks}
+    embed = embed_cache_bytes(b, Tl, tp)
+    chunk_bytes = {c: sum(block + (kept_moe if mcfg.is_moe(i) else 0) for i in chunks[c])
+                   + (embed if c == 0 else 0) + (head if c == S - 1 else 0) for c in chunks}
     mem["activations"] = held_peak(schedule(cfg.schedule, pp, M, r, v), chunk_bytes)
-    mem["workspace"] = max([block + moe] + ([head] if S - 1 in chunks else []))
+    # a backward rebuilds what recomputation dropped: the whole cache of the block it runs
+    mem["workspace"] = max([rebuilt + moe] + ([head] if S - 1 in chunks else []))
     if cfg.zero == 3:  # and the whole unit gathered for the forward or backward running now
         mem["workspace"] += w * max(units.values())
     mem["setup"] = w * sum(math.prod(s) for s in param_shapes(mcfg).values())

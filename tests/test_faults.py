@@ -210,7 +210,7 @@ def test_writable_paths(tmp_path):
 
 @pytest.mark.parametrize("kw", [
     {}, {"dtype": "float64", "n_layer": 3, "microbatches": 2},
-    {"optimizer": "sgd", "momentum": 0.9},
+    {"optimizer": "sgd", "momentum": 0.9}, {"recompute": "selective"}, {"recompute": "full"},
     {"n_expert": 4, "top_k": 2}, {"n_expert": 4, "top_k": 1, "capacity_factor": 0.0},
 ])
 def test_memory_estimate_against_the_measured_serial(kw):
@@ -244,8 +244,9 @@ for kw in LAYOUTS:
     got, est = tr.memory(), faults.estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
     bad = [k for k in ("params", "grads", "optimizer") if est[k] != got[k]]
     ratio = est["activations"] / got["activations"]
-    if bad or not 0.9 <= ratio <= 3:
-        print(f"rank {tr.grid.rank} {kw}: state {bad} differ, activations x{ratio:.2f}")
+    exact = not cfg.n_expert and cfg.schedule != "zb-h1"  # else a bound: 0.9 to 3 x
+    if bad or (ratio != 1 if exact else not 0.9 <= ratio <= 3):
+        print(f"rank {tr.grid.rank} {kw}: state {bad} differ, activations x{ratio:.4f}")
 MPI.COMM_WORLD.barrier()
 print("checked")
 """
@@ -253,16 +254,19 @@ print("checked")
 
 def test_memory_estimate_against_the_measured_layouts(tmp_path):
     """On 4 ranks: ZeRO 1-3, pp x tp (1F1B), dp x cp ring, cp x tp Ulysses with SP,
-    interleaved, experts over ep: the state exactly, activations within [0.9, 3] x measured
-    (the zero-bubble and MoE terms are bounds; a missing term would fall below 0.9)."""
+    interleaved, recomputation, zero-bubble, experts over ep: the state exactly; dense
+    activations exactly, MoE and zero-bubble ones within [0.9, 3] x measured (bounds there:
+    routing is not known before it runs, and W frees only part of a cache)."""
     layouts = [
-        {"pp": 2, "tp": 2, "microbatches": 4, "zero": 1},
+        {"pp": 2, "tp": 2, "microbatches": 4, "zero": 1, "recompute": "full"},
+        {"tp": 2, "dp": 2, "sequence_parallel": True, "block_size": 16, "recompute": "selective"},
         {"dp": 2, "cp": 2, "block_size": 16, "zero": 2},
         {"cp": 2, "tp": 2, "cp_algo": "ulysses", "sequence_parallel": True, "block_size": 16,
          "n_head": 4},
         {"pp": 2, "dp": 2, "schedule": "interleaved", "virtual_stages": 2, "n_layer": 4,
          "microbatches": 4, "zero": 3},
         {"dp": 4, "ep": 2, "n_expert": 4, "zero": 2},
+        {"pp": 2, "dp": 2, "schedule": "zb-h1", "microbatches": 4},
     ]
     script = tmp_path / "estimate.py"
     script.write_text(f"LAYOUTS = {layouts!r}\n" + ESTIMATE_SCRIPT)
