@@ -182,7 +182,8 @@ def limit_threads() -> None:
 
 def check_flags(args: argparse.Namespace) -> None:
     """Rules between flags as given (TrainConfig cannot tell a default from a choice)."""
-    if getattr(args, "warmup_steps", None) is not None and args.warmup_steps > args.steps:
+    if getattr(args, "warmup_steps", None) is not None and args.warmup_steps > args.steps \
+            and args.lr_schedule == "cosine":  # the constant schedule has no warm-up
         raise ConfigError(f"--warmup-steps {args.warmup_steps} is more than --steps "
                           f"{args.steps}: the learning rate would never reach --lr")
 
