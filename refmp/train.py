@@ -22,7 +22,8 @@ from refmp import backend
 from refmp.comm import Comm
 from refmp.data import AdditionTask, Dataset, get_batch, load_tokens, shuffle_perm
 from refmp.errors import ConfigError
-from refmp.faults import check_finite, check_memory, check_outputs
+from refmp.faults import check_finite, check_outputs
+from refmp.memory_check import check_memory
 from refmp.grid import ProcessGrid
 from refmp.nn import GPT, GPTConfig
 from refmp.optim import SGD, AdamW, clip_grads
@@ -289,7 +290,7 @@ class Trainer:
 
         world = self.grid.world
         # before any work, on every rank: the files rank 0 will write, the data and the
-        # model's shape, the layout's rules, then the memory the layout needs (refmp.faults)
+        # model's shape, the layout's rules, then the memory the layout needs (refmp.memory_check)
         agreed(world, lambda: check_outputs(cfg) if world.rank == 0 else None)
 
         def shape():

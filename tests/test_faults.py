@@ -19,7 +19,7 @@ import pytest
 from mpi4py import MPI
 from mpi_helpers import REPO, mpiexec, refmp
 
-from refmp import faults
+from refmp import memory_check
 from refmp.checkpoint import save_model
 from refmp.errors import ConfigError, TrainingError
 from refmp.faults import check_finite, check_writable_dir, check_writable_file
@@ -222,26 +222,27 @@ def test_memory_estimate_against_the_measured_serial(kw):
     tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
     for _ in range(2):
         tr.step()
-    got, est = tr.memory(), faults.estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
+    got, est = tr.memory(), memory_check.estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
     for k in ("params", "grads", "optimizer"):
         assert est[k] == got[k], k
     if cfg.n_expert:
         assert 0.9 * got["activations"] <= est["activations"] <= 1.3 * got["activations"]
     else:
         assert est["activations"] == got["activations"]
-    assert faults.need_bytes(est) >= sum(got[k] for k in ("params", "grads", "optimizer", "activations"))
+    kinds = ("params", "grads", "optimizer", "activations")
+    assert memory_check.need_bytes(est) >= sum(got[k] for k in kinds)
 
 
 ESTIMATE_SCRIPT = """
 from mpi4py import MPI
 from refmp.train import TrainConfig, Trainer
-from refmp import faults
+from refmp import memory_check
 for kw in LAYOUTS:
     cfg = TrainConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 16, "batch_size": 16, "steps": 1,
                          "progress": False, **kw})
     tr = Trainer(cfg)
     tr.step()
-    got, est = tr.memory(), faults.estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
+    got, est = tr.memory(), memory_check.estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
     bad = [k for k in ("params", "grads", "optimizer") if est[k] != got[k]]
     ratio = est["activations"] / got["activations"]
     exact = not cfg.n_expert and cfg.schedule != "zb-h1"  # else a bound: 0.9 to 3 x
