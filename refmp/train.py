@@ -23,8 +23,8 @@ from refmp.comm import Comm
 from refmp.data import AdditionTask, Dataset, get_batch, load_tokens, shuffle_perm
 from refmp.errors import ConfigError
 from refmp.faults import check_finite, check_outputs
-from refmp.memory_check import check_memory
 from refmp.grid import ProcessGrid
+from refmp.memory_check import check_memory
 from refmp.nn import GPT, GPTConfig
 from refmp.optim import SGD, AdamW, clip_grads
 
