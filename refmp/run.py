@@ -25,7 +25,7 @@ def run(cfg: TrainConfig) -> dict:
     rank0 = tr.grid.rank == 0
     start = tr.step_num
     if start > cfg.steps:
-        raise ConfigError(f"--resume {tr.resumed_from} is at step {start}, beyond --steps "
+        raise ConfigError(f"--resume {tr.resumed['dir']} is at step {start}, beyond --steps "
                           f"{cfg.steps} (--steps is the total, counting the steps before)")
     log = open(cfg.log_json, "w") if (rank0 and cfg.log_json) else None
     if rank0 and cfg.init:  # where a flag overrides the file, said once (the file was read)
@@ -38,8 +38,8 @@ def run(cfg: TrainConfig) -> dict:
         print(f"refmp train: {tr.ds.name}, {len(tr.ds.tokens):,} tokens, vocab {m.vocab_size}; "
               f"GPT {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {tr.T}, "
               f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}", flush=True)
-    if rank0 and tr.resumed_from:
-        _print_resume(tr, cfg)
+    if rank0 and tr.resumed:
+        _print_resume(tr.resumed, cfg)
     bar = _progress(cfg.steps - start, rank0 and cfg.progress)
     t_start, rec = time.perf_counter(), {}
     while tr.step_num < cfg.steps:  # --steps is the total: a resumed run does the rest
@@ -91,14 +91,14 @@ def run(cfg: TrainConfig) -> dict:
     return summary
 
 
-def _print_resume(tr: Trainer, cfg: TrainConfig) -> None:
-    """Where the run continues from, and the settings that differ from the saved run's."""
-    from refmp.state import config_notes, read_manifest
+def _print_resume(man: dict, cfg: TrainConfig) -> None:
+    """Where the run continues from (the checkpoint's manifest), and the settings that differ
+    from the saved run's."""
+    from refmp.state import config_notes
 
-    man = read_manifest(tr.resumed_from)
     lay = man["layout"]
     saved = " x ".join(f"{a}={lay[a]}" for a in ("pp", "dp", "cp", "tp", "ep"))
-    print(f"refmp train: resuming from {tr.resumed_from} at step {tr.step_num} of {cfg.steps} "
+    print(f"refmp train: resuming from {man['dir']} at step {man['step']} of {cfg.steps} "
           f"(saved on {saved}, ZeRO {lay['zero']})", flush=True)
     for note in config_notes(man, cfg):
         print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)

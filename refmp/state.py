@@ -42,6 +42,7 @@ import numpy as np
 
 from refmp import backend
 from refmp.errors import ConfigError
+from refmp.nn.params import GPTConfig, param_shapes
 
 FORMAT = "refmp-checkpoint"
 MANIFEST = "manifest.json"
@@ -150,12 +151,12 @@ def save(tr, root: str, keep: int = 0) -> str:
     opt, moments = tr.optimizer_state()
     pieces = {}
     for k, index in run.piece_index().items():  # my elements' global flat indices
-        keep_ = index >= 0  # -1: padding (ZeRO's, or the vocabulary's with tp)
-        if not run.counted[k] or not keep_.any():
+        held = index >= 0  # -1: padding (ZeRO's, or the vocabulary's with tp)
+        if not run.counted[k] or not held.any():
             continue  # another rank writes this copy, or it holds nothing
         host = {"param": backend.to_host(run.params[k])}
         host.update({m: backend.to_host(a[k]) for m, a in moments.items()})
-        pieces[k] = (index[keep_], {m: np.asarray(v)[keep_] for m, v in host.items()})
+        pieces[k] = (index[held], {m: np.asarray(v)[held] for m, v in host.items()})
 
     def write():
         path = os.path.join(tmp, rank_file(world.rank))
@@ -195,12 +196,6 @@ def save(tr, root: str, keep: int = 0) -> str:
 
     agreed(world, finish)
     return final
-
-
-def param_shapes(mcfg) -> dict:
-    from refmp.nn.params import param_shapes as shapes
-
-    return shapes(mcfg)
 
 
 # --- finding and checking ----------------------------------------------------------------------
@@ -251,7 +246,7 @@ def read_manifest(ckpt: str) -> dict:
     if not ok:
         raise ConfigError(f"checkpoint manifest {path}: its entries do not fit its model "
                           f"(altered?)")
-    man["path"] = path
+    man["path"], man["dir"] = path, ckpt  # where it was read from (not in the file)
     return man
 
 
@@ -264,9 +259,7 @@ def _file_entry_ok(f: dict, shapes: dict) -> bool:
                     for k, p in f["pieces"].items()))
 
 
-def model_config(man: dict):
-    from refmp.nn.params import GPTConfig
-
+def model_config(man: dict) -> GPTConfig:
     return GPTConfig(**man["model"])
 
 
@@ -469,7 +462,7 @@ def info(path: str) -> str:
     n = sum(math.prod(s) for s in man["tensors"].values())
     lines = [f"checkpoint {ckpt}: step {man['step']}",
              "  saved by " + " x ".join(f"{a}={lay[a]}" for a in ("pp", "dp", "cp", "tp", "ep"))
-             + f", ZeRO {lay['zero']} ({lay['world']} ranks)",
+             + f", ZeRO {lay['zero']} ({lay['world']} rank{'s' * (lay['world'] > 1)})",
              f"  model: {m['n_layer']} layers, {m['n_head']} heads, n_embd {m['n_embd']}, vocab "
              f"{m['vocab_size']}, block {m['block_size']}, experts {m['n_expert']}: {n:,} "
              f"parameters ({man['dtype']})",
@@ -482,8 +475,9 @@ def info(path: str) -> str:
                      f"{lr['next']:.6g} ({lr['schedule']} over {lr['steps']} steps)")
     lines.append("  files:")
     for fname, f in sorted(man["files"].items()):
+        at = " ".join(f"{a} {i}" for a, i in f["coords"].items())
         lines.append(f"    {fname}  {f['bytes']:>10,} B  sha256 {f['sha256'][:16]}  "
-                     f"{len(f['pieces'])} pieces  {f['coords']}")
+                     f"{len(f['pieces']):>3} pieces  {at}")
     lines.append("  who holds which slice (global flat indices: rank: count [first..last] runs):")
     for k, shape in man["tensors"].items():
         held = [f"r{f['rank']}: {p['numel']} [{p['first']}..{p['last']}] {p['runs']}"

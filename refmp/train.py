@@ -263,7 +263,7 @@ class Trainer:
         self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
         self.opt = build_optimizer(cfg, self.runner.params, self.runner.decay)
         self.step_num = 0
-        self.resumed_from = self.resume(cfg.resume)["path"] if cfg.resume else None
+        self.resumed = self.resume(cfg.resume) if cfg.resume else None  # its manifest
 
     def step(self) -> dict:
         """One training step; returns {step, loss, grad_norm, lr, tokens, seconds}."""
