@@ -281,8 +281,11 @@ def read_file(ckpt: str, name: str, entry: dict) -> dict:
     path = os.path.join(ckpt, name)
     if not os.path.isfile(path):
         raise ConfigError(f"checkpoint file {path}: missing (its manifest lists it)")
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise _oserror("checkpoint file", path, e) from e
     if len(data) != entry["bytes"]:
         raise ConfigError(f"checkpoint file {path}: {len(data)} bytes, its manifest says "
                           f"{entry['bytes']} (truncated or altered)")

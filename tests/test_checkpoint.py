@@ -8,6 +8,7 @@
   --info; bad checkpoints refused with one message naming the file, no traceback, no hang.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -197,9 +198,9 @@ def same_file(a: str, b: str) -> None:
 
 def test_save_every_keep_resume_and_convert(tmp_path):
     """Train on tp2 with a checkpoint every step (keep 2) and --save; convert the last
-    checkpoint: the --save file. Drop it (as if the run died after step 3), resume on dp2:
-    the same weights to float64 rounding. Convert the file back to a 1-rank checkpoint and
-    resume from that: the run --init would make."""
+    checkpoint: the --save file. Drop it (as if the run died after step 3) and resume: on
+    tp2 the same weights bitwise, on dp2 to float64 rounding. Convert the file back to a
+    1-rank checkpoint and resume from that: the run --init would make."""
     d, a = str(tmp_path / "ck"), str(tmp_path / "a.safetensors")
     r = refmp(2, ["train", "--tp", "2", *SMALL, "--steps", "4", "--checkpoint-dir", d,
                   "--save-every", "1", "--keep", "2", "--save", a])
@@ -214,14 +215,18 @@ def test_save_every_keep_resume_and_convert(tmp_path):
     assert "step 4" in r.stdout and "tp=2" in r.stdout and "rank-00001.safetensors" in r.stdout
     assert "h.0.attn.c_attn.weight" in r.stdout and "who holds which slice" in r.stdout
 
-    shutil.rmtree(os.path.join(d, "step-00000004"))
-    b = str(tmp_path / "b.safetensors")
-    r = refmp(2, ["train", "--dp", "2", *SMALL, "--steps", "4", "--resume", d, "--save", b])
-    assert r.returncode == 0, r.stderr
-    assert "resuming from" in r.stdout and "at step 3 of 4" in r.stdout
-    ta, tb = load_file(a), load_file(b)
-    for k in ta:
-        np.testing.assert_allclose(tb[k], ta[k], **TOL, err_msg=k)
+    for flags, name in ((["--tp", "2"], "b"), (["--dp", "2"], "c")):
+        shutil.rmtree(os.path.join(d, "step-00000004"))  # as if the run died after step 3
+        b = str(tmp_path / f"{name}.safetensors")
+        r = refmp(2, ["train", *flags, *SMALL, "--steps", "4", "--resume", d, "--save", b,
+                      "--checkpoint-dir", d, "--keep", "2"])
+        assert r.returncode == 0, r.stderr
+        assert "resuming from" in r.stdout and "at step 3 of 4" in r.stdout
+        assert sorted(os.listdir(d)) == ["step-00000003", "step-00000004"]
+        ta, tb = load_file(a), load_file(b)
+        for k in ta:  # the same layout: bitwise; another: float64 rounding
+            (np.testing.assert_array_equal(tb[k], ta[k], err_msg=k) if name == "b" else
+             np.testing.assert_allclose(tb[k], ta[k], **TOL, err_msg=k))
 
     e = str(tmp_path / "e")  # back: the --save file as a 1-rank checkpoint, weights only
     r = mpiexec(1, ["python", "-m", "refmp", "convert", a, e])
@@ -265,18 +270,34 @@ def flip_last_byte(path: str) -> None:
         f.write(bytes([last[0] ^ 1]))
 
 
+def drop_from_manifest(path: str, name: str) -> None:
+    """Remove one file's entry from a manifest (its slices are then held by no file)."""
+    with open(path) as f:
+        man = json.load(f)
+    del man["files"][name]
+    with open(path, "w") as f:
+        json.dump(man, f)
+
+
 STEP = "step-00000001"
 BAD = [  # (what to do to the checkpoint, extra flags, the file the message names, its words)
-    (lambda d: truncate(f"{d}/{STEP}/rank-00001.safetensors"), [], "rank-00001.safetensors",
-     "truncated"),
-    (lambda d: flip_last_byte(f"{d}/{STEP}/rank-00000.safetensors"), [],
-     "rank-00000.safetensors", "sha256"),
-    (lambda d: os.remove(f"{d}/{STEP}/rank-00001.safetensors"), [], "rank-00001.safetensors",
-     "missing"),
-    (lambda d: truncate(f"{d}/{STEP}/manifest.json"), [], "manifest.json", "not valid JSON"),
-    (lambda d: None, ["--n-embd", "16"], "manifest.json", "n_embd 8"),
-    (lambda d: None, ["--optimizer", "sgd"], "manifest.json", "optimizer is adamw"),
-    (lambda d: shutil.rmtree(f"{d}/{STEP}"), [], "ck", "no complete checkpoint"),
+    pytest.param(lambda d: truncate(f"{d}/{STEP}/rank-00001.safetensors"), [],
+                 "rank-00001.safetensors", "truncated", id="truncated-rank-file"),
+    pytest.param(lambda d: flip_last_byte(f"{d}/{STEP}/rank-00000.safetensors"), [],
+                 "rank-00000.safetensors", "sha256", id="altered-rank-file"),
+    pytest.param(lambda d: os.remove(f"{d}/{STEP}/rank-00001.safetensors"), [],
+                 "rank-00001.safetensors", "missing", id="missing-rank-file"),
+    pytest.param(lambda d: truncate(f"{d}/{STEP}/manifest.json"), [], "manifest.json",
+                 "not valid JSON", id="truncated-manifest"),
+    pytest.param(lambda d: drop_from_manifest(f"{d}/{STEP}/manifest.json",
+                                              "rank-00001.safetensors"), [],
+                 "manifest.json", "no file holds", id="manifest-without-a-file"),
+    pytest.param(lambda d: None, ["--n-embd", "16"], "manifest.json", "n_embd 8",
+                 id="another-model-shape"),
+    pytest.param(lambda d: None, ["--optimizer", "sgd"], "manifest.json",
+                 "optimizer is adamw", id="another-optimizer"),
+    pytest.param(lambda d: shutil.rmtree(f"{d}/{STEP}"), [], "ck", "no complete checkpoint",
+                 id="no-checkpoint"),
 ]
 
 
