@@ -6,6 +6,7 @@ factor, loss weights). ``load_model`` reads refmp's files and GPT-2 state dicts 
 safetensors: a ``transformer.`` prefix is stripped, and the attention-mask buffers and the
 tied ``lm_head.weight`` are ignored. ``read_config`` says what configuration a file gives,
 with the flags the user gave winning over its metadata, and notes where they differ.
+Sharded checkpoints (one file per rank, any layout reads any other's) are refmp.state.
 """
 
 from __future__ import annotations
@@ -154,9 +155,10 @@ def read_config(path: str, n_head: int | None = None,
     return cfg, notes
 
 
-def load_model(path: str, n_head: int | None = None, dtype: str = "float32",
-               moe: dict | None = None) -> GPT:
-    """A GPT whose configuration is ``read_config(path, n_head, moe)``'s, with the file's weights."""
+def read_model(path: str, n_head: int | None = None,
+               moe: dict | None = None) -> tuple[GPTConfig, dict[str, np.ndarray]]:
+    """``read_config(path, n_head, moe)``'s GPTConfig and the file's tensors (host arrays, the
+    file's dtype, GPT-2's order), checked against that model's names and shapes."""
     cfg, _ = read_config(path, n_head, moe)  # the caller prints the notes on one rank
     tensors, _ = read_tensors(path)
     expected = param_shapes(cfg)
@@ -169,4 +171,11 @@ def load_model(path: str, n_head: int | None = None, dtype: str = "float32",
         if tuple(tensors[k].shape) != shape:
             raise ConfigError(f"--init {path}: {k} has shape {tuple(tensors[k].shape)}, "
                               f"expected {shape}")
-    return GPT(cfg, {k: backend.from_host(tensors[k].astype(dtype)) for k in expected})
+    return cfg, {k: tensors[k] for k in expected}
+
+
+def load_model(path: str, n_head: int | None = None, dtype: str = "float32",
+               moe: dict | None = None) -> GPT:
+    """A GPT whose configuration is ``read_config(path, n_head, moe)``'s, with the file's weights."""
+    cfg, tensors = read_model(path, n_head, moe)
+    return GPT(cfg, {k: backend.from_host(v.astype(dtype)) for k, v in tensors.items()})

@@ -1,4 +1,5 @@
-"""The ``refmp`` command: ``refmp train`` and ``refmp bench`` (also ``python -m refmp``).
+"""The ``refmp`` command: ``refmp train``, ``bench``, ``schedule`` and ``convert`` (also
+``python -m refmp``).
 
 Run it under MPI for more than one rank: ``mpiexec -n 2 refmp train --dp 2``.
 How a run ends when something goes wrong (refmp.faults, docs/faults.md): bad input prints
@@ -104,6 +105,17 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="write the trained model (full, GPT-2 names) once at the end")
     g.add_argument("--log-json", default=None, metavar="PATH",
                    help="one JSON object per step, then a summary object")
+    g = p.add_argument_group("checkpoints (docs/checkpoints.md)")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write sharded checkpoints DIR/step-NNNNNNNN/ (one file per rank and a "
+                        "manifest) at the end, and every --save-every steps")
+    g.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="a checkpoint every N steps (0: only at the end)")
+    g.add_argument("--keep", type=int, default=0, metavar="K",
+                   help="keep only the last K checkpoints in --checkpoint-dir (0: all)")
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from the latest complete checkpoint in DIR, saved by any "
+                        "layout; --steps is the total, counting the steps before")
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar")
 
@@ -162,7 +174,35 @@ def make_parser() -> argparse.ArgumentParser:
     from refmp.parallel.pipeline.command import add_schedule_parser
 
     add_schedule_parser(sub)
+    c = sub.add_parser("convert", help="a sharded checkpoint to one GPT-2 file, and back",
+                       description="`refmp convert DIR OUT.safetensors`: the checkpoint in DIR "
+                                   "(its latest, or DIR/step-N) as one GPT-2-named file, the "
+                                   "--save format; `refmp convert FILE.safetensors DIR`: a "
+                                   "1-rank checkpoint of those weights (step 0, no optimizer "
+                                   "state) that --resume reads into any layout; `refmp convert "
+                                   "--info DIR`: what a checkpoint holds, and who holds which "
+                                   "slice.")
+    c.add_argument("src", metavar="SRC", help="a checkpoint directory or a .safetensors file")
+    c.add_argument("out", metavar="OUT", nargs="?", help="the file or directory to write")
+    c.add_argument("--info", action="store_true", help="print what SRC holds; write nothing")
     return p
+
+
+def run_convert(args) -> None:
+    """``refmp convert``: one process, no MPI communication."""
+    from refmp import state
+
+    if args.info:
+        if args.out is not None:
+            raise ConfigError("--info prints what SRC holds and writes nothing: give no OUT")
+        print(state.info(args.src))
+    elif args.out is None:
+        raise ConfigError(f"convert {args.src}: give OUT (a .safetensors file or a directory), "
+                          f"or --info")
+    elif os.path.isfile(args.src):
+        print(f"wrote {state.from_gpt2(args.src, args.out)} (1 rank, step 0) from {args.src}")
+    else:
+        print(f"wrote {args.out} from {state.to_gpt2(args.src, args.out)}")
 
 
 def limit_threads() -> None:
@@ -208,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             from refmp.bench import run_bench
 
             run_bench(args)
+        elif args.command == "convert":
+            run_convert(args)
         elif args.command == "schedule":
             from refmp.parallel.pipeline.command import run_schedule
 

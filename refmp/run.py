@@ -1,4 +1,5 @@
-"""``refmp train`` as a command: progress, the JSON log, --save, --trace and the summary.
+"""``refmp train`` as a command: progress, the JSON log, checkpoints, --save, --trace and
+the summary.
 
 The step itself lives in refmp.train (Trainer); this module only drives it and reports.
 """
@@ -12,7 +13,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from refmp.errors import TrainingError
+from refmp.errors import ConfigError, TrainingError
 from refmp.faults import inject_fault
 from refmp.train import TrainConfig, Trainer
 
@@ -20,9 +21,15 @@ from refmp.train import TrainConfig, Trainer
 def run(cfg: TrainConfig) -> dict:
     """Train for cfg.steps steps; print progress and a summary on rank 0; return the summary."""
     from refmp.checkpoint import save_model
+    from refmp.state import check_flags, complete_steps
 
-    tr = Trainer(cfg)
+    check_flags(cfg)
+    tr = Trainer(cfg)  # with --resume: the weights, optimizer state and step of a checkpoint
     rank0 = tr.grid.rank == 0
+    start = tr.step_num
+    if start > cfg.steps:
+        raise ConfigError(f"--resume {tr.resumed['dir']} is at step {start}, beyond --steps "
+                          f"{cfg.steps} (--steps is the total, counting the steps before)")
     log = open(cfg.log_json, "w") if (rank0 and cfg.log_json) else None
     if rank0 and cfg.init:  # where a flag overrides the file, said once (the file was read)
         from refmp.checkpoint import moe_flags, read_config
@@ -34,9 +41,12 @@ def run(cfg: TrainConfig) -> dict:
         print(f"refmp train: {tr.ds.name}, {len(tr.ds.tokens):,} tokens, vocab {m.vocab_size}; "
               f"GPT {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {tr.T}, "
               f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}", flush=True)
-    bar = _progress(cfg.steps, rank0 and cfg.progress)
+    if rank0 and tr.resumed:
+        _print_resume(tr.resumed, cfg)
+    bar = _progress(cfg.steps - start, rank0 and cfg.progress)
     t_start, rec = time.perf_counter(), {}
-    for step in range(cfg.steps):
+    while tr.step_num < cfg.steps:  # --steps is the total: a resumed run does the rest
+        step = tr.step_num
         inject_fault(tr.grid.rank, step)  # a testing hook (REFMP_FAULT_RANK), off by default
         try:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -46,6 +56,9 @@ def run(cfg: TrainConfig) -> dict:
                 log.write(json.dumps({"error": str(e), "step": step}) + "\n")
                 log.close()
             raise
+        if cfg.checkpoint_dir and cfg.save_every and tr.step_num % cfg.save_every == 0 \
+                and tr.step_num < cfg.steps:  # the last one is written below
+            tr.save_checkpoint(cfg.checkpoint_dir, cfg.keep)
         if log:
             log.write(json.dumps(rec) + "\n")
         if bar is not None:
@@ -54,6 +67,11 @@ def run(cfg: TrainConfig) -> dict:
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t_start
+    if cfg.checkpoint_dir and (tr.step_num > start
+                               or tr.step_num not in complete_steps(cfg.checkpoint_dir)):
+        written = tr.save_checkpoint(cfg.checkpoint_dir, cfg.keep)  # always at the end
+        if rank0:
+            print(f"checkpoint of step {tr.step_num} written to {written}", flush=True)
     if cfg.trace:  # the last step's measured pipeline timeline (collective over pp)
         timeline = tr.runner.timeline()
         if rank0:
@@ -68,8 +86,9 @@ def run(cfg: TrainConfig) -> dict:
             save_model(cfg.save, full, tr.model.cfg)
         tr.grid.world.barrier()
     summary = {
-        "summary": True, "steps": cfg.steps, "final_loss": rec.get("loss"),
-        "tokens_per_s": cfg.steps * cfg.batch_size * tr.T / seconds, "seconds": seconds,
+        "summary": True, "steps": cfg.steps, "start_step": start, "final_loss": rec.get("loss"),
+        "tokens_per_s": (cfg.steps - start) * cfg.batch_size * tr.T / max(seconds, 1e-9),
+        "seconds": seconds,
         "accuracy": None if score is None else score[0] / max(1, score[1]),
         "comm": tr.grid.ledger.as_dict(), "memory_per_rank": memory,
         "layout": tr.grid.sizes, "device": tr.device_info, "config": asdict(cfg),
@@ -82,6 +101,19 @@ def run(cfg: TrainConfig) -> dict:
     if rank0:
         _print_summary(summary, score)
     return summary
+
+
+def _print_resume(man: dict, cfg: TrainConfig) -> None:
+    """Where the run continues from (the checkpoint's manifest), and the settings that differ
+    from the saved run's."""
+    from refmp.state import config_notes
+
+    lay = man["layout"]
+    saved = " x ".join(f"{a}={lay[a]}" for a in ("pp", "dp", "cp", "tp", "ep"))
+    print(f"refmp train: resuming from {man['dir']} at step {man['step']} of {cfg.steps} "
+          f"(saved on {saved}, ZeRO {lay['zero']})", flush=True)
+    for note in config_notes(man, cfg):
+        print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)
 
 
 def _progress(total: int, enabled: bool):
@@ -118,8 +150,11 @@ def _print_summary(s: dict, score) -> None:
     if "cuda_aware" in dev:
         print(f"device: {dev['device']} per rank; CUDA-aware MPI: {dev['cuda_aware']} "
               f"(from {dev['cuda_aware_source']}; {'direct' if dev['cuda_aware'] else 'staged'})")
-    print(f"done: {s['steps']} steps in {s['seconds']:.1f} s, final loss {s['final_loss']:.4f}, "
-          f"{s['tokens_per_s']:,.0f} tokens/s")
+    if s["final_loss"] is None:  # resumed at the last step: nothing left to train
+        print(f"done: the checkpoint was already at step {s['steps']}; nothing to train")
+    else:
+        print(f"done: {s['steps'] - s['start_step']} steps in {s['seconds']:.1f} s, final loss "
+              f"{s['final_loss']:.4f}, {s['tokens_per_s']:,.0f} tokens/s")
     if score is not None:
         print(f"held-out exact match: {score[0]}/{score[1]} = {100 * s['accuracy']:.1f}%")
     if "moe" in s:

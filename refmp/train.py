@@ -81,6 +81,10 @@ class TrainConfig:
     save: str | None = None
     log_json: str | None = None
     progress: bool = True
+    checkpoint_dir: str | None = None  # sharded checkpoints (refmp.state): DIR/step-{N:08d}/
+    save_every: int = 0  # a checkpoint every N steps (0: only at the end)
+    keep: int = 0  # keep the last K checkpoints (0: all)
+    resume: str | None = None  # continue from the latest complete checkpoint in this directory
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -307,6 +311,7 @@ class Trainer:
         self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
         self.opt = build_optimizer(cfg, self.runner.params, self.runner.decay)
         self.step_num = 0
+        self.resumed = self.resume(cfg.resume) if cfg.resume else None  # its manifest
 
     def step(self) -> dict:
         """One training step; returns {step, loss, grad_norm, lr, tokens, seconds}."""
@@ -332,6 +337,42 @@ class Trainer:
         rec.update(run.stats)  # e.g. MoE routing statistics
         self.step_num += 1
         return rec
+
+    # --- the state that later steps depend on (refmp.state writes and reads it) --------------
+
+    def optimizer_state(self) -> tuple[dict, dict]:
+        """({kind, t}, {moment: {piece: array}}): what the optimizer carries from step to
+        step, keyed like ``runner.params``. AdamW: t and the moments m, v; SGD: the momentum
+        buffers once they exist. The learning rate is not state: lr_at(cfg, step_num)."""
+        if isinstance(self.opt, AdamW):
+            return {"kind": "adamw", "t": self.opt.t}, {"m": self.opt.m, "v": self.opt.v}
+        moments = {"momentum": self.opt.state} if self.opt.state else {}
+        return {"kind": "sgd", "t": self.step_num}, moments
+
+    def load_optimizer_state(self, t: int, moments: dict) -> None:
+        """Set what optimizer_state returns; ``moments`` {moment: {piece: host array}}, a
+        moment not given starts at zero (AdamW) or absent (SGD, as before its first step)."""
+        if isinstance(self.opt, AdamW):
+            self.opt.t = t
+            for name, state in (("m", self.opt.m), ("v", self.opt.v)):
+                for k, a in state.items():
+                    a[...] = backend.from_host(moments[name][k]) if name in moments else 0
+        else:
+            self.opt.state = {k: backend.from_host(a).astype(self.runner.params[k].dtype)
+                              for k, a in moments.get("momentum", {}).items()}
+
+    def save_checkpoint(self, root: str, keep: int = 0) -> str:
+        """Write this step's state as ``root/step-{N:08d}`` (collective; refmp.state.save)."""
+        from refmp.state import save
+
+        return save(self, root, keep)
+
+    def resume(self, path: str) -> dict:
+        """Continue from the checkpoint at, or latest in, ``path``, saved by any layout
+        (collective; refmp.state.load). Returns its manifest."""
+        from refmp.state import load
+
+        return load(self, path)
 
     def evaluate(self) -> tuple[int, int] | None:
         """Held-out exact-match (correct, total), split over dp ranks; None without a task."""
