@@ -86,10 +86,13 @@ def check_writable_dir(path: str, flag: str) -> None:
 
 
 def check_outputs(cfg) -> None:
-    """The files rank 0 writes (--save, --log-json, --trace): writable, before any step."""
+    """What rank 0 writes (--save, --log-json, --trace files; the --checkpoint-dir folder,
+    which every rank writes into): writable, before any step."""
     for flag, path in (("--save", cfg.save), ("--log-json", cfg.log_json), ("--trace", cfg.trace)):
         if path is not None:
             check_writable_file(path, flag)
+    if cfg.checkpoint_dir is not None:
+        check_writable_dir(cfg.checkpoint_dir, "--checkpoint-dir")
 
 
 # --- during the run ---------------------------------------------------------------------------

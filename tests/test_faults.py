@@ -65,6 +65,7 @@ def bad_cases(tmp) -> dict[str, tuple[list[str], str]]:
         "save: read-only": (["--save", "/proc/refmp.safetensors"], "cannot write in /proc"),
         "log: no dir": (["--log-json", "/nonexistent/l.jsonl"], "--log-json /nonexistent/l.jsonl"),
         "log: a dir": (["--log-json", f"{tmp}/a_dir"], "is a directory"),
+        "checkpoints: read-only": (["--checkpoint-dir", "/proc/refmp-ckpt"], "cannot write in /proc"),
         "trace: no dir": (["--trace", "/nonexistent/t.json"], "--trace /nonexistent/t.json"),
         "memory: T": (["--block-size", "100000"], "not enough memory"),
         "memory: C": (["--n-embd", "65536", "--n-head", "1"], "not enough memory"),
@@ -77,7 +78,8 @@ NAMES = [  # the keys of bad_cases, in order (pytest ids)
     "weight decay nan", "grad clip -1", "grad clip inf", "momentum 1", "capacity nan",
     "aux loss -1", "warm-up > steps", "warm-up < 0", "min lr ratio 2", "seed -1",
     "bucket nan", "save: no dir", "save: a dir", "save: read-only", "log: no dir",
-    "log: a dir", "trace: no dir", "memory: T", "memory: C", "init truncated"]
+    "log: a dir", "checkpoints: read-only", "trace: no dir", "memory: T", "memory: C",
+    "init truncated"]
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +191,7 @@ def test_check_finite_names_step_and_quantity():
 
 
 def test_writable_paths(tmp_path):
-    """The helpers --save / --log-json / --trace use (and --checkpoint-dir may)."""
+    """The helpers --save / --log-json / --trace and --checkpoint-dir use."""
     check_writable_file(str(tmp_path / "x.safetensors"), "--save")
     (tmp_path / "old.jsonl").write_text("kept")
     check_writable_file(str(tmp_path / "old.jsonl"), "--log-json")
