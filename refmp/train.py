@@ -22,7 +22,7 @@ from refmp.data import AdditionTask, Dataset, get_batch, load_tokens, shuffle_pe
 from refmp.errors import ConfigError
 from refmp.grid import ProcessGrid
 from refmp.nn import GPT, GPTConfig
-from refmp.optim import SGD, AdamW, clip_grads
+from refmp.optim import SGD, AdamW, LossScaler, clip_grads
 
 
 @dataclass
@@ -73,6 +73,10 @@ class TrainConfig:
     trace: str | None = None  # write the last step's pipeline timeline (Chrome trace JSON)
     sequence_parallel: bool = False  # with --tp: shard LayerNorm/residual regions along T
     recompute: str = "none"  # activation recomputation: none, selective or full
+    mixed_precision: str = "none"  # none, bf16 or fp16: compute copy, activations, gradients
+    grad_dtype: str = "compute"  # with mixed precision: gradients in the compute dtype or fp32
+    loss_scale_init: float = 65536.0  # fp16: the initial dynamic loss scale (2^16)
+    loss_scale_window: int = 1000  # fp16: double the scale after this many good steps
     init: str | None = None
     save: str | None = None
     log_json: str | None = None
@@ -108,6 +112,17 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"--cp-algo must be ring or ulysses, got {cfg.cp_algo!r}")
     if cfg.cp_balance not in ("zigzag", "contiguous"):
         raise ConfigError(f"--cp-balance must be zigzag or contiguous, got {cfg.cp_balance!r}")
+    if cfg.mixed_precision not in ("none", "bf16", "fp16"):
+        raise ConfigError(f"--mixed-precision must be none, bf16 or fp16, got "
+                          f"{cfg.mixed_precision!r}")
+    if cfg.grad_dtype not in ("compute", "fp32"):
+        raise ConfigError(f"--grad-dtype must be compute or fp32, got {cfg.grad_dtype!r}")
+    if cfg.grad_dtype != "compute" and cfg.mixed_precision == "none":
+        raise ConfigError("--grad-dtype fp32 needs --mixed-precision bf16 or fp16")
+    if cfg.mixed_precision == "bf16" and cfg.device == "gpu":
+        raise ConfigError("--mixed-precision bf16 runs on the CPU (ml_dtypes); on the GPU use fp16")
+    if cfg.loss_scale_init <= 0 or cfg.loss_scale_window < 1:
+        raise ConfigError("--loss-scale-init must be positive and --loss-scale-window at least 1")
     if not 1 <= cfg.digits <= 6:
         raise ConfigError(f"--digits must be between 1 and 6, got {cfg.digits}")
 
@@ -168,7 +183,8 @@ class Runner(Protocol):
 
     def zero_grad(self) -> None: ...
 
-    def forward_backward(self, x, y, denom: int) -> None: ...  # grads += this rank's share
+    def forward_backward(self, x, y, denom: int, dloss: float = 1.0) -> None: ...  # grads +=
+    # this rank's share; dloss: the gradient backward starts from (fp16's loss scale)
 
     def reduce_grads(self) -> None: ...  # grads become the global gradient's owned pieces
 
@@ -259,29 +275,40 @@ class Trainer:
         self.rows = self.runner.batch_rows(cfg.batch_size)
         self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
         self.opt = build_optimizer(cfg, self.runner.params, self.runner.decay)
+        # fp16: dynamic loss scaling (its state is training state: checkpoints save
+        # self.scaler.state()); bf16 has fp32's range and needs none
+        self.scaler = (LossScaler(cfg.loss_scale_init, cfg.loss_scale_window)
+                       if cfg.mixed_precision == "fp16" else None)
         self.step_num = 0
 
     def step(self) -> dict:
-        """One training step; returns {step, loss, grad_norm, lr, tokens, seconds}."""
+        """One training step; returns {step, loss, grad_norm, lr, tokens, seconds} (and with
+        fp16 the loss scale the step used and whether it was skipped for an overflow)."""
         cfg, run = self.cfg, self.runner
         t0 = time.perf_counter()
         x, y = get_batch(self.ds.tokens, self.step_num, cfg.batch_size, self.T, self.rows, self.perm)
         x, y = backend.from_host(x), backend.from_host(y)
         run.zero_grad()
         denom = cfg.batch_size * self.T  # the global token count: each rank's loss is a share
-        run.forward_backward(x, y, denom)
+        scale = self.scaler.scale if self.scaler else 1.0
+        run.forward_backward(x, y, denom, scale)  # backward starts from the loss scale
         run.reduce_grads()  # now grads is the global gradient of this rank's pieces
         norm = float("nan")
-        if cfg.grad_clip > 0:
-            norm = run.grad_norm()
+        if cfg.grad_clip > 0 or self.scaler:
+            norm = run.grad_norm()  # fp16: also the overflow check, agreed by every rank
+        take = self.scaler.update(math.isfinite(norm)) if self.scaler else True
+        if cfg.grad_clip > 0 and take:
             clip_grads(run.grads, cfg.grad_clip, norm)
         self.opt.lr = lr_at(cfg, self.step_num)
-        self.opt.step(run.grads)
-        run.after_step()  # ZeRO 1/2: all-gather the updated parameter shards
+        if take:  # an fp16 overflow skips the whole update (moments and step count too)
+            self.opt.step(run.grads)
+            run.after_step()  # the compute copy from the masters; ZeRO 1/2: all-gather
         loss = run.loss_total()
         backend.sync()
         rec = {"step": self.step_num, "loss": loss, "grad_norm": norm, "lr": self.opt.lr,
                "tokens": cfg.batch_size * self.T, "seconds": time.perf_counter() - t0}
+        if self.scaler:
+            rec.update(loss_scale=scale, skipped=not take)
         rec.update(run.stats)  # e.g. MoE routing statistics
         self.step_num += 1
         return rec
@@ -305,4 +332,5 @@ class Trainer:
             "optimizer": self.opt.state_bytes(),
         }
         mem.update(run.memory())  # the runner's own buffers and peak activations
+        mem["optimizer"] += mem.pop("masters", 0)  # mixed precision: fp32 masters (ZeRO's 12)
         return mem
