@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -291,11 +292,14 @@ class Trainer:
         run.zero_grad()
         denom = cfg.batch_size * self.T  # the global token count: each rank's loss is a share
         scale = self.scaler.scale if self.scaler else 1.0
-        run.forward_backward(x, y, denom, scale)  # backward starts from the loss scale
-        run.reduce_grads()  # now grads is the global gradient of this rank's pieces
-        norm = float("nan")
-        if cfg.grad_clip > 0 or self.scaler:
-            norm = run.grad_norm()  # fp16: also the overflow check, agreed by every rank
+        # fp16: an overflow is expected now and then (that is what the scaler is for)
+        quiet = np.errstate(over="ignore", invalid="ignore") if self.scaler else nullcontext()
+        with quiet:
+            run.forward_backward(x, y, denom, scale)  # backward starts from the loss scale
+            run.reduce_grads()  # now grads is the global gradient of this rank's pieces
+            norm = float("nan")
+            if cfg.grad_clip > 0 or self.scaler:
+                norm = run.grad_norm()  # fp16: also the overflow check, agreed by all ranks
         take = self.scaler.update(math.isfinite(norm)) if self.scaler else True
         if cfg.grad_clip > 0 and take:
             clip_grads(run.grads, cfg.grad_clip, norm)
