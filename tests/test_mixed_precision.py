@@ -291,3 +291,12 @@ def test_mixed_precision_flags_are_checked():
         with pytest.raises(ConfigError):
             check_config(TrainConfig(**bad))
     assert set(COMPUTE) == {"bf16", "fp16"}
+
+
+@pytest.mark.tutorial
+def test_tutorial_10_memory():
+    from mpi_helpers import mpiexec
+
+    r = mpiexec(2, ["python", "tutorials/10_memory.py"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: memory per rank equals the formulas" in r.stdout

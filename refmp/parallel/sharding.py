@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from refmp.backend import array_module
 from refmp.comm import Comm, wait
 
@@ -118,8 +120,8 @@ class Sharder:
         self.stage, self.groups, self.bucket_bytes = stage, groups, int(bucket_mb * 2**20)
         p0 = next(iter(local.values()))
         self.xp, self.dtype = array_module(p0), p0.dtype  # dtype: the masters' (--dtype)
-        self.compute = self.xp.dtype(compute or self.dtype)  # what the model computes on
-        self.gdtype = self.xp.dtype(grad_dtype or self.compute)  # gradients, and their sums
+        self.compute = np.dtype(compute or self.dtype)  # what the model computes on
+        self.gdtype = np.dtype(grad_dtype or self.compute)  # gradients, and their sums
         self.mixed = self.compute != self.dtype
         self.units = {u: Unit(u, {k: tuple(local[k].shape) for k in ks},
                               groups[u].size if stage else 1, groups[u].rank if stage else 0)
@@ -181,8 +183,6 @@ class Sharder:
     def owned_index(self, index: dict) -> dict:
         """The owned pieces of ``index`` (name -> integer array shaped like the local shard,
         -1 where nothing global is held), by piece name, as ``params`` is split."""
-        import numpy as np
-
         out = {}
         for U in self.units.values():
             flat = U.flatten({k: index[k] + 1 for k in U.shapes}, np, np.int64) - 1  # pad: -1
