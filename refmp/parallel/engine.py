@@ -141,8 +141,7 @@ class Engine:
 
     @property
     def grads(self) -> dict:
-        """The owned gradient pieces; with mixed precision, after reduce_grads, their fp32
-        unscaled copies (what clipping and the optimizer use with the fp32 masters)."""
+        """The owned gradient pieces (mixed precision: fp32 and unscaled after reduce_grads)."""
         return self._master if self._master is not None else self.sharder.grads
 
     @property
