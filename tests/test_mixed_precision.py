@@ -302,3 +302,22 @@ def test_tutorial_10_memory():
     r = mpiexec(2, ["python", "tutorials/10_memory.py"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: memory per rank equals the formulas" in r.stdout
+
+
+def test_train_takes_the_flags_and_reports_2_2_12(tmp_path):
+    import json
+
+    from mpi_helpers import refmp
+
+    log = tmp_path / "log.jsonl"
+    r = refmp(2, ["train", "--dp", "2", "--zero", "1", "--mixed-precision", "fp16", "--steps",
+                  "3", "--batch-size", "8", "--no-progress", "--log-json", str(log)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [rec["loss_scale"] for rec in recs[:-1]] == [65536.0] * 3
+    N = 101_760  # the addition task's default model
+    mem = recs[-1]["memory_per_rank"][0]
+    held = mem["params"] // 2  # elements: the units, each padded to a multiple of dp = 2
+    assert mem["grads"] == mem["params"] and N <= held < N + 2 * 8  # 8 units
+    assert mem["optimizer"] == 12 * held // 2  # ZeRO-1: 12 bytes for my half
+    assert recs[-1]["config"]["mixed_precision"] == "fp16"
