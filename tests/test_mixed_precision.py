@@ -23,7 +23,7 @@ layout, the compute copy equals the masters rounded to the compute dtype, bitwis
 Memory and bytes are exact: ZeRO's 2 + 2 + 12 bytes per parameter split by stage, the
 activations half of fp32's (all but the integer token ids), every collective and message
 half of fp32's bytes (the vocab-parallel cross-entropy's three (N,) all-reduces excepted:
-they run in fp32, inside the autocast; so is an MoE layer's all-to-all, not tested here).
+they run in fp32, inside the autocast).
 """
 
 from unittest import mock

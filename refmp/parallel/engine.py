@@ -98,7 +98,7 @@ class Engine:
         compute, gdtype = mixed_dtypes(cfg)  # None, None without --mixed-precision
         self.sharder = Sharder(local, units, groups, cfg.zero, cfg.bucket_mb, compute, gdtype)
         # experts: where they run, and the ranks a sequence is split over (its MoE rules)
-        self.dispatch = ExpertDispatch(self.ep, mc.n_expert) if s["ep"] > 1 else None
+        self.dispatch = ExpertDispatch(self.ep, mc.n_expert, compute) if s["ep"] > 1 else None
         seq = None
         if s["cp"] > 1 or self.sp:
             n = self.tp.size if self.sp else 1  # with SP each cp part is split again over tp
