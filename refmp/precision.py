@@ -39,11 +39,6 @@ def mixed_dtypes(cfg):
     return compute, (compute if cfg.grad_dtype == "compute" else np.dtype(np.float32))
 
 
-def is_low(dtype) -> bool:
-    """True for the 16-bit compute dtypes (bf16, fp16)."""
-    return np.dtype(dtype) in LOW
-
-
 def _low_of(obj):
     """The first 16-bit dtype among the arrays in ``obj`` (tuples, lists, dicts), or None."""
     if isinstance(obj, (tuple, list)):

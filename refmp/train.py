@@ -5,6 +5,10 @@ One step, on every rank, whatever the layout (the runner is refmp.parallel.engin
   2. forward and backward, the loss being this rank's share of the global mean;
   3. reduce: every gradient piece this rank owns becomes the global gradient's;
   4. clip by the global norm, then the optimizer step on the owned pieces.
+With --mixed-precision (refmp.precision) the pieces the optimizer sees are fp32 masters and
+fp32 gradients; with fp16, backward starts from the loss scale, and a step whose gradient
+norm is not finite (an overflow, on any rank) is skipped and the scale halved
+(refmp.optim.LossScaler).
 """
 
 from __future__ import annotations
