@@ -16,6 +16,10 @@ With --recompute the FLOPs executed exceed the model's: the extra forward work i
 apart (``recompute_gflops``, ``hardware_gflops``: Narayanan et al. 2021, eq. 3), and MFU
 stays model FLOPs over peak.
 
+With --mixed-precision bf16 or fp16 the products still run in fp32 on the CPU (BLAS has no
+bf16 kernel; refmp.precision), on operands rounded to the compute dtype: the peak is the
+fp32 product's, and what mixed precision changes here is the bytes (memory, the ledger).
+
 MFU divides the achieved FLOP/s by a peak that the command measures itself: every rank
 times a large float32/float64 matrix product at the same moment (so oversubscribed ranks
 see the cores they really share), and the peaks are summed.
@@ -66,7 +70,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 # TrainConfig fields that bench takes from train's own flags, as given (cli.add_layout_args,
 # cli.add_moe_args)
 LAYOUT = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "microbatches", "bucket_mb",
-          "schedule", "virtual_stages", "stage_layers", "cp_algo", "cp_balance", "recompute")
+          "schedule", "virtual_stages", "stage_layers", "cp_algo", "cp_balance", "recompute",
+          "mixed_precision", "grad_dtype", "loss_scale_init", "loss_scale_window")
 MOE = ("n_expert", "top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
@@ -202,6 +207,8 @@ def print_report(out: dict, args) -> None:
     extra += [f"cp {lay['cp_algo']} {lay['cp_balance']}"] if lay["cp"] > 1 else []
     extra += [f"{lay['microbatches']} micro-batches"] if lay["microbatches"] > 1 else []
     extra += [f"recompute {lay['recompute']}"] if lay["recompute"] != "none" else []
+    extra += ([f"mixed precision {lay['mixed_precision']} (gradients {lay['grad_dtype']})"]
+              if lay["mixed_precision"] != "none" else [])
     moe = out["model"]
     print(f"refmp bench: preset {args.preset} {moe}, {out['params']:,} parameters, "
           f"{out['world_size']} rank(s)")

@@ -145,6 +145,7 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="activation recomputation (Korthikanti et al. 2022): full keeps each "
                         "block's input and recomputes its forward in backward; selective "
                         "recomputes attention's softmax; same results, bitwise (none)")
+    add_precision_args(p)
     from refmp.parallel.pipeline.command import add_pipeline_args
 
     add_pipeline_args(p)
@@ -154,6 +155,23 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp-balance", choices=["zigzag", "contiguous"], default="zigzag",
                    help="zigzag: rank r holds chunks r and 2cp-1-r of 2cp, equal causal work "
                         "(default); contiguous: chunk r of cp")
+
+
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    """Mixed precision (train and bench): the compute dtype, the gradients', fp16's loss scale."""
+    g = p.add_argument_group("mixed precision (Micikevicius et al. 2018)")
+    g.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default="none",
+                   help="compute copy of the weights, activations and gradients in bf16 or "
+                        "fp16, fp32 master weights and optimizer state (--dtype); on the CPU "
+                        "products run in fp32 on the rounded operands (none)")
+    g.add_argument("--grad-dtype", choices=["compute", "fp32"], default="compute",
+                   help="with --mixed-precision: accumulate and reduce gradients in the "
+                        "compute dtype or in fp32 (compute)")
+    g.add_argument("--loss-scale-init", type=float, default=65536.0,
+                   help="fp16: initial dynamic loss scale (65536)")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="fp16: double the loss scale after this many steps without "
+                        "overflow; an overflow skips the step and halves it (1000)")
 
 
 def make_parser() -> argparse.ArgumentParser:

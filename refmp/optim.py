@@ -123,3 +123,33 @@ def clip_grads(grads: dict, max_norm: float, norm: float) -> None:
     if coef < 1.0:
         for g in grads.values():
             g *= coef
+
+
+class LossScaler:
+    """fp16's dynamic loss scaling (Micikevicius et al. 2018, sec. 3.2; as torch's GradScaler
+    and Megatron's DynamicGradScaler): backward starts from ``scale`` instead of 1, so that
+    small gradients survive fp16's range (its smallest normal is 6e-5); the gradients are
+    divided by it again, in fp32, before the optimizer. A step whose gradient holds an inf or
+    a NaN (the global norm is then not finite: the same answer on every rank, from one
+    all-reduce) is skipped and the scale halved; after ``window`` good steps in a row it
+    doubles. ``scale`` and ``good`` are training state (a checkpoint saves ``state()``).
+    """
+
+    def __init__(self, scale: float = 65536.0, window: int = 1000, min_scale: float = 1.0):
+        self.scale, self.window, self.min_scale, self.good = float(scale), window, min_scale, 0
+
+    def update(self, finite: bool) -> bool:
+        """After a step's gradient norm: True when the step may be taken."""
+        if not finite:
+            self.scale, self.good = max(self.min_scale, self.scale / 2), 0
+            return False
+        self.good += 1
+        if self.good >= self.window:
+            self.scale, self.good = self.scale * 2, 0
+        return True
+
+    def state(self) -> dict:
+        return {"scale": self.scale, "good": self.good}
+
+    def load_state(self, state: dict) -> None:
+        self.scale, self.good = float(state["scale"]), int(state["good"])

@@ -376,7 +376,9 @@ def load(tr, path: str) -> dict:
         p[...] = backend.from_host(mine("param", k))
     tr.load_optimizer_state(man["optimizer"]["t"] if man["optimizer"]["kind"] else 0,
                             {m: {k: mine(m, k) for k in run.params} for m in kinds[1:]})
-    run.after_step()  # ZeRO 1/2: all-gather the owned slices into the full buffers
+    if tr.scaler is not None and "loss_scale" in man["optimizer"]:  # fp16's dynamic scale
+        tr.scaler.load_state(man["optimizer"]["loss_scale"])
+    run.after_step()  # the compute copy from the pieces; ZeRO 1/2: all-gather them
     tr.step_num = int(man["step"])
     return man
 

@@ -7,12 +7,17 @@ One step, on every rank, whatever the layout (the runner is refmp.parallel.engin
   4. stop if the global loss or gradient norm is not finite (every rank sees the same
      values, so every rank stops: refmp.faults), else clip by the global norm, then the
      optimizer step on the owned pieces.
+With --mixed-precision (refmp.precision) the pieces the optimizer sees are fp32 masters and
+fp32 gradients; with fp16, backward starts from the loss scale, and a step whose gradient
+norm is not finite (an overflow, on any rank) is skipped and the scale halved
+(refmp.optim.LossScaler) instead of stopping the run.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,7 +31,7 @@ from refmp.faults import check_finite, check_outputs
 from refmp.grid import ProcessGrid
 from refmp.memory_check import check_memory
 from refmp.nn import GPT, GPTConfig
-from refmp.optim import SGD, AdamW, clip_grads
+from refmp.optim import SGD, AdamW, LossScaler, clip_grads
 
 
 @dataclass
@@ -77,6 +82,10 @@ class TrainConfig:
     trace: str | None = None  # write the last step's pipeline timeline (Chrome trace JSON)
     sequence_parallel: bool = False  # with --tp: shard LayerNorm/residual regions along T
     recompute: str = "none"  # activation recomputation: none, selective or full
+    mixed_precision: str = "none"  # none, bf16 or fp16: compute copy, activations, gradients
+    grad_dtype: str = "compute"  # with mixed precision: gradients in the compute dtype or fp32
+    loss_scale_init: float = 65536.0  # fp16: the initial dynamic loss scale (2^16)
+    loss_scale_window: int = 1000  # fp16: double the scale after this many good steps
     init: str | None = None
     save: str | None = None
     log_json: str | None = None
@@ -140,6 +149,17 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"--cp-algo must be ring or ulysses, got {cfg.cp_algo!r}")
     if cfg.cp_balance not in ("zigzag", "contiguous"):
         raise ConfigError(f"--cp-balance must be zigzag or contiguous, got {cfg.cp_balance!r}")
+    if cfg.mixed_precision not in ("none", "bf16", "fp16"):
+        raise ConfigError(f"--mixed-precision must be none, bf16 or fp16, got "
+                          f"{cfg.mixed_precision!r}")
+    if cfg.grad_dtype not in ("compute", "fp32"):
+        raise ConfigError(f"--grad-dtype must be compute or fp32, got {cfg.grad_dtype!r}")
+    if cfg.grad_dtype != "compute" and cfg.mixed_precision == "none":
+        raise ConfigError("--grad-dtype fp32 needs --mixed-precision bf16 or fp16")
+    if cfg.mixed_precision == "bf16" and cfg.device == "gpu":
+        raise ConfigError("--mixed-precision bf16 runs on the CPU (ml_dtypes); on the GPU use fp16")
+    if cfg.loss_scale_init <= 0 or cfg.loss_scale_window < 1:
+        raise ConfigError("--loss-scale-init must be positive and --loss-scale-window at least 1")
     if not 1 <= cfg.digits <= 6:
         raise ConfigError(f"--digits must be between 1 and 6, got {cfg.digits}")
 
@@ -210,7 +230,8 @@ class Runner(Protocol):
 
     def zero_grad(self) -> None: ...
 
-    def forward_backward(self, x, y, denom: int) -> None: ...  # grads += this rank's share
+    def forward_backward(self, x, y, denom: int, dloss: float = 1.0) -> None: ...  # grads +=
+    # this rank's share; dloss: the gradient backward starts from (fp16's loss scale)
 
     def reduce_grads(self) -> None: ...  # grads become the global gradient's owned pieces
 
@@ -310,30 +331,44 @@ class Trainer:
         self.rows = self.runner.batch_rows(cfg.batch_size)
         self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
         self.opt = build_optimizer(cfg, self.runner.params, self.runner.decay)
+        # fp16: dynamic loss scaling (its state is training state: checkpoints save
+        # self.scaler.state()); bf16 has fp32's range and needs none
+        self.scaler = (LossScaler(cfg.loss_scale_init, cfg.loss_scale_window)
+                       if cfg.mixed_precision == "fp16" else None)
         self.step_num = 0
         self.resumed = self.resume(cfg.resume) if cfg.resume else None  # its manifest
 
     def step(self) -> dict:
-        """One training step; returns {step, loss, grad_norm, lr, tokens, seconds}."""
+        """One training step; returns {step, loss, grad_norm, lr, tokens, seconds} (and with
+        fp16 the loss scale the step used and whether it was skipped for an overflow)."""
         cfg, run = self.cfg, self.runner
         t0 = time.perf_counter()
         x, y = get_batch(self.ds.tokens, self.step_num, cfg.batch_size, self.T, self.rows, self.perm)
         x, y = backend.from_host(x), backend.from_host(y)
         run.zero_grad()
         denom = cfg.batch_size * self.T  # the global token count: each rank's loss is a share
-        run.forward_backward(x, y, denom)
-        run.reduce_grads()  # now grads is the global gradient of this rank's pieces
-        norm = run.grad_norm()  # global: also without clipping, for the check below
+        scale = self.scaler.scale if self.scaler else 1.0
+        # fp16: an overflow is expected now and then (that is what the scaler is for)
+        quiet = np.errstate(over="ignore", invalid="ignore") if self.scaler else nullcontext()
+        with quiet:
+            run.forward_backward(x, y, denom, scale)  # backward starts from the loss scale
+            run.reduce_grads()  # now grads is the global gradient of this rank's pieces
+            norm = run.grad_norm()  # global: also without clipping, for the checks below
         loss = run.loss_total()  # global (the forward's): the same on every rank
-        check_finite(self.step_num, loss, norm)  # every rank stops here, before the update
-        if cfg.grad_clip > 0:
+        take = self.scaler.update(math.isfinite(norm)) if self.scaler else True
+        # every rank stops here, before the update (an fp16 overflow is skipped instead)
+        check_finite(self.step_num, loss, norm if take else 0.0)
+        if cfg.grad_clip > 0 and take:
             clip_grads(run.grads, cfg.grad_clip, norm)
         self.opt.lr = lr_at(cfg, self.step_num)
-        self.opt.step(run.grads)
-        run.after_step()  # ZeRO 1/2: all-gather the updated parameter shards
+        if take:  # an fp16 overflow skips the whole update (moments and step count too)
+            self.opt.step(run.grads)
+            run.after_step()  # the compute copy from the masters; ZeRO 1/2: all-gather
         backend.sync()
         rec = {"step": self.step_num, "loss": loss, "grad_norm": norm, "lr": self.opt.lr,
                "tokens": cfg.batch_size * self.T, "seconds": time.perf_counter() - t0}
+        if self.scaler:
+            rec.update(loss_scale=scale, skipped=not take)
         rec.update(run.stats)  # e.g. MoE routing statistics
         self.step_num += 1
         return rec
@@ -343,11 +378,14 @@ class Trainer:
     def optimizer_state(self) -> tuple[dict, dict]:
         """({kind, t}, {moment: {piece: array}}): what the optimizer carries from step to
         step, keyed like ``runner.params``. AdamW: t and the moments m, v; SGD: the momentum
-        buffers once they exist. The learning rate is not state: lr_at(cfg, step_num)."""
+        buffers once they exist; with fp16 the loss scaler's state. The learning rate is not
+        state: lr_at(cfg, step_num)."""
+        scale = {"loss_scale": self.scaler.state()} if self.scaler else {}  # fp16's scaler
         if isinstance(self.opt, AdamW):
-            return {"kind": "adamw", "t": self.opt.t}, {"m": self.opt.m, "v": self.opt.v}
+            return ({"kind": "adamw", "t": self.opt.t, **scale},
+                    {"m": self.opt.m, "v": self.opt.v})
         moments = {"momentum": self.opt.state} if self.opt.state else {}
-        return {"kind": "sgd", "t": self.step_num}, moments
+        return {"kind": "sgd", "t": self.step_num, **scale}, moments
 
     def load_optimizer_state(self, t: int, moments: dict) -> None:
         """Set what optimizer_state returns; ``moments`` {moment: {piece: host array}}, a
@@ -393,4 +431,5 @@ class Trainer:
             "optimizer": self.opt.state_bytes(),
         }
         mem.update(run.memory())  # the runner's own buffers and peak activations
+        mem["optimizer"] += mem.pop("masters", 0)  # mixed precision: fp32 masters (ZeRO's 12)
         return mem

@@ -61,6 +61,8 @@ SAME_LAYOUT = [
     ("float64", dict(dp=2, pp=2, zero=3, microbatches=2, optimizer="sgd", momentum=0.9)),
     ("float32", dict(n_expert=4, dp=2, cp=2, ep=2, zero=2)),
     ("float64", dict(dp=4, zero=0)),
+    # fp16: the fp32 masters and the loss scale (2^40 overflows, halving, in the first steps)
+    ("float32", dict(tp=2, dp=2, zero=1, mixed_precision="fp16", loss_scale_init=2.0**40)),
 ]
 
 

@@ -34,6 +34,7 @@ from refmp.nn.params import (  # noqa: F401  (re-exported: refmp.nn.gpt is where
     init_params,
     param_shapes,
 )
+from refmp.precision import autocast
 
 # --- the pieces -----------------------------------------------------------------------------
 
@@ -177,6 +178,7 @@ def block_backward_weight(todo: list, ops: Ops) -> dict:
     return g
 
 
+@autocast
 def head_forward(p: dict, x, targets=None, denom=None):
     """Final LayerNorm, tied LM head (logits = x wte^T), and cross-entropy if targets given.
 
@@ -190,6 +192,7 @@ def head_forward(p: dict, x, targets=None, denom=None):
     return loss, (ln_f, h, p["wte.weight"], ce)
 
 
+@autocast
 def head_backward(dloss, cache):
     """Returns dx and the head's gradients (ln_f and its share of the tied wte)."""
     ln_f, h, wte, ce = cache

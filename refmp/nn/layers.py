@@ -8,6 +8,11 @@ gradient ``dout`` and that cache and returns the gradients of the forward's inpu
 order of the forward's arguments. The caller owns the cache; nothing here keeps state.
 Backward passes mirror their forward: sections in reverse order, and the forward line each
 step inverts is quoted where it is not obvious.
+
+Mixed precision: each layer is wrapped in refmp.precision.autocast. Given bf16 or fp16
+arrays it computes in fp32 (BLAS has no bf16 kernel; LayerNorm statistics, softmax and
+cross-entropy want fp32 anyway) and rounds what it returns, caches included, to that dtype.
+Given fp32 or fp64 arrays it is the plain function.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import math
 
 from refmp.backend import array_module, scatter_add
+from refmp.precision import autocast
 
 LN_EPS = 1e-5
 GELU_K = math.sqrt(2.0 / math.pi)
@@ -29,6 +35,7 @@ def embedding_forward(idx, w):
     return out, (idx, w.shape)
 
 
+@autocast
 def embedding_backward(dout, cache):
     """dw[v] = sum of dout over the positions where idx == v (a scatter-add)."""
     idx, w_shape = cache
@@ -41,6 +48,7 @@ def embedding_backward(dout, cache):
 # --- linear: y = x @ w + b, w stored (in, out) as in GPT-2's Conv1D -----------------------
 
 
+@autocast
 def linear_forward(x, w, b=None):
     """y = x W + b for x (..., in), W (in, out), b (out,)."""
     # one (N, in) x (in, out) product: a single large BLAS call, not one per batch row
@@ -61,12 +69,14 @@ def linear_backward(dout, cache):
     return dx, dw, db
 
 
+@autocast
 def linear_backward_input(dout, cache):
     """The input half of linear_backward: dx = dout W^T (zero-bubble's B pass, Qi et al. 2023)."""
     x, w, has_bias = cache
     return (dout.reshape(-1, dout.shape[-1]) @ w.T).reshape(*dout.shape[:-1], w.shape[0])
 
 
+@autocast
 def linear_backward_weight(dout, cache):
     """The weight half of linear_backward: dW = x^T dout, db = sum of dout (zero-bubble's W)."""
     x, w, has_bias = cache
@@ -78,6 +88,7 @@ def linear_backward_weight(dout, cache):
 # --- LayerNorm: y = (x - mean) / sqrt(var + eps) * w + b over the last axis -------------
 
 
+@autocast
 def layernorm_forward(x, w, b):
     """Normalize each token's C channels, then scale and shift (Ba et al. 2016)."""
     xp = array_module(x)
@@ -91,6 +102,7 @@ def layernorm_forward(x, w, b):
     return out, (xhat, rstd, w)
 
 
+@autocast
 def layernorm_backward(dout, cache):
     """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), with dxhat = dout * w."""
     xhat, rstd, w = cache
@@ -107,6 +119,7 @@ def layernorm_backward(dout, cache):
 # --- GELU, tanh approximation (as GPT-2) ---------------------------------------------------
 
 
+@autocast
 def gelu_forward(x):
     """gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi)."""
     xp = array_module(x)
@@ -123,6 +136,7 @@ def gelu_forward(x):
     return out, (x, th)
 
 
+@autocast
 def gelu_backward(dout, cache):
     """d gelu/dx = 0.5 (1 + th) + 0.5 x (1 - th^2) k (1 + 3 * 0.044715 x^2).
 
@@ -142,6 +156,7 @@ def gelu_backward(dout, cache):
 # --- causal multi-head self-attention (the core, without the two projections) ------------
 
 
+@autocast
 def attention_forward(qkv, n_head, keep_scores: bool = True):
     """softmax(q k^T / sqrt(HS) + causal mask) v, batched over B and NH (Vaswani et al. 2017).
 
@@ -164,6 +179,7 @@ def attention_forward(qkv, n_head, keep_scores: bool = True):
     return y, (q, k, v, att if keep_scores else None, scale)
 
 
+@autocast
 def attention_weights(q, k, scale):
     """softmax(q k^T * scale) with the causal mask: (B, NH, T, T)."""
     xp = array_module(q)
@@ -178,6 +194,7 @@ def attention_weights(q, k, scale):
     return att
 
 
+@autocast
 def attention_backward(dout, cache):
     """Gradient of attention_forward with respect to qkv (B, T, 3C)."""
     q, k, v, att, scale = cache
@@ -205,6 +222,7 @@ def attention_backward(dout, cache):
 # --- attention over one block of keys, with its log-sum-exp (for ring attention) ---------
 
 
+@autocast
 def attention_block_forward(q, k, v, scale, causal=False):
     """Attention of queries ``q`` over one block of keys/values, and the row log-sum-exp.
 
@@ -230,6 +248,7 @@ def attention_block_forward(q, k, v, scale, causal=False):
     return y, lse
 
 
+@autocast
 def attention_merge(y1, lse1, y2, lse2):
     """Merge two partial attentions over disjoint key sets (the online-softmax rule):
 
@@ -243,6 +262,7 @@ def attention_merge(y1, lse1, y2, lse2):
     return y, lse
 
 
+@autocast
 def attention_block_backward(dy, q, k, v, y, lse, scale, causal=False):
     """This block's share of the attention gradient, given the *merged* y and lse of each row.
 
@@ -271,6 +291,7 @@ def attention_block_backward(dy, q, k, v, y, lse, scale, causal=False):
 # --- softmax cross-entropy -----------------------------------------------------------------
 
 
+@autocast
 def cross_entropy_forward(logits, targets, denom=None):
     """loss = -sum_i log softmax(logits_i)[targets_i] / denom.
 
@@ -291,6 +312,7 @@ def cross_entropy_forward(logits, targets, denom=None):
     return loss, (shifted, lse, tg, denom, logits.shape)
 
 
+@autocast
 def cross_entropy_backward(dout, cache):
     """dlogits = (softmax(logits) - onehot(targets)) / denom * dout."""
     shifted, lse, tg, denom, shape = cache

@@ -68,6 +68,7 @@ import numpy as np
 
 from refmp import backend
 from refmp.nn import layers as L
+from refmp.precision import autocast
 
 EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
 EXPERT_PARAMS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
@@ -225,6 +226,7 @@ def routing_summary(raw, E: int) -> dict:
             "aux_loss": float(raw[-2]), "z_loss": float(raw[-1]), "raw": raw}
 
 
+@autocast
 def moe_forward(p: dict, h, ctx: MoEContext):
     """The MoE MLP on h (B, T, C); returns (out (B, T, C), MoECache). See the module doc."""
     xp = backend.array_module(h)
@@ -277,6 +279,7 @@ def moe_forward(p: dict, h, ctx: MoEContext):
     return out.reshape(B, T, C), cache
 
 
+@autocast
 def moe_backward(dout, cache: MoECache, dloss: float = 1.0):
     """Mirror of moe_forward: dh (B, T, C) and the layer's gradients (names inside the block).
 

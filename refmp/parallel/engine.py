@@ -46,6 +46,7 @@ from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.placement import gather_experts, gather_tp, place, tp_shard, unit_of
 from refmp.parallel.sharding import Sharder
+from refmp.precision import mixed_dtypes
 
 TIED_TAG = 32767  # MPI guarantees tags up to 32767; the executor's stay below (2 m S)
 
@@ -94,9 +95,10 @@ class Engine:
         for k in local:
             units.setdefault(unit_of(k), []).append(k)
         groups = {u: edp if u.endswith(".experts") else dense for u in units}
-        self.sharder = Sharder(local, units, groups, cfg.zero, cfg.bucket_mb)
+        compute, gdtype = mixed_dtypes(cfg)  # None, None without --mixed-precision
+        self.sharder = Sharder(local, units, groups, cfg.zero, cfg.bucket_mb, compute, gdtype)
         # experts: where they run, and the ranks a sequence is split over (its MoE rules)
-        self.dispatch = ExpertDispatch(self.ep, mc.n_expert) if s["ep"] > 1 else None
+        self.dispatch = ExpertDispatch(self.ep, mc.n_expert, compute) if s["ep"] > 1 else None
         seq = None
         if s["cp"] > 1 or self.sp:
             n = self.tp.size if self.sp else 1  # with SP each cp part is split again over tp
@@ -108,7 +110,7 @@ class Engine:
                 return mc.moe_context(denom, self.dispatch, seq if denom is not None else None)
         self.stage = Stage(chunks, self.S, mc, self.ops, self.sharder, moe,
                            self.tp.size if self.sp else 1, cfg.recompute == "full")
-        self.exe = Executor(self.stage, self.pp, next(iter(local.values())).dtype)
+        self.exe = Executor(self.stage, self.pp, self.sharder.compute)  # activations' dtype
         self.actions = schedule(cfg.schedule, P, self.M, r, V)
         self.schedule_name, self.v = cfg.schedule, V
         # clipping: a piece counts on the one rank of its copies (placement's "copies" axes
@@ -128,6 +130,7 @@ class Engine:
         self.eval_comm = (Comm(MPI.COMM_SELF, "self", grid.ledger) if cfg.zero == 3
                           else edp if s["ep"] > 1 else dense)
         self.peak_activations, self._loss = 0, (0.0, 0.0)
+        self._scale, self._master = 1.0, None  # mixed precision: loss scale, fp32 grad pieces
         self.exe.on_forward = self._measure
 
     # --- what the optimizer and the trainer see ---------------------------------------------
@@ -138,7 +141,8 @@ class Engine:
 
     @property
     def grads(self) -> dict:
-        return self.sharder.grads
+        """The owned gradient pieces (mixed precision: fp32 and unscaled after reduce_grads)."""
+        return self._master if self._master is not None else self.sharder.grads
 
     @property
     def decay(self) -> set[str]:
@@ -152,12 +156,14 @@ class Engine:
         self.sharder.zero_grad()
         self.stage.reset_stats()
 
-    def forward_backward(self, x, y, denom: int) -> None:
-        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule."""
+    def forward_backward(self, x, y, denom: int, dloss: float = 1.0) -> None:
+        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule.
+        ``dloss``: the loss scale (fp16), the gradient backward starts from."""
+        self._scale, self._master = dloss, None
         if self.positions is not None:
             x, y = x[:, self.positions], y[:, self.positions]  # (b, Tl) my tokens
         xs, ys = zip(*split_microbatches(x, y, self.M), strict=True)
-        ce = self.exe.step(self.actions, list(xs), list(ys), denom)
+        ce = self.exe.step(self.actions, list(xs), list(ys), denom, dloss)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:
@@ -182,6 +188,8 @@ class Engine:
             theirs = self.pp.recv(mine.shape, mine.dtype, other, tag=TIED_TAG)
             wait(req)
             mine += theirs  # a + b == b + a exactly: both ends hold the same sum
+        if sh.mixed:  # fp32 and unscaled for the norm, clipping and the optimizer
+            self._master = sh.master_grads(self._scale)
 
     def grad_norm(self) -> float:
         """The global L2 norm: each element counted once over the whole world."""
@@ -277,7 +285,7 @@ class Engine:
         shapes = gpt.param_shapes(self.mcfg)
         for s in range(1, self.pp.size):
             for j, k in enumerate(owners[s]):
-                local[k] = self.pp.recv(shapes[k], self.exe.dtype, s, tag=j)
+                local[k] = self.pp.recv(shapes[k], self.sharder.dtype, s, tag=j)
         return {k: local[k] for k in shapes}
 
     def timeline(self) -> Timeline:
@@ -287,5 +295,6 @@ class Engine:
         return Timeline(self.schedule_name, self.pp.size, self.M, self.v, events, "s", peaks)
 
     def memory(self) -> dict[str, int]:
-        """Bytes of the parameter and gradient buffers kept, and the peak live activations."""
+        """Bytes of the parameter (compute copy), gradient and fp32 master buffers kept, and
+        the peak live activations."""
         return {**self.sharder.memory(), "activations": self.peak_activations}

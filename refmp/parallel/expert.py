@@ -70,11 +70,23 @@ def alltoallv_bytes(owner, expert, dp_rank: int, ep: int, n_expert: int, C: int,
 
 
 class ExpertDispatch:
-    """Run the experts of refmp.nn.moe on their owners, by all-to-all over ``ep``."""
+    """Run the experts of refmp.nn.moe on their owners, by all-to-all over ``ep``.
 
-    def __init__(self, ep, n_expert: int):
-        self.ep, self.E = ep, n_expert
+    ``wire``: mixed precision's compute dtype. The MoE layer runs in fp32 inside
+    (refmp.precision.autocast), but its rows travel in the compute dtype, as every other
+    activation does: the tokens were rounded to it before the layer widened them (so their
+    trip is exact); the experts' outputs and the gradients are rounded for theirs.
+    """
+
+    def __init__(self, ep, n_expert: int, wire=None):
+        self.ep, self.E, self.wire = ep, n_expert, wire
         self.El = n_expert // ep.size
+
+    def _a2a(self, rows, send_rows, recv_rows):
+        """all-to-all(v) of rows (in the ``wire`` dtype if one is set)."""
+        if self.wire is None or rows.dtype == self.wire:
+            return self.ep.alltoallv(rows, send_rows, recv_rows)
+        return self.ep.alltoallv(rows.astype(self.wire), send_rows, recv_rows).astype(rows.dtype)
 
     def forward(self, p: dict, xs, counts):
         """xs (M, C) sorted by expert, counts (E,) host ints -> ys (M, C), cache."""
@@ -84,7 +96,7 @@ class ExpertDispatch:
         recv = ep.alltoall(counts)  # (ep, El)
         send_rows, recv_rows = counts.sum(axis=1), recv.sum(axis=1)  # (ep,), (ep,)
         # the tokens go to their experts' ranks: rows ordered by (source rank, local expert)
-        xr = ep.alltoallv(xs, send_rows, recv_rows)  # (R, C)
+        xr = self._a2a(xs, send_rows, recv_rows)  # (R, C)
         # regroup by (local expert, source rank), so each expert's rows are consecutive
         label = np.repeat(np.arange(ep.size * El), recv.reshape(-1))  # (R,) = s * El + l
         perm = backend.from_host(np.argsort((label % El) * ep.size + label // El, kind="stable"))
@@ -93,19 +105,19 @@ class ExpertDispatch:
         yr = backend.xp.empty_like(yl)
         yr[perm] = yl  # back to (source rank, local expert) order
         # the results go back to the tokens' ranks, in the order they were sent
-        ys = ep.alltoallv(yr, recv_rows, send_rows)  # (M, C)
+        ys = self._a2a(yr, recv_rows, send_rows)  # (M, C)
         return ys, (ids, ecache, perm, send_rows, recv_rows)
 
     def backward(self, dys, cache):
         """dys (M, C) -> dxs (M, C) and the local experts' gradients (names in the block)."""
         ids, ecache, perm, send_rows, recv_rows = cache
         # mirror of the return trip: output gradients go to the experts
-        dyr = self.ep.alltoallv(dys, send_rows, recv_rows)  # (R, C)
+        dyr = self._a2a(dys, send_rows, recv_rows)  # (R, C)
         dxl, g = M.experts_backward(dyr[perm], ecache)  # (R, C)
         dxr = backend.xp.empty_like(dxl)
         dxr[perm] = dxl
         # mirror of the dispatch: input gradients go back to the tokens' ranks
-        dxs = self.ep.alltoallv(dxr, recv_rows, send_rows)  # (M, C)
+        dxs = self._a2a(dxr, recv_rows, send_rows)  # (M, C)
         return dxs, M.unstack_grads(ids, g)
 
 

@@ -25,11 +25,22 @@ a rank owns equals the same elements of the serial gradient. Clipping and the op
 pieces (so weight decay still goes to matrices only; the padding is a piece of its own whose
 gradient is always 0). The pipeline calls ``weights`` / ``accumulate`` / ``grad_ready``
 around its actions: ZeRO (any stage) composes with every schedule, micro-batch by micro-batch.
+
+Mixed precision (``compute`` bf16 or fp16; Micikevicius et al. 2018, ZeRO's sec. 3.1
+accounting of 2 + 2 + 12 bytes per parameter): the buffers the model computes on (``pbuf``)
+hold the 16-bit *compute copy*, the gradient buffers the compute dtype too (or ``grad_dtype``
+fp32), and the optimizer's ``params`` are pieces of fp32 *masters* of the owned slice only
+(S elements; all Pp at stage 0). Reductions run in the gradient dtype, so they move half the
+bytes. Before the optimizer, ``master_grads`` widens the owned gradient slice to fp32 and
+undoes the loss scale (fp16); after it, ``after_step`` rounds the masters into the owned
+slice of the compute copy, and stages 1 and 2 all-gather that copy (half the bytes again).
 """
 
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from refmp.backend import array_module
 from refmp.comm import Comm, wait
@@ -105,20 +116,28 @@ class Sharder:
     reduced over ``groups[unit]``. The model computes on ``weights(unit)``."""
 
     def __init__(self, local: dict, units: dict[str, list[str]], groups: dict[str, Comm],
-                 stage: int, bucket_mb: float = 25.0):
+                 stage: int, bucket_mb: float = 25.0, compute=None, grad_dtype=None):
         self.stage, self.groups, self.bucket_bytes = stage, groups, int(bucket_mb * 2**20)
         p0 = next(iter(local.values()))
-        self.xp, self.dtype = array_module(p0), p0.dtype
+        self.xp, self.dtype = array_module(p0), p0.dtype  # dtype: the masters' (--dtype)
+        self.compute = np.dtype(compute or self.dtype)  # what the model computes on
+        self.gdtype = np.dtype(grad_dtype or self.compute)  # gradients, and their sums
+        self.mixed = self.compute != self.dtype
         self.units = {u: Unit(u, {k: tuple(local[k].shape) for k in ks},
                               groups[u].size if stage else 1, groups[u].rank if stage else 0)
                       for u, ks in units.items()}
         self.pbuf, self.gbuf, self.work = {}, {}, {}
+        self.master, self.mgrad = {}, {}  # mixed precision: fp32 owned slices (S,) per unit
         self.params, self.grads = {}, {}  # the owned pieces, by name (the optimizer's view)
         for u, U in self.units.items():
             full = U.flatten(local, self.xp, self.dtype)  # (Pp,)
+            if self.mixed:  # masters of my slice; the model gets the rounded compute copy
+                self.master[u] = full[U.lo : U.hi].copy()  # (S,) fp32
+                full = full.astype(self.compute)  # (Pp,) bf16 / fp16
             self.pbuf[u] = full if stage < 3 else full[U.lo : U.hi].copy()  # stage 3: (S,)
-            self.gbuf[u] = self.xp.zeros(U.padded if stage < 2 else U.shard, self.dtype)
-            self.params.update(U.pieces(self.pbuf[u][U.lo : U.hi] if stage < 3 else self.pbuf[u]))
+            self.gbuf[u] = self.xp.zeros(U.padded if stage < 2 else U.shard, self.gdtype)
+            owned = self.pbuf[u][U.lo : U.hi] if stage < 3 else self.pbuf[u]
+            self.params.update(U.pieces(self.master[u] if self.mixed else owned))
             self.grads.update(U.pieces(self.gbuf[u][U.lo : U.hi] if stage < 2 else self.gbuf[u]))
         self.decay = {k for k in self.params
                       if any(len(U.shapes.get(k, ())) >= 2 for U in self.units.values())}
@@ -137,13 +156,16 @@ class Sharder:
 
     def full_local(self, grads: bool = False) -> dict:
         """Every local parameter (or its gradient) whole: the owned slices all-gathered over
-        each unit's group where they are sharded (collective over every group)."""
+        each unit's group where they are sharded (collective over every group). With mixed
+        precision: the fp32 masters, and the fp32 unscaled gradient of the last step."""
         out = {}
         for u, U in self.units.items():
-            if not grads:
+            if not grads and not self.mixed:
                 out.update({k: v.copy() for k, v in self.weights(u).items()})
                 continue
-            flat, group = self.owned_grad(u), self.groups[u]
+            # the optimizer's view: fp32 masters, and (mixed) the fp32 unscaled gradient
+            flat = self.master[u] if not grads else self.mgrad.get(u, self.owned_grad(u))
+            group = self.groups[u]
             if self.stage > 0 and group.size > 1:
                 flat = group.allgather(self.xp.ascontiguousarray(flat))  # (Pp,)
             out.update({k: v.copy() for k, v in U.views(flat).items()})
@@ -154,13 +176,13 @@ class Sharder:
         this rank's shard): what a checkpoint's reader hands back. Stage 3 keeps its slice."""
         for u, U in self.units.items():
             full = U.flatten(local, self.xp, self.dtype)  # (Pp,)
-            self.pbuf[u][...] = full if self.stage < 3 else full[U.lo : U.hi]
+            if self.mixed:
+                self.master[u][...] = full[U.lo : U.hi]
+            self.pbuf[u][...] = full if self.stage < 3 else full[U.lo : U.hi]  # (rounded)
 
     def owned_index(self, index: dict) -> dict:
         """The owned pieces of ``index`` (name -> integer array shaped like the local shard,
         -1 where nothing global is held), by piece name, as ``params`` is split."""
-        import numpy as np
-
         out = {}
         for U in self.units.values():
             flat = U.flatten({k: index[k] + 1 for k in U.shapes}, np, np.int64) - 1  # pad: -1
@@ -180,8 +202,8 @@ class Sharder:
             target = self.gbuf[u]  # (Pp,) the full gradient lives here all step
         else:  # stage 2/3: a full buffer only until this micro-batch's reduce-scatter
             if u not in self.work:
-                self.work[u] = self.xp.zeros(U.padded, self.dtype)
-            target = self.work[u]
+                self.work[u] = self.xp.zeros(U.padded, self.gdtype)
+            target = self.work[u]  # in the gradient dtype (bf16 / fp16, or fp32)
         views = U.views(target)
         for k, v in g.items():
             views[k] += v
@@ -237,7 +259,25 @@ class Sharder:
         U = self.units[u]
         return self.gbuf[u][U.lo : U.hi] if self.stage < 2 else self.gbuf[u]
 
+    def master_grads(self, scale: float = 1.0) -> dict:
+        """Mixed precision, before clipping and the optimizer: the owned gradient slices
+        widened to the masters' dtype and divided by the loss scale (a power of two: exact),
+        as pieces named like ``params``. A transient of the step (ZeRO's accounting, and
+        memory(), count the gradient buffers in their own dtype)."""
+        pieces = {}
+        for u, U in self.units.items():
+            g = self.owned_grad(u).astype(self.dtype)  # (S,) fp32
+            if scale != 1.0:
+                g *= 1.0 / scale
+            self.mgrad[u] = g
+            pieces.update(U.pieces(g))
+        return pieces
+
     def after_step(self) -> None:
+        if self.mixed:  # round the updated masters into my slice of the compute copy
+            for u, U in self.units.items():
+                own = self.pbuf[u][U.lo : U.hi] if self.stage < 3 else self.pbuf[u]
+                own[...] = self.master[u]  # fp32 -> bf16 / fp16, round to nearest even
         if self.stage in (1, 2):  # all-gather: each rank's updated S elements -> the full Pp
             for u, U in self.units.items():
                 if self.groups[u].size > 1:
@@ -245,6 +285,8 @@ class Sharder:
         # stage 0: every rank made the same update; stage 3: weights stay sharded
 
     def memory(self) -> dict[str, int]:
-        """Bytes of the parameter and gradient buffers this rank keeps between steps."""
+        """Bytes of the parameter (compute copy), gradient and fp32 master buffers this rank
+        keeps between steps."""
         return {"params": sum(int(b.nbytes) for b in self.pbuf.values()),
-                "grads": sum(int(b.nbytes) for b in self.gbuf.values())}
+                "grads": sum(int(b.nbytes) for b in self.gbuf.values()),
+                "masters": sum(int(b.nbytes) for b in self.master.values())}

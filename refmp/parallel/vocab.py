@@ -32,6 +32,7 @@ from refmp.parallel.tensor import (
     reduce_scatter_to_sp,
     reduce_scatter_to_sp_backward,
 )
+from refmp.precision import autocast
 
 
 def padded_vocab(V: int, tp: int) -> int:
@@ -117,6 +118,7 @@ def head_backward(dloss, cache, comm: Comm):
     return dx, g
 
 
+@autocast
 def cross_entropy_forward(logits, targets, comm: Comm, denom=None):
     """Vocab-parallel softmax cross-entropy: three all-reduces of (N,), never the logits.
 
@@ -140,6 +142,7 @@ def cross_entropy_forward(logits, targets, comm: Comm, denom=None):
     return loss, (shifted, lse, local, mine, denom, logits.shape)
 
 
+@autocast
 def cross_entropy_backward(dout, cache):
     """dlogits_r = (softmax - onehot) / denom * dout on my columns: no communication."""
     shifted, lse, local, mine, denom, shape = cache
@@ -151,6 +154,7 @@ def cross_entropy_backward(dout, cache):
     return dlogits.reshape(shape)  # (B, T, Vl)
 
 
+@autocast
 def argmax_forward(logits_last, comm: Comm):
     """Global argmax of (B, Vl) vocab shards: all-gather each rank's best (value, id).
 

@@ -2,7 +2,7 @@
 
 Rajbhandari et al. 2020, sec. 5 and 7: with N parameters on a rank, n ranks in its ZeRO
 group (dp x cp for dense weights, edp for experts), b bytes per element and AdamW (two
-moments, no master copy since refmp keeps one precision), per rank
+moments; no master copy when one precision is kept: mixed precision below), per rank
 
     stage 0 (plain DP):  params b N      grads b N      optimizer 2 b N
     stage 1:             params b N'     grads b N'     optimizer 2 b N'/n
@@ -29,6 +29,18 @@ first stage) and for the head's forward and backward (on the last): 3 without a 
 
 The wire traffic of a ring is (n-1)/n of these per reduce-scatter or all-gather, and twice
 that per all-reduce: so stages 1 and 2 move what plain DP moves, stage 3 1.5 times that.
+
+Mixed precision (refmp.parallel.sharding; the ZeRO paper's own accounting, sec. 3.1): the
+weights held for compute take c bytes per element (2 for bf16 / fp16), the gradients g (the
+compute dtype's c, or 4 with ``--grad-dtype fp32``), and the optimizer 3 b (two moments and
+the master copy, b = 4 for fp32 masters) per owned element. With c = g = 2, b = 4 and N
+parameters on one unit, per rank:
+
+    stage 0:  2 N + 2 N + 12 N  = 16 N      stage 2:  2 N' + 14 N'/n
+    stage 1:  4 N' + 12 N'/n                stage 3:  16 N'/n
+
+and every collective above moves c (all-gathers of weights) or g (gradient reductions)
+bytes per element instead of b: half of fp32's with 16-bit gradients.
 """
 
 from __future__ import annotations
@@ -65,22 +77,34 @@ def padded(n: int, group: int) -> int:
     return -(-n // group) * group
 
 
-def memory_per_rank(sizes: dict[str, int], n: int, stage: int, itemsize: int = 4) -> dict:
-    """Bytes of parameters, gradients and AdamW state per rank (the table above)."""
+def memory_per_rank(sizes: dict[str, int], n: int, stage: int, itemsize: int = 4,
+                    compute: int | None = None, grad: int | None = None) -> dict:
+    """Bytes of parameters, gradients and AdamW state per rank (the tables above).
+
+    ``itemsize``: the masters' (``--dtype``); ``compute``: the compute copy's with mixed
+    precision (None: no mixed precision, one copy in ``itemsize``); ``grad``: the gradients'
+    (default: the compute dtype's). With mixed precision the optimizer holds the masters too.
+    """
+    c = itemsize if compute is None else compute
+    g = c if grad is None else grad
+    opt = (2 if compute is None else 3) * itemsize  # moments (+ masters) per owned element
     if stage == 0:
         total = sum(sizes.values())
-        return {"params": itemsize * total, "grads": itemsize * total,
-                "optimizer": 2 * itemsize * total}
+        return {"params": c * total, "grads": g * total, "optimizer": opt * total}
     n_pad = sum(padded(s, n) for s in sizes.values())
     shard = n_pad // n
-    return {"params": itemsize * (n_pad if stage < 3 else shard),
-            "grads": itemsize * (n_pad if stage < 2 else shard),
-            "optimizer": 2 * itemsize * shard}
+    return {"params": c * (n_pad if stage < 3 else shard),
+            "grads": g * (n_pad if stage < 2 else shard),
+            "optimizer": opt * shard}
 
 
 def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int = 1,
-                  itemsize: int = 4, first: bool = True, last: bool = True) -> dict[str, int]:
-    """Ledger bytes per step on the ZeRO group, by operation (the list above)."""
+                  itemsize: int = 4, first: bool = True, last: bool = True,
+                  param_itemsize: int | None = None) -> dict[str, int]:
+    """Ledger bytes per step on the ZeRO group, by operation (the list above). ``itemsize``:
+    the gradients' bytes per element (reductions); ``param_itemsize``: the weights' (the
+    all-gathers; default the same: with mixed precision, the compute dtype's)."""
+    w = itemsize if param_itemsize is None else param_itemsize
     if n == 1:
         return {"allreduce": 0, "reduce_scatter": 0, "allgather": 0}
     pad = {u: padded(s, n) for u, s in sizes.items()}
@@ -89,10 +113,10 @@ def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int =
         return {"allreduce": itemsize * sum(sizes.values()), "reduce_scatter": 0, "allgather": 0}
     if stage in (1, 2):
         return {"allreduce": 0, "reduce_scatter": (1 if stage == 1 else M) * itemsize * n_pad,
-                "allgather": itemsize * n_pad}
+                "allgather": w * n_pad}
     g_wte = (1 if first else 0) + (2 if last else 0)
     blocks = sum(s for u, s in pad.items() if u.startswith("h."))
     gathered = (g_wte * pad.get("wte", 0) + pad.get("wpe", 0) + 2 * blocks
                 + 2 * pad.get("ln_f", 0))
     return {"allreduce": 0, "reduce_scatter": M * itemsize * n_pad,
-            "allgather": M * itemsize * gathered}
+            "allgather": M * w * gathered}

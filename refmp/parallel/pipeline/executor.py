@@ -61,8 +61,10 @@ class Executor:
     def _event(self, kind: str, mb: int, chunk: int, t0: float) -> None:
         self.events.append(Event(self.comm.rank, kind, mb, chunk, t0, time.perf_counter()))
 
-    def step(self, actions: list[Action], xs: list, ys: list, denom: int) -> float:
-        """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets.
+    def step(self, actions: list[Action], xs: list, ys: list, denom: int,
+             dloss: float = 1.0) -> float:
+        """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets;
+        ``dloss`` the gradient of each loss share (the loss scale with fp16, else 1).
 
         Returns this rank's loss share (non-zero on the rank holding the last chunk).
         """
@@ -91,7 +93,7 @@ class Executor:
             elif a.kind == "B":
                 dout = None if c == S - 1 else self._recv(shape, i, c, grad=True)
                 t0 = time.perf_counter()
-                dx, todos[i, c] = st.backward(c, dout, caches.pop((i, c)), split, final)
+                dx, todos[i, c] = st.backward(c, dout, caches.pop((i, c)), split, final, dloss)
                 held -= 0 if split else 1
                 self._event("B", i, c, t0)
                 if dx is not None:

@@ -90,12 +90,13 @@ class Stage:
             head = release(head, p)
         return x, (emb, blocks, head)
 
-    def backward(self, c: int, dout, cache, split: bool, final: bool):
+    def backward(self, c: int, dout, cache, split: bool, final: bool, dloss: float = 1.0):
         """Chunk c's backward; returns (dx of the chunk's input or None, what W needs).
 
         dout is the gradient of the chunk's output, or None on the last chunk (the loss
-        share's own gradient is 1). With ``split`` (zero bubble) the linears' weight
-        gradients and the embedding's are left for :meth:`weight`. ``final``: this is the
+        share's own gradient is ``dloss``: 1, or fp16's loss scale; MoE losses get it too).
+        With ``split`` (zero bubble) the linears' weight gradients and the embedding's are
+        left for :meth:`weight`. ``final``: this is the
         step's last micro-batch (the Sharder starts stage 0's all-reduces then).
         """
         emb, blocks, head = cache
@@ -103,7 +104,7 @@ class Stage:
         if head is not None:
             if self.zero3:  # gathered again: the forward's copy was freed
                 head = attach(head, {**sh.weights("ln_f"), **sh.weights("wte")})
-            dx, g = self.ops.head_backward(1.0, head)  # ln_f and the tied wte's head share
+            dx, g = self.ops.head_backward(dloss, head)  # ln_f and the tied wte's head share
             sh.accumulate("wte", {"wte.weight": g.pop("wte.weight")})
             sh.accumulate("ln_f", g)
             sh.grad_ready("ln_f", final)
@@ -117,7 +118,7 @@ class Stage:
             elif self.zero3:
                 bc = attach(bc, self.block_weights(i, sh.weights))
             w_todo = [] if split else None
-            dx, g = gpt.block_backward(dx, bc, self.ops, w_todo)
+            dx, g = gpt.block_backward(dx, bc, self.ops, w_todo, dloss)
             self._add_block(i, g, final, dense_ready=not split)
             if split:
                 todo.append((i, w_todo))
