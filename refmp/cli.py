@@ -208,19 +208,19 @@ def make_parser() -> argparse.ArgumentParser:
 
 def run_convert(args) -> None:
     """``refmp convert``: one process, no MPI communication."""
-    from refmp import state
+    from refmp import convert
 
     if args.info:
         if args.out is not None:
             raise ConfigError("--info prints what SRC holds and writes nothing: give no OUT")
-        print(state.info(args.src))
+        print(convert.info(args.src))
     elif args.out is None:
         raise ConfigError(f"convert {args.src}: give OUT (a .safetensors file or a directory), "
                           f"or --info")
     elif os.path.isfile(args.src):
-        print(f"wrote {state.from_gpt2(args.src, args.out)} (1 rank, step 0) from {args.src}")
+        print(f"wrote {convert.from_gpt2(args.src, args.out)} (1 rank, step 0) from {args.src}")
     else:
-        print(f"wrote {args.out} from {state.to_gpt2(args.src, args.out)}")
+        print(f"wrote {args.out} from {convert.to_gpt2(args.src, args.out)}")
 
 
 def limit_threads() -> None:

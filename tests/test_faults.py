@@ -303,3 +303,36 @@ def test_truncated_init_names_the_file(tmp_path):
     tr = Trainer(TrainConfig(init=str(path), steps=1, progress=False), grid=ProcessGrid(MPI.COMM_SELF))
     np.testing.assert_array_equal(tr.runner.full_params()["wpe.weight"],
                                   GPT.create(cfg, 0).params["wpe.weight"])
+
+
+def test_killed_rank_then_resume_is_bitwise_the_uninterrupted_run(tmp_path):
+    """Checkpoints every 50 steps; kill -9 of rank 1 once one is complete; --resume on the
+    same layout: the final weights equal those of the run nobody killed, bitwise."""
+    from safetensors.numpy import load_file
+
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    run = [*SMALL, "--data", str(text), "--block-size", "8", "--steps", "2000", "--dtype",
+           "float64"]
+    whole, resumed, ck = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "ck"
+    assert refmp(2, ["train", *run, "--save", str(whole)], timeout=120).returncode == 0
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "refmp", "train", *run,
+           "--checkpoint-dir", str(ck), "--save-every", "50"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "REFMP_TEST_PID_DIR": str(tmp_path)}
+    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not (ck / "step-00000100" / "manifest.json").exists():
+            time.sleep(0.05)  # until two checkpoints are complete
+        assert job.poll() is None, "the job ended before the kill"
+        os.kill(int((tmp_path / "rank1.pid").read_text()), signal.SIGKILL)
+        assert job.wait(timeout=30) != 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.communicate()
+    r = refmp(2, ["train", *run, "--resume", str(ck), "--save", str(resumed)], timeout=120)
+    assert r.returncode == 0, r.stderr
+    a, b = load_file(str(whole)), load_file(str(resumed))
+    for k in a:
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)

@@ -23,7 +23,7 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
-from refmp import state
+from refmp import convert, state
 from refmp.data import Dataset
 from refmp.grid import ProcessGrid
 from refmp.train import TrainConfig, Trainer
@@ -62,7 +62,7 @@ for key in ("step", "dtype", "layout", "optimizer", "data", "lr", "rng"):
 say(f"  {'model':>9}: {json.dumps(man['model'])}")
 say(f"  {'tensors':>9}: {len(man['tensors'])} global shapes, e.g. wte.weight "
     f"{man['tensors']['wte.weight']}")
-say("\n" + "\n".join(line for line in state.info(ckpt).splitlines()[5:]
+say("\n" + "\n".join(line for line in convert.info(ckpt).splitlines()[5:]
                      if "h.1" not in line and "ln_2" not in line and "mlp" not in line))
 say("  (first..last are global flat indices; runs: how many contiguous pieces. tp splits\n"
     "  c_attn by heads, q|k|v, so each of its 16 rows gives 3 runs per rank; wte's last rank\n"
@@ -108,7 +108,7 @@ if rank0:
     if worst > 1e-12 or not np.allclose(losses, want, rtol=1e-12, atol=0):
         failures.append(f"resumed run differs from the serial one by {worst:.1e}")
     out = os.path.join(root, "model.safetensors")  # refmp convert DIR OUT.safetensors
-    state.to_gpt2(root, out)  # the latest: step 2, from tp 2 x pp 2's files
+    convert.to_gpt2(root, out)  # the latest: step 2, from tp 2 x pp 2's files
     from safetensors.numpy import load_file
 
     one = load_file(out)
