@@ -1,4 +1,5 @@
-"""The ``refmp`` command: ``refmp train``, ``bench``, ``schedule`` and ``convert`` (also
+"""The ``refmp`` command: ``refmp train``, ``bench``, ``schedule``, ``convert`` and
+``plan`` (also
 ``python -m refmp``).
 
 Run it under MPI for more than one rank: ``mpiexec -n 2 refmp train --dp 2``.
@@ -192,6 +193,13 @@ def make_parser() -> argparse.ArgumentParser:
     from refmp.parallel.pipeline.command import add_schedule_parser
 
     add_schedule_parser(sub)
+    pl = sub.add_parser("plan", help="predict memory and step time of layouts; search the best",
+                        description="Predict memory per rank and step time of every layout of "
+                                    "a model on a machine, and print the fastest that fit "
+                                    "(a pure computation, no MPI: docs/plan.md).")
+    from refmp.plan import add_plan_args
+
+    add_plan_args(pl)
     c = sub.add_parser("convert", help="a sharded checkpoint to one GPT-2 file, and back",
                        description="`refmp convert DIR OUT.safetensors`: the checkpoint in DIR "
                                    "(its latest, or DIR/step-N) as one GPT-2-named file, the "
@@ -268,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
             run_bench(args)
         elif args.command == "convert":
             run_convert(args)
+        elif args.command == "plan":
+            from refmp.plan import run_plan
+
+            run_plan(args)
         elif args.command == "schedule":
             from refmp.parallel.pipeline.command import run_schedule
 

@@ -1,0 +1,418 @@
+"""``refmp plan``: predict memory per rank and step time of a layout, and search for the best.
+
+A pure computation (no MPI): the formulas the tests hold refmp's ledgers against, and a
+machine description. Shapes: B global batch, b rows of a micro-batch, M micro-batches,
+T sequence, Tl = T/cp, C channels, NH heads, V vocabulary, L blocks (Ls of a stage);
+w bytes per element (c: the compute copy's, g: the gradients'); pp, dp, cp, tp, ep sizes;
+G GPUs per node. docs/plan.md writes the cost model out, term by term.
+
+Memory per rank (exact: it is refmp.memory_check.estimate_memory, which tests/test_plan.py
+holds to Trainer.memory()): params, grads, optimizer, activations, the max over pipeline
+stages. With mixed precision the state follows zero_cost.memory_per_rank's c, g and 3 w
+bytes (the engine's buffers), and the float caches take c bytes.
+
+Time per step (seconds), per stage: busy = M (F + Bw) + tp + cp + pp comm; the pipeline
+runs at its slowest stage over (1 - bubble) (the simulator's bubble of the schedule), then
+the exposed dp/ZeRO traffic and the optimizer's pass over its state:
+  GEMM (m, k, n): max(2 m k n / (e peak), c (m k + k n + m n) / hbm)   (a roofline, e per machine)
+  elementwise: 3 cache bytes / hbm per block (cache written in forward, read and its
+    gradient written in backward)
+  a collective over n ranks of bytes X (the ledger's convention): all-reduce
+    2 (n-1)/n X / bw + 2 (n-1) lat; reduce-scatter, all-gather, all-to-all (n-1)/n X / bw +
+    (n-1) lat; send X / bw + lat. bw is intra-node while the group fits in a node (ranks
+    are tp fastest, then cp, dp, pp), else inter-node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cache
+
+from refmp.bench import active_params, model_flops_per_step, recompute_flops_per_step
+from refmp.errors import ConfigError
+from refmp.memory_check import block_cache_elements, estimate_memory, size
+from refmp.nn.params import GPTConfig
+from refmp.parallel.layout import check_layout
+from refmp.parallel.pipeline.partition import partition, piece_costs
+from refmp.parallel.pipeline.simulate import simulate_schedule
+from refmp.parallel.tensor import comm_bytes_per_step
+from refmp.parallel.zero_cost import comm_per_step, unit_sizes
+from refmp.train import TrainConfig
+
+MODELS = {  # (n_layer, n_embd, n_head, vocab, block_size): GPT-2 (Radford 2019), GPT-3 (Brown 2020)
+    "gpt2": (12, 768, 12, 50257, 1024), "gpt2-medium": (24, 1024, 16, 50257, 1024),
+    "gpt2-large": (36, 1280, 20, 50257, 1024), "gpt2-xl": (48, 1600, 25, 50257, 1024),
+    "gpt3-175b": (96, 12288, 96, 50257, 2048),
+}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One accelerator's peak and memory, and the links (GB/s per GPU, one direction)."""
+    name: str
+    gpus_per_node: int
+    gpu_memory_gb: float
+    peak_tflops: float  # dense bf16 (fp32 for cpu)
+    hbm_gbs: float  # memory bandwidth, for the roofline and elementwise work
+    gemm_efficiency: float  # e: a large GEMM's share of peak (cuBLAS, measured by vendors)
+    intra_node_gbs: float
+    inter_node_gbs: float
+    intra_latency_us: float = 5.0
+    inter_latency_us: float = 10.0
+
+
+MACHINES = {  # NVIDIA's data sheets: A100 SXM 312 TFLOP/s bf16, 2.0 TB/s, NVLink 600 GB/s
+    # both ways, one 200 Gb/s HDR NIC per GPU; H100 SXM 989 TFLOP/s, 3.35 TB/s, NVLink 900
+    # GB/s, 400 Gb/s NDR. e = 0.7: cuBLAS's large bf16 GEMMs reach about 70% of peak.
+    "dgx-a100": Machine("dgx-a100", 8, 80, 312, 2039, 0.7, 300, 25),
+    "dgx-h100": Machine("dgx-h100", 8, 80, 989, 3350, 0.7, 450, 50),
+}
+
+
+def cpu_machine(ranks: int) -> Machine:
+    """This host: fp32 GEMM peak measured now (refmp.bench.measure_peak, per core), memory
+    free now, shared-memory MPI taken as 5 GB/s and 2 us (assumed, not measured)."""
+    from refmp.bench import measure_peak
+    from refmp.memory_check import available_memory
+
+    peak = measure_peak("float32", 512, 3) / 1e12
+    free = available_memory("cpu")[0] / 1e9
+    return Machine("cpu", ranks, free / ranks, peak, 10, 1.0, 5, 5, 2.0, 2.0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    mixed_precision: str = "bf16"
+    microbatch_size: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+
+def train_config(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32") -> TrainConfig:
+    """The TrainConfig that runs this layout (what check_layout and estimate_memory read)."""
+    return TrainConfig(n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_embd=mcfg.n_embd,
+                       block_size=mcfg.block_size, batch_size=batch, dtype=dtype,
+                       tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, zero=lay.zero,
+                       sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
+                       mixed_precision=lay.mixed_precision, schedule=lay.schedule,
+                       virtual_stages=lay.virtual_stages,
+                       microbatches=batch // (lay.dp * lay.microbatch_size), n_expert=mcfg.n_expert,
+                       top_k=mcfg.top_k if mcfg.n_expert else None)
+
+
+def memory(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32") -> dict[str, int]:
+    """Bytes per rank, the max over the pipeline stages (and ep ranks) of estimate_memory;
+    ``stage`` says which stage needs the most (params + grads + optimizer + activations)."""
+    cfg = train_config(lay, mcfg, batch, dtype)
+    sizes = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
+    w = 8 if dtype == "float64" else 4
+    c = {"none": w, "bf16": 2, "fp16": 2}[lay.mixed_precision]
+    best: dict[str, int] = {}
+    for r in range(lay.pp):
+        for e in range(lay.ep):
+            m = estimate_memory(cfg, mcfg, sizes, {"pp": r, "dp": e // lay.cp, "cp": e % lay.cp,
+                                                   "tp": 0, "ep": e})
+            # mixed precision: memory_per_rank's c, g, 3 w bytes per element (linear in w)
+            m["params"], m["grads"] = m["params"] * c // w, m["grads"] * c // w
+            if c != w:
+                m["optimizer"] = m["optimizer"] * 3 // 2
+                m["activations"] = m["activations"] * c // w
+            m["stage"] = r
+            if not best or total(m) > total(best):
+                best = m
+    return best
+
+
+def total(m: dict) -> int:
+    return m["params"] + m["grads"] + m["optimizer"] + m["activations"]
+
+
+def collective(op: str, nbytes: float, calls: int, n: int, bw: float, lat: float) -> float:
+    """Seconds of a ring collective (ledger bytes, see the module docstring)."""
+    if n == 1 or nbytes == 0:
+        return 0.0
+    k = 2 if op == "allreduce" else 1
+    share = 1.0 if op == "send" else k * (n - 1) / n
+    return share * nbytes / bw + calls * (1 if op == "send" else k * (n - 1)) * lat
+
+
+@cache
+def bubble(name: str, pp: int, m: int, v: int) -> float:
+    return simulate_schedule(name, pp, m, v).bubble() if pp > 1 else 0.0
+
+
+def gemm(m: int, k: int, n: int, mach: Machine, c: int) -> float:
+    """The roofline of one (m, k) @ (k, n) product."""
+    return max(2 * m * k * n / (mach.gemm_efficiency * mach.peak_tflops * 1e12),
+               c * (m * k + k * n + m * n) / (mach.hbm_gbs * 1e9))
+
+
+def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine) -> dict:
+    """Seconds per step, by term, and the throughput figures (see the module docstring)."""
+    L, C, NH, V, T = mcfg.n_layer, mcfg.n_embd, mcfg.n_head, mcfg.vocab_size, mcfg.block_size
+    tp, pp, dp, cp, b, v = lay.tp, lay.pp, lay.dp, lay.cp, lay.microbatch_size, lay.virtual_stages
+    c = 2 if lay.mixed_precision != "none" else 4
+    M, Tl, G = batch // (dp * b), T // cp, mach.gpus_per_node
+    def link(span: int) -> tuple[float, float]:  # (bytes/s, s) of a group spanning span ranks
+        inside = span <= G
+        return ((mach.intra_node_gbs if inside else mach.inter_node_gbs) * 1e9,
+                (mach.intra_latency_us if inside else mach.inter_latency_us) * 1e-6)
+
+    m = b * Tl  # rows of every product
+    # one block, one micro-batch, forward: four linears, two attention products per head
+    f_block = (gemm(m, C, 3 * C // tp, mach, c) + gemm(m, C // tp, C, mach, c)
+               + gemm(m, C, 4 * C // tp, mach, c) + gemm(m, 4 * C // tp, C, mach, c)
+               + 2 * b * NH // tp * gemm(Tl, C // NH, T, mach, c))
+    scores = b * NH // tp * gemm(Tl, C // NH, T, mach, c)
+    elem = 3 * c * block_cache_elements(b, Tl, T, C, NH, tp, lay.sequence_parallel, "ring", cp) \
+        / (mach.hbm_gbs * 1e9)
+    again = {"none": 0.0, "selective": scores, "full": f_block}[lay.recompute]
+    head = gemm(m, C, -(-V // tp), mach, c)
+    blocks = partition(L, pp * v, piece_costs(C, T, V))
+    stages = []
+    for r in range(pp):
+        mine = [i for ch in range(r, pp * v, pp) for i in blocks[ch]]
+        first, last = r == 0, r == pp - 1
+        Ls = len(mine)
+        comp = M * (Ls * (3 * f_block + again + elem) + (3 * head if last else 0))
+        tpb = comm_bytes_per_step(batch // dp, Tl, C, Ls, lay.sequence_parallel, c)
+        act = (batch // dp) * Tl * C * c
+        t_tp = sum(collective(op, x, round(x / act), tp, *link(tp)) for op, x in tpb.items())
+        t_cp = collective("send", 3 * (cp - 1) * Ls * 2 * (batch // dp) * Tl * (C // tp) * c,
+                          3 * (cp - 1) * Ls * M, cp, *link(tp * cp)) if cp > 1 else 0.0
+        # pipeline boundaries: activations out and gradients back, b Tl C c per micro-batch
+        t_pp = collective("send", 2 * v * M * b * Tl * C * c, 2 * v * M, pp,
+                          *link(2 * tp * cp * dp))  # neighbours are tp cp dp ranks apart
+        units = units_of(mcfg, tp, tuple(mine), first, last)
+        g = comm_per_step(dict(units), dp * cp, lay.zero, M, c, first, last, c)
+        n = dp * cp
+        t_dp = sum(collective(op, x, 1 if lay.zero < 2 else M * len(units), n, *link(tp * n))
+                   for op, x in g.items())
+        overlap = (2 * f_block + again + elem) * Ls if lay.zero in (0, 2) else 0.0  # last backward
+        t_dp = max(0.0, t_dp - overlap)
+        t_opt = 16 * sum(units.values()) / n / (mach.hbm_gbs * 1e9)  # AdamW's pass over its state
+        stages.append({"compute": comp, "tp": t_tp, "cp": t_cp, "pp": t_pp, "dp": t_dp,
+                       "optimizer": t_opt})
+    busy = [s["compute"] + s["tp"] + s["cp"] + s["pp"] for s in stages]
+    slow = max(range(pp), key=lambda r: busy[r] + stages[r]["dp"] + stages[r]["optimizer"])
+    frac = bubble(lay.schedule, pp, M, v)
+    t = dict(stages[slow])
+    t["bubble"] = busy[slow] * frac / (1 - frac)
+    step = busy[slow] + t["bubble"] + t["dp"] + t["optimizer"]
+    tokens, gpus = batch * T, tp * pp * dp * cp
+    flops = model_flops_per_step(active_params(mcfg), L, T, C, tokens)
+    n_blocks = active_params(mcfg) - V * C
+    hw = flops + recompute_flops_per_step(lay.recompute, n_blocks, L, T, C, tokens)
+    return {"step_seconds": step, "tokens_per_s": tokens / step, "seconds": t,
+            "tflops_per_gpu": hw / step / gpus / 1e12,
+            "mfu": flops / step / gpus / (mach.peak_tflops * 1e12)}
+
+
+@cache
+def units_of(mcfg: GPTConfig, tp: int, blocks: tuple, first: bool, last: bool) -> dict:
+    return unit_sizes(mcfg, tp, list(blocks), first, last)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict):
+    """Every layout the fixed choices allow (the rest searched; docs/plan.md says which)."""
+    def pick(key, options):
+        return [fixed[key]] if fixed.get(key) is not None else options
+
+    gpu = mach.name != "cpu"
+    for tp in pick("tp", [d for d in divisors(gpus) if d <= mach.gpus_per_node]):
+        for pp in pick("pp", [d for d in divisors(gpus // tp) if d <= mcfg.n_layer]):
+            for cp in pick("cp", [1]):
+                dp = fixed.get("dp") or max(1, gpus // (tp * pp * cp))
+                eps = [e for e in divisors(dp * cp) if mcfg.n_expert % e == 0] \
+                    if mcfg.n_expert else [1]
+                for ep in pick("ep", eps):
+                    for zero in pick("zero", [0, 1, 2, 3] if pp == 1 else [0, 1]):
+                        for sp in pick("sequence_parallel", [False, True] if tp > 1 else [False]):
+                            for rc in pick("recompute", ["none", "selective", "full"]):
+                                for b in pick("microbatch_size", [1, 2, 4, 8]):
+                                    for sched, v in schedules(pp, fixed):
+                                        yield Layout(tp, pp, dp, cp, ep, zero, sp, rc,
+                                                     fixed.get("mixed_precision")
+                                                     or ("bf16" if gpu else "none"), b, sched, v)
+
+
+def schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
+    if fixed.get("schedule") or fixed.get("virtual_stages"):
+        v = fixed.get("virtual_stages") or (2 if fixed.get("schedule") == "interleaved" else 1)
+        return [(fixed.get("schedule") or ("interleaved" if v > 1 else "1f1b"), v)]
+    return [("1f1b", 1)] + ([("interleaved", 2)] if pp > 1 else [])
+
+
+def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | None = None,
+           top: int = 10, dtype: str = "float32") -> tuple[list[dict], list[dict]]:
+    """(feasible rows, best first, at most ``top``; infeasible rows, each with its reason).
+
+    Every candidate is checked by refmp.parallel.layout.check_layout, then timed; memory is
+    computed in order of predicted time until ``top`` fit (a faster layout that does not fit
+    is reported with what does not fit)."""
+    ok, bad = [], []
+    for lay in candidates(mcfg, batch, gpus, mach, fixed or {}):
+        if batch % (lay.dp * lay.microbatch_size):
+            bad.append(row(lay, None, None, f"--global-batch {batch} is not a multiple of dp * "
+                                            f"microbatch_size ({lay.dp} * {lay.microbatch_size})"))
+            continue
+        try:
+            check_layout(train_config(lay, mcfg, batch, dtype), mcfg, gpus)
+        except ConfigError as e:
+            bad.append(row(lay, None, None, str(e)))
+            continue
+        ok.append((predict(lay, mcfg, batch, mach)["step_seconds"], lay))
+    ok.sort(key=lambda x: x[0])
+    fits, cap = [], mach.gpu_memory_gb * 1e9
+    for _, lay in ok:
+        mem = memory(lay, mcfg, batch, dtype)
+        need = total(mem) + mem["workspace"] * (2 if lay.mixed_precision != "none" else 4) // 4
+        r = row(lay, mem, predict(lay, mcfg, batch, mach), None)
+        if need > cap:
+            r["reason"] = (f"needs {size(need)} per rank on stage {mem['stage']} (params "
+                           f"{size(mem['params'])}, grads {size(mem['grads'])}, optimizer "
+                           f"{size(mem['optimizer'])}, activations {size(mem['activations'])}, "
+                           f"workspace {size(need - total(mem))}) of {size(cap)}")
+            bad.append(r)
+        else:
+            fits.append(r)
+        if len(fits) >= top:
+            break
+    return fits, bad
+
+
+def row(lay: Layout, mem: dict | None, pred: dict | None, reason: str | None) -> dict:
+    """One layout as --json prints it (the issue's keys), plus the seconds by term."""
+    r = {**lay.__dict__}
+    if mem is not None:
+        r["memory_bytes"] = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}
+    if pred is not None:
+        r.update({k: pred[k] for k in ("step_seconds", "tokens_per_s", "tflops_per_gpu", "mfu")})
+        r["seconds"] = pred["seconds"]
+    if reason is not None:
+        r["reason"] = reason
+    return r
+
+
+KEYS = ("tp", "pp", "dp", "cp", "ep", "zero", "sequence_parallel", "recompute",
+        "mixed_precision", "microbatch_size", "schedule", "virtual_stages")
+
+
+def describe(r: dict) -> str:
+    return " ".join(f"{k}={r[k]}" for k in KEYS)
+
+
+def why(best: dict, second: dict) -> str:
+    """Which term of the step makes the best layout faster than the runner-up."""
+    a, b = best["seconds"], second["seconds"]
+    term = max(a, key=lambda k: b[k] - a[k])
+    return (f"the best is {1e3 * (second['step_seconds'] - best['step_seconds']):.1f} ms/step "
+            f"faster than the runner-up, mostly in {term} ({1e3 * a[term]:.1f} vs "
+            f"{1e3 * b[term]:.1f} ms)")
+
+
+def table(fits: list[dict], bad: list[dict]) -> str:
+    head = (f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>4} {'cp':>3} {'ep':>3} {'zero':>4} {'sp':>3} "
+            f"{'recompute':>9} {'mp':>4} {'b':>2} {'schedule':>11} {'v':>2} {'GB/rank':>8} "
+            f"{'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}")
+    lines = [head]
+    for i, r in enumerate(fits):
+        gb = sum(r["memory_bytes"].values()) / 1e9
+        lines.append(f"{i + 1:>2} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['cp']:>3} "
+                     f"{r['ep']:>3} {r['zero']:>4} {'y' if r['sequence_parallel'] else 'n':>3} "
+                     f"{r['recompute']:>9} {r['mixed_precision']:>4} {r['microbatch_size']:>2} "
+                     f"{r['schedule']:>11} {r['virtual_stages']:>2} {gb:>8.2f} "
+                     f"{r['step_seconds']:>8.3f} {r['tokens_per_s']:>10.0f} "
+                     f"{r['tflops_per_gpu']:>8.1f} {100 * r['mfu']:>5.1f}%")
+    if len(fits) >= 2:
+        lines.append(why(fits[0], fits[1]))
+    if not fits:
+        lines.append("no layout fits:")
+        for r in bad[:5]:
+            lines.append(f"  {describe(r)}: {r['reason']}")
+    else:
+        lines.append(f"{len(bad)} layouts left out (divisibility, or faster but not fitting)")
+        for r in [r for r in bad if "step_seconds" in r][:3]:
+            lines.append(f"  {describe(r)}: {r['reason']}")
+    return "\n".join(lines)
+
+
+def add_plan_args(p) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", choices=sorted(MODELS), default=None,
+                   help="a published shape (default gpt2 when no --n-layer is given)")
+    for name in ("n_layer", "n_embd", "n_head", "vocab", "block_size", "n_expert", "top_k"):
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help="override the preset")
+    g.add_argument("--global-batch", type=int, default=512, help="sequences per step (512)")
+    g = p.add_argument_group("machine")
+    g.add_argument("--machine", choices=sorted(MACHINES) + ["cpu"], default="dgx-a100")
+    g.add_argument("--gpus", type=int, default=None, help="ranks in all (default one node)")
+    for name in ("gpus_per_node", "gpu_memory_gb", "peak_tflops", "hbm_gbs", "gemm_efficiency",
+                 "intra_node_gbs", "inter_node_gbs", "intra_latency_us", "inter_latency_us"):
+        g.add_argument(f"--{name.replace('_', '-')}", type=float, default=None,
+                       help="override the machine's")
+    g = p.add_argument_group("layout (each fixes that choice; the rest is searched)")
+    for name in ("tp", "pp", "dp", "cp", "ep", "microbatch_size", "virtual_stages"):
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None)
+    g.add_argument("--sequence-parallel", choices=["on", "off"], default=None)
+    g.add_argument("--recompute", choices=["none", "selective", "full"], default=None)
+    g.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default=None)
+    g.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb-h1"], default=None)
+    p.add_argument("--top", type=int, default=10, help="layouts printed (10)")
+    p.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')
+
+
+def model_of(args) -> GPTConfig:
+    L, C, NH, V, T = MODELS[args.preset or "gpt2"]
+    given = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head,
+             "vocab_size": args.vocab, "block_size": args.block_size}
+    m = dict(n_layer=L, n_embd=C, n_head=NH, vocab_size=V, block_size=T)
+    m.update({k: v for k, v in given.items() if v is not None})
+    if args.n_expert:
+        m.update(n_expert=args.n_expert, top_k=args.top_k or 2)
+    return GPTConfig(**m)
+
+
+def machine_of(args) -> Machine:
+    mach = cpu_machine(args.gpus or 1) if args.machine == "cpu" else MACHINES[args.machine]
+    over = {k: v for k, v in vars(args).items() if k in Machine.__dataclass_fields__
+            and k != "name" and v is not None}
+    if "gpus_per_node" in over:
+        over["gpus_per_node"] = int(over["gpus_per_node"])
+    return replace(mach, **over)
+
+
+def run_plan(args) -> dict:
+    import json
+
+    mcfg, mach = model_of(args), machine_of(args)
+    gpus = args.gpus or mach.gpus_per_node
+    fixed = {k: getattr(args, k) for k in KEYS if getattr(args, k, None) is not None}
+    if "sequence_parallel" in fixed:
+        fixed["sequence_parallel"] = fixed["sequence_parallel"] == "on"
+    fits, bad = search(mcfg, args.global_batch, gpus, mach, fixed, args.top)
+    if args.json:
+        print(json.dumps({"layouts": fits, "infeasible": bad[:args.top]}, indent=1))
+    else:
+        print(f"{mcfg.n_layer} layers, C {mcfg.n_embd}, {mcfg.n_head} heads, V {mcfg.vocab_size}, "
+              f"T {mcfg.block_size}, batch {args.global_batch} on {gpus} x {mach.name} "
+              f"({mach.peak_tflops:g} TFLOP/s, {mach.gpu_memory_gb:g} GB, "
+              f"{mach.gpus_per_node} per node)")
+        print(table(fits, bad))
+    if not fits:
+        raise ConfigError("no layout fits: " + (bad[0]["reason"] if bad else "no candidates"))
+    return {"layouts": fits}
