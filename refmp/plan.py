@@ -96,9 +96,21 @@ class Layout:
     virtual_stages: int = 1
 
 
-def train_config(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32") -> TrainConfig:
-    """The TrainConfig that runs this layout (what check_layout and estimate_memory read)."""
-    return TrainConfig(n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_embd=mcfg.n_embd,
+@cache
+def split(mcfg: GPTConfig, chunks: int) -> tuple[tuple[int, ...], ...]:
+    """The blocks of each chunk, as the engine splits them (partition's balanced split)."""
+    C, T, V = mcfg.n_embd, mcfg.block_size, mcfg.vocab_size
+    return tuple(tuple(c) for c in partition(mcfg.n_layer, chunks, piece_costs(C, T, V)))
+
+
+def train_config(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32",
+                 stage_layers: bool = True) -> TrainConfig:
+    """The TrainConfig that runs this layout (what check_layout and estimate_memory read);
+    ``stage_layers``: spell out the balanced split (the same blocks; saves recomputing it)."""
+    S = lay.pp * lay.virtual_stages
+    chunks = split(mcfg, S) if stage_layers and 1 < S <= mcfg.n_layer else None
+    return TrainConfig(stage_layers=",".join(str(len(c)) for c in chunks) if chunks else None,
+                       n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_embd=mcfg.n_embd,
                        block_size=mcfg.block_size, batch_size=batch, dtype=dtype,
                        tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, zero=lay.zero,
                        sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
@@ -109,26 +121,34 @@ def train_config(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32
 
 
 def memory(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32") -> dict[str, int]:
-    """Bytes per rank, the max over the pipeline stages (and ep ranks) of estimate_memory;
-    ``stage`` says which stage needs the most (params + grads + optimizer + activations)."""
+    """Bytes per rank, the max over the pipeline stages of stage_memory; ``stage`` says
+    which stage needs the most (params + grads + optimizer + activations)."""
     cfg = train_config(lay, mcfg, batch, dtype)
     sizes = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
-    w = 8 if dtype == "float64" else 4
-    c = {"none": w, "bf16": 2, "fp16": 2}[lay.mixed_precision]
-    best: dict[str, int] = {}
-    for r in range(lay.pp):
-        for e in range(lay.ep):
-            m = estimate_memory(cfg, mcfg, sizes, {"pp": r, "dp": e // lay.cp, "cp": e % lay.cp,
-                                                   "tp": 0, "ep": e})
-            # mixed precision: memory_per_rank's c, g, 3 w bytes per element (linear in w)
-            m["params"], m["grads"] = m["params"] * c // w, m["grads"] * c // w
-            if c != w:
-                m["optimizer"] = m["optimizer"] * 3 // 2
-                m["activations"] = m["activations"] * c // w
-            m["stage"] = r
-            if not best or total(m) > total(best):
-                best = m
-    return best
+    held = [sum(len(ch) for ch in split(mcfg, lay.pp * lay.virtual_stages)[r::lay.pp])
+            for r in range(lay.pp)]
+    # the first stage keeps the most micro-batches in flight and the embeddings, the last the
+    # head; a middle one can only exceed them by holding more blocks
+    mems = [stage_memory(cfg, mcfg, sizes, r) for r in sorted({0, lay.pp - 1,
+                                                                held.index(max(held))})]
+    return max(mems, key=total)
+
+
+def stage_memory(cfg: TrainConfig, mcfg: GPTConfig, sizes: dict, r: int) -> dict[str, int]:
+    """refmp.memory_check.estimate_memory of the rank at pipeline coordinate r (its tp, dp,
+    cp and ep peers hold the same amounts). With mixed precision the engine keeps the
+    compute copy in c bytes, gradients in g, and masters plus two moments in 3 w per owned
+    element (zero_cost.memory_per_rank with compute=c, grad=g: linear in the bytes, so a
+    rescaling of the estimate's one-precision figures), and its float caches in c bytes."""
+    m = estimate_memory(cfg, mcfg, sizes, {"pp": r, "dp": 0, "cp": 0, "tp": 0, "ep": 0})
+    w = 8 if cfg.dtype == "float64" else 4
+    if cfg.mixed_precision != "none":
+        c, g = 2, (4 if cfg.grad_dtype == "fp32" else 2)
+        m["params"], m["grads"] = m["params"] * c // w, m["grads"] * g // w
+        m["optimizer"] = m["optimizer"] * 3 // 2 if cfg.optimizer == "adamw" else m["optimizer"]
+        m["activations"], m["workspace"] = m["activations"] * c // w, m["workspace"] * c // w
+    m["stage"] = r
+    return m
 
 
 def total(m: dict) -> int:
@@ -176,7 +196,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine) -> dict:
         / (mach.hbm_gbs * 1e9)
     again = {"none": 0.0, "selective": scores, "full": f_block}[lay.recompute]
     head = gemm(m, C, -(-V // tp), mach, c)
-    blocks = partition(L, pp * v, piece_costs(C, T, V))
+    blocks = split(mcfg, pp * v)
     stages = []
     for r in range(pp):
         mine = [i for ch in range(r, pp * v, pp) for i in blocks[ch]]
@@ -278,7 +298,7 @@ def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | 
     fits, cap = [], mach.gpu_memory_gb * 1e9
     for _, lay in ok:
         mem = memory(lay, mcfg, batch, dtype)
-        need = total(mem) + mem["workspace"] * (2 if lay.mixed_precision != "none" else 4) // 4
+        need = total(mem) + mem["workspace"]
         r = row(lay, mem, predict(lay, mcfg, batch, mach), None)
         if need > cap:
             r["reason"] = (f"needs {size(need)} per rank on stage {mem['stage']} (params "
