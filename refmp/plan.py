@@ -146,7 +146,13 @@ def stage_memory(cfg: TrainConfig, mcfg: GPTConfig, sizes: dict, r: int) -> dict
         c, g = 2, (4 if cfg.grad_dtype == "fp32" else 2)
         m["params"], m["grads"] = m["params"] * c // w, m["grads"] * g // w
         m["optimizer"] = m["optimizer"] * 3 // 2 if cfg.optimizer == "adamw" else m["optimizer"]
-        m["activations"], m["workspace"] = m["activations"] * c // w, m["workspace"] * c // w
+        # the caches' floats take c bytes, their int64 ids and targets stay 8: the estimate at
+        # both one-precision widths (4 A + I, 8 A + I) separates the two
+        other = estimate_memory(replace(cfg, dtype="float64" if w == 4 else "float32"), mcfg,
+                                sizes, {"pp": r, "dp": 0, "cp": 0, "tp": 0, "ep": 0})
+        for k in ("activations", "workspace"):
+            e4, e8 = (m[k], other[k]) if w == 4 else (other[k], m[k])
+            m[k] = c * (e8 - e4) // 4 + 2 * e4 - e8
     m["stage"] = r
     return m
 

@@ -1,0 +1,150 @@
+"""`refmp plan`: its memory per rank is the measured ledger's, exactly; its search keeps the
+fixed choices, explains what it leaves out, and prints one table or the --json shape."""
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+from mpi_helpers import REPO, Mismatches, collective
+
+from refmp import plan
+from refmp.grid import ProcessGrid
+from refmp.nn.params import GPTConfig
+from refmp.train import Trainer
+
+pytestmark = pytest.mark.cli
+
+SMALL = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=13)
+STATE = ("params", "grads", "optimizer", "activations")
+
+
+def trained(lay: plan.Layout, batch: int, grid=None, dtype: str = "float32", **kw) -> Trainer:
+    """One step of this layout, on the addition task (the plan's TrainConfig, as it runs)."""
+    mcfg = replace(SMALL, **kw)
+    cfg = replace(plan.train_config(lay, mcfg, batch, dtype, stage_layers=False), steps=2,
+                  progress=False)
+    tr = Trainer(cfg, grid=grid)
+    tr.step()
+    return tr
+
+
+@settings(max_examples=8)
+@given(recompute=st.sampled_from(["none", "selective", "full"]),
+       mp=st.sampled_from(["none", "bf16", "fp16"]), b=st.sampled_from([1, 2, 4]),
+       dtype=st.sampled_from(["float32", "float64"]))
+def test_memory_is_the_measured_ledger_on_one_rank(recompute, mp, b, dtype):
+    """params, grads, optimizer and activations: the plan's figure is Trainer.memory()."""
+    lay = plan.Layout(recompute=recompute, mixed_precision=mp, microbatch_size=b)
+    tr = trained(lay, 4, ProcessGrid(MPI.COMM_SELF), dtype)
+    got, want = tr.memory(), plan.memory(lay, tr.model.cfg, 4, dtype)
+    assert {k: want[k] for k in STATE} == {k: got[k] for k in STATE}
+
+
+LAYOUTS = [  # (layout, model overrides): pipelines with tp, ZeRO 3 interleaved, SP, bf16
+    (plan.Layout(tp=2, pp=2, zero=1, recompute="full", mixed_precision="none",
+                 microbatch_size=1), {}),
+    (plan.Layout(pp=2, dp=2, zero=3, schedule="interleaved", virtual_stages=2,
+                 mixed_precision="bf16", microbatch_size=1), {"n_layer": 4}),
+    (plan.Layout(tp=2, dp=2, sequence_parallel=True, recompute="selective",
+                 mixed_precision="none", microbatch_size=2), {"block_size": 16}),
+    (plan.Layout(dp=4, zero=2, mixed_precision="bf16", microbatch_size=1), {}),
+]
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_memory_is_the_measured_ledger_on_four_ranks():
+    """Every rank's ledger is its stage's prediction, and the plan's figure is the largest."""
+    bad = Mismatches()
+    for lay, kw in LAYOUTS:
+        tr = trained(lay, 4, **kw)
+        mcfg, sizes, r = tr.model.cfg, tr.grid.sizes, tr.grid.coords["pp"]
+        got = tr.memory()
+        mine = plan.stage_memory(plan.train_config(lay, mcfg, 4), mcfg, sizes, r)
+        bad.check(np.testing.assert_equal, [mine[k] for k in STATE], [got[k] for k in STATE],
+                  err_msg=f"{lay} rank {tr.grid.rank}")
+        most = max(MPI.COMM_WORLD.allgather(sum(got[k] for k in STATE)))
+        bad.check(np.testing.assert_equal, plan.total(plan.memory(lay, mcfg, 4)), most,
+                  err_msg=f"{lay}: the plan's max over ranks")
+    bad.assert_none()
+
+
+MACHINE = plan.MACHINES["dgx-a100"]
+GPT2 = GPTConfig(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, block_size=1024)
+
+
+def test_search_keeps_fixed_choices_and_ranks_by_step_time():
+    fits, _ = plan.search(GPT2, 512, 64, MACHINE, {"tp": 2, "recompute": "full"}, top=5)
+    assert len(fits) == 5
+    assert all(r["tp"] == 2 and r["recompute"] == "full" for r in fits)
+    assert all(r["tp"] * r["pp"] * r["dp"] * r["cp"] == 64 for r in fits)
+    times = [r["step_seconds"] for r in fits]
+    assert times == sorted(times)
+    for r in fits:  # the figures agree with each other
+        assert r["tokens_per_s"] == pytest.approx(512 * 1024 / r["step_seconds"])
+        assert 0 < r["mfu"] < 1 and r["tflops_per_gpu"] > r["mfu"] * MACHINE.peak_tflops
+        assert sum(r["memory_bytes"].values()) <= MACHINE.gpu_memory_gb * 1e9
+
+
+def test_infeasible_layouts_say_what_does_not_fit():
+    """GPT-3 on one node without ZeRO: 16 bytes per parameter cannot fit 8 x 80 GB."""
+    big = GPTConfig(n_layer=96, n_embd=12288, n_head=96, vocab_size=50257, block_size=2048)
+    fits, bad = plan.search(big, 8, 8, MACHINE, {"zero": 0, "pp": 8, "tp": 1}, top=3)
+    assert fits == [] and bad
+    timed = [r for r in bad if "step_seconds" in r]  # valid layouts, timed, not fitting
+    assert timed and all("needs" in r["reason"] and "optimizer" in r["reason"] for r in timed)
+    assert all(r["reason"] for r in bad)
+    _, bad = plan.search(GPT2, 512, 64, MACHINE, {"tp": 8}, top=3)  # 8 does not divide 12 heads
+    assert bad and all("--tp 8 must divide" in r["reason"] for r in bad)
+
+
+def test_more_gpus_per_tp_group_cost_inter_node_bandwidth():
+    """tp across nodes (16 > 8 GPUs per node) is slower than inside one: the tp term grows."""
+    wide = GPTConfig(n_layer=4, n_embd=2048, n_head=16, vocab_size=50257, block_size=1024)
+    inside = plan.predict(plan.Layout(tp=8, dp=4), wide, 64, MACHINE)
+    across = plan.predict(plan.Layout(tp=16, dp=2), wide, 64, MACHINE)
+    assert across["seconds"]["tp"] > 5 * inside["seconds"]["tp"]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "refmp", "plan", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_prints_one_table_instantly():
+    t0 = time.perf_counter()
+    r = cli("--preset", "gpt2", "--machine", "dgx-a100", "--gpus", "64", "--global-batch", "512")
+    seconds = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
+    assert seconds < 2, seconds
+    lines = r.stdout.splitlines()
+    assert sum(line.lstrip().startswith("#") for line in lines) == 1  # one table header
+    assert "faster than the runner-up, mostly in" in r.stdout
+
+
+def test_cli_json_shape():
+    r = cli("--preset", "gpt2-medium", "--gpus", "16", "--global-batch", "64", "--top", "3",
+            "--json", "--pp", "2")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["layouts"]
+    assert len(rows) == 3 and all(x["pp"] == 2 for x in rows)
+    keys = {"tp", "pp", "dp", "cp", "ep", "zero", "sequence_parallel", "recompute",
+            "mixed_precision", "microbatch_size", "schedule", "virtual_stages", "memory_bytes",
+            "step_seconds", "tokens_per_s", "tflops_per_gpu", "mfu"}
+    assert all(keys <= set(x) for x in rows)
+    assert set(rows[0]["memory_bytes"]) == {"params", "grads", "optimizer", "activations"}
+    assert [x["step_seconds"] for x in rows] == sorted(x["step_seconds"] for x in rows)
+
+
+def test_cli_nothing_fits_exits_2():
+    r = cli("--preset", "gpt3-175b", "--gpus", "8", "--zero", "0", "--pp", "8", "--tp", "1",
+            "--global-batch", "8")
+    assert r.returncode == 2 and "no layout fits" in r.stderr
+    assert "needs" in r.stdout
