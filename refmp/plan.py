@@ -194,26 +194,34 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine) -> dict:
 
     m = b * Tl  # rows of every product
     # one block, one micro-batch, forward: four linears, two attention products per head
-    f_block = (gemm(m, C, 3 * C // tp, mach, c) + gemm(m, C // tp, C, mach, c)
-               + gemm(m, C, 4 * C // tp, mach, c) + gemm(m, 4 * C // tp, C, mach, c)
+    f_mlp = gemm(m, C, 4 * C // tp, mach, c) + gemm(m, 4 * C // tp, C, mach, c)
+    f_block = (gemm(m, C, 3 * C // tp, mach, c) + gemm(m, C // tp, C, mach, c) + f_mlp
                + 2 * b * NH // tp * gemm(Tl, C // NH, T, mach, c))
+    # an MoE block: top_k experts' MLPs per token instead of one, and the router (m, C, E)
+    K, E = mcfg.top_k, mcfg.n_expert
+    f_moe = f_block + (K - 1) * f_mlp + (gemm(m, C, E, mach, c) if E else 0.0)
     scores = b * NH // tp * gemm(Tl, C // NH, T, mach, c)
     elem = 3 * c * block_cache_elements(b, Tl, T, C, NH, tp, lay.sequence_parallel, "ring", cp) \
         / (mach.hbm_gbs * 1e9)
-    again = {"none": 0.0, "selective": scores, "full": f_block}[lay.recompute]
     head = gemm(m, C, -(-V // tp), mach, c)
     blocks = split(mcfg, pp * v)
     stages = []
     for r in range(pp):
         mine = [i for ch in range(r, pp * v, pp) for i in blocks[ch]]
         first, last = r == 0, r == pp - 1
-        Ls = len(mine)
-        comp = M * (Ls * (3 * f_block + again + elem) + (3 * head if last else 0))
+        Ls, n_moe = len(mine), sum(mcfg.is_moe(i) for i in mine)
+        fwd = (Ls - n_moe) * f_block + n_moe * f_moe  # the stage's blocks, one micro-batch
+        again = {"none": 0.0, "selective": Ls * scores, "full": fwd}[lay.recompute]
+        comp = M * (3 * fwd + again + Ls * elem + (3 * head if last else 0))
         tpb = comm_bytes_per_step(batch // dp, Tl, C, Ls, lay.sequence_parallel, c)
         act = (batch // dp) * Tl * C * c
         t_tp = sum(collective(op, x, round(x / act), tp, *link(tp)) for op, x in tpb.items())
         t_cp = collective("send", 3 * (cp - 1) * Ls * 2 * (batch // dp) * Tl * (C // tp) * c,
                           3 * (cp - 1) * Ls * M, cp, *link(tp * cp)) if cp > 1 else 0.0
+        # experts: dispatch and combine, forward and backward, K b Tl C each (ep carved from
+        # dp x cp: the group spans tp ep ranks)
+        t_ep = collective("alltoall", 4 * M * n_moe * K * b * Tl * C * c, 4 * M * n_moe,
+                          lay.ep, *link(tp * lay.ep))
         # pipeline boundaries: activations out and gradients back, b Tl C c per micro-batch
         t_pp = collective("send", 2 * v * M * b * Tl * C * c, 2 * v * M, pp,
                           *link(2 * tp * cp * dp))  # neighbours are tp cp dp ranks apart
@@ -222,12 +230,13 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine) -> dict:
         n = dp * cp
         t_dp = sum(collective(op, x, 1 if lay.zero < 2 else M * len(units), n, *link(tp * n))
                    for op, x in g.items())
-        overlap = (2 * f_block + again + elem) * Ls if lay.zero in (0, 2) else 0.0  # last backward
+        overlap = 2 * fwd + again + Ls * elem if lay.zero in (0, 2) else 0.0  # last backward
         t_dp = max(0.0, t_dp - overlap)
-        t_opt = 16 * sum(units.values()) / n / (mach.hbm_gbs * 1e9)  # AdamW's pass over its state
-        stages.append({"compute": comp, "tp": t_tp, "cp": t_cp, "pp": t_pp, "dp": t_dp,
-                       "optimizer": t_opt})
-    busy = [s["compute"] + s["tp"] + s["cp"] + s["pp"] for s in stages]
+        owned = sum(units.values()) / (n if lay.zero else 1)
+        t_opt = 16 * owned / (mach.hbm_gbs * 1e9)  # AdamW reads and writes masters, moments
+        stages.append({"compute": comp, "tp": t_tp, "cp": t_cp, "ep": t_ep, "pp": t_pp,
+                       "dp": t_dp, "optimizer": t_opt})
+    busy = [s["compute"] + s["tp"] + s["cp"] + s["ep"] + s["pp"] for s in stages]
     slow = max(range(pp), key=lambda r: busy[r] + stages[r]["dp"] + stages[r]["optimizer"])
     frac = bubble(lay.schedule, pp, M, v)
     t = dict(stages[slow])
@@ -344,6 +353,8 @@ def why(best: dict, second: dict) -> str:
     """Which term of the step makes the best layout faster than the runner-up."""
     a, b = best["seconds"], second["seconds"]
     term = max(a, key=lambda k: b[k] - a[k])
+    if second["step_seconds"] - best["step_seconds"] < 1e-9:
+        return "the best and the runner-up tie: the same predicted step time"
     return (f"the best is {1e3 * (second['step_seconds'] - best['step_seconds']):.1f} ms/step "
             f"faster than the runner-up, mostly in {term} ({1e3 * a[term]:.1f} vs "
             f"{1e3 * b[term]:.1f} ms)")
