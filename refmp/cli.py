@@ -197,7 +197,7 @@ def make_parser() -> argparse.ArgumentParser:
                         description="Predict memory per rank and step time of every layout of "
                                     "a model on a machine, and print the fastest that fit "
                                     "(a pure computation, no MPI: docs/plan.md).")
-    from refmp.plan import add_plan_args
+    from refmp.plan_search import add_plan_args
 
     add_plan_args(pl)
     c = sub.add_parser("convert", help="a sharded checkpoint to one GPT-2 file, and back",
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "convert":
             run_convert(args)
         elif args.command == "plan":
-            from refmp.plan import run_plan
+            from refmp.plan_search import run_plan
 
             run_plan(args)
         elif args.command == "schedule":

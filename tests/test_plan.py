@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import REPO, Mismatches, collective
 
-from refmp import plan
+from refmp import plan, plan_search
 from refmp.grid import ProcessGrid
 from refmp.nn.params import GPTConfig
 from refmp.train import Trainer
@@ -81,7 +81,7 @@ GPT2 = GPTConfig(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, block_size
 
 
 def test_search_keeps_fixed_choices_and_ranks_by_step_time():
-    fits, _ = plan.search(GPT2, 512, 64, MACHINE, {"tp": 2, "recompute": "full"}, top=5)
+    fits, _ = plan_search.search(GPT2, 512, 64, MACHINE, {"tp": 2, "recompute": "full"}, top=5)
     assert len(fits) == 5
     assert all(r["tp"] == 2 and r["recompute"] == "full" for r in fits)
     assert all(r["tp"] * r["pp"] * r["dp"] * r["cp"] == 64 for r in fits)
@@ -96,12 +96,12 @@ def test_search_keeps_fixed_choices_and_ranks_by_step_time():
 def test_infeasible_layouts_say_what_does_not_fit():
     """GPT-3 on one node without ZeRO: 16 bytes per parameter cannot fit 8 x 80 GB."""
     big = GPTConfig(n_layer=96, n_embd=12288, n_head=96, vocab_size=50257, block_size=2048)
-    fits, bad = plan.search(big, 8, 8, MACHINE, {"zero": 0, "pp": 8, "tp": 1}, top=3)
+    fits, bad = plan_search.search(big, 8, 8, MACHINE, {"zero": 0, "pp": 8, "tp": 1}, top=3)
     assert fits == [] and bad
     timed = [r for r in bad if "step_seconds" in r]  # valid layouts, timed, not fitting
     assert timed and all("needs" in r["reason"] and "optimizer" in r["reason"] for r in timed)
     assert all(r["reason"] for r in bad)
-    _, bad = plan.search(GPT2, 512, 64, MACHINE, {"tp": 8}, top=3)  # 8 does not divide 12 heads
+    _, bad = plan_search.search(GPT2, 512, 64, MACHINE, {"tp": 8}, top=3)  # 8 does not divide 12 heads
     assert bad and all("--tp 8 must divide" in r["reason"] for r in bad)
 
 
