@@ -162,7 +162,8 @@ def add_plan_args(p) -> None:
     for name in ("tp", "pp", "dp", "cp", "ep", "microbatch_size", "virtual_stages"):
         g.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None)
-    g.add_argument("--sequence-parallel", choices=["on", "off"], default=None)
+    g.add_argument("--sequence-parallel", choices=["on", "off"], nargs="?", const="on",
+                   default=None, help="on (the flag alone) or off")
     g.add_argument("--recompute", choices=["none", "selective", "full"], default=None)
     g.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default=None)
     g.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb-h1"], default=None)
