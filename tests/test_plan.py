@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import REPO, Mismatches, collective
+from mpi_helpers import REPO, Mismatches, collective, mpiexec
 
 from refmp import plan, plan_search
 from refmp.grid import ProcessGrid
@@ -148,3 +148,12 @@ def test_cli_nothing_fits_exits_2():
             "--global-batch", "8")
     assert r.returncode == 2 and "no layout fits" in r.stderr
     assert "needs" in r.stdout
+
+
+def test_tutorial_11_checks_itself():
+    """tutorials/11_plan.py as a reader runs it: the search, the terms, and every rank's
+    measured memory against the plan (data parallel and a 2-stage pipeline in bf16)."""
+    r = mpiexec(2, ["python", "tutorials/11_plan.py"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: every rank's memory is the plan's" in r.stdout
+    assert r.stdout.count("faster than the runner-up") == 1  # rank 0 alone narrates
