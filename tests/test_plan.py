@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import REPO, Mismatches, collective, mpiexec
@@ -47,32 +47,45 @@ def test_memory_is_the_measured_ledger_on_one_rank(recompute, mp, b, dtype):
     assert {k: want[k] for k in STATE} == {k: got[k] for k in STATE}
 
 
-LAYOUTS = [  # (layout, model overrides): pipelines with tp, ZeRO 3 interleaved, SP, bf16
-    (plan.Layout(tp=2, pp=2, zero=1, recompute="full", mixed_precision="none",
-                 microbatch_size=1), {}),
-    (plan.Layout(pp=2, dp=2, zero=3, schedule="interleaved", virtual_stages=2,
-                 mixed_precision="bf16", microbatch_size=1), {"n_layer": 4}),
-    (plan.Layout(tp=2, dp=2, sequence_parallel=True, recompute="selective",
-                 mixed_precision="none", microbatch_size=2), {"block_size": 16}),
-    (plan.Layout(dp=4, zero=2, mixed_precision="bf16", microbatch_size=1), {}),
-]
+# cp > 1 with tp > 1 (ring): memory_check.estimate_memory counts b Tl C floats more than
+# the engine holds (reported to the lead); not drawn until it is settled
+GRIDS = [(tp, pp, dp, cp) for tp in (1, 2, 4) for pp in (1, 2, 4) for dp in (1, 2, 4)
+         for cp in (1, 2) if tp * pp * dp * cp == 4 and (cp == 1 or tp == 1)]
 
 
 @pytest.mark.parallel(nprocs=4)
+@settings(max_examples=5, phases=[Phase.explicit, Phase.generate])  # no shrinking under MPI
+@given(grid=st.sampled_from(GRIDS), zero=st.sampled_from([0, 1, 2, 3]),
+       recompute=st.sampled_from(["none", "selective", "full"]),
+       mp=st.sampled_from(["none", "bf16"]), sp=st.booleans(), b=st.sampled_from([1, 2]),
+       interleaved=st.booleans())
+@example(grid=(2, 2, 1, 1), zero=1, recompute="full", mp="none", sp=False, b=1,
+         interleaved=False)  # tp x pp
+@example(grid=(1, 2, 2, 1), zero=3, recompute="none", mp="bf16", sp=False, b=1,
+         interleaved=True)  # ZeRO-3 inside an interleaved pipeline, in bf16
 @collective
-def test_memory_is_the_measured_ledger_on_four_ranks():
+def test_memory_is_the_measured_ledger_on_four_ranks(grid, zero, recompute, mp, sp, b,
+                                                    interleaved):
     """Every rank's ledger is its stage's prediction, and the plan's figure is the largest."""
+    tp, pp, dp, cp = grid
+    # interleaved with cp > 1: memory_check.estimate_memory (which the plan is) counts 8 Tl
+    # bytes more than the engine holds on pipeline rank 0 (one int64 positions array):
+    # reported to the lead, not drawn here until it is settled
+    v = 2 if interleaved and pp > 1 and cp == 1 else 1
+    lay = plan.Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, sequence_parallel=sp and tp > 1,
+                      recompute=recompute, mixed_precision=mp, microbatch_size=b,
+                      schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
+    batch = dp * b * (pp if v > 1 else 1)  # interleaving needs the micro-batches in pp's
+    tr = trained(lay, batch, n_layer=pp * v if pp * v > 2 else 2, block_size=16)
+    mcfg, sizes, r = tr.model.cfg, tr.grid.sizes, tr.grid.coords["pp"]
+    got = tr.memory()
+    mine = plan.stage_memory(plan.train_config(lay, mcfg, batch), mcfg, sizes, r)
     bad = Mismatches()
-    for lay, kw in LAYOUTS:
-        tr = trained(lay, 4, **kw)
-        mcfg, sizes, r = tr.model.cfg, tr.grid.sizes, tr.grid.coords["pp"]
-        got = tr.memory()
-        mine = plan.stage_memory(plan.train_config(lay, mcfg, 4), mcfg, sizes, r)
-        bad.check(np.testing.assert_equal, [mine[k] for k in STATE], [got[k] for k in STATE],
-                  err_msg=f"{lay} rank {tr.grid.rank}")
-        most = max(MPI.COMM_WORLD.allgather(sum(got[k] for k in STATE)))
-        bad.check(np.testing.assert_equal, plan.total(plan.memory(lay, mcfg, 4)), most,
-                  err_msg=f"{lay}: the plan's max over ranks")
+    bad.check(np.testing.assert_equal, [mine[k] for k in STATE], [got[k] for k in STATE],
+              err_msg=f"{lay} rank {tr.grid.rank}")
+    most = max(MPI.COMM_WORLD.allgather(sum(got[k] for k in STATE)))
+    bad.check(np.testing.assert_equal, plan.total(plan.memory(lay, mcfg, batch)), most,
+              err_msg=f"{lay}: the plan's max over ranks")
     bad.assert_none()
 
 
