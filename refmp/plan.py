@@ -81,6 +81,8 @@ def cpu_machine(ranks: int) -> Machine:
 
 @dataclass(frozen=True)
 class Layout:
+    """One choice of every axis and option (``--json``'s keys); microbatch_size is b, rows
+    per micro-batch on a dp rank, so M = B / (dp b)."""
     tp: int = 1
     pp: int = 1
     dp: int = 1

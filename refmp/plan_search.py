@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from refmp.errors import ConfigError
-from refmp.memory_check import size
+from refmp.memory_check import need_bytes, size
 from refmp.nn.params import GPTConfig
 from refmp.parallel.layout import check_layout
 from refmp.plan import MACHINES, MODELS, Layout, Machine, cpu_machine, memory, predict, total, train_config
@@ -70,13 +70,14 @@ def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | 
     fits, cap = [], mach.gpu_memory_gb * 1e9
     for _, lay in ok:
         mem = memory(lay, mcfg, batch, dtype)
-        need = total(mem) + mem["workspace"]
+        # refmp on this host also holds the full model at set-up (its own check, need_bytes)
+        need = need_bytes(mem) if mach.name == "cpu" else total(mem) + mem["workspace"]
         r = row(lay, mem, predict(lay, mcfg, batch, mach), None)
         if need > cap:
             r["reason"] = (f"needs {size(need)} per rank on stage {mem['stage']} (params "
                            f"{size(mem['params'])}, grads {size(mem['grads'])}, optimizer "
                            f"{size(mem['optimizer'])}, activations {size(mem['activations'])}, "
-                           f"workspace {size(need - total(mem))}) of {size(cap)}")
+                           f"workspace and set-up {size(need - total(mem))}) of {size(cap)}")
             bad.append(r)
         else:
             fits.append(r)
@@ -129,7 +130,7 @@ def table(fits: list[dict], bad: list[dict]) -> str:
                      f"{r['recompute']:>9} {r['mixed_precision']:>4} {r['microbatch_size']:>2} "
                      f"{r['schedule']:>11} {r['virtual_stages']:>2} {gb:>8.2f} "
                      f"{r['step_seconds']:>8.3f} {r['tokens_per_s']:>10.0f} "
-                     f"{r['tflops_per_gpu']:>8.1f} {100 * r['mfu']:>5.1f}%")
+                     f"{r['tflops_per_gpu']:>8.3g} {100 * r['mfu']:>5.1f}%")
     if len(fits) >= 2:
         lines.append(why(fits[0], fits[1]))
     if not fits:
