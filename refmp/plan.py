@@ -188,6 +188,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine) -> dict:
     tp, pp, dp, cp, b, v = lay.tp, lay.pp, lay.dp, lay.cp, lay.microbatch_size, lay.virtual_stages
     c = 2 if lay.mixed_precision != "none" else 4
     M, Tl, G = batch // (dp * b), T // cp, mach.gpus_per_node
+
     def link(span: int) -> tuple[float, float]:  # (bytes/s, s) of a group spanning span ranks
         inside = span <= G
         return ((mach.intra_node_gbs if inside else mach.inter_node_gbs) * 1e9,
@@ -215,8 +216,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine) -> dict:
         again = {"none": 0.0, "selective": Ls * scores, "full": fwd}[lay.recompute]
         comp = M * (3 * fwd + again + Ls * elem + (3 * head if last else 0))
         tpb = comm_bytes_per_step(batch // dp, Tl, C, Ls, lay.sequence_parallel, c)
-        act = (batch // dp) * Tl * C * c
-        t_tp = sum(collective(op, x, round(x / act), tp, *link(tp)) for op, x in tpb.items())
+        act = (batch // dp) * Tl * C * c  # one (b, Tl, C) collective in each micro-batch
+        t_tp = sum(collective(op, x, M * round(x / act), tp, *link(tp)) for op, x in tpb.items())
         t_cp = collective("send", 3 * (cp - 1) * Ls * 2 * (batch // dp) * Tl * (C // tp) * c,
                           3 * (cp - 1) * Ls * M, cp, *link(tp * cp)) if cp > 1 else 0.0
         # experts: dispatch and combine, forward and backward, K b Tl C each (ep carved from
