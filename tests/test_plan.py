@@ -4,7 +4,6 @@ fixed choices, explains what it leaves out, and prints one table or the --json s
 import json
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -131,12 +130,10 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_cli_prints_one_table_instantly():
-    t0 = time.perf_counter()
+def test_cli_prints_one_table():
+    """(Speed lives in refmp bench, not in timed tests: the search is instant in practice.)"""
     r = cli("--preset", "gpt2", "--machine", "dgx-a100", "--gpus", "64", "--global-batch", "512")
-    seconds = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr
-    assert seconds < 2, seconds
     lines = r.stdout.splitlines()
     assert sum(line.lstrip().startswith("#") for line in lines) == 1  # one table header
     assert "faster than the runner-up, mostly in" in r.stdout
