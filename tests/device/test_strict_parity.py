@@ -1,0 +1,136 @@
+"""Every strategy on "device memory", without a GPU: the engine's parity through the strict
+stand-in (tests/device/strict.py), and what a step moves between host and device.
+
+With ``backend.use(strict)`` every parameter, gradient, activation and optimizer moment is a
+DeviceArray, which refuses each implicit trip to the host where CuPy does; Comm stages device
+buffers through the host (MPI here is not CUDA-aware) or, told it is CUDA-aware, hands them to
+MPI as they are. Each layout must equal the serial run (tests/parity.py, float64), and one more
+step is traced: every host<->device crossing is either MPI's staging (equal to the ledger's
+stage_d2h / stage_h2d), the batch (x, y), or a site of ALLOWED (the figures a step reports,
+and the routing counts an all-to-all(v) needs on the host).
+"""
+
+import numpy as np
+import pytest
+from device import strict
+from mpi4py import MPI
+from mpi_helpers import Mismatches, collective
+from parity import assert_same_run
+
+from refmp import backend
+from refmp.data import Dataset
+from refmp.grid import ProcessGrid
+from refmp.train import TrainConfig
+
+pytestmark = [pytest.mark.mpi, pytest.mark.device]
+
+# the engine issue's layouts (tests/test_engine.py REFUSED_BEFORE) and one of each strategy
+LAYOUTS = [
+    dict(pp=2, cp=2, microbatches=2),
+    dict(cp=2, dp=2, zero=2),
+    dict(cp=2, dp=2, microbatches=2),
+    dict(tp=2, pp=2, zero=1, microbatches=2),
+    dict(tp=2, pp=2, zero=2, microbatches=2, schedule="zb-h1"),
+    dict(pp=2, dp=2, zero=3, microbatches=2),
+    dict(tp=2, cp=2, zero=1, cp_algo="ulysses"),
+    dict(tp=2, cp=2, sequence_parallel=True),
+    dict(n_expert=4, tp=2, dp=2, ep=2, sequence_parallel=True),
+    dict(n_expert=4, pp=2, dp=2, ep=2, microbatches=2, schedule="zb-h1"),
+    dict(n_expert=4, cp=2, dp=2, ep=4),
+    dict(n_expert=4, dp=4, ep=2, zero=3, microbatches=2, batch_size=8),
+    dict(dp=4),
+    dict(tp=4, sequence_parallel=True, recompute="full"),
+    dict(cp=4, cp_algo="ring", recompute="selective"),
+]
+
+# what a step may move besides the batch and MPI staging: (file, what), by line prefix
+ALLOWED = {
+    "refmp/parallel/engine.py": "the gradient norm (one float)",
+    "refmp/parallel/pipeline/executor.py": "the loss (a float per micro-batch)",
+    "refmp/parallel/pipeline/stage.py": "the MoE auxiliary loss (a float per layer)",
+    "refmp/nn/moe.py": "routing counts to the host (all-to-all(v) sizes, statistics) and the "
+                       "expert-slot index made from them",
+    "refmp/parallel/expert.py": "the regrouping permutation made from the received counts",
+}
+
+
+def config(**kw) -> TrainConfig:
+    base = dict(n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=4, steps=2,
+                lr=0.01, warmup_steps=1, grad_clip=0.05, dtype="float64", seed=3,
+                progress=False, capacity_factor=1.0, top_k=2)
+    return TrainConfig(**{**base, **kw})
+
+
+def data() -> Dataset:
+    return Dataset(np.random.default_rng(0).integers(0, 17, 400), 17, "random")
+
+
+def traced_step(tr, bad: Mismatches, what: str) -> None:
+    """One more step of ``tr``, every crossing accounted for (collects mismatches)."""
+    led, c = tr.grid.ledger, strict.crossings
+    led.reset()
+    backend.transfers.reset()
+    c.reset()
+    c.trace = True
+    try:
+        tr.step()
+    finally:
+        c.trace = False
+    staged = {k: sum(n for kind, n, _, s in c.log if s and kind == k) for k in ("d2h", "h2d")}
+    other = [(kind, n, site) for kind, n, site, s in c.log if not s]
+    batch = [n for kind, n, site in other if site.startswith("refmp/train.py") and kind == "h2d"]
+    rows = tr.rows.stop - tr.rows.start
+    want_batch = [rows * tr.T * tr.ds.tokens.itemsize] * 2  # x, y
+    stray = sorted({site for kind, n, site in other if not site.startswith("refmp/train.py")
+                    and site.split(":")[0] not in ALLOWED})
+    eq = np.testing.assert_equal
+    bad.check(eq, staged["d2h"], led.bytes("stage_d2h"), err_msg=f"{what}: staged d2h")
+    bad.check(eq, staged["h2d"], led.bytes("stage_h2d"), err_msg=f"{what}: staged h2d")
+    bad.check(eq, batch, want_batch, err_msg=f"{what}: the batch")
+    bad.check(eq, stray, [], err_msg=f"{what}: unexpected host<->device crossings")
+    # nothing bypassed backend.to_host / from_host / copy_from_host (scalars aside)
+    bad.check(eq, c.bytes, backend.transfers.bytes, err_msg=f"{what}: crossings outside backend")
+    # a synchronisation before each staged read of device memory
+    bad.check(lambda: _at_least(c.count["sync"], led.count("stage_d2h"), what))
+
+
+def _at_least(got, want, what):
+    assert got >= want, f"{what}: {got} stream syncs for {want} staged reads"
+
+
+@pytest.fixture
+def on_strict_device():
+    backend.use(strict)
+    try:
+        yield
+    finally:
+        backend.use("numpy")
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_every_strategy_on_device_equals_serial_and_moves_only_the_batch(on_strict_device):
+    bad = Mismatches()
+    for kw in LAYOUTS:
+        par = assert_same_run(config(**kw), data())
+        bad.check(_is_device, next(iter(par.runner.params.values())), kw)
+        traced_step(par, bad, str(kw))
+    bad.assert_none()
+
+
+def _is_device(a, kw):
+    assert isinstance(a, strict.DeviceArray), f"{kw}: parameters on the host ({type(a)})"
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_cuda_aware_mpi_takes_device_buffers_unstaged(on_strict_device):
+    kw = dict(tp=2, pp=2, zero=2, microbatches=2, schedule="zb-h1")
+    cfg = config(**kw)
+    grid = ProcessGrid(MPI.COMM_WORLD, pp=2, tp=2)
+    grid.set_cuda_aware(True)
+    par = assert_same_run(cfg, data(), grid=grid)
+    bad = Mismatches()
+    traced_step(par, bad, f"{kw} CUDA-aware")
+    bad.check(np.testing.assert_equal, par.grid.ledger.bytes("stage_d2h"), 0)
+    bad.assert_none()
