@@ -35,7 +35,7 @@ import numpy as np
 class Crossings:
     """Host<->device traffic through the stand-in, whoever caused it. With ``trace`` on,
     ``log`` gets (kind, nbytes, site, staged) per crossing: ``site`` the innermost refmp
-    line outside backend.py and comm.py ("refmp/train.py:347"), ``staged`` whether it was
+    function outside backend.py and comm.py ("refmp/train.py:step"), ``staged`` whether it was
     Comm staging a buffer for MPI."""
 
     def __init__(self):
@@ -54,7 +54,7 @@ class Crossings:
         if self.trace and kind != "sync":
             stack = traceback.extract_stack()
             files = [f.filename.replace(os.sep, "/") for f in stack]
-            ours = [(f, s.lineno) for f, s in zip(files, stack, strict=True) if "/refmp/" in f
+            ours = [(f, s.name) for f, s in zip(files, stack, strict=True) if "/refmp/" in f
                     and not f.endswith(("/refmp/backend.py", "/refmp/comm.py"))]
             site = f"refmp/{ours[-1][0].rsplit('/refmp/', 1)[1]}:{ours[-1][1]}" if ours else "?"
             staged = any(f.endswith("/refmp/comm.py") for f in files)

@@ -43,14 +43,15 @@ LAYOUTS = [
     dict(cp=4, cp_algo="ring", recompute="selective"),
 ]
 
-# what a step may move besides the batch and MPI staging: (file, what), by line prefix
+# what a step may move besides the batch and MPI staging: {(kind, "file:function"): why}
 ALLOWED = {
-    "refmp/parallel/engine.py": "the gradient norm (one float)",
-    "refmp/parallel/pipeline/executor.py": "the loss (a float per micro-batch)",
-    "refmp/parallel/pipeline/stage.py": "the MoE auxiliary loss (a float per layer)",
-    "refmp/nn/moe.py": "routing counts to the host (all-to-all(v) sizes, statistics) and the "
-                       "expert-slot index made from them",
-    "refmp/parallel/expert.py": "the regrouping permutation made from the received counts",
+    ("scalar", "refmp/parallel/engine.py:grad_norm"): "the gradient norm (one float)",
+    ("scalar", "refmp/parallel/pipeline/executor.py:step"): "the loss (a float a micro-batch)",
+    ("scalar", "refmp/parallel/pipeline/stage.py:forward"): "MoE's auxiliary loss (a layer)",
+    ("scalar", "refmp/nn/moe.py:moe_forward"): "the aux and z losses for the statistics",
+    ("d2h", "refmp/nn/moe.py:moe_forward"): "tokens per expert: all-to-all(v)'s sizes, stats",
+    ("h2d", "refmp/parallel/expert.py:forward"): "the regrouping permutation, a stable argsort "
+                                                 "of the received counts' labels",
 }
 
 
@@ -78,20 +79,24 @@ def traced_step(tr, bad: Mismatches, what: str) -> None:
         c.trace = False
     staged = {k: sum(n for kind, n, _, s in c.log if s and kind == k) for k in ("d2h", "h2d")}
     other = [(kind, n, site) for kind, n, site, s in c.log if not s]
-    batch = [n for kind, n, site in other if site.startswith("refmp/train.py") and kind == "h2d"]
+    batch = [n for kind, n, site in other if (kind, site) == ("h2d", "refmp/train.py:step")]
     rows = tr.rows.stop - tr.rows.start
     want_batch = [rows * tr.T * tr.ds.tokens.itemsize] * 2  # x, y
-    stray = sorted({site for kind, n, site in other if not site.startswith("refmp/train.py")
-                    and site.split(":")[0] not in ALLOWED})
+    stray = sorted({(kind, site) for kind, n, site in other
+                    if (kind, site) != ("h2d", "refmp/train.py:step") and (kind, site) not in ALLOWED})
     eq = np.testing.assert_equal
     bad.check(eq, staged["d2h"], led.bytes("stage_d2h"), err_msg=f"{what}: staged d2h")
     bad.check(eq, staged["h2d"], led.bytes("stage_h2d"), err_msg=f"{what}: staged h2d")
     bad.check(eq, batch, want_batch, err_msg=f"{what}: the batch")
-    bad.check(eq, stray, [], err_msg=f"{what}: unexpected host<->device crossings")
+    bad.check(_none, stray, f"{what}: unexpected host<->device crossings")
     # nothing bypassed backend.to_host / from_host / copy_from_host (scalars aside)
     bad.check(eq, c.bytes, backend.transfers.bytes, err_msg=f"{what}: crossings outside backend")
     # a synchronisation before each staged read of device memory
     bad.check(lambda: _at_least(c.count["sync"], led.count("stage_d2h"), what))
+
+
+def _none(stray, what):
+    assert not stray, f"{what}: {stray}"
 
 
 def _at_least(got, want, what):
