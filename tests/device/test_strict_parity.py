@@ -139,3 +139,26 @@ def test_cuda_aware_mpi_takes_device_buffers_unstaged(on_strict_device):
     traced_step(par, bad, f"{kw} CUDA-aware")
     bad.check(np.testing.assert_equal, par.grid.ledger.bytes("stage_d2h"), 0)
     bad.assert_none()
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_generation_and_resume_on_device(on_strict_device, tmp_path_factory):
+    """Greedy decoding and a checkpoint's save and resume, all on device arrays: the resumed
+    run's next step is bitwise the uninterrupted one's."""
+    from refmp.train import Trainer
+
+    kw = dict(pp=2, tp=2, zero=3, microbatches=2)
+    tr = Trainer(config(**kw), dataset=data())
+    tr.step()
+    out = tr.runner.generate(backend.from_host(np.zeros((1, 2), dtype=np.int64)), 3)
+    root = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if MPI.COMM_WORLD.rank == 0
+                                else None)
+    again = Trainer(config(**kw, resume=tr.save_checkpoint(root)), dataset=data())
+    a, b = tr.step(), again.step()
+    bad = Mismatches()
+    bad.check(_is_device, out, kw)
+    bad.check(np.testing.assert_equal, out.shape, (1, 5))
+    bad.check(np.testing.assert_equal, b["loss"], a["loss"], err_msg="resumed loss")
+    bad.check(np.testing.assert_equal, b["grad_norm"], a["grad_norm"], err_msg="resumed norm")
+    bad.assert_none()
