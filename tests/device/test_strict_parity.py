@@ -70,8 +70,9 @@ def data() -> Dataset:
     return Dataset(np.random.default_rng(0).integers(0, 17, 400), 17, "random")
 
 
-def traced_step(tr, bad: Mismatches, what: str) -> None:
-    """One more step of ``tr``, every crossing accounted for (collects mismatches)."""
+def traced_step(tr, bad: Mismatches, what: str) -> dict | None:
+    """One more step of ``tr``, every crossing accounted for (collects mismatches); returns
+    the step's record."""
     if backend.xp is not strict:  # CuPy: only backend's counts (dense layouts: all of them)
         return cupy_step(tr, bad, what)
     led, c = tr.grid.ledger, strict.crossings
@@ -80,7 +81,7 @@ def traced_step(tr, bad: Mismatches, what: str) -> None:
     c.reset()
     c.trace = True
     try:
-        tr.step()
+        rec = tr.step()
     finally:
         c.trace = False
     staged = {k: sum(n for kind, n, _, s in c.log if s and kind == k) for k in ("d2h", "h2d")}
@@ -99,19 +100,21 @@ def traced_step(tr, bad: Mismatches, what: str) -> None:
     bad.check(eq, c.bytes, backend.transfers.bytes, err_msg=f"{what}: crossings outside backend")
     # a synchronisation before each staged read of device memory
     bad.check(lambda: _at_least(c.count["sync"], led.count("stage_d2h"), what))
+    return rec
 
 
-def cupy_step(tr, bad: Mismatches, what: str) -> None:
+def cupy_step(tr, bad: Mismatches, what: str) -> dict:
     led, moved = tr.grid.ledger, backend.transfers
     led.reset()
     moved.reset()
-    tr.step()
+    rec = tr.step()
     if tr.cfg.n_expert:
-        return  # routing counts and the regrouping permutation cross too (ALLOWED)
+        return rec  # routing counts and the regrouping permutation cross too (ALLOWED)
     batch = 2 * (tr.rows.stop - tr.rows.start) * tr.T * tr.ds.tokens.itemsize
     eq = np.testing.assert_equal
     bad.check(eq, moved.bytes["d2h"], led.bytes("stage_d2h"), err_msg=f"{what}: d2h")
     bad.check(eq, moved.bytes["h2d"], batch + led.bytes("stage_h2d"), err_msg=f"{what}: h2d")
+    return rec
 
 
 def _none(stray, what):
@@ -184,4 +187,28 @@ def test_generation_and_resume_on_device(on_strict_device, tmp_path_factory):
     bad.check(np.testing.assert_equal, out.shape, (1, 5))
     bad.check(np.testing.assert_equal, b["loss"], a["loss"], err_msg="resumed loss")
     bad.check(np.testing.assert_equal, b["grad_norm"], a["grad_norm"], err_msg="resumed norm")
+    bad.assert_none()
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_fp16_on_device_is_bitwise_the_cpu_run(on_strict_device):
+    """Mixed precision (fp16 compute, fp32 masters, loss scaling) on device arrays: the stand-in
+    computes with NumPy, so staging and the device branches must leave every bit as on the
+    CPU; and its step crosses only where a float64 one does."""
+    from refmp.train import Trainer
+
+    if XP == "cupy":
+        return  # cuBLAS rounds differently: tests/gpu holds CuPy to tolerances instead
+    kw = dict(dp=2, tp=2, zero=1, mixed_precision="fp16", dtype="float32", steps=3)
+    backend.use("numpy")
+    cpu = Trainer(config(**kw), dataset=data())
+    want = [cpu.step() for _ in range(3)]
+    backend.use(strict)
+    dev = Trainer(config(**kw), dataset=data())
+    bad = Mismatches()
+    got = [dev.step() for _ in range(2)] + [traced_step(dev, bad, f"{kw}")]
+    for s, (a, b) in enumerate(zip(want, got, strict=True)):
+        for k in ("loss", "grad_norm", "loss_scale"):
+            bad.check(np.testing.assert_equal, b[k], a[k], err_msg=f"{k} at step {s}")
     bad.assert_none()
