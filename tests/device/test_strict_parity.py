@@ -212,3 +212,21 @@ def test_fp16_on_device_is_bitwise_the_cpu_run(on_strict_device):
         for k in ("loss", "grad_norm", "loss_scale"):
             bad.check(np.testing.assert_equal, b[k], a[k], err_msg=f"{k} at step {s}")
     bad.assert_none()
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_a_whole_run_on_device(on_strict_device, tmp_path_factory):
+    """refmp.run end to end on device arrays: training, the held-out evaluation (generation),
+    the gathered --save, the log, the pipeline trace and a sharded checkpoint."""
+    from refmp.run import run
+
+    world = MPI.COMM_WORLD
+    d = world.bcast(str(tmp_path_factory.mktemp("run")) if world.rank == 0 else None)
+    cfg = TrainConfig(n_layer=2, n_head=4, n_embd=16, batch_size=4, steps=2, progress=False,
+                      pp=2, tp=2, zero=1, microbatches=2, save=f"{d}/m.safetensors",
+                      log_json=f"{d}/log.json", trace=f"{d}/t.json", checkpoint_dir=f"{d}/ck")
+    run(cfg)
+    if world.rank == 0:
+        assert all(os.path.exists(f"{d}/{f}") for f in ("m.safetensors", "log.json", "t.json",
+                                                         "ck")), os.listdir(d)
