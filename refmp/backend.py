@@ -15,10 +15,13 @@ xp: types.ModuleType = np
 """The run's array module (numpy unless :func:`use` selected another)."""
 
 
-def use(name: str) -> types.ModuleType:
-    """Select the array module for this process: ``"numpy"`` (default) or ``"cupy"``."""
+def use(name: str | types.ModuleType) -> types.ModuleType:
+    """Select the array module for this process: ``"numpy"`` (default) or ``"cupy"``, or a
+    module given itself: a device stand-in with CuPy's API (tests/device/strict.py)."""
     global xp
-    if name == "numpy":
+    if isinstance(name, types.ModuleType):
+        xp = name
+    elif name == "numpy":
         xp = np
     elif name == "cupy":
         import cupy  # noqa: PLC0415  (optional dependency, imported only when asked for)
@@ -57,13 +60,16 @@ transfers = Transfers()
 
 
 def array_module(*arrays) -> types.ModuleType:
-    """The module (numpy or cupy) that owns ``arrays``; numpy for plain host arrays."""
+    """The module (numpy or cupy) that owns ``arrays``; numpy for plain host arrays.
+
+    Device arrays belong to the run's module once one is selected (cupy, or a stand-in)."""
     for a in arrays:
-        mod = type(a).__module__
-        if mod.startswith("cupy"):
+        if type(a).__module__.startswith("cupy"):
             import cupy  # noqa: PLC0415
 
             return cupy
+        if xp is not np and is_device_array(a):
+            return xp
     return np
 
 
@@ -94,7 +100,9 @@ def copy_from_host(dst, src: np.ndarray) -> None:
 
 def scatter_add(a, idx, values) -> None:
     """a[idx[i]] += values[i], accumulating repeated indices (numpy.add.at on the CPU)."""
-    if is_device_array(a):
+    if is_device_array(a) and xp.__name__ != "cupy":
+        xp.scatter_add(a, idx, values)  # a stand-in's cupyx.scatter_add (tests/device)
+    elif is_device_array(a):
         import cupyx  # noqa: PLC0415
 
         cupyx.scatter_add(a, idx, values)

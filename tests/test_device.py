@@ -1,8 +1,9 @@
 """GPU plumbing that CPU-only CI can still test: device choice, CUDA-awareness detection, and
-host staging (with a stand-in array type that pretends to live on a device)."""
+host staging (with the strict stand-in for CuPy, tests/device/strict.py, as device memory)."""
 
 import numpy as np
 import pytest
+from device import strict
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 
@@ -12,23 +13,9 @@ from refmp.device import detect_cuda_aware, device_for
 from refmp.errors import ConfigError
 
 
-class PretendDeviceArray(np.ndarray):
-    """Host memory that says it is device memory: forces Comm's staging branch on a CPU."""
-
-    @property
-    def __cuda_array_interface__(self):
-        return {"shape": self.shape, "typestr": self.dtype.str, "version": 3,
-                "data": (self.ctypes.data, False)}
-
-    def get(self):  # CuPy's device-to-host copy
-        return np.array(self, copy=True).view(np.ndarray)
-
-    def set(self, host):  # CuPy's host-to-device copy
-        np.copyto(self.view(np.ndarray), host)
-
-
 def pretend(a):
-    return np.array(a).view(PretendDeviceArray)
+    """A host array copied into the strict stand-in's "device memory" (tests/device/strict.py)."""
+    return strict.asarray(np.asarray(a))
 
 
 def test_device_for_round_robin():
@@ -52,6 +39,14 @@ def test_detect_cuda_aware():
 def test_staging_through_host(aware):
     c = Comm(MPI.COMM_WORLD, "dp")
     c.cuda_aware = aware
+    backend.use(strict)  # recv makes its array in the run's module: "device memory"
+    try:
+        _staging(c, aware)
+    finally:
+        backend.use("numpy")
+
+
+def _staging(c, aware):
     r = c.rank
     backend.transfers.reset()
     buf = pretend(np.full(4, r + 1.0))
@@ -67,14 +62,14 @@ def test_staging_through_host(aware):
         got = c.recv((5,), np.float64, source=0)
     led = c.ledger
     bad = Mismatches()
-    bad.check(np.testing.assert_array_equal, buf, 3.0)
-    bad.check(np.testing.assert_array_equal, pending, 30.0)
-    bad.check(np.testing.assert_array_equal, b, [0.0, 1.0])
+    bad.check(np.testing.assert_array_equal, buf.get(), 3.0)
+    bad.check(np.testing.assert_array_equal, pending.get(), 30.0)
+    bad.check(np.testing.assert_array_equal, b.get(), [0.0, 1.0])
     if r == 1:
-        bad.check(np.testing.assert_array_equal, got, np.arange(5.0))
-    sent = 40 if r == 0 else 0
+        bad.check(np.testing.assert_array_equal, got.get(), np.arange(5.0))
+    sent, received = (40, 0) if r == 0 else (0, 40)
     expect_d2h = 0 if aware else 32 + 24 + 16 + sent  # allreduce, allreduce_start, bcast, send
-    expect_h2d = 0 if aware else 32 + 24 + 16  # the in-place results come back
+    expect_h2d = 0 if aware else 32 + 24 + 16 + received  # in-place results, the message
     bad.check(lambda: assert_equal(led.bytes("stage_d2h"), expect_d2h, "stage_d2h"))
     bad.check(lambda: assert_equal(led.bytes("stage_h2d"), expect_h2d, "stage_h2d"))
     bad.check(lambda: assert_equal(backend.transfers.bytes["d2h"], expect_d2h, "transfers d2h"))

@@ -125,10 +125,10 @@ def experts_forward(w: dict, xs, counts):
     """
     xp = backend.array_module(xs)
     Ep, M, C = len(counts), xs.shape[0], xs.shape[1]
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    grp = np.repeat(np.arange(Ep), counts)  # (M,) expert of each row
-    row = np.arange(M) - starts[grp]  # (M,) its place in that expert's group
-    grp, row = backend.from_host(grp), backend.from_host(row)
+    # made where the rows are, from the host counts (no host-to-device copy of an index)
+    grp = xp.repeat(xp.arange(Ep), [int(c) for c in counts])  # (M,) expert of each row
+    n = xp.bincount(grp, minlength=Ep)  # (E',) == counts
+    row = xp.arange(M) - (xp.cumsum(n) - n)[grp]  # (M,) its place in that expert's group
     X = xp.zeros((Ep, max(1, int(max(counts, default=0))), C), dtype=xs.dtype)  # (E', Emax, C)
     X[grp, row] = xs
     H = X @ w["c_fc.weight"] + w["c_fc.bias"][:, None, :]  # (E', Emax, 4C)

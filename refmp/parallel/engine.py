@@ -193,8 +193,10 @@ class Engine:
 
     def grad_norm(self) -> float:
         """The global L2 norm: each element counted once over the whole world."""
-        local = sum(float((g * g).sum()) for k, g in self.grads.items() if self.counted[k])
-        return math.sqrt(self.grid.world.allreduce_scalar(local))
+        # on the device, in float64, in Python's order (a CPU's bits): one read, not one a piece
+        local = sum(((g * g).sum().astype(np.float64) for k, g in self.grads.items()
+                     if self.counted[k]), 0.0)
+        return math.sqrt(self.grid.world.allreduce_scalar(float(local)))
 
     def after_step(self) -> None:
         self.sharder.after_step()  # ZeRO 1/2: all-gather the updated slices
