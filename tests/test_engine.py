@@ -61,7 +61,7 @@ def layouts(draw, world: int = 8):
 
 
 @pytest.mark.parallel(nprocs=8)
-@settings(max_examples=8)
+@settings(max_examples=6)
 @given(layout=layouts())
 @collective
 def test_any_layout_of_8_ranks_equals_serial(layout):

@@ -312,7 +312,7 @@ def test_killed_rank_then_resume_is_bitwise_the_uninterrupted_run(tmp_path):
 
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    run = [*SMALL, "--data", str(text), "--block-size", "8", "--steps", "2000", "--dtype",
+    run = [*SMALL, "--data", str(text), "--block-size", "8", "--steps", "800", "--dtype",
            "float64"]
     whole, resumed, ck = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "ck"
     assert refmp(2, ["train", *run, "--save", str(whole)], timeout=120).returncode == 0
