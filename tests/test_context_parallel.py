@@ -59,7 +59,7 @@ def test_alltoall_sends_block_j_to_rank_j():
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=6, phases=NO_SHRINK)
+@settings(max_examples=4, phases=NO_SHRINK)
 @given(algo=ALGO, balance=BALANCE, heads_per=st.integers(1, 2), HS=st.integers(1, 3),
        B=st.integers(1, 2), c=st.integers(1, 2), seed=st.integers(0, 999))
 @collective
@@ -186,7 +186,7 @@ def random_data(seed: int, V: int = 11) -> Dataset:
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=6, phases=NO_SHRINK)
+@settings(max_examples=4, phases=NO_SHRINK)
 @given(cp=st.sampled_from([2, 4]), algo=ALGO, balance=BALANCE, heads_per=st.integers(1, 2),
        hs=st.integers(1, 2), c=st.integers(1, 2), n_layer=st.integers(1, 2),
        rows=st.integers(1, 2), M=st.integers(1, 2), zero=st.sampled_from([0, 1, 2, 3]),

@@ -69,7 +69,7 @@ def free(*trainers):
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=6, phases=NO_SHRINK)
+@settings(max_examples=4, phases=NO_SHRINK)
 @given(B=st.integers(1, 2), t_per=st.integers(1, 2), c_in=st.integers(1, 3),
        c_out=st.integers(1, 3), sp=st.booleans(), seed=st.integers(0, 99))
 @collective
@@ -151,7 +151,7 @@ def check_block_memory(bad, cfg, B, n, sp, serial, got):
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=6, phases=NO_SHRINK)
+@settings(max_examples=4, phases=NO_SHRINK)
 @given(heads_per=st.integers(1, 2), hs=st.integers(1, 3), B=st.integers(1, 2),
        t_per=st.integers(1, 2), sp=st.booleans(), seed=st.integers(0, 99))
 @collective
@@ -193,7 +193,7 @@ def test_block_equals_serial_block(heads_per, hs, B, t_per, sp, seed):
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-@settings(max_examples=6, phases=NO_SHRINK)
+@settings(max_examples=4, phases=NO_SHRINK)
 @example(V=5, C=2, B=2, t_per=1, sp=True, seed=3)  # at tp 4: rank 3 holds padding only
 @given(V=st.integers(2, 11), C=st.integers(1, 4), B=st.integers(1, 2), t_per=st.integers(1, 2),
        sp=st.booleans(), seed=st.integers(0, 99))

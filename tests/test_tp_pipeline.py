@@ -98,7 +98,7 @@ def check_ledger_model_and_decoding(par, bad: Mismatches) -> None:
 
 
 @pytest.mark.parallel(nprocs=4)
-@settings(max_examples=6, phases=[Phase.explicit, Phase.generate])  # no shrinking under MPI
+@settings(max_examples=3, phases=[Phase.explicit, Phase.generate])  # no shrinking under MPI
 @example(schedule="gpipe", sp=True, V=7, k=2, extra_layers=1,
          heads_per=1, clip=0.05, rows=1, seed=1)
 @example(schedule="1f1b", sp=False, V=7, k=1, extra_layers=0,
