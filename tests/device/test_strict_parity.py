@@ -18,6 +18,7 @@ from device import strict
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 from parity import assert_same_run
+from test_engine import REFUSED_BEFORE
 
 from refmp import backend
 from refmp.data import Dataset
@@ -28,19 +29,11 @@ pytestmark = [pytest.mark.mpi, pytest.mark.device]
 # tests/gpu/check.sh runs these again with REFMP_TEST_XP=cupy: the same layouts on CuPy, on a GPU
 XP = os.environ.get("REFMP_TEST_XP", "strict")
 
-# most of the engine issue's layouts (tests/test_engine.py REFUSED_BEFORE: cp x dp with ZeRO
-# and micro-batches, and tp x pp ZeRO-1, go through the same code as those kept) and one of
-# each strategy
-LAYOUTS = [
-    dict(pp=2, cp=2, microbatches=2),
-    dict(tp=2, pp=2, zero=2, microbatches=2, schedule="zb-h1"),
-    dict(pp=2, dp=2, zero=3, microbatches=2),
-    dict(tp=2, cp=2, zero=1, cp_algo="ulysses"),
-    dict(tp=2, cp=2, sequence_parallel=True),
-    dict(n_expert=4, tp=2, dp=2, ep=2, sequence_parallel=True),
-    dict(n_expert=4, pp=2, dp=2, ep=2, microbatches=2, schedule="zb-h1"),
-    dict(n_expert=4, cp=2, dp=2, ep=4),
-    dict(n_expert=4, dp=4, ep=2, zero=3, microbatches=2, batch_size=8),
+# the engine issue's layouts (tests/test_engine.py), but three whose code paths the others
+# already take on the device, and one of each strategy besides
+SAME_PATHS = [dict(cp=2, dp=2, zero=2), dict(cp=2, dp=2, microbatches=2),
+              dict(tp=2, pp=2, zero=1, microbatches=2)]
+LAYOUTS = [kw for kw in REFUSED_BEFORE if kw not in SAME_PATHS] + [
     dict(dp=4),
     dict(tp=4, sequence_parallel=True, recompute="full"),
     dict(cp=4, cp_algo="ring", recompute="selective"),
