@@ -33,17 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmp import backend
-from refmp.errors import ConfigError
 from refmp.nn import moe as M
-
-
-def check_expert_layout(n_expert: int, ep: int) -> None:
-    """Refuse an expert layout that cannot work (same message on every rank, no communication)."""
-    if ep > 1 and n_expert == 0:
-        raise ConfigError(f"--ep {ep} needs a mixture-of-experts model (--n-expert > 0)")
-    if n_expert % ep:
-        raise ConfigError(f"--n-expert ({n_expert}) must be divisible by --ep ({ep}): "
-                          f"every expert-parallel rank holds E/ep experts")
 
 
 def is_expert(name: str) -> bool:

@@ -171,15 +171,6 @@ class Sharder:
             out.update({k: v.copy() for k, v in U.views(flat).items()})
         return out
 
-    def load_local(self, local: dict) -> None:
-        """Overwrite every unit's weights from whole local arrays (name -> array shaped like
-        this rank's shard): what a checkpoint's reader hands back. Stage 3 keeps its slice."""
-        for u, U in self.units.items():
-            full = U.flatten(local, self.xp, self.dtype)  # (Pp,)
-            if self.mixed:
-                self.master[u][...] = full[U.lo : U.hi]
-            self.pbuf[u][...] = full if self.stage < 3 else full[U.lo : U.hi]  # (rounded)
-
     def owned_index(self, index: dict) -> dict:
         """The owned pieces of ``index`` (name -> integer array shaped like the local shard,
         -1 where nothing global is held), by piece name, as ``params`` is split."""
