@@ -15,10 +15,12 @@ Only two things need the parameter's identity, and both are passed in:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 
 from refmp.backend import array_module
+from refmp.cpu import rows
 
 
 def decay_names(params: dict) -> set[str]:
@@ -77,19 +79,27 @@ class AdamW:
         bc1 = 1.0 - b1**self.t
         bc2_sqrt = math.sqrt(1.0 - b2**self.t)
         for k, p in self.params.items():
-            g, m, v = grads[k], self.m[k], self.v[k]
-            xp = array_module(p)
-            if self.weight_decay and k in self.decay:
-                p *= 1.0 - self.lr * self.weight_decay
-            m *= b1
-            m += (1.0 - b1) * g
-            v *= b2
-            v += (1.0 - b2) * (g * g)
-            denom = xp.sqrt(v) / bc2_sqrt + self.eps
-            p -= (self.lr / bc1) * (m / denom)
+            decay = 1.0 - self.lr * self.weight_decay if self.weight_decay and k in self.decay \
+                else None
+            update = functools.partial(_adamw, b1=b1, b2=b2, bc1=bc1, bc2_sqrt=bc2_sqrt,
+                                       lr=self.lr, eps=self.eps, decay=decay)
+            rows(update, p, grads[k], self.m[k], self.v[k])  # in threads (refmp.cpu)
 
     def state_bytes(self) -> int:
         return sum(int(a.nbytes) for a in self.m.values()) + sum(int(a.nbytes) for a in self.v.values())
+
+
+def _adamw(p, g, m, v, *, b1, b2, bc1, bc2_sqrt, lr, eps, decay):
+    """AdamW's update of p, m and v in place, elementwise (any block of rows of them)."""
+    xp = array_module(p)
+    if decay is not None:
+        p *= decay
+    m *= b1
+    m += (1.0 - b1) * g
+    v *= b2
+    v += (1.0 - b2) * (g * g)
+    denom = xp.sqrt(v) / bc2_sqrt + eps
+    p -= (lr / bc1) * (m / denom)
 
 
 def global_grad_norm(grads: dict, sum_sq: Callable[[float], float] | None = None) -> float:

@@ -13,13 +13,20 @@ Mixed precision: each layer is wrapped in refmp.precision.autocast. Given bf16 o
 arrays it computes in fp32 (BLAS has no bf16 kernel; LayerNorm statistics, softmax and
 cross-entropy want fp32 anyway) and rounds what it returns, caches included, to that dtype.
 Given fp32 or fp64 arrays it is the plain function.
+
+Speed: the row-wise layers (LayerNorm, GELU, the attention core) write their math once, as a
+``_kernel(inputs..., outputs...)`` that fills given output arrays in place, and run it with
+refmp.cpu.rows: on row blocks in parallel threads for NumPy, in one call otherwise. Results
+are bitwise the same either way (each row is computed by the same operations).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 from refmp.backend import array_module, scatter_add
+from refmp.cpu import rows
 from refmp.precision import autocast
 
 LN_EPS = 1e-5
@@ -92,28 +99,45 @@ def linear_backward_weight(dout, cache):
 def layernorm_forward(x, w, b):
     """Normalize each token's C channels, then scale and shift (Ba et al. 2016)."""
     xp = array_module(x)
-    mean = x.mean(axis=-1, keepdims=True)  # (B, T, 1)
-    xhat = x - mean  # (B, T, C), centred; normalized in place below
-    var = (xhat * xhat).mean(axis=-1, keepdims=True)  # (B, T, 1), biased like torch
-    rstd = 1.0 / xp.sqrt(var + LN_EPS)  # (B, T, 1)
-    xhat *= rstd  # (B, T, C)
-    out = xhat * w
-    out += b  # (B, T, C)
+    xhat, out = xp.empty_like(x), xp.empty_like(x)  # (B, T, C)
+    rstd = xp.empty((*x.shape[:-1], 1), dtype=x.dtype)  # (B, T, 1)
+    rows(functools.partial(_layernorm, w=w, b=b), x, xhat, rstd, out)
     return out, (xhat, rstd, w)
+
+
+def _layernorm(x, xhat, rstd, out, *, w, b):
+    """The rows of layernorm_forward: xhat = (x - mean) * rstd, out = xhat * w + b."""
+    xp = array_module(x)
+    mean = x.mean(axis=-1, keepdims=True)  # (B, T, 1)
+    xp.subtract(x, mean, out=xhat)  # centred; normalized in place below
+    var = (xhat * xhat).mean(axis=-1, keepdims=True)  # (B, T, 1), biased like torch
+    xp.divide(1.0, xp.sqrt(var + LN_EPS), out=rstd)  # (B, T, 1)
+    xhat *= rstd  # (B, T, C)
+    xp.multiply(xhat, w, out=out)
+    out += b  # (B, T, C)
 
 
 @autocast
 def layernorm_backward(dout, cache):
     """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), with dxhat = dout * w."""
     xhat, rstd, w = cache
+    xp = array_module(dout)
     lead = tuple(range(dout.ndim - 1))
-    dw = (dout * xhat).sum(axis=lead)  # (C,)  forward was: out = xhat * w + b
+    dx, dout_xhat = xp.empty_like(dout), xp.empty_like(dout)  # (B, T, C)
+    rows(functools.partial(_layernorm_grad, w=w), dout, xhat, rstd, dx, dout_xhat)
+    dw = dout_xhat.sum(axis=lead)  # (C,)  forward was: out = xhat * w + b
     db = dout.sum(axis=lead)  # (C,)
+    return dx, dw, db
+
+
+def _layernorm_grad(dout, xhat, rstd, dx, dout_xhat, *, w):
+    """The rows of layernorm_backward: dx, and dout * xhat (summed over rows for dw)."""
+    xp = array_module(dout)
+    xp.multiply(dout, xhat, out=dout_xhat)
     dxhat = dout * w  # (B, T, C)
-    dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
+    xp.subtract(dxhat, dxhat.mean(axis=-1, keepdims=True), out=dx)
     dx -= xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
     dx *= rstd  # (B, T, C)
-    return dx, dw, db
 
 
 # --- GELU, tanh approximation (as GPT-2) ---------------------------------------------------
@@ -123,17 +147,24 @@ def layernorm_backward(dout, cache):
 def gelu_forward(x):
     """gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi)."""
     xp = array_module(x)
+    th, out = xp.empty_like(x), xp.empty_like(x)
+    rows(_gelu, x, th, out)
+    return out, (x, th)
+
+
+def _gelu(x, th, out):
+    """The rows of gelu_forward, into th = tanh(u) and out."""
+    xp = array_module(x)
     # u = k x (1 + 0.044715 x^2), built in one buffer (x*x rather than x**3, in place: faster)
-    th = x * x
+    xp.multiply(x, x, out=th)
     th *= 0.044715
     th += 1.0
     th *= x
     th *= GELU_K
-    xp.tanh(th, out=th)  # same shape as x
-    out = th + 1.0
+    xp.tanh(th, out=th)
+    xp.add(th, 1.0, out=out)
     out *= x
     out *= 0.5
-    return out, (x, th)
 
 
 @autocast
@@ -144,13 +175,27 @@ def gelu_backward(dout, cache):
     faults) than the arithmetic.
     """
     x, th = cache
-    local = 1.0 - th * th  # d tanh(u) / du
-    local *= x
-    local *= 1.0 + (3 * 0.044715) * (x * x)  # du/dx / k
-    local *= 0.5 * GELU_K
-    local += 0.5 * (1.0 + th)
-    local *= dout
-    return local
+    xp = array_module(dout)
+    dx = xp.empty_like(th)
+    rows(_gelu_grad, dout, x, th, dx)
+    return dx
+
+
+def _gelu_grad(dout, x, th, dx):
+    """The rows of gelu_backward, into dx."""
+    xp = array_module(dout)
+    xp.multiply(th, th, out=dx)
+    xp.subtract(1.0, dx, out=dx)  # d tanh(u) / du
+    dx *= x
+    t = x * x
+    t *= 3 * 0.044715
+    t += 1.0
+    dx *= t  # du/dx / k
+    dx *= 0.5 * GELU_K
+    xp.add(th, 1.0, out=t)
+    t *= 0.5
+    dx += t
+    dx *= dout
 
 
 # --- causal multi-head self-attention (the core, without the two projections) ------------
@@ -167,24 +212,31 @@ def attention_forward(qkv, n_head, keep_scores: bool = True):
     cache keeps q, k, v (views of qkv, which c_attn's backward keeps anyway) but not the
     (B, NH, T, T) softmax, which backward recomputes by the same operations, bitwise.
     """
+    xp = array_module(qkv)
     B, T, C3 = qkv.shape
     C = C3 // 3
     hs = C // n_head
     # (B, T, 3, NH, HS) -> (3, B, NH, T, HS): one transpose gives all three in head-major form
     q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # each (B, NH, T, HS)
     scale = 1.0 / math.sqrt(hs)
-    att = attention_weights(q, k, scale)  # (B, NH, T, T)
-    y = att @ v  # (B, NH, T, HS)
-    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C) heads side by side
-    return y, (q, k, v, att if keep_scores else None, scale)
+    y = xp.empty((B, T, n_head, hs), dtype=qkv.dtype)  # (B, T, C) once reshaped
+    att = xp.empty((B, n_head, T, T), dtype=qkv.dtype) if keep_scores else None
+    rows(functools.partial(_attention, scale=scale), q, k, v, y, *([att] if keep_scores else []))
+    return y.reshape(B, T, C), (q, k, v, att, scale)
+
+
+def _attention(q, k, v, y, att=None, *, scale):
+    """The rows (batch elements) of attention_forward, into y (B, T, NH, HS) and att."""
+    att = attention_weights(q, k, scale, out=att)  # (B, NH, T, T)
+    y[...] = (att @ v).transpose(0, 2, 1, 3)  # (B, T, NH, HS): heads side by side
 
 
 @autocast
-def attention_weights(q, k, scale):
-    """softmax(q k^T * scale) with the causal mask: (B, NH, T, T)."""
+def attention_weights(q, k, scale, out=None):
+    """softmax(q k^T * scale) with the causal mask: (B, NH, T, T), into ``out`` if given."""
     xp = array_module(q)
     T = q.shape[2]
-    att = q @ k.transpose(0, 1, 3, 2)  # (B, NH, T, T)
+    att = xp.matmul(q, k.transpose(0, 1, 3, 2), out=out)  # (B, NH, T, T)
     att *= scale
     # causal mask: position t sees positions <= t only (-inf above the diagonal)
     att += xp.triu(xp.full((T, T), -xp.inf, dtype=att.dtype), k=1)  # (T, T) broadcast
@@ -200,9 +252,17 @@ def attention_backward(dout, cache):
     q, k, v, att, scale = cache
     xp = array_module(dout)
     B, NH, T, HS = q.shape
+    dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
+    dqkv = xp.empty((B, T, 3, NH, HS), dtype=dout.dtype)  # (B, T, 3C) once reshaped
+    rows(functools.partial(_attention_grad, scale=scale), dy, q, k, v, dqkv,
+         *([] if att is None else [att]))
+    return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
+
+
+def _attention_grad(dy, q, k, v, dqkv, att=None, *, scale):
+    """The rows (batch elements) of attention_backward, into dqkv (B, T, 3, NH, HS)."""
     if att is None:  # selective recomputation: the forward's weights, again
         att = attention_weights(q, k, scale)  # (B, NH, T, T)
-    dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
     # forward was: y = att @ v
     datt = dy @ v.transpose(0, 1, 3, 2)  # (B, NH, T, T)
     dv = att.transpose(0, 1, 3, 2) @ dy  # (B, NH, T, HS)
@@ -211,12 +271,10 @@ def attention_backward(dout, cache):
     datt -= (datt * att).sum(axis=-1, keepdims=True)
     datt *= att  # (B, NH, T, T) = ds
     # forward was: s = q @ k^T * scale; write dq, dk, dv straight into c_attn's layout
-    dqkv = xp.empty((B, T, 3, NH, HS), dtype=dout.dtype)  # (B, T, 3C) once reshaped
     dqkv[:, :, 0] = (datt @ k).transpose(0, 2, 1, 3)  # dq, (B, T, NH, HS)
     dqkv[:, :, 1] = (datt.transpose(0, 1, 3, 2) @ q).transpose(0, 2, 1, 3)  # dk
     dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
     dqkv[:, :, :2] *= scale
-    return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
 
 
 # --- attention over one block of keys, with its log-sum-exp (for ring attention) ---------

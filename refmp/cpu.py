@@ -1,0 +1,103 @@
+"""Two things that make NumPy fast on the CPU without changing a digit of any result.
+
+1. **Freed memory is kept.** A training step allocates its activations afresh (megabytes per
+   layer) and frees them at the end. glibc returns large freed blocks to the kernel at once
+   (they are ``mmap``-ed above a threshold that starts at 128 KiB), so every step touches new
+   pages, and the kernel zero-fills each 4 KiB page on first touch: page faults cost a
+   fifth of a small model's step. :func:`keep_freed_memory` raises glibc's mmap and trim
+   thresholds (``mallopt``; PyTorch keeps a caching allocator for the same reason), so the
+   next step reuses the same, already mapped pages. It runs once when refmp is imported.
+
+2. **Row blocks in threads.** NumPy runs elementwise work on one core, while the matrix
+   products use every BLAS thread. LayerNorm, GELU and attention's softmax are independent
+   per row (per token, per batch element), so :func:`rows` splits their arrays along the first
+   axis into one block per thread and runs the same code on each block at once (NumPy drops
+   the GIL inside its loops). Each element or row is computed by exactly the operations it
+   would be computed by in one call, so the result is bitwise the same for any number of
+   threads (tests/test_cpu.py proves it). The thread count is ``REFMP_THREADS``, else
+   ``OMP_NUM_THREADS`` (which ``refmp`` sets per rank under ``mpiexec``), else the cores.
+   Only NumPy arrays are split; CuPy arrays run in one call (the GPU is already parallel).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import ctypes.util
+import os
+import sys
+
+import numpy as np
+
+MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value (HEAP_MAX_SIZE / 2 on 64 bits)
+TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of freed memory mapped
+MIN_BLOCK = 1 << 14  # elements: below this per block, a thread hand-off costs more than it saves
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed blocks up to 32 MiB mapped for reuse (see the module docstring).
+
+    Returns whether it could (False off glibc, e.g. macOS or musl: nothing changes there).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+        return bool(libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD)
+                    and libc.mallopt(m_trim_threshold, TRIM_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
+
+
+def _env_threads() -> int:
+    for var in ("REFMP_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+_threads = _env_threads()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def set_threads(n: int) -> None:
+    """Use n threads for :func:`rows` from now on (1: every call runs in the caller's thread)."""
+    global _threads, _pool
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    if _pool is not None and n != _threads:
+        _pool.shutdown()
+        _pool = None
+    _threads = n
+
+
+def threads() -> int:
+    return _threads
+
+
+def rows(fn, *arrays) -> None:
+    """fn(*arrays), run as fn(*(a[lo:hi] for a in arrays)) on row blocks in parallel threads.
+
+    ``fn`` must compute each row (index of the first axis) of its outputs from the same row of
+    its inputs only, and write its outputs into the arrays it is given (they are views of the
+    caller's). All ``arrays`` share their first axis. Blocks run at once in ``threads()``
+    threads, the caller's included; an exception in any block is raised here.
+    """
+    n_rows = arrays[0].shape[0]
+    n = min(_threads, n_rows, max(1, arrays[0].size // max(1, MIN_BLOCK)))
+    if n <= 1 or not all(type(a) is np.ndarray for a in arrays):
+        fn(*arrays)
+        return
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(_threads - 1, thread_name_prefix="refmp")
+    edges = [n_rows * i // n for i in range(n + 1)]
+    blocks = [[a[lo:hi] for a in arrays] for lo, hi in zip(edges[:-1], edges[1:])]
+    others = [_pool.submit(fn, *block) for block in blocks[1:]]
+    try:
+        fn(*blocks[0])
+    finally:
+        for f in others:
+            f.result()  # waits for every block; re-raises a block's exception

@@ -1,0 +1,108 @@
+"""refmp.cpu: row blocks in threads give bitwise the one-call result; the allocator setting.
+
+The layers and AdamW run their row-wise math through ``cpu.rows``. With one thread that is a
+single call (the plain NumPy code); with several, each block of rows runs the same operations
+at once. These tests split even tiny arrays (MIN_BLOCK = 1) into 2 and 3 blocks, on shapes
+whose rows do not divide evenly, and require every output and every cached array to be equal
+to the single-call result bit for bit, in float32 and float64.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from refmp import cpu
+from refmp.nn import layers as L
+from refmp.optim import AdamW
+
+
+@pytest.fixture
+def split_everything(monkeypatch):
+    monkeypatch.setattr(cpu, "MIN_BLOCK", 1)
+    yield
+    cpu.set_threads(1)
+
+
+def run_layers(dtype, seed=0):
+    """Every threaded layer's forward, cache and backward on odd shapes (B 5, T 7, C 24)."""
+    rng = np.random.default_rng(seed)
+    B, T, C, nh = 5, 7, 24, 3
+    x, d = (rng.standard_normal((B, T, C)).astype(dtype) for _ in range(2))
+    w, b = (rng.standard_normal(C).astype(dtype) for _ in range(2))
+    qkv = rng.standard_normal((B, T, 3 * C)).astype(dtype)
+    out = {}
+    y, c = L.layernorm_forward(x, w, b)
+    out["layernorm"] = (y, *c, *L.layernorm_backward(d, c))
+    y, c = L.gelu_forward(x)
+    out["gelu"] = (y, *c, L.gelu_backward(d, c))
+    for keep in (True, False):
+        y, c = L.attention_forward(qkv, nh, keep)
+        out[f"attention keep_scores={keep}"] = (y, *c[:4], L.attention_backward(d, c))
+    params = {"w": rng.standard_normal((9, 4)).astype(dtype), "b": rng.standard_normal(5).astype(dtype)}
+    grads = {k: rng.standard_normal(v.shape).astype(dtype) for k, v in params.items()}
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        opt.step(grads)
+    out["adamw"] = (*params.values(), *opt.m.values(), *opt.v.values())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [2, 3])
+def test_threads_are_bitwise_one_call(split_everything, dtype, n):
+    cpu.set_threads(1)
+    one = run_layers(dtype)
+    cpu.set_threads(n)
+    many = run_layers(dtype)
+    for name, arrays in one.items():
+        for i, (a, b) in enumerate(zip(arrays, many[name])):
+            if a is None:
+                assert b is None, name
+                continue
+            assert a.dtype == b.dtype and a.shape == b.shape, (name, i)
+            assert np.array_equal(a, b), f"{name}: array {i} differs with {n} threads"
+
+
+def test_rows_splits_runs_in_threads_and_reraises(split_everything):
+    cpu.set_threads(3)
+    seen = []
+    together = threading.Barrier(3, timeout=10)  # passes only if the 3 blocks run at once
+
+    def fill(a, out):
+        seen.append((len(a), threading.current_thread().name))
+        together.wait()
+        out[...] = 2 * a
+
+    a = np.arange(7.0)
+    out = np.empty_like(a)
+    cpu.rows(fill, a, out)
+    assert np.array_equal(out, 2 * a)
+    assert sorted(n for n, _ in seen) == [2, 2, 3]  # 7 rows in 3 blocks
+    assert len({t for _, t in seen}) == 3  # the caller's thread and two of the pool's
+    together.reset()
+
+    def fail(a):
+        if a[0] > 0:
+            raise ValueError("block failed")
+
+    with pytest.raises(ValueError, match="block failed"):
+        cpu.rows(fail, a)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        cpu.set_threads(0)
+
+
+def test_one_thread_and_non_numpy_arrays_run_in_one_call(split_everything):
+    calls = []
+    cpu.set_threads(1)
+    cpu.rows(lambda a: calls.append(a.shape), np.zeros((6, 2)))
+    cpu.set_threads(4)
+    cpu.rows(lambda a: calls.append(a.shape), np.ma.zeros((6, 2)))  # not a plain ndarray
+    assert calls == [(6, 2), (6, 2)]
+
+
+@pytest.mark.skipif(not cpu.sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_memory_is_kept_on_glibc():
+    assert cpu.keep_freed_memory()
