@@ -1,6 +1,7 @@
 """The speed anchor for `refmp bench`: the same GPT-2 in PyTorch eager, timed beside refmp.
 
     python benchmarks/torch_anchor.py [--preset small] [--steps 20] [--rounds 3] [--device gpu]
+    OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/torch_anchor.py   (data parallel)
 
 PyTorch is not a refmp dependency; install it to run this (`pip install torch`). The script
 builds refmp's model, copies its initial weights into an eager PyTorch GPT-2 (nanoGPT style:
@@ -8,12 +9,19 @@ builds refmp's model, copies its initial weights into an eager PyTorch GPT-2 (na
 compute the same first loss, then times training steps of each in alternating rounds on the
 same data and the same number of threads, and prints medians and the ratio. With
 ``--device gpu`` refmp runs on CuPy and PyTorch on CUDA (timed with device synchronization).
+
+Under ``mpiexec -n N`` it times data parallelism instead: refmp's own training step
+(``refmp.train.Trainer`` with ``--dp N``, what ``refmp train`` and ``refmp bench`` run:
+bucketed all-reduce, clipping, AdamW) against PyTorch's DistributedDataParallel over gloo,
+each rank with OMP_NUM_THREADS threads, both on the same global batch of the preset; a step's
+time is the slowest rank's (every rank starts it together).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -58,6 +66,71 @@ class TorchGPT(torch.nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def dp_main(s: dict, steps: int, rounds: int) -> None:
+    """Data parallel over this MPI job's ranks (see the module docstring)."""
+    import socket
+
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from refmp.data import Dataset, get_batch
+    from refmp.train import TrainConfig, Trainer
+
+    world = MPI.COMM_WORLD
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if world.rank == 0:
+        with socket.socket() as sock:  # a free port for gloo's rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    port = world.bcast(port if world.rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
+                            world_size=world.size)
+    n_steps = 1 + rounds * steps
+    cfg = TrainConfig(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"],
+                      block_size=s["block_size"], batch_size=s["batch_size"], steps=n_steps,
+                      dtype="float32", lr_schedule="constant", lr=1e-4, progress=False,
+                      dp=world.size)
+    rng = np.random.default_rng(1)
+    n_tok = (s["batch_size"] * n_steps + 1) * s["block_size"] + 1
+    tr = Trainer(cfg, dataset=Dataset(rng.integers(0, s["vocab"], n_tok), s["vocab"], "random"))
+    host = world.bcast(tr.runner.full_params())  # before any step: the initial weights
+    tmodel = torch.nn.parallel.DistributedDataParallel(TorchGPT(host, s["n_head"], s["n_layer"]))
+    p = tmodel.module.p
+    topt = torch.optim.AdamW(
+        [{"params": [v for v in p.values() if v.ndim >= 2], "weight_decay": cfg.weight_decay},
+         {"params": [v for v in p.values() if v.ndim < 2], "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    x, y = get_batch(tr.ds.tokens, 0, cfg.batch_size, tr.T, tr.rows, tr.perm)  # step 0's rows
+    tx, ty = torch.tensor(x), torch.tensor(y)
+
+    def torch_step():
+        topt.zero_grad(set_to_none=True)
+        loss = tmodel(tx, ty)  # this rank's mean; DDP averages the gradients over ranks
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(tmodel.parameters(), cfg.grad_clip)
+        topt.step()
+        return float(loss.detach())
+
+    l_refmp = tr.step()["loss"]  # the global mean of step 0's batch (also the warm-up)
+    l_torch = world.allreduce(torch_step()) / world.size
+    assert abs(l_refmp - l_torch) < 1e-4 * abs(l_torch), (l_refmp, l_torch)
+    times = {"refmp": [], "torch": []}
+    for _ in range(rounds):
+        for name, fn in (("refmp", tr.step), ("torch", torch_step)):
+            for _ in range(steps):
+                world.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    if world.rank == 0:
+        print(json.dumps({"preset": s, "dp": world.size, "threads_per_rank": torch.get_num_threads(),
+                          "first_loss": {"refmp": l_refmp, "torch": l_torch},
+                          "ms_per_step": med, "refmp_over_torch_time": med["refmp"] / med["torch"]},
+                         indent=1))
+    dist.destroy_process_group()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
@@ -69,6 +142,9 @@ def main():
     args = ap.parse_args()
     s = dict(PRESETS[args.preset])
     s.update({k: getattr(args, k) for k in s if getattr(args, k, None) is not None})
+    if any(v in os.environ for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")) and \
+            int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE")) > 1:
+        return dp_main(s, args.steps, args.rounds)
     gpu = args.device == "gpu"
     if gpu:
         backend.use("cupy")
