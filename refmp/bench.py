@@ -150,6 +150,7 @@ def run_bench(args) -> dict:
     for _ in range(args.warmup):
         tr.step()
     times, sent = [], defaultdict(lambda: [0, 0])  # sent: the timed steps' ledger entries
+    timelines = []  # with a pipeline: each timed step's measured timeline
     for _ in range(args.steps):
         world.barrier()  # time whole-job steps: every rank starts together
         ledger.reset()  # count this step's communication only, not the timing's
@@ -160,6 +161,8 @@ def run_bench(args) -> dict:
             sent[key][0] += b
             sent[key][1] += c
         times.append(world.allreduce_scalar(dt, op="max"))
+        if args.pp > 1:
+            timelines.append(tr.runner.timeline())  # collective over pp, after the timing
     n = 8192 if args.device == "gpu" else 1024  # big enough to reach the peak
     peak = world.allreduce_scalar(measure_peak(spec["dtype"], n))  # summed over ranks
     sec = float(np.median(times))
@@ -182,21 +185,36 @@ def run_bench(args) -> dict:
         "recompute": cfg.recompute, "recompute_gflops": extra / sec / 1e9,
         "hardware_gflops": (flops + extra) / sec / 1e9,
     }
-    if args.pp > 1:  # the last step's measured timeline against the simulated formula
-        from refmp.parallel.pipeline.simulate import bubble_formula
-
-        timeline = tr.runner.timeline()  # collective over pp
-        out["bubble"] = timeline.bubble()
-        out["bubble_theory"] = bubble_formula(args.schedule, args.pp, args.microbatches,
-                                              args.virtual_stages)
+    if args.pp > 1:  # the timed steps' measured timelines against the schedule's formula
+        out.update(pipeline_report(timelines, args))
         if args.trace and world.rank == 0:
-            timeline.write_trace(args.trace)
+            timelines[-1].write_trace(args.trace)
     if world.rank == 0:
         if args.json:
             print(json.dumps(out))
         else:
             print_report(out, args)
     return out
+
+
+def pipeline_report(timelines: list, args) -> dict:
+    """The bubble of the median step (by bubble), and where it goes.
+
+    ``bubble_theory`` is the formula (every F, B, W of equal cost); ``bubble_at_costs`` the
+    schedule simulated with that step's measured median F, B, W times per rank, messages free:
+    the bubble the schedule itself implies for these costs. The rest of the measured bubble is
+    ``idle``: receives waiting, sends, and the gaps between actions.
+    """
+    from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
+
+    tl = sorted(timelines, key=lambda t: t.bubble())[len(timelines) // 2]
+    at_costs = simulate_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages,
+                                 costs=tl.costs())
+    return {"bubble": tl.bubble(),
+            "bubble_theory": bubble_formula(args.schedule, args.pp, args.microbatches,
+                                            args.virtual_stages),
+            "bubble_at_costs": at_costs.bubble(), "idle": tl.idle(),
+            "costs_ms": {f"{kind}@{r}": 1e3 * t for (r, kind), t in sorted(tl.costs().items())}}
 
 
 def print_report(out: dict, args) -> None:
@@ -224,9 +242,15 @@ def print_report(out: dict, args) -> None:
         print(f"  recompute {out['recompute']}: {out['recompute_gflops']:.2f} GFLOP/s more "
               f"executed ({out['hardware_gflops']:.2f} GFLOP/s hardware, model FLOPs above)")
     if "bubble" in out:
+        idle = out["idle"]
+        costs = ", ".join(f"{k} {v:.2f}" for k, v in out["costs_ms"].items())
         print(f"  pipeline {args.schedule}, pp {args.pp}, {args.microbatches} "
-              f"micro-batches: bubble {out['bubble']:.4f} measured (last step), "
-              f"theory {out['bubble_theory']:.4f}")
+              f"micro-batches: bubble {out['bubble']:.4f} measured (median step), "
+              f"theory {out['bubble_theory']:.4f}, {out['bubble_at_costs']:.4f} simulated at "
+              f"the measured costs")
+        print(f"    measured costs (ms, action@rank): {costs}")
+        print(f"    idle: recv {idle['recv']:.4f}, send {idle['send']:.4f}, "
+              f"between actions {idle['other']:.4f}")
     print("  communication per step, rank 0 (bytes; calls by operation):")
     for axis, ops in out["ledger"].items():
         total = sum(v["bytes"] for v in ops.values()) // args.steps

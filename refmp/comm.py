@@ -11,7 +11,10 @@ the input before scattering; send/recv: the message). Multiply by the algorithm'
 
 Waiting: MPICH busy-polls inside blocking calls, so a rank that waits would burn the core a
 working rank needs when ranks outnumber cores. refmp therefore starts every operation
-nonblocking and waits with Test-and-sleep (:func:`wait`), backing off from 10 us to 1 ms.
+nonblocking and waits with Test-and-sleep (:func:`wait`), backing off from 10 us to a cap:
+1 ms when this node's ranks outnumber its cores (a sleeping rank then leaves the core to a
+working one), else 100 us, because a message that arrives while its receiver sleeps waits
+for the wake-up (in a pipeline, on every hop). ``REFMP_POLL_US`` sets the cap.
 
 GPU arrays: before MPI touches device memory the stream is synchronized. With a CUDA-aware
 MPI (``comm.cuda_aware``, agreed by all ranks, see refmp.device) device arrays go to MPI as
@@ -27,6 +30,7 @@ the wire 2 bytes per element. fp16 is MPI's own (MPIX_C_FLOAT16 in MPICH, throug
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 
@@ -106,16 +110,28 @@ class StagedRequest(MPI.Request):
         return self
 
 
+def poll_cap() -> float:
+    """The longest sleep between tests, in seconds (see the module docstring)."""
+    if os.environ.get("REFMP_POLL_US", "").isdigit():
+        return int(os.environ["REFMP_POLL_US"]) * 1e-6
+    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return 1e-3 if local and int(local) > (cores or 1) else 1e-4
+
+
+POLL_CAP = poll_cap()
+
+
 def sleep_until(done) -> None:
-    """Call ``done()`` until it is true, sleeping between calls (10 us, doubling to 1 ms)."""
+    """Call ``done()`` until it is true, sleeping between calls (10 us, doubling to POLL_CAP)."""
     delay = 1e-5
     while not done():
         time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
+        delay = min(delay * 2, POLL_CAP)
 
 
 def wait(req: MPI.Request | None):
-    """Wait for a request without busy-polling: Test, then sleep, backing off to 1 ms.
+    """Wait for a request without busy-polling: Test, then sleep, backing off to POLL_CAP.
 
     ``None`` (what a size-1 communicator returns for a skipped operation) is already done.
     """

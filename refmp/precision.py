@@ -27,6 +27,7 @@ import numpy as np
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP16 = np.dtype(np.float16)
 LOW = (BF16, FP16)
+_LOW_SET = frozenset(LOW)
 COMPUTE = {"bf16": BF16, "fp16": FP16}  # --mixed-precision -> the compute dtype
 
 
@@ -40,13 +41,26 @@ def mixed_dtypes(cfg):
 
 
 def _low_of(obj):
-    """The first 16-bit dtype among the arrays in ``obj`` (tuples, lists, dicts), or None."""
-    if isinstance(obj, (tuple, list)):
-        return next((d for d in map(_low_of, obj) if d is not None), None)
-    if isinstance(obj, dict):
-        return _low_of(list(obj.values()))
-    dt = getattr(obj, "dtype", None)
-    return dt if dt is not None and hasattr(obj, "shape") and dt in LOW else None
+    """The first 16-bit dtype among the arrays in ``obj`` (tuples, lists, dicts), or None.
+
+    Called on every layer's arguments, so it is kept cheap: one pass over a stack, and dtype
+    membership in a set (a dtype's == converts its operand, which is slow).
+    """
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if type(o) is np.ndarray:  # the common case, first
+            if o.dtype in _LOW_SET:
+                return o.dtype
+        elif isinstance(o, (tuple, list)):
+            stack.extend(reversed(o))  # left to right, as the arguments read
+        elif isinstance(o, dict):
+            stack.extend(reversed(list(o.values())))
+        else:
+            dt = getattr(o, "dtype", None)
+            if dt is not None and dt in _LOW_SET and hasattr(o, "shape"):
+                return dt
+    return None
 
 
 def _walk(obj, fn):

@@ -32,6 +32,37 @@ def test_every_schedule_completes_with_the_formula_bubble(name, pp, k, v):
     assert all(tl.busy(r) == busy for r in range(pp))
 
 
+@given(name=st.sampled_from(SCHEDULES), pp=st.integers(2, 4), k=st.integers(1, 3),
+       scale=st.floats(0.01, 100))
+def test_measured_costs_replace_the_unit_costs(name, pp, k, scale):
+    """simulate(costs=...): the unit costs given explicitly reproduce the formula, and the
+    bubble is a fraction, unchanged when every cost is scaled; a slower last stage (the LM
+    head) makes the other ranks wait, so the bubble grows (naive runs one action at a time:
+    its bubble is 1 - 1/pp whatever the costs)."""
+    m, v = k * pp, 2 if name == "interleaved" else 1
+    split = name == "zb-h1"
+    unit = {(r, kind): {"F": 1, "B": 1 if split else 2, "W": 1}[kind]
+            for r in range(pp) for kind in "FBW"}
+    tl = simulate_schedule(name, pp, m, v, costs={key: scale * c for key, c in unit.items()})
+    assert tl.bubble() == pytest.approx(bubble_formula(name, pp, m, v), abs=1e-9)
+    slow_head = {**unit, (pp - 1, "F"): 2.0}
+    slower = simulate_schedule(name, pp, m, v, costs=slow_head).bubble()
+    assert slower == pytest.approx(tl.bubble()) if name == "naive" else slower > tl.bubble() + 1e-9
+
+
+def test_measured_timeline_costs_and_where_the_idle_time_goes():
+    from refmp.parallel.pipeline.timeline import Event, Timeline
+
+    ev = [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "send", 0, 1, 1.0, 1.5),
+          Event(0, "F", 1, 0, 1.5, 2.5), Event(0, "F", 2, 0, 3.0, 6.0),
+          Event(1, "recv", 0, 1, 0.0, 1.5), Event(1, "F", 0, 1, 1.5, 3.5)]
+    tl = Timeline("x", 2, 3, events=ev, unit="s")
+    assert tl.costs() == {(0, "F"): 1.0, (1, "F"): 2.0}  # medians per rank and kind
+    idle = tl.idle()  # of 2 ranks x 6 s: compute 5 + 2, recv 1.5, send 0.5
+    assert idle["recv"] == pytest.approx(1.5 / 12) and idle["send"] == pytest.approx(0.5 / 12)
+    assert sum(idle.values()) == pytest.approx(tl.bubble()) == pytest.approx(1 - 7 / 12)
+
+
 @given(name=st.sampled_from(["naive", "gpipe", "1f1b", "zb-h1"]), pp=st.integers(1, 6),
        m=st.integers(1, 12))
 def test_small_and_uneven_micro_batch_counts_complete(name, pp, m):

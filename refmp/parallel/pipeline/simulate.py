@@ -48,10 +48,16 @@ def check_actions(lists: list[list[Action]], pp: int, m: int, v: int) -> bool:
     return split
 
 
-def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str = "") -> Timeline:
-    """Execute the per-rank lists in simulated time; a Timeline with events and peak memory."""
+def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str = "",
+             costs: dict[tuple[int, str], float] | None = None) -> Timeline:
+    """Execute the per-rank lists in simulated time; a Timeline with events and peak memory.
+
+    ``costs`` {(rank, kind): time} replaces the unit costs, e.g. a measured run's
+    (Timeline.costs): the bubble the schedule itself implies for those costs, with messages
+    still free (what is left of a measured bubble beyond it is communication and overhead).
+    """
     split = check_actions(lists, pp, m, v)
-    cost = {"F": 1, "B": 1 if split else 2, "W": 1}
+    unit = {"F": 1, "B": 1 if split else 2, "W": 1}
     chunks = pp * v
     done: dict[Action, int] = {}
     pos, free = [0] * pp, [0] * pp
@@ -66,7 +72,7 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
                 if any(d not in done for d in deps):
                     break
                 start = max([free[r]] + [done[d] for d in deps])
-                done[a] = free[r] = start + cost[a.kind]
+                done[a] = free[r] = start + (costs[r, a.kind] if costs else unit[a.kind])
                 tl.events.append(Event(r, a.kind, a.mb, a.chunk, start, free[r]))
                 # the cache of F lives until the last pass that reads it (B, or W if split)
                 held[r] += {"F": 1, "B": 0 if split else -1, "W": -1}[a.kind]
@@ -81,8 +87,9 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
     return tl
 
 
-def simulate_schedule(name: str, pp: int, m: int, v: int = 1) -> Timeline:
-    return simulate([schedule(name, pp, m, r, v) for r in range(pp)], pp, m, v, name)
+def simulate_schedule(name: str, pp: int, m: int, v: int = 1,
+                      costs: dict[tuple[int, str], float] | None = None) -> Timeline:
+    return simulate([schedule(name, pp, m, r, v) for r in range(pp)], pp, m, v, name, costs)
 
 
 def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:

@@ -50,6 +50,24 @@ class Timeline:
         """Fraction of rank-time not spent computing: 1 - sum_r busy_r / (pp * makespan)."""
         return 1.0 - sum(self.busy(r) for r in range(self.pp)) / (self.pp * self.makespan)
 
+    def costs(self) -> dict[tuple[int, str], float]:
+        """{(rank, kind): median duration} of the compute events (F, B, W) on each rank."""
+        spans: dict[tuple[int, str], list[float]] = {}
+        for e in self.events:
+            if e.kind in COMPUTE:
+                spans.setdefault((e.rank, e.kind), []).append(e.end - e.start)
+        return {k: sorted(d)[len(d) // 2] for k, d in spans.items()}
+
+    def idle(self) -> dict[str, float]:
+        """Where the rank-time that is not compute goes, as fractions of pp * makespan:
+        ``recv`` waiting for a message, ``send`` starting sends and finishing them at the
+        end of the step, ``other`` the gaps between events (Python between actions, and a
+        rank that finished first waiting for the slowest). They sum to bubble()."""
+        total = self.pp * self.makespan
+        comm = {k: sum(e.end - e.start for e in self.events if e.kind == k) / total
+                for k in ("recv", "send")}
+        return {**comm, "other": self.bubble() - comm["recv"] - comm["send"]}
+
     def label(self, e: Event) -> str:
         if e.mb < 0:  # not about one micro-batch (the end-of-step wait for sends)
             return e.kind
