@@ -95,6 +95,7 @@ class Layout:
     microbatch_size: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    cp_algo: str = "ring"  # with cp > 1: ring attention or Ulysses' all-to-all
 
 
 @cache
@@ -116,7 +117,7 @@ def train_config(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32
                        tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, zero=lay.zero,
                        sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                        mixed_precision=lay.mixed_precision, schedule=lay.schedule,
-                       virtual_stages=lay.virtual_stages,
+                       virtual_stages=lay.virtual_stages, cp_algo=lay.cp_algo,
                        microbatches=batch // (lay.dp * lay.microbatch_size), n_expert=mcfg.n_expert,
                        top_k=mcfg.top_k if mcfg.n_expert else None)
 

@@ -167,3 +167,70 @@ def test_tutorial_11_checks_itself():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: every rank's memory is the plan's" in r.stdout
     assert r.stdout.count("faster than the runner-up") == 1  # rank 0 alone narrates
+
+
+TRAIN = ["--n-layer", "2", "--n-head", "2", "--n-embd", "8", "--batch-size", "8",
+         "--dtype", "float64", "--no-progress"]
+
+
+def test_train_layout_auto_trains_the_planned_layout_like_the_serial_run(tmp_path):
+    """4 ranks, --layout auto: rank 0 prints the planner's layout once, the run uses it (the
+    log's layout), and its weights after 3 steps are the serial run's."""
+    from mpi_helpers import refmp
+    from safetensors.numpy import load_file
+
+    from refmp.train import TrainConfig
+
+    out, log = tmp_path / "auto.safetensors", tmp_path / "log.jsonl"
+    r = refmp(4, ["train", "--layout", "auto", *TRAIN, "--steps", "3", "--save", str(out),
+                  "--log-json", str(log)], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("--layout auto on 4 ranks") == 1, r.stdout
+    line = next(x for x in r.stdout.splitlines() if "--layout auto on 4 ranks" in x)
+    chosen = line.split(" chose ")[1].split(":")[0].split()
+    flags = dict(zip(chosen[::2], chosen[1::2], strict=False))
+    summary = json.loads(log.read_text().splitlines()[-1])
+    for axis in ("tp", "pp", "dp", "cp"):
+        assert summary["layout"][axis] == int(flags[f"--{axis}"]), (axis, line)
+    assert summary["config"]["recompute"] == flags["--recompute"]
+    assert summary["config"]["microbatches"] == int(flags["--microbatches"])
+    serial = Trainer(TrainConfig(n_layer=2, n_head=2, n_embd=8, batch_size=8, steps=3,
+                                 dtype="float64", progress=False), grid=ProcessGrid(MPI.COMM_SELF))
+    for _ in range(3):
+        serial.step()
+    saved = load_file(str(out))
+    for k, v in serial.runner.full_params().items():
+        np.testing.assert_allclose(saved[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
+
+
+def test_train_layout_auto_refuses_what_cannot_fit_on_every_rank():
+    """A fixed flag no layout can honour (tp 2 on 2 heads is fine, tp 4 is not): one message,
+    exit 2 on every rank, no traceback."""
+    from mpi_helpers import refmp
+
+    r = refmp(2, ["train", "--layout", "auto", "--tp", "4", *TRAIN, "--steps", "1"], timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("--layout auto: no layout fits 2 rank(s) (tp=4 fixed)") == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_train_flags_given_are_the_searchs_fixed_choices():
+    """given_flags tells a flag given (even at its default, or abbreviated) from a default;
+    --microbatches fixes M, so b = B / (dp M); --stage-layers is refused."""
+    from refmp.cli import add_train_args, given_flags
+    from refmp.errors import ConfigError
+    from refmp.train import TrainConfig
+
+    given = given_flags(add_train_args, ["--tp", "1", "--seq", "--steps", "3", "--layout", "auto"])
+    assert given == {"tp", "sequence_parallel", "steps", "layout"}
+    fits, _ = plan_search.search(SMALL, 8, 4, plan.MACHINES["dgx-a100"],
+                                 {"microbatches": 2, "tp": 1}, top=4)
+    assert fits and all(8 // (r["dp"] * r["microbatch_size"]) == 2 and r["tp"] == 1
+                        for r in fits)
+    with pytest.raises(ConfigError, match="--stage-layers"):
+        plan_search.plan_train(TrainConfig(stage_layers="1,1"), {"stage_layers"},
+                               MPI.COMM_SELF)
+    cfg, best = plan_search.plan_train(TrainConfig(n_layer=2, n_head=2, n_embd=8, batch_size=8,
+                                                   recompute="full"), {"recompute"},
+                                       MPI.COMM_SELF)
+    assert (cfg.recompute, best["recompute"], cfg.dp, cfg.tp) == ("full", "full", 1, 1)
