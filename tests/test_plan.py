@@ -86,6 +86,13 @@ def test_memory_is_the_measured_ledger_on_four_ranks(grid, zero, recompute, mp, 
     bad = Mismatches()
     bad.check(np.testing.assert_equal, [mine[k] for k in STATE], [got[k] for k in STATE],
               err_msg=f"{lay} rank {tr.grid.rank}")
+    # the cp traffic the plan times is the ledger's (ring sends, or Ulysses' all-to-alls)
+    Ls = sum(len(ch) for ch in tr.runner.stage.chunks.values())
+    op, nbytes, calls = plan.cp_ledger(lay, batch // dp, 16 // cp, mcfg.n_embd, Ls,
+                                       batch // (dp * b), 2 if mp != "none" else 4)
+    led = tr.grid.ledger.entries.get((op, "cp"), [0, 0])
+    bad.check(np.testing.assert_equal, list(led), [nbytes, calls],
+              err_msg=f"{lay} rank {tr.grid.rank}: cp ledger")
     most = max(MPI.COMM_WORLD.allgather(sum(got[k] for k in STATE)))
     bad.check(np.testing.assert_equal, plan.total(plan.memory(lay, mcfg, batch)), most,
               err_msg=f"{lay}: the plan's max over ranks")
@@ -119,6 +126,24 @@ def test_infeasible_layouts_say_what_does_not_fit():
     assert all(r["reason"] for r in bad)
     _, bad = plan_search.search(GPT2, 512, 64, MACHINE, {"tp": 8}, top=3)  # 8 does not divide 12 heads
     assert bad and all("--tp 8 must divide" in r["reason"] for r in bad)
+
+
+def test_ulysses_is_timed_by_its_all_to_alls_and_the_ring_hides_behind_attention():
+    """cp's term: Ulysses' four all-to-alls per block (the ledger's bytes, cp_ledger, which
+    the four-rank test holds to the measured ledger) on one ring of cp ranks; the ring's
+    sends minus the attention core they travel behind, so a long sequence hides them."""
+    mcfg = GPTConfig(n_layer=4, n_embd=1024, n_head=16, vocab_size=50257, block_size=8192)
+    uly = plan.Layout(cp=4, dp=2, cp_algo="ulysses", recompute="selective")
+    got = plan.predict(uly, mcfg, 16, MACHINE)["seconds"]["cp"]
+    bd, Tl, M = 8, 2048, 8
+    nbytes = 4 * 2 * mcfg.n_layer * bd * Tl * mcfg.n_embd * 2  # qkv 3 C + y C, both ways
+    assert plan.cp_ledger(uly, bd, Tl, mcfg.n_embd, 4, M, 2) == ("alltoall", nbytes, 4 * 4 * M)
+    want = 3 / 4 * nbytes / 300e9 + 4 * 4 * M * 3 * 5e-6  # (n-1)/n X / bw + (n-1) lat a call
+    assert got == pytest.approx(want)
+    ring = plan.predict(replace(uly, cp_algo="ring"), mcfg, 16, MACHINE)["seconds"]["cp"]
+    assert ring == 0.0 < got  # 8k tokens: the core's (2048 x 8192) products cover the sends
+    full = plan.cp_ledger(replace(uly, recompute="full"), bd, Tl, mcfg.n_embd, 4, M, 2)
+    assert full[1:] == (nbytes * 3 // 2, 6 * 4 * M)  # the recomputed forward's two again
 
 
 def test_more_gpus_per_tp_group_cost_inter_node_bandwidth():
