@@ -263,3 +263,24 @@ def test_train_flags_given_are_the_searchs_fixed_choices():
                                                    recompute="full"), {"recompute"},
                                        MPI.COMM_SELF)
     assert (cfg.recompute, best["recompute"], cfg.dp, cfg.tp) == ("full", "full", 1, 1)
+
+
+def test_plan_vs_bench_runs_end_to_end_and_ranks_by_hand():
+    """benchmarks/plan_vs_bench.py on two layouts of the tiny preset, 2 steps, 1 round (the
+    full measurement is for a quiet machine); its Spearman's rho against hand-worked cases."""
+    sys.path.insert(0, f"{REPO}/benchmarks")
+    import plan_vs_bench as pvb
+
+    assert pvb.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert pvb.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ties share their mean rank: (1, 2, 3) against (1.5, 1.5, 3), cov 1.5 / sqrt(2 * 1.5)
+    assert pvb.spearman([1, 2, 3], [5, 5, 9]) == pytest.approx(0.8660254, abs=1e-6)
+    r = subprocess.run([sys.executable, "benchmarks/plan_vs_bench.py", "--preset", "tiny",
+                        "--steps", "2", "--warmup", "0", "--rounds", "1", "--layouts",
+                        "dp4,tp2xdp2", "--json"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [x["layout"] for x in out["layouts"]] == ["dp4", "tp2xdp2"]
+    assert all(x["plan_ms"] > 0 and x["bench_ms"] > 0 for x in out["layouts"])
+    assert abs(out["spearman"]) == pytest.approx(1.0)  # two layouts: in order, or not
