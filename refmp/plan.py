@@ -12,16 +12,18 @@ holds to Trainer.memory()): params, grads, optimizer, activations, the max over 
 stages. With mixed precision the state follows zero_cost.memory_per_rank's c, g and 3 w
 bytes (the engine's buffers), and the float caches take c bytes.
 
-Time per step (seconds), per stage: busy = M (F + Bw) + tp + cp + pp comm; the pipeline
-runs at its slowest stage over (1 - bubble) (the simulator's bubble of the schedule), then
-the exposed dp/ZeRO traffic and the optimizer's pass over its state:
-  GEMM (m, k, n): max(2 m k n / (e peak), c (m k + k n + m n) / hbm)   (a roofline, e per machine)
-  elementwise: 3 cache bytes / hbm per block (cache written in forward, read and its
-    gradient written in backward)
+Time per step (seconds), per stage: busy = GEMMs + elementwise + tp + cp + ep + pp comm;
+the pipeline runs at its slowest stage over (1 - bubble) (the simulator's bubble of the
+schedule), then the exposed dp/ZeRO traffic and the optimizer's pass over its state:
+  GEMM (m, k, n): max(2 m k n / (e peak), c (m k + k n + m n) / hbm)   (a roofline, e per
+    machine), in whole waves of sms output tiles on a GPU
+  elementwise: elementwise_bytes / hbm per block (each memory-bound kernel, one by one)
   a collective over n ranks of bytes X (the ledger's convention): all-reduce
     2 (n-1)/n X / bw + 2 (n-1) lat; reduce-scatter, all-gather, all-to-all (n-1)/n X / bw +
     (n-1) lat; send X / bw + lat. bw is intra-node while the group fits in a node (ranks
     are tp fastest, then cp, dp, pp), else inter-node.
+Impl says what the timed implementation does beyond the layout (refmp's own by default;
+MEGATRON_2021 for the published comparison).
 """
 
 from __future__ import annotations
