@@ -2,7 +2,8 @@
 against measured (refmp bench) step times of 4-rank layouts, and their Spearman correlation.
 
 For each layout: the plan's step_seconds on this host (plan.cpu_machine: its measured fp32
-GEMM peak per core, shared-memory MPI taken as 5 GB/s and 2 us), and the median ms_per_step
+GEMM peak per core, and MPI's bandwidth and latency measured on 4 ranks by plan.measure_links,
+or with --assumed-links 5 GB/s and 2 us), and the median ms_per_step
 of ``mpiexec -n 4 python -m refmp bench --preset P <layout> --json`` over --rounds rounds.
 The rounds interleave the layouts (each round runs every layout once, in a rotated order), so
 that a slow spell of a shared machine falls on all of them rather than on one.
@@ -63,18 +64,26 @@ def predicted(name: str, spec: dict, mach: plan.Machine) -> float:
     return plan.predict(lay, mcfg, B, mach)["step_seconds"]
 
 
+PROBE = ("import json; from mpi4py import MPI; from refmp.plan import measure_links; "
+         "r = measure_links(MPI.COMM_WORLD); MPI.COMM_WORLD.rank or print(json.dumps(r))")
+
+
+def mpiexec(args: list[str]) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    r = subprocess.run(["mpiexec", "-n", "4", sys.executable, *args], capture_output=True,
+                       text=True, env=env, timeout=600)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(args[:4])} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return r.stdout.strip().splitlines()[-1]
+
+
 def measured(name: str, args) -> float:
     """One refmp bench run of the layout under mpiexec: its median ms per step."""
     tp, pp, dp, cp, M = LAYOUTS[name]
-    cmd = ["mpiexec", "-n", "4", sys.executable, "-m", "refmp", "bench", "--preset", args.preset,
-           "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--cp", str(cp),
-           "--microbatches", str(M), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--json"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if r.returncode:
-        raise SystemExit(f"{name}: refmp bench failed ({r.returncode}):\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])["ms_per_step"]
+    out = mpiexec(["-m", "refmp", "bench", "--preset", args.preset, "--tp", str(tp), "--pp",
+                   str(pp), "--dp", str(dp), "--cp", str(cp), "--microbatches", str(M),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--json"])
+    return json.loads(out)["ms_per_step"]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -85,6 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
     p.add_argument("--layouts", default=",".join(LAYOUTS),
                    help=f"comma-separated, of {', '.join(LAYOUTS)} (all)")
+    p.add_argument("--assumed-links", action="store_true",
+                   help="plan with 5 GB/s and 2 us instead of measuring MPI's links")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     names = args.layouts.split(",")
@@ -92,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     if bad:
         p.error(f"unknown layout(s) {', '.join(bad)}: choose from {', '.join(LAYOUTS)}")
     spec = PRESETS[args.preset]
-    mach = plan.cpu_machine(4)
+    links = None if args.assumed_links else tuple(json.loads(mpiexec(["-c", PROBE])))
+    mach = plan.cpu_machine(4, links)
     plan_ms = {n: 1e3 * predicted(n, spec, mach) for n in names}
     runs: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):  # each round every layout once, the order rotated
@@ -101,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     bench_ms = {n: statistics.median(v) for n, v in runs.items()}
     rho = spearman([plan_ms[n] for n in names], [bench_ms[n] for n in names])
     out = {"preset": args.preset, "steps": args.steps, "rounds": args.rounds,
-           "peak_gflops_per_rank": 1e3 * mach.peak_tflops, "spearman": rho,
+           "peak_gflops_per_rank": 1e3 * mach.peak_tflops, "link_gbs": mach.intra_node_gbs,
+           "link_latency_us": mach.intra_latency_us, "spearman": rho,
            "layouts": [{"layout": n, "plan_ms": plan_ms[n], "bench_ms": bench_ms[n],
                         "bench_runs_ms": runs[n]} for n in names]}
     if args.json:
@@ -109,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         print(f"preset {args.preset}, 4 ranks; bench: median of {args.rounds} interleaved "
               f"round(s) of {args.steps} steps; plan: --machine cpu "
-              f"({1e3 * mach.peak_tflops:.1f} GFLOP/s per rank measured)")
+              f"({1e3 * mach.peak_tflops:.1f} GFLOP/s per rank, MPI {mach.intra_node_gbs:.2g} "
+              f"GB/s and {mach.intra_latency_us:.3g} us, {'assumed' if links is None else 'measured'})")
         print(f"{'layout':>10} {'plan ms':>9} {'bench ms':>9}")
         for n in sorted(names, key=bench_ms.get):
             print(f"{n:>10} {plan_ms[n]:>9.2f} {bench_ms[n]:>9.2f}")

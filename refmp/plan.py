@@ -28,6 +28,7 @@ MEGATRON_2021 for the published comparison).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -72,15 +73,43 @@ MACHINES = {  # NVIDIA's data sheets: A100 SXM 312 TFLOP/s bf16, 2.0 TB/s, NVLin
 }
 
 
-def cpu_machine(ranks: int) -> Machine:
+def cpu_machine(ranks: int, links: tuple[float, float] | None = None) -> Machine:
     """This host: fp32 GEMM peak measured now (refmp.bench.measure_peak, per core), memory
-    free now, shared-memory MPI taken as 5 GB/s and 2 us (assumed, not measured)."""
+    free now, and MPI's links: ``links`` (GB/s, us) as measure_links found them, else
+    shared-memory MPI taken as 5 GB/s and 2 us (assumed: ``refmp plan`` runs without MPI)."""
     from refmp.bench import measure_peak
     from refmp.memory_check import available_memory
 
     peak = measure_peak("float32", 512, 3) / 1e12
     free = available_memory("cpu")[0] / 1e9
-    return Machine("cpu", ranks, free / ranks, peak, 10, 1.0, 5, 5, 2.0, 2.0)
+    gbs, us = links or (5.0, 2.0)
+    return Machine("cpu", ranks, free / ranks, peak, 10, 1.0, gbs, gbs, us, us)
+
+
+def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, float]:
+    """(GB/s, us) of ``comm``'s (an mpi4py communicator) links as collective() models them
+    (collective: every rank calls it): an 8-byte all-reduce takes 2 (n-1) latencies, an
+    nbytes one 2 (n-1)/n nbytes / bw more; medians of reps, the slowest rank's."""
+    import numpy as np
+    from mpi4py import MPI
+
+    n = comm.Get_size()
+    if n == 1:
+        return 5.0, 2.0
+
+    def seconds(a) -> float:
+        times = []
+        for _ in range(reps + 1):  # the first is a warm-up
+            comm.Barrier()
+            t0 = time.perf_counter()
+            comm.Allreduce(a.copy(), a)
+            times.append(time.perf_counter() - t0)
+        return comm.allreduce(float(np.median(times[1:])), op=MPI.MAX)
+
+    small, big = seconds(np.zeros(1)), seconds(np.zeros(nbytes // 8))
+    lat = small / (2 * (n - 1))
+    bw = 2 * (n - 1) / n * nbytes / max(big - small, 1e-9)
+    return bw / 1e9, lat * 1e6
 
 
 @dataclass(frozen=True)

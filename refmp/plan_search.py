@@ -10,7 +10,18 @@ from refmp.errors import ConfigError
 from refmp.memory_check import need_bytes, size
 from refmp.nn.params import GPTConfig
 from refmp.parallel.layout import check_layout
-from refmp.plan import MACHINES, MODELS, Layout, Machine, cpu_machine, memory, predict, total, train_config
+from refmp.plan import (
+    MACHINES,
+    MODELS,
+    Layout,
+    Machine,
+    cpu_machine,
+    measure_links,
+    memory,
+    predict,
+    total,
+    train_config,
+)
 
 
 def divisors(n: int) -> list[int]:
@@ -248,7 +259,8 @@ def plan_train(cfg, given: set[str], comm) -> tuple:
     ``given``: the TrainConfig fields set on the command line; the layout flags among them
     are fixed choices of the search (TRAIN_FIXED), and --stage-layers is refused. Rank 0
     plans (the cpu machine measures this host's GEMM peak, so ranks could disagree) and
-    broadcasts the row, or the reason nothing fits: a ConfigError on every rank.
+    broadcasts the row, or the reason nothing fits: a ConfigError on every rank. The cpu
+    machine's links are measured on ``comm`` first (plan.measure_links).
     """
     from refmp.train import build_dataset, model_config
 
@@ -256,12 +268,14 @@ def plan_train(cfg, given: set[str], comm) -> tuple:
     if refused:  # a pure function of the flags: the same on every rank
         raise ConfigError(refused[0])
     fixed = {TRAIN_FIXED[k]: getattr(cfg, k) for k in given if k in TRAIN_FIXED}
+    links = measure_links(comm)  # every rank: MPI's bandwidth and latency on this host
     best, err = None, None
     if comm.Get_rank() == 0:
         try:
             mcfg = model_config(cfg, build_dataset(cfg))
             n = comm.Get_size()
-            fits, bad = search(mcfg, cfg.batch_size, n, cpu_machine(n), fixed, 1, cfg.dtype)
+            fits, bad = search(mcfg, cfg.batch_size, n, cpu_machine(n, links), fixed, 1,
+                               cfg.dtype)
             if not fits:
                 what = "; ".join(f"{k}={v}" for k, v in sorted(fixed.items())) or "no flags"
                 raise ConfigError(f"--layout auto: no layout fits {n} rank(s) ({what} fixed): "
