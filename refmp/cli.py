@@ -101,13 +101,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     add_layout_args(p)
     g = p.add_argument_group("automatic layout (docs/plan.md)")
     g.add_argument("--layout", choices=["auto"], default=None,
-                   help="auto: ask refmp plan (--machine cpu: this host's measured GEMM peak "
-                        "and free memory) for the fastest layout of this model that fits the "
-                        "MPI world size, print it (rank 0) and train with it. Layout flags "
-                        "given with it (--tp --pp --dp --cp --ep --zero --sequence-parallel "
-                        "--recompute --mixed-precision --microbatches --schedule "
-                        "--virtual-stages --cp-algo) are fixed choices of the search; "
-                        "--stage-layers is refused. Nothing fits: exit 2")
+                   help="auto: ask refmp plan (--machine cpu: this host's GEMM peak, free "
+                        "memory and MPI links, measured) for the fastest layout of this model "
+                        "that fits the MPI world size, print it (rank 0) and train with it. "
+                        "Layout flags given with it (--tp --pp --dp --cp --ep --zero "
+                        "--sequence-parallel --recompute --mixed-precision --microbatches "
+                        "--schedule --virtual-stages --cp-algo) are fixed choices of the "
+                        "search; --stage-layers is refused. Nothing fits: exit 2")
     g = p.add_argument_group("files")
     g.add_argument("--init", default=None, metavar="PATH.safetensors",
                    help="start from these weights; the model shape is read from them")
