@@ -312,7 +312,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         first, last = r == 0, r == pp - 1
         Ls, n_moe = len(mine), sum(mcfg.is_moe(i) for i in mine)
         fwd = (Ls - n_moe) * f_block + n_moe * f_moe  # the stage's blocks, one micro-batch
-        again = {"none": 0.0, "selective": Ls * 2 * scores, "full": fwd}[lay.recompute]
+        # selective: refmp recomputes q k^T for the softmax (bench.recompute_flops_per_step)
+        again = {"none": 0.0, "selective": Ls * scores, "full": fwd}[lay.recompute]
         comp = M * (3 * fwd + again + (3 * head if last else 0))
         t_elem = M * (Ls * elem + (head_elem if last else 0))
         # tp: the ledger's collectives; full recomputation runs the forward's again (2 per
