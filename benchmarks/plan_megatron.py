@@ -9,6 +9,8 @@ Two columns: the plan as refmp would run each layout (plan.Impl()), and as Megat
 ran it (plan.MEGATRON_2021: dropout, the data-parallel all-reduce after the backward pass,
 the scatter/gather boundary optimization). Micro-batch size 1 (the table does not say), the
 faster of 1F1B and interleaved (2 chunks) where the layers divide.
+Then Table 2 of the same paper: PTD-P (tp x pp x dp) rows as Megatron-LM 2021, and ZeRO-3
+without model parallelism (DeepSpeed) rows, with the table's own micro-batch sizes.
 Run: python benchmarks/plan_megatron.py
 """
 
@@ -44,6 +46,38 @@ def best(row, impl: plan.Impl) -> tuple[dict, str]:
     return out
 
 
+# Table 2 of the same paper (a copy of it: cli99/llm-analysis, figures/megatron-lm-2nd-table-2.png,
+# commit d841e40; its outputs give tp 8 x pp 12 and tp 8 x pp 35 for the model-parallel sizes
+# 96 and 280): (params (B), heads, hidden, layers, tp, pp, GPUs, batch, micro-batch, TFLOP/s)
+GPT175 = (174.6, 96, 12288, 96)
+GPT530 = (529.6, 128, 20480, 105)
+PTD = [(*GPT175, 8, 12, 384, 1536, 1, 153), (*GPT175, 8, 12, 768, 1536, 1, 149),
+       (*GPT175, 8, 12, 1536, 1536, 1, 141), (*GPT530, 8, 35, 560, 2240, 1, 171),
+       (*GPT530, 8, 35, 1120, 2240, 1, 167), (*GPT530, 8, 35, 2240, 2240, 1, 159)]
+ZERO3 = [(*GPT175, 1, 1, 384, 1536, 4, 144), (*GPT175, 1, 1, 768, 1536, 2, 88),
+         (*GPT175, 1, 1, 1536, 1536, 1, 44), (*GPT530, 1, 1, 640, 2560, 4, 138),
+         (*GPT530, 1, 1, 1120, 2240, 2, 98), (*GPT530, 1, 1, 2240, 2240, 1, 48)]
+# ZeRO-3 (DeepSpeed) on Megatron's model: dropout; stage 3's gathers and reductions exposed
+DEEPSPEED_ZERO3 = plan.Impl(dropout=True, dp_overlap=False)
+
+
+def table2_row(row, impl: plan.Impl) -> tuple[dict, str]:
+    """Table 2's row: the given micro-batch size; ZeRO-3 rows (tp = pp = 1) at stage 3."""
+    P, nh, C, L, tp, pp, n, B, b, _ = row
+    mcfg = GPTConfig(n_layer=L, n_embd=C, n_head=nh, vocab_size=51200, block_size=2048)
+    dp, out = n // (tp * pp), None
+    for sched, v in [("1f1b", 1), ("interleaved", 2)]:
+        if (pp == 1 and v > 1) or L % (pp * v) or (v > 1 and B // (dp * b) % pp):
+            continue
+        lay = plan.Layout(tp=tp, pp=pp, dp=dp, zero=3 if pp * tp == 1 else 0, recompute="full",
+                          mixed_precision="bf16", microbatch_size=b, schedule=sched,
+                          virtual_stages=v)
+        p = plan.predict(lay, mcfg, B, plan.MACHINES["dgx-a100"], impl)
+        if out is None or p["step_seconds"] < out[0]["step_seconds"]:
+            out = (p, sched)
+    return out
+
+
 def main() -> None:
     print("| params (B) | tp | pp | dp | GPUs | batch | schedule | paper TFLOP/s (% of peak) "
           "| plan, as refmp | plan, as Megatron-LM 2021 | plan vs paper |")
@@ -55,6 +89,18 @@ def main() -> None:
         got = p["tflops_per_gpu"]
         print(f"| {P} | {tp} | {pp} | {n // (tp * pp)} | {n} | {B} | {sched} | {paper} ({pct}%) "
               f"| {own:.0f} | {got:.0f} | {100 * (got / paper - 1):+.0f}% |")
+    print("\nTable 2:\n")
+    print("| scheme | params (B) | tp | pp | dp | GPUs | batch | b | schedule | paper TFLOP/s "
+          "| plan TFLOP/s | plan vs paper |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for scheme, rows, impl in [("PTD", PTD, plan.MEGATRON_2021),
+                               ("ZeRO-3", ZERO3, DEEPSPEED_ZERO3)]:
+        for row in rows:
+            P, _, _, _, tp, pp, n, B, b, paper = row
+            p, sched = table2_row(row, impl)
+            got = p["tflops_per_gpu"]
+            print(f"| {scheme} | {P} | {tp} | {pp} | {n // (tp * pp)} | {n} | {B} | {b} | "
+                  f"{sched} | {paper} | {got:.0f} | {100 * (got / paper - 1):+.0f}% |")
 
 
 if __name__ == "__main__":
