@@ -99,6 +99,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-clip", type=float, default=1.0,
                    help="clip the global gradient norm to this (0: off; default 1.0)")
     add_layout_args(p)
+    g = p.add_argument_group("automatic layout (docs/plan.md)")
+    g.add_argument("--layout", choices=["auto"], default=None,
+                   help="auto: ask refmp plan (--machine cpu: this host's GEMM peak, free "
+                        "memory and MPI links, measured) for the fastest layout of this model "
+                        "that fits the MPI world size, print it (rank 0) and train with it. "
+                        "Layout flags given with it (--tp --pp --dp --cp --ep --zero "
+                        "--sequence-parallel --recompute --mixed-precision --microbatches "
+                        "--schedule --virtual-stages --cp-algo) are fixed choices of the "
+                        "search; --stage-layers is refused. Nothing fits: exit 2")
     g = p.add_argument_group("files")
     g.add_argument("--init", default=None, metavar="PATH.safetensors",
                    help="start from these weights; the model shape is read from them")
@@ -254,6 +263,16 @@ def check_flags(args: argparse.Namespace) -> None:
                           f"{args.steps}: the learning rate would never reach --lr")
 
 
+def given_flags(add_args, argv: list[str]) -> set[str]:
+    """The destinations of the flags on this command line (not their defaults): ``argv``
+    parsed again by a parser of the same flags whose defaults are all left unset."""
+    p = Parser(add_help=False)
+    add_args(p)
+    for a in p._actions:  # argparse's own list of the flags just added
+        a.default = argparse.SUPPRESS
+    return set(vars(p.parse_known_args(argv)[0]))
+
+
 def main(argv: list[str] | None = None) -> int:
     limit_threads()
     args = make_parser().parse_args(argv)
@@ -269,7 +288,18 @@ def main(argv: list[str] | None = None) -> int:
             names = {f.name for f in fields(TrainConfig)}
             given = {k: v for k, v in vars(args).items()
                      if k in names and not (k == "warmup_steps" and v is None)}
-            run(TrainConfig(**given))
+            cfg = TrainConfig(**given)
+            if args.layout == "auto":  # the planner's layout, the flags given kept fixed
+                from mpi4py import MPI
+
+                from refmp.plan_search import describe_train, plan_train
+
+                argv = sys.argv[1:] if argv is None else argv
+                cfg, best = plan_train(cfg, given_flags(add_train_args, argv[1:]),
+                                       MPI.COMM_WORLD)
+                if MPI.COMM_WORLD.Get_rank() == 0:
+                    print(describe_train(best, MPI.COMM_WORLD.Get_size()), flush=True)
+            run(cfg)
         elif args.command == "bench":
             from refmp.bench import run_bench
 

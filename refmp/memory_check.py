@@ -29,14 +29,18 @@ def block_cache_elements(b: int, Tl: int, T: int, C: int, NH: int, tp: int = 1, 
     weights P); tp splits the 16 BTC inside the column/row pairs and P, SP the rest too. With
     cp each rank holds Tl tokens; Ulysses keeps P for its NH/cp heads over the whole sequence,
     (b, NH/(tp cp), T, T); ring attention keeps no P, but its running output y and lse
-    (b NH Tl (HS + 1) / tp: q and K/V are its copies of qkv, counted as qkv).
+    (b NH Tl (HS + 1) / tp: q and K/V are its copies of qkv, counted as qkv; y is the
+    attention output's own buffer when a rank has one head).
     docs/memory.md's recomputation: selective drops P, full keeps the block's input alone.
     """
     BTC, BT = b * Tl * C, b * Tl
     if recompute == "full":
         return BTC // tp if sp else BTC  # (b, s, C)
     if cp > 1 and cp_algo == "ring":
-        att = b * NH * Tl + BTC  # the ring's lse and its running output y (b, NH, Tl, HS)
+        # the ring's lse and its running output y (b, NH/tp, Tl, HS); with one head per rank
+        # (or one token) the output y.transpose(0, 2, 1, 3).reshape(b, Tl, C/tp) that c_proj
+        # keeps is a view of y, not a copy: the same buffer, counted once (as the output)
+        att = b * NH * Tl + (BTC if NH // tp > 1 and Tl > 1 else 0)
     else:
         att = 0 if recompute == "selective" else b * NH * Tl * T
     if sp:
@@ -84,16 +88,22 @@ def embed_cache_bytes(b: int, Tl: int, tp: int = 1) -> int:
     return 8 * (b * Tl + Tl) + (b * Tl if tp > 1 else 0)
 
 
-def held_peak(actions, chunk_bytes: dict) -> int:
+def held_peak(actions, chunk_bytes: dict, shared: dict | None = None) -> int:
     """Peak bytes of the caches a rank's action list keeps alive: F makes chunk c's cache of a
-    micro-batch, B frees it (W does, when the schedule splits backward)."""
+    micro-batch, B frees it (W does, when the schedule splits backward). ``shared``: bytes
+    that every micro-batch's cache of chunk c references (one array, not one each), counted
+    once while any of them is alive."""
     split = any(a.kind == "W" for a in actions)
+    shared = shared or {}
     held = peak = 0
+    alive = dict.fromkeys(chunk_bytes, 0)  # caches of each chunk alive now
     for a in actions:
         if a.kind == "F":
-            held += chunk_bytes[a.chunk]
+            held += chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
+            alive[a.chunk] += 1
         elif a.kind == ("W" if split else "B"):
-            held -= chunk_bytes[a.chunk]
+            alive[a.chunk] -= 1
+            held -= chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
         peak = max(peak, held)
     return peak
 
@@ -145,9 +155,13 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     kept_moe = 0 if cfg.recompute == "full" else moe
     head = head_cache_bytes(b, Tl, C, V, tp, sp, w)
     embed = embed_cache_bytes(b, Tl, tp)
+    # with cp the positions (Tl,) are the engine's one array of this rank's token positions,
+    # which every micro-batch's embedding cache references: counted once, not per micro-batch
+    shared = {0: 8 * Tl} if cp > 1 and 0 in chunks else {}
     chunk_bytes = {c: sum(block + (kept_moe if mcfg.is_moe(i) else 0) for i in chunks[c])
-                   + (embed if c == 0 else 0) + (head if c == S - 1 else 0) for c in chunks}
-    mem["activations"] = held_peak(schedule(cfg.schedule, pp, M, r, v), chunk_bytes)
+                   + (embed - 8 * Tl * (cp > 1) if c == 0 else 0)
+                   + (head if c == S - 1 else 0) for c in chunks}
+    mem["activations"] = held_peak(schedule(cfg.schedule, pp, M, r, v), chunk_bytes, shared)
     # a backward rebuilds what recomputation dropped: the whole cache of the block it runs
     mem["workspace"] = max([rebuilt + moe] + ([head] if S - 1 in chunks else []))
     if cfg.zero == 3:  # and the whole unit gathered for the forward or backward running now

@@ -10,7 +10,18 @@ from refmp.errors import ConfigError
 from refmp.memory_check import need_bytes, size
 from refmp.nn.params import GPTConfig
 from refmp.parallel.layout import check_layout
-from refmp.plan import MACHINES, MODELS, Layout, Machine, cpu_machine, memory, predict, total, train_config
+from refmp.plan import (
+    MACHINES,
+    MODELS,
+    Layout,
+    Machine,
+    cpu_machine,
+    measure_links,
+    memory,
+    predict,
+    total,
+    train_config,
+)
 
 
 def divisors(n: int) -> list[int]:
@@ -25,19 +36,28 @@ def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dic
     gpu = mach.name != "cpu"
     for tp in pick("tp", [d for d in divisors(gpus) if d <= mach.gpus_per_node]):
         for pp in pick("pp", [d for d in divisors(gpus // tp) if d <= mcfg.n_layer]):
-            for cp in pick("cp", [1]):
+            cps = [(cp, algo) for cp in pick("cp", [1])
+                   for algo in pick("cp_algo", ["ring", "ulysses"] if cp > 1 else ["ring"])]
+            for cp, algo in cps:
                 dp = fixed.get("dp") or max(1, gpus // (tp * pp * cp))
+                if fixed.get("microbatches") and batch % (dp * fixed["microbatches"]) == 0:
+                    sizes = [batch // (dp * fixed["microbatches"])]  # b from --microbatches M
+                elif fixed.get("microbatches"):
+                    sizes = [0]  # refused by search: --global-batch not a multiple of dp M
+                else:
+                    sizes = pick("microbatch_size", [1, 2, 4, 8])
                 eps = [e for e in divisors(dp * cp) if mcfg.n_expert % e == 0] \
                     if mcfg.n_expert else [1]
                 for ep in pick("ep", eps):
                     for zero in pick("zero", [0, 1, 2, 3] if pp == 1 else [0, 1]):
                         for sp in pick("sequence_parallel", [False, True] if tp > 1 else [False]):
                             for rc in pick("recompute", ["none", "selective", "full"]):
-                                for b in pick("microbatch_size", [1, 2, 4, 8]):
+                                for b in sizes:
                                     for sched, v in schedules(pp, fixed):
                                         yield Layout(tp, pp, dp, cp, ep, zero, sp, rc,
                                                      fixed.get("mixed_precision")
-                                                     or ("bf16" if gpu else "none"), b, sched, v)
+                                                     or ("bf16" if gpu else "none"), b, sched, v,
+                                                     algo)
 
 
 def schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
@@ -54,8 +74,12 @@ def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | 
     Every candidate is checked by refmp.parallel.layout.check_layout, then timed; memory is
     computed in order of predicted time until ``top`` fit (a faster layout that does not fit
     is reported with what does not fit)."""
-    ok, bad = [], []
-    for lay in candidates(mcfg, batch, gpus, mach, fixed or {}):
+    ok, bad, fixed = [], [], fixed or {}
+    for lay in candidates(mcfg, batch, gpus, mach, fixed):
+        if lay.microbatch_size == 0:
+            bad.append(row(lay, None, None, f"the batch {batch} is not a multiple of dp * "
+                                            f"microbatches ({lay.dp} * {fixed['microbatches']})"))
+            continue
         if batch % (lay.dp * lay.microbatch_size):
             bad.append(row(lay, None, None, f"--global-batch {batch} is not a multiple of dp * "
                                             f"microbatch_size ({lay.dp} * {lay.microbatch_size})"))
@@ -100,7 +124,7 @@ def row(lay: Layout, mem: dict | None, pred: dict | None, reason: str | None) ->
 
 
 KEYS = ("tp", "pp", "dp", "cp", "ep", "zero", "sequence_parallel", "recompute",
-        "mixed_precision", "microbatch_size", "schedule", "virtual_stages")
+        "mixed_precision", "microbatch_size", "schedule", "virtual_stages", "cp_algo")
 
 
 def describe(r: dict) -> str:
@@ -168,6 +192,8 @@ def add_plan_args(p) -> None:
     g.add_argument("--recompute", choices=["none", "selective", "full"], default=None)
     g.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default=None)
     g.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb-h1"], default=None)
+    g.add_argument("--cp-algo", choices=["ring", "ulysses"], default=None,
+                   help="with --cp > 1 (default: both searched)")
     p.add_argument("--top", type=int, default=10, help="layouts printed (10)")
     p.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')
 
@@ -212,3 +238,70 @@ def run_plan(args) -> dict:
     if not fits:
         raise ConfigError("no layout fits: " + (bad[0]["reason"] if bad else "no candidates"))
     return {"layouts": fits}
+
+
+# refmp train's flags that --layout auto keeps as fixed choices of the search (TrainConfig
+# field: the planner's key), and the one it cannot honour
+TRAIN_FIXED = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "zero": "zero",
+               "sequence_parallel": "sequence_parallel", "recompute": "recompute",
+               "mixed_precision": "mixed_precision", "schedule": "schedule",
+               "virtual_stages": "virtual_stages", "cp_algo": "cp_algo",
+               "microbatches": "microbatches"}
+TRAIN_REFUSED = {"stage_layers": "--stage-layers fixes the blocks of each stage, which "
+                                 "--layout auto chooses: give --pp instead (the planner splits "
+                                 "the blocks as the engine does by default)"}
+
+
+def plan_train(cfg, given: set[str], comm) -> tuple:
+    """``refmp train --layout auto``: the fastest layout that fits ``comm``'s ranks (refmp
+    plan with --machine cpu), as the TrainConfig to run and the planner's row.
+
+    ``given``: the TrainConfig fields set on the command line; the layout flags among them
+    are fixed choices of the search (TRAIN_FIXED), and --stage-layers is refused. Rank 0
+    plans (the cpu machine measures this host's GEMM peak, so ranks could disagree) and
+    broadcasts the row, or the reason nothing fits: a ConfigError on every rank. The cpu
+    machine's links are measured on ``comm`` first (plan.measure_links).
+    """
+    from refmp.train import build_dataset, model_config
+
+    refused = [TRAIN_REFUSED[k] for k in sorted(given) if k in TRAIN_REFUSED]
+    if refused:  # a pure function of the flags: the same on every rank
+        raise ConfigError(refused[0])
+    fixed = {TRAIN_FIXED[k]: getattr(cfg, k) for k in given if k in TRAIN_FIXED}
+    links = measure_links(comm)  # every rank: MPI's bandwidth and latency on this host
+    best, err = None, None
+    if comm.Get_rank() == 0:
+        try:
+            mcfg = model_config(cfg, build_dataset(cfg))
+            n = comm.Get_size()
+            fits, bad = search(mcfg, cfg.batch_size, n, cpu_machine(n, links), fixed, 1,
+                               cfg.dtype)
+            if not fits:
+                what = "; ".join(f"{k}={v}" for k, v in sorted(fixed.items())) or "no flags"
+                raise ConfigError(f"--layout auto: no layout fits {n} rank(s) ({what} fixed): "
+                                  + (bad[0]["reason"] if bad else "no candidates"))
+            best = fits[0]
+        except ConfigError as e:
+            err = str(e)
+    best, err = comm.bcast((best, err), root=0)
+    if err is not None:
+        raise ConfigError(err)
+    chosen = {k: best[k] for k in ("tp", "pp", "dp", "cp", "ep", "zero", "sequence_parallel",
+                                   "recompute", "mixed_precision", "schedule",
+                                   "virtual_stages", "cp_algo")}
+    chosen["microbatches"] = cfg.batch_size // (best["dp"] * best["microbatch_size"])
+    return replace(cfg, **chosen), {**best, "microbatches": chosen["microbatches"]}
+
+
+def describe_train(best: dict, ranks: int) -> str:
+    """The line refmp train --layout auto prints: the layout as train flags, the prediction."""
+    flags = (f"--tp {best['tp']} --pp {best['pp']} --dp {best['dp']} --cp {best['cp']} "
+             f"--ep {best['ep']} --zero {best['zero']}"
+             + (" --sequence-parallel" if best["sequence_parallel"] else "")
+             + f" --recompute {best['recompute']} --mixed-precision {best['mixed_precision']}"
+             f" --microbatches {best['microbatches']} --schedule {best['schedule']}"
+             f" --virtual-stages {best['virtual_stages']}"
+             + (f" --cp-algo {best['cp_algo']}" if best["cp"] > 1 else ""))
+    mem = sum(best["memory_bytes"].values())
+    return (f"refmp train: --layout auto on {ranks} ranks (refmp plan --machine cpu) chose "
+            f"{flags}: predicted {1e3 * best['step_seconds']:.3g} ms/step, {size(mem)} per rank")

@@ -9,8 +9,9 @@ It prints
      every layout check_layout accepts, timed by refmp.plan.predict, sized by
      refmp.plan.memory), and why the best beats the runner-up;
   2. GPT-2 large on 64 A100s, bf16, full recomputation: the step time of each (tp, pp) split,
-     term by term (compute, the tp all-reduces, the pipeline's bubble and boundaries, the
-     exposed dp reduction): where each layout loses its time; with --plot, the figure;
+     term by term (GEMMs, elementwise kernels, the tp all-reduces, the pipeline's bubble and
+     boundaries, the exposed dp reduction): where each layout loses its time; with --plot,
+     the figure;
   3. a small model trained for one step on this many ranks, as data parallel and (on an
      even number of ranks) as a 2-stage pipeline: each rank's measured memory ledger
      (Trainer.memory()) beside the plan's prediction for its stage.
@@ -40,7 +41,7 @@ say(plan_search.table(fits, bad))
 # --- 2. step time against the layout --------------------------------------------------------
 large = GPTConfig(n_layer=36, n_embd=1280, n_head=20, vocab_size=50257, block_size=1024)
 say("\n2. GPT-2 large, batch 512, 64 x dgx-a100, bf16, full recomputation: ms per step by term")
-terms = ("compute", "tp", "bubble", "pp", "dp", "optimizer")
+terms = ("compute", "elementwise", "tp", "bubble", "pp", "dp", "optimizer")
 say(f"{'tp x pp':>8} " + " ".join(f"{t:>9}" for t in terms) + f" {'step':>9} {'GB/rank':>8}")
 rows = []
 for tp, pp in [(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]:
