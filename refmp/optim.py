@@ -90,16 +90,27 @@ class AdamW:
 
 
 def _adamw(p, g, m, v, *, b1, b2, bc1, bc2_sqrt, lr, eps, decay):
-    """AdamW's update of p, m and v in place, elementwise (any block of rows of them)."""
+    """AdamW's update of p, m and v in place, elementwise (any block of rows of them).
+
+    The class docstring's formulas, in that order, through one scratch buffer ``t`` (no
+    fresh temporaries: the operations, and so the bits, are those of the plain expressions).
+    """
     xp = array_module(p)
+    t = xp.empty_like(m)
     if decay is not None:
         p *= decay
     m *= b1
-    m += (1.0 - b1) * g
+    m += xp.multiply(g, 1.0 - b1, out=t)  # m = b1 m + (1 - b1) g
     v *= b2
-    v += (1.0 - b2) * (g * g)
-    denom = xp.sqrt(v) / bc2_sqrt + eps
-    p -= (lr / bc1) * (m / denom)
+    xp.multiply(g, g, out=t)
+    t *= 1.0 - b2
+    v += t  # v = b2 v + (1 - b2) g^2
+    xp.sqrt(v, out=t)
+    t /= bc2_sqrt
+    t += eps  # sqrt(v) / sqrt(1 - b2^t) + eps
+    xp.divide(m, t, out=t)
+    t *= lr / bc1
+    p -= t  # p = p - lr / (1 - b1^t) * m / (...)
 
 
 def global_grad_norm(grads: dict, sum_sq: Callable[[float], float] | None = None) -> float:
