@@ -20,6 +20,8 @@ A group runs in one Python process per rank, one test after the other, as a file
 under ``mpiexec -n N pytest file``; mpi-pytest's barrier after each test keeps the ranks in
 step. Its time limit is the sum of its tests' (each test keeps its own within the launch).
 One test alone (``pytest file::test``) is a group of one: the same launch mpi-pytest made.
+With ``pytest -s`` the ranks print as they run; ``--durations`` gives the first test of a
+group the time of the whole launch.
 """
 
 from __future__ import annotations
@@ -103,15 +105,18 @@ def launch(config, key: tuple) -> dict:
     items, n = _groups[key], key[1]
     limit = float(config.getini("timeout") or 0)
     with tempfile.TemporaryDirectory(prefix="refmp-mpi-") as d:
+        live = config.getoption("capture") == "no"  # pytest -s: the ranks print as they go
         cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "pytest", "-q", "--runxfail",
-               "-p", "no:cacheprovider", *(item.nodeid for item in items)]
+               "-p", "no:cacheprovider", *(["-s"] if live else []),
+               *(item.nodeid for item in items)]
         env = {**os.environ, CHILD: "1", REPORTS: d}
         why = ""
         try:
-            r = subprocess.run(cmd, cwd=config.rootpath, env=env, capture_output=True,
+            r = subprocess.run(cmd, cwd=config.rootpath, env=env, capture_output=not live,
                                text=True, timeout=limit * len(items) + SLACK_S if limit else None)
             if r.returncode != 0:
-                why = f"mpiexec exited with {r.returncode}:\n{tail(r.stdout + r.stderr)}"
+                out = "" if live else tail(r.stdout + r.stderr)
+                why = f"mpiexec exited with {r.returncode}:\n{out}"
         except subprocess.TimeoutExpired as e:  # its output comes as bytes, even with text
             out = b"".join(x for x in (e.stdout, e.stderr) if x).decode(errors="replace")
             why = f"the launch ran past {e.timeout:.0f} s and was ended:\n{tail(out)}"
