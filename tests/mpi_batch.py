@@ -11,7 +11,8 @@ the first test of a group comes up, runs the whole group in one launch::
     mpiexec -n N python -m pytest file::test_a file::test_b[nprocs=N] ...
 
 Each rank writes what pytest reports for every test (pass, fail with its traceback and
-captured output, skip) to a file of its own, a line per report, as it goes (write_report).
+captured output, skip) to a file of its own, a line per report, as it goes
+(pytest_runtest_logreport).
 Back in the parent, each test of the group then passes, fails or skips as its ranks say
 (outcome): a failure shows each distinct failure text with the ranks that reported it; a
 test the launch never reached (a crash, MPI_Abort, the time limit) fails, naming why.
