@@ -20,6 +20,9 @@ test the launch never reached (a crash, MPI_Abort, the time limit) fails, naming
 A group runs in one Python process per rank, one test after the other, as a file would
 under ``mpiexec -n N pytest file``; mpi-pytest's barrier after each test keeps the ranks in
 step. Its time limit is the sum of its tests' (each test keeps its own within the launch).
+What a test leaves behind, the next one sees: MPICH gives a process about 2,000
+communicators, and every ProcessGrid makes some (the largest group today leaves 1,770 free;
+a test that makes grids by the hundred frees them, as tests/test_tensor_parallel.py does).
 One test alone (``pytest file::test``) is a group of one: the same launch mpi-pytest made.
 With ``pytest -s`` the ranks print as they run; ``--durations`` gives the first test of a
 group the time of the whole launch.
