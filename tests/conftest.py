@@ -4,6 +4,8 @@
 * The hypothesis profile for MPI (DESIGN.md, "Tests"): every rank must draw the same examples,
   so the profile is derandomized, keeps no example database and has no deadline. It is
   loaded explicitly here, for serial and parallel tests alike.
+* The parallel tests of a file that want the same number of ranks run in one mpiexec
+  launch (tests/mpi_batch.py: its hooks, imported here, are this conftest's).
 """
 
 import os
@@ -22,3 +24,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("mpi")
+
+from mpi_batch import (  # noqa: E402, F401  (pytest finds hooks by name in a conftest)
+    pytest_collection_finish,
+    pytest_pyfunc_call,
+    pytest_runtest_logreport,
+)

@@ -312,7 +312,7 @@ def test_killed_rank_then_resume_is_bitwise_the_uninterrupted_run(tmp_path):
 
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    run = [*SMALL, "--data", str(text), "--block-size", "8", "--steps", "800", "--dtype",
+    run = [*SMALL, "--data", str(text), "--block-size", "8", "--steps", "300", "--dtype",
            "float64"]
     whole, resumed, ck = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "ck"
     assert refmp(2, ["train", *run, "--save", str(whole)], timeout=120).returncode == 0
@@ -323,7 +323,7 @@ def test_killed_rank_then_resume_is_bitwise_the_uninterrupted_run(tmp_path):
     try:
         deadline = time.time() + 60
         while time.time() < deadline and not (ck / "step-00000100" / "manifest.json").exists():
-            time.sleep(0.05)  # until two checkpoints are complete
+            time.sleep(0.05)  # until two checkpoints are complete (200 steps to go, ~0.5 s)
         assert job.poll() is None, "the job ended before the kill"
         os.kill(int((tmp_path / "rank1.pid").read_text()), signal.SIGKILL)
         assert job.wait(timeout=30) != 0
@@ -333,6 +333,7 @@ def test_killed_rank_then_resume_is_bitwise_the_uninterrupted_run(tmp_path):
         job.communicate()
     r = refmp(2, ["train", *run, "--resume", str(ck), "--save", str(resumed)], timeout=120)
     assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stdout, r.stdout  # from a checkpoint, not from the start
     a, b = load_file(str(whole)), load_file(str(resumed))
     for k in a:
         np.testing.assert_array_equal(b[k], a[k], err_msg=k)
