@@ -14,7 +14,7 @@ arrays it computes in fp32 (BLAS has no bf16 kernel; LayerNorm statistics, softm
 cross-entropy want fp32 anyway) and rounds what it returns, caches included, to that dtype.
 Given fp32 or fp64 arrays it is the plain function.
 
-Speed: the row-wise layers (LayerNorm, GELU, the attention core) write their math once, as a
+Speed: the elementwise and row-wise layers (LayerNorm, GELU) write their math once, as a
 ``_kernel(inputs..., outputs...)`` that fills given output arrays in place, and run it with
 refmp.cpu.rows: on row blocks in parallel threads for NumPy, in one call otherwise. Results
 are bitwise the same either way (each row is computed by the same operations).
@@ -212,31 +212,24 @@ def attention_forward(qkv, n_head, keep_scores: bool = True):
     cache keeps q, k, v (views of qkv, which c_attn's backward keeps anyway) but not the
     (B, NH, T, T) softmax, which backward recomputes by the same operations, bitwise.
     """
-    xp = array_module(qkv)
     B, T, C3 = qkv.shape
     C = C3 // 3
     hs = C // n_head
     # (B, T, 3, NH, HS) -> (3, B, NH, T, HS): one transpose gives all three in head-major form
     q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # each (B, NH, T, HS)
     scale = 1.0 / math.sqrt(hs)
-    y = xp.empty((B, T, n_head, hs), dtype=qkv.dtype)  # (B, T, C) once reshaped
-    att = xp.empty((B, n_head, T, T), dtype=qkv.dtype) if keep_scores else None
-    rows(functools.partial(_attention, scale=scale), q, k, v, y, *([att] if keep_scores else []))
-    return y.reshape(B, T, C), (q, k, v, att, scale)
-
-
-def _attention(q, k, v, y, att=None, *, scale):
-    """The rows (batch elements) of attention_forward, into y (B, T, NH, HS) and att."""
-    att = attention_weights(q, k, scale, out=att)  # (B, NH, T, T)
-    y[...] = (att @ v).transpose(0, 2, 1, 3)  # (B, T, NH, HS): heads side by side
+    att = attention_weights(q, k, scale)  # (B, NH, T, T)
+    y = att @ v  # (B, NH, T, HS)
+    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C) heads side by side
+    return y, (q, k, v, att if keep_scores else None, scale)
 
 
 @autocast
-def attention_weights(q, k, scale, out=None):
-    """softmax(q k^T * scale) with the causal mask: (B, NH, T, T), into ``out`` if given."""
+def attention_weights(q, k, scale):
+    """softmax(q k^T * scale) with the causal mask: (B, NH, T, T)."""
     xp = array_module(q)
     T = q.shape[2]
-    att = xp.matmul(q, k.transpose(0, 1, 3, 2), out=out)  # (B, NH, T, T)
+    att = q @ k.transpose(0, 1, 3, 2)  # (B, NH, T, T)
     att *= scale
     # causal mask: position t sees positions <= t only (-inf above the diagonal)
     att += xp.triu(xp.full((T, T), -xp.inf, dtype=att.dtype), k=1)  # (T, T) broadcast
@@ -252,17 +245,9 @@ def attention_backward(dout, cache):
     q, k, v, att, scale = cache
     xp = array_module(dout)
     B, NH, T, HS = q.shape
-    dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
-    dqkv = xp.empty((B, T, 3, NH, HS), dtype=dout.dtype)  # (B, T, 3C) once reshaped
-    rows(functools.partial(_attention_grad, scale=scale), dy, q, k, v, dqkv,
-         *([] if att is None else [att]))
-    return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
-
-
-def _attention_grad(dy, q, k, v, dqkv, att=None, *, scale):
-    """The rows (batch elements) of attention_backward, into dqkv (B, T, 3, NH, HS)."""
     if att is None:  # selective recomputation: the forward's weights, again
         att = attention_weights(q, k, scale)  # (B, NH, T, T)
+    dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
     # forward was: y = att @ v
     datt = dy @ v.transpose(0, 1, 3, 2)  # (B, NH, T, T)
     dv = att.transpose(0, 1, 3, 2) @ dy  # (B, NH, T, HS)
@@ -271,10 +256,12 @@ def _attention_grad(dy, q, k, v, dqkv, att=None, *, scale):
     datt -= (datt * att).sum(axis=-1, keepdims=True)
     datt *= att  # (B, NH, T, T) = ds
     # forward was: s = q @ k^T * scale; write dq, dk, dv straight into c_attn's layout
+    dqkv = xp.empty((B, T, 3, NH, HS), dtype=dout.dtype)  # (B, T, 3C) once reshaped
     dqkv[:, :, 0] = (datt @ k).transpose(0, 2, 1, 3)  # dq, (B, T, NH, HS)
     dqkv[:, :, 1] = (datt.transpose(0, 1, 3, 2) @ q).transpose(0, 2, 1, 3)  # dk
     dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
     dqkv[:, :, :2] *= scale
+    return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
 
 
 # --- attention over one block of keys, with its log-sum-exp (for ring attention) ---------
