@@ -28,6 +28,7 @@ MEGATRON_2021 for the published comparison).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, replace
 from functools import cache
@@ -63,6 +64,9 @@ class Machine:
     inter_latency_us: float = 10.0
     sms: int = 0  # streaming multiprocessors: a GEMM's output tiles run sms at a time
     tile: int = 128  # cuBLAS's output tile (tile x tile) for large bf16 products
+    # more ranks than cores (a CPU): a rank that waits sleeps and its core runs another rank,
+    # so a pipeline's bubble costs no time (refmp.comm's waits; the step is the busy time)
+    time_shared: bool = False
 
 
 MACHINES = {  # NVIDIA's data sheets: A100 SXM 312 TFLOP/s bf16, 2.0 TB/s, NVLink 600 GB/s
@@ -74,35 +78,49 @@ MACHINES = {  # NVIDIA's data sheets: A100 SXM 312 TFLOP/s bf16, 2.0 TB/s, NVLin
 
 
 def cpu_machine(ranks: int, links: tuple[float, float] | None = None) -> Machine:
-    """This host: fp32 GEMM peak measured now (refmp.bench.measure_peak, per core), memory
-    free now, and MPI's links: ``links`` (GB/s, us) as measure_links found them, else
-    shared-memory MPI taken as 5 GB/s and 2 us (assumed: ``refmp plan`` runs without MPI)."""
+    """This host: fp32 GEMM peak measured now (refmp.bench.measure_peak), memory free now, and
+    MPI's links: ``links`` (GB/s, us) as measure_links found them, else shared-memory MPI taken
+    as 5 GB/s and 2 us (assumed: ``refmp plan`` runs without MPI).
+
+    The peak is this process's, with its refmp.cpu.threads() threads; a rank gets its share
+    of the cores, cores / ranks of them (under mpiexec refmp gives each rank that many
+    threads, at least one: 4 ranks on 2 cores get half a core each).
+    """
+    from refmp import cpu
     from refmp.bench import measure_peak
     from refmp.memory_check import available_memory
 
-    peak = measure_peak("float32", 512, 3) / 1e12
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    per_core = measure_peak("float32", 512, 3) / 1e12 / max(1, min(cpu.threads(), cores or 1))
+    peak = per_core * (cores or 1) / ranks
     free = available_memory("cpu")[0] / 1e9
     gbs, us = links or (5.0, 2.0)
-    return Machine("cpu", ranks, free / ranks, peak, 10, 1.0, gbs, gbs, us, us)
+    return Machine("cpu", ranks, free / ranks, peak, 10, 1.0, gbs, gbs, us, us,
+                   time_shared=ranks > (cores or 1))
 
 
 def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, float]:
     """(GB/s, us) of ``comm``'s (an mpi4py communicator) links as collective() models them
     (collective: every rank calls it): an 8-byte all-reduce takes 2 (n-1) latencies, an
-    nbytes one 2 (n-1)/n nbytes / bw more; medians of reps, the slowest rank's."""
+    nbytes one 2 (n-1)/n nbytes / bw more; medians of reps, the slowest rank's. Timed through
+    refmp.comm.Comm, which waits the way training does (Test and sleep: with more ranks than
+    cores, a wait includes being scheduled again)."""
     import numpy as np
     from mpi4py import MPI
+
+    from refmp.comm import Comm
 
     n = comm.Get_size()
     if n == 1:
         return 5.0, 2.0
+    ours = Comm(comm)
 
     def seconds(a) -> float:
         times = []
         for _ in range(reps + 1):  # the first is a warm-up
             comm.Barrier()
             t0 = time.perf_counter()
-            comm.Allreduce(a.copy(), a)
+            ours.allreduce(a)
             times.append(time.perf_counter() - t0)
         return comm.allreduce(float(np.median(times[1:])), op=MPI.MAX)
 
@@ -357,7 +375,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
                        "ep": t_ep, "pp": t_pp, "dp": t_dp, "optimizer": t_opt})
     busy = [sum(s[k] for k in ("compute", "elementwise", "tp", "cp", "ep", "pp")) for s in stages]
     slow = max(range(pp), key=lambda r: busy[r] + stages[r]["dp"] + stages[r]["optimizer"])
-    frac = bubble(lay.schedule, pp, M, v)
+    frac = 0.0 if mach.time_shared else bubble(lay.schedule, pp, M, v)
     t = dict(stages[slow])
     t["bubble"] = busy[slow] * frac / (1 - frac)
     step = busy[slow] + t["bubble"] + t["dp"] + t["optimizer"]

@@ -2,6 +2,7 @@
 fixed choices, explains what it leaves out, and prints one table or the --json shape."""
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -158,6 +159,20 @@ def test_more_gpus_per_tp_group_cost_inter_node_bandwidth():
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "refmp", "plan", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
+
+
+def test_time_shared_cores_make_the_bubble_free_and_ranks_share_the_peak():
+    """More ranks than cores: a waiting rank's core runs another rank, so a pipeline's bubble
+    costs nothing; and each rank gets its share of the measured peak."""
+    mcfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=256)
+    lay = plan.Layout(pp=4)
+    own = plan.predict(lay, mcfg, 8, MACHINE)
+    shared = plan.predict(lay, mcfg, 8, replace(MACHINE, time_shared=True))
+    assert own["seconds"]["bubble"] > 0 and shared["seconds"]["bubble"] == 0
+    assert shared["step_seconds"] == pytest.approx(own["step_seconds"] - own["seconds"]["bubble"])
+    cores = len(os.sched_getaffinity(0))
+    assert plan.cpu_machine(cores).time_shared is False
+    assert plan.cpu_machine(2 * cores).time_shared is True
 
 
 def test_cli_prints_one_table():
