@@ -11,6 +11,10 @@ import types
 
 import numpy as np
 
+from refmp.cpu import keep_freed_memory
+
+keep_freed_memory()  # reuse freed activation memory step after step (refmp/cpu.py)
+
 xp: types.ModuleType = np
 """The run's array module (numpy unless :func:`use` selected another)."""
 

@@ -6,7 +6,8 @@
    pages, and the kernel zero-fills each 4 KiB page on first touch: page faults cost a
    fifth of a small model's step. :func:`keep_freed_memory` raises glibc's mmap and trim
    thresholds (``mallopt``; PyTorch keeps a caching allocator for the same reason), so the
-   next step reuses the same, already mapped pages. It runs once when refmp is imported.
+   next step reuses the same, already mapped pages. It runs once, when refmp.backend (the
+   array module) is imported.
 
 2. **Row blocks in threads.** NumPy runs elementwise work on one core, while the matrix
    products use every BLAS thread. LayerNorm, GELU and attention's softmax are independent
@@ -15,7 +16,8 @@
    the GIL inside its loops). Each element or row is computed by exactly the operations it
    would be computed by in one call, so the result is bitwise the same for any number of
    threads (tests/test_cpu.py proves it). The thread count is ``REFMP_THREADS``, else
-   ``OMP_NUM_THREADS`` (which ``refmp`` sets per rank under ``mpiexec``), else the cores.
+   ``OMP_NUM_THREADS`` (which ``refmp`` sets per rank under ``mpiexec``), else the cores,
+   read at the first call (after the command line has set the environment).
    Only NumPy arrays are split; CuPy arrays run in one call (the GPU is already parallel).
 """
 
@@ -58,7 +60,7 @@ def _env_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-_threads = _env_threads()
+_threads: int | None = None  # threads(): from the environment at first use
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -74,6 +76,9 @@ def set_threads(n: int) -> None:
 
 
 def threads() -> int:
+    global _threads
+    if _threads is None:
+        _threads = _env_threads()
     return _threads
 
 
@@ -86,13 +91,13 @@ def rows(fn, *arrays) -> None:
     threads, the caller's included; an exception in any block is raised here.
     """
     n_rows = arrays[0].shape[0]
-    n = min(_threads, n_rows, max(1, arrays[0].size // max(1, MIN_BLOCK)))
+    n = min(threads(), n_rows, max(1, arrays[0].size // max(1, MIN_BLOCK)))
     if n <= 1 or not all(type(a) is np.ndarray for a in arrays):
         fn(*arrays)
         return
     global _pool
     if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(_threads - 1, thread_name_prefix="refmp")
+        _pool = concurrent.futures.ThreadPoolExecutor(threads() - 1, thread_name_prefix="refmp")
     edges = [n_rows * i // n for i in range(n + 1)]
     blocks = [[a[lo:hi] for a in arrays] for lo, hi in zip(edges[:-1], edges[1:])]
     others = [_pool.submit(fn, *block) for block in blocks[1:]]

@@ -9,6 +9,7 @@ to the single-call result bit for bit, in float32 and float64.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -102,3 +103,24 @@ def test_one_thread_and_non_numpy_arrays_run_in_one_call(split_everything):
 @pytest.mark.skipif(not cpu.sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_freed_memory_is_kept_on_glibc():
     assert cpu.keep_freed_memory()
+
+
+def test_threads_follow_what_the_command_line_sets():
+    """`refmp` sets each rank's thread count (cli.limit_threads) before NumPy loads: importing
+    refmp and its CLI must not load NumPy (OpenBLAS reads its thread count when it loads),
+    and refmp.cpu must read the count when first used, not at import."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, refmp, refmp.cli; assert 'numpy' not in sys.modules; "
+            "refmp.cli.limit_threads(); from refmp import cpu; print(cpu.threads())")
+    cores = len(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "REFMP_THREADS", "OPENBLAS_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "MPI_LOCALNRANKS": str(cores)},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"  # one rank per core: one thread each
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "REFMP_THREADS": "3"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "3", out.stderr
