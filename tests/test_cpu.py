@@ -55,7 +55,7 @@ def test_threads_are_bitwise_one_call(split_everything, dtype, n):
     cpu.set_threads(n)
     many = run_layers(dtype)
     for name, arrays in one.items():
-        for i, (a, b) in enumerate(zip(arrays, many[name])):
+        for i, (a, b) in enumerate(zip(arrays, many[name], strict=True)):
             if a is None:
                 assert b is None, name
                 continue
@@ -124,3 +124,19 @@ def test_threads_follow_what_the_command_line_sets():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "REFMP_THREADS": "3"},
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "3", out.stderr
+
+
+def test_small_products_run_on_one_blas_thread():
+    from threadpoolctl import threadpool_info
+
+    def blas_threads():
+        return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+    before = blas_threads()
+    with cpu.one_blas_thread(128, 128, 32, np.zeros(1)):
+        assert blas_threads() == {1}  # a small product: one thread
+    assert blas_threads() == before  # and back
+    with cpu.one_blas_thread(1024, 1024, 64, np.zeros(1)):
+        assert blas_threads() == before  # a large one keeps every thread
+    with cpu.one_blas_thread(128, 128, 32, np.ma.zeros(1)):  # not NumPy's own array (CuPy)
+        assert blas_threads() == before

@@ -26,7 +26,7 @@ import functools
 import math
 
 from refmp.backend import array_module, scatter_add
-from refmp.cpu import rows
+from refmp.cpu import one_blas_thread, rows
 from refmp.precision import autocast
 
 LN_EPS = 1e-5
@@ -218,8 +218,9 @@ def attention_forward(qkv, n_head, keep_scores: bool = True):
     # (B, T, 3, NH, HS) -> (3, B, NH, T, HS): one transpose gives all three in head-major form
     q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # each (B, NH, T, HS)
     scale = 1.0 / math.sqrt(hs)
-    att = attention_weights(q, k, scale)  # (B, NH, T, T)
-    y = att @ v  # (B, NH, T, HS)
+    with one_blas_thread(T, T, hs, qkv):  # B NH small products (refmp.cpu)
+        att = attention_weights(q, k, scale)  # (B, NH, T, T)
+        y = att @ v  # (B, NH, T, HS)
     y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C) heads side by side
     return y, (q, k, v, att if keep_scores else None, scale)
 
@@ -245,23 +246,24 @@ def attention_backward(dout, cache):
     q, k, v, att, scale = cache
     xp = array_module(dout)
     B, NH, T, HS = q.shape
-    if att is None:  # selective recomputation: the forward's weights, again
-        att = attention_weights(q, k, scale)  # (B, NH, T, T)
-    dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
-    # forward was: y = att @ v
-    datt = dy @ v.transpose(0, 1, 3, 2)  # (B, NH, T, T)
-    dv = att.transpose(0, 1, 3, 2) @ dy  # (B, NH, T, HS)
-    # forward was: att = softmax(s); ds = att * (datt - sum(datt * att)); masked entries have
-    # att == 0, so their gradient is 0 without looking at the mask again. (In place: datt -> ds.)
-    datt -= (datt * att).sum(axis=-1, keepdims=True)
-    datt *= att  # (B, NH, T, T) = ds
-    # forward was: s = q @ k^T * scale; write dq, dk, dv straight into c_attn's layout
-    dqkv = xp.empty((B, T, 3, NH, HS), dtype=dout.dtype)  # (B, T, 3C) once reshaped
-    dqkv[:, :, 0] = (datt @ k).transpose(0, 2, 1, 3)  # dq, (B, T, NH, HS)
-    dqkv[:, :, 1] = (datt.transpose(0, 1, 3, 2) @ q).transpose(0, 2, 1, 3)  # dk
-    dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
-    dqkv[:, :, :2] *= scale
-    return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
+    with one_blas_thread(T, T, HS, dout):  # B NH small products (refmp.cpu)
+        if att is None:  # selective recomputation: the forward's weights, again
+            att = attention_weights(q, k, scale)  # (B, NH, T, T)
+        dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
+        # forward was: y = att @ v
+        datt = dy @ v.transpose(0, 1, 3, 2)  # (B, NH, T, T)
+        dv = att.transpose(0, 1, 3, 2) @ dy  # (B, NH, T, HS)
+        # forward was: att = softmax(s); ds = att * (datt - sum(datt * att)); masked entries have
+        # att == 0, so their gradient is 0 without looking at the mask again. (In place: datt -> ds.)
+        datt -= (datt * att).sum(axis=-1, keepdims=True)
+        datt *= att  # (B, NH, T, T) = ds
+        # forward was: s = q @ k^T * scale; write dq, dk, dv straight into c_attn's layout
+        dqkv = xp.empty((B, T, 3, NH, HS), dtype=dout.dtype)  # (B, T, 3C) once reshaped
+        dqkv[:, :, 0] = (datt @ k).transpose(0, 2, 1, 3)  # dq, (B, T, NH, HS)
+        dqkv[:, :, 1] = (datt.transpose(0, 1, 3, 2) @ q).transpose(0, 2, 1, 3)  # dk
+        dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
+        dqkv[:, :, :2] *= scale
+        return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
 
 
 # --- attention over one block of keys, with its log-sum-exp (for ring attention) ---------
