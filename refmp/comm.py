@@ -112,26 +112,34 @@ class StagedRequest(MPI.Request):
 
 def poll_cap() -> float:
     """The longest sleep between tests, in seconds (see the module docstring)."""
-    if os.environ.get("REFMP_POLL_US", "").isdigit():
-        return int(os.environ["REFMP_POLL_US"]) * 1e-6
+    given = os.environ.get("REFMP_POLL_US")
+    if given is not None:
+        if not given.isdigit():
+            from refmp.errors import ConfigError  # noqa: PLC0415
+
+            raise ConfigError(f"REFMP_POLL_US must be a whole number of microseconds, got {given!r}")
+        return int(given) * 1e-6
     local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return 1e-3 if local and int(local) > (cores or 1) else 1e-4
 
 
-POLL_CAP = poll_cap()
+_poll_cap: float | None = None  # poll_cap(), read at the first wait
 
 
 def sleep_until(done) -> None:
-    """Call ``done()`` until it is true, sleeping between calls (10 us, doubling to POLL_CAP)."""
+    """Call ``done()`` until it is true, sleeping between calls (10 us, doubling to poll_cap())."""
+    global _poll_cap
+    if _poll_cap is None:
+        _poll_cap = poll_cap()
     delay = 1e-5
     while not done():
         time.sleep(delay)
-        delay = min(delay * 2, POLL_CAP)
+        delay = min(delay * 2, _poll_cap)
 
 
 def wait(req: MPI.Request | None):
-    """Wait for a request without busy-polling: Test, then sleep, backing off to POLL_CAP.
+    """Wait for a request without busy-polling: Test, then sleep, backing off to poll_cap().
 
     ``None`` (what a size-1 communicator returns for a skipped operation) is already done.
     """

@@ -61,10 +61,16 @@ def keep_freed_memory() -> bool:
 
 
 def _env_threads() -> int:
-    for var in ("REFMP_THREADS", "OMP_NUM_THREADS"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
+    given = os.environ.get("REFMP_THREADS")
+    if given is not None:
+        if not (given.isdigit() and int(given) > 0):
+            from refmp.errors import ConfigError  # noqa: PLC0415
+
+            raise ConfigError(f"REFMP_THREADS must be a whole number of threads >= 1, got {given!r}")
+        return int(given)
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

@@ -140,3 +140,15 @@ def test_small_products_run_on_one_blas_thread():
         assert blas_threads() == before  # a large one keeps every thread
     with cpu.one_blas_thread(128, 128, 32, np.ma.zeros(1)):  # not NumPy's own array (CuPy)
         assert blas_threads() == before
+
+
+def test_a_bad_thread_count_is_refused_with_one_message():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "refmp", "bench", "--preset", "tiny", "--steps", "1"],
+                         env={**os.environ, "REFMP_THREADS": "two"}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "REFMP_THREADS must be a whole number of threads >= 1, got 'two'" in out.stderr
+    assert out.stderr.count("error:") == 1 and "Traceback" not in out.stderr
