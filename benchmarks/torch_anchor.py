@@ -142,9 +142,8 @@ def main():
     args = ap.parse_args()
     s = dict(PRESETS[args.preset])
     s.update({k: getattr(args, k) for k in s if getattr(args, k, None) is not None})
-    if any(v in os.environ for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")) and \
-            int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE")) > 1:
-        return dp_main(s, args.steps, args.rounds)
+    if int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1) > 1:
+        return dp_main(s, args.steps, args.rounds)  # under mpiexec -n N
     gpu = args.device == "gpu"
     if gpu:
         backend.use("cupy")

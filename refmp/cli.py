@@ -247,10 +247,11 @@ def limit_threads() -> None:
     no thread count, give each rank cores // local ranks threads (at least 1). Idle BLAS
     threads spin, so 2 ranks x 2 threads on 2 cores runs many times slower than 2 x 1.
     """
-    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    if not local or int(local) <= 1:
+    from refmp.cpu import cores, local_ranks  # no NumPy there
+
+    if local_ranks() <= 1:
         return
-    threads = str(max(1, (os.cpu_count() or 1) // int(local)))
+    threads = str(max(1, cores() // local_ranks()))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, threads)
 

@@ -37,7 +37,7 @@ from collections import defaultdict
 import numpy as np
 from mpi4py import MPI
 
-from refmp import backend
+from refmp import backend, cpu
 from refmp.precision import BF16
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -119,9 +119,7 @@ def poll_cap() -> float:
 
             raise ConfigError(f"REFMP_POLL_US must be a whole number of microseconds, got {given!r}")
         return int(given) * 1e-6
-    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return 1e-3 if local and int(local) > (cores or 1) else 1e-4
+    return 1e-3 if cpu.local_ranks() > cpu.cores() else 1e-4
 
 
 _poll_cap: float | None = None  # poll_cap(), read at the first wait

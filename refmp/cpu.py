@@ -36,8 +36,6 @@ import ctypes.util
 import os
 import sys
 
-import numpy as np
-
 MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value (HEAP_MAX_SIZE / 2 on 64 bits)
 TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of freed memory mapped
 MIN_BLOCK = 1 << 14  # elements: below this per block, a thread hand-off costs more than it saves
@@ -60,6 +58,25 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def cores() -> int:
+    """The cores this process may run on (its affinity, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def local_ranks() -> int:
+    """How many ranks the MPI launcher started on this node (1 outside mpiexec)."""
+    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    return int(local) if local else 1
+
+
+def _is_numpy(a) -> bool:
+    """A host NumPy array (not CuPy's, nor a subclass). NumPy is imported here, not with this
+    module: refmp.cli reads cores() and local_ranks() before NumPy may load."""
+    import numpy as np  # noqa: PLC0415  (already loaded by whoever made ``a``)
+
+    return type(a) is np.ndarray
+
+
 def _env_threads() -> int:
     given = os.environ.get("REFMP_THREADS")
     if given is not None:
@@ -71,7 +88,7 @@ def _env_threads() -> int:
     value = os.environ.get("OMP_NUM_THREADS", "")
     if value.isdigit() and int(value) > 0:
         return int(value)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores()
 
 
 _threads: int | None = None  # threads(): from the environment at first use
@@ -90,6 +107,7 @@ def set_threads(n: int) -> None:
 
 
 def threads() -> int:
+    """The threads :func:`rows` uses (see the module docstring)."""
     global _threads
     if _threads is None:
         _threads = _env_threads()
@@ -106,7 +124,7 @@ def rows(fn, *arrays) -> None:
     """
     n_rows = arrays[0].shape[0]
     n = min(threads(), n_rows, max(1, arrays[0].size // max(1, MIN_BLOCK)))
-    if n <= 1 or not all(type(a) is np.ndarray for a in arrays):
+    if n <= 1 or not all(map(_is_numpy, arrays)):
         fn(*arrays)
         return
     global _pool
@@ -129,7 +147,7 @@ def one_blas_thread(m: int, n: int, k: int, a=None):
     """A context running BLAS on one thread while it lasts, if (m, n, k) products are small
     (m n k < SMALL_PRODUCT) and ``a`` is a NumPy array (or None); else a no-op context."""
     global _blas
-    if m * n * k >= SMALL_PRODUCT or (a is not None and type(a) is not np.ndarray):
+    if m * n * k >= SMALL_PRODUCT or (a is not None and not _is_numpy(a)):
         return contextlib.nullcontext()
     if _blas is None:
         from threadpoolctl import ThreadpoolController  # noqa: PLC0415

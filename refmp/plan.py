@@ -28,7 +28,6 @@ MEGATRON_2021 for the published comparison).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 from functools import cache
@@ -90,13 +89,13 @@ def cpu_machine(ranks: int, links: tuple[float, float] | None = None) -> Machine
     from refmp.bench import measure_peak
     from refmp.memory_check import available_memory
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    per_core = measure_peak("float32", 512, 3) / 1e12 / max(1, min(cpu.threads(), cores or 1))
-    peak = per_core * (cores or 1) / ranks
+    cores = cpu.cores()
+    per_core = measure_peak("float32", 512, 3) / 1e12 / max(1, min(cpu.threads(), cores))
+    peak = per_core * cores / ranks
     free = available_memory("cpu")[0] / 1e9
     gbs, us = links or (5.0, 2.0)
     return Machine("cpu", ranks, free / ranks, peak, 10, 1.0, gbs, gbs, us, us,
-                   time_shared=ranks > (cores or 1))
+                   time_shared=ranks > cores)
 
 
 def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, float]:

@@ -23,8 +23,9 @@ from refmp.optim import AdamW
 @pytest.fixture
 def split_everything(monkeypatch):
     monkeypatch.setattr(cpu, "MIN_BLOCK", 1)
+    before = cpu.threads()
     yield
-    cpu.set_threads(1)
+    cpu.set_threads(before)  # what this process had: later tests see the default again
 
 
 def run_layers(dtype, seed=0):
@@ -114,7 +115,7 @@ def test_threads_follow_what_the_command_line_sets():
 
     code = ("import os, sys, refmp, refmp.cli; assert 'numpy' not in sys.modules; "
             "refmp.cli.limit_threads(); from refmp import cpu; print(cpu.threads())")
-    cores = len(os.sched_getaffinity(0))
+    cores = cpu.cores()
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "REFMP_THREADS", "OPENBLAS_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", code], env={**env, "MPI_LOCALNRANKS": str(cores)},

@@ -2,7 +2,6 @@
 fixed choices, explains what it leaves out, and prints one table or the --json shape."""
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -14,7 +13,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import REPO, Mismatches, collective, mpiexec
 
-from refmp import plan, plan_search
+from refmp import cpu, plan, plan_search
 from refmp.grid import ProcessGrid
 from refmp.nn.params import GPTConfig
 from refmp.train import Trainer
@@ -170,7 +169,7 @@ def test_time_shared_cores_make_the_bubble_free_and_ranks_share_the_peak():
     shared = plan.predict(lay, mcfg, 8, replace(MACHINE, time_shared=True))
     assert own["seconds"]["bubble"] > 0 and shared["seconds"]["bubble"] == 0
     assert shared["step_seconds"] == pytest.approx(own["step_seconds"] - own["seconds"]["bubble"])
-    cores = len(os.sched_getaffinity(0))
+    cores = cpu.cores()
     assert plan.cpu_machine(cores).time_shared is False
     assert plan.cpu_machine(2 * cores).time_shared is True
 

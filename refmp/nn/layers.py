@@ -171,8 +171,8 @@ def _gelu(x, th, out):
 def gelu_backward(dout, cache):
     """d gelu/dx = 0.5 (1 + th) + 0.5 x (1 - th^2) k (1 + 3 * 0.044715 x^2).
 
-    Computed in place in one buffer: on large activations, fresh temporaries cost more (page
-    faults) than the arithmetic.
+    Computed in place, in dx and one scratch array: on large activations fresh temporaries
+    cost more than the arithmetic.
     """
     x, th = cache
     xp = array_module(dout)
