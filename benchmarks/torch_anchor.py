@@ -17,13 +17,15 @@ each rank with OMP_NUM_THREADS threads, both on the same global batch of the pre
 time is the slowest rank's (every rank starts it together).
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (refmp before NumPy, below)
 
 import argparse
 import json
 import os
 import statistics
 import time
+
+import refmp  # noqa: F401  (first: it sets OpenBLAS's thread spin before NumPy loads)
 
 import numpy as np
 import torch

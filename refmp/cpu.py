@@ -1,4 +1,4 @@
-"""Two things that make NumPy fast on the CPU without changing a digit of any result.
+"""What makes NumPy fast on the CPU without changing a digit of any result.
 
 1. **Freed memory is kept.** A training step allocates its activations afresh (megabytes per
    layer) and frees them at the end. glibc returns large freed blocks to the kernel at once
@@ -10,8 +10,8 @@
    array module) is imported.
 
 2. **Row blocks in threads.** NumPy runs elementwise work on one core, while the matrix
-   products use every BLAS thread. LayerNorm, GELU and attention's softmax are independent
-   per row (per token, per batch element), so :func:`rows` splits their arrays along the first
+   products use every BLAS thread. LayerNorm, GELU and attention are independent
+   per row (per token; per batch element), so :func:`rows` splits their arrays along the first
    axis into one block per thread and runs the same code on each block at once (NumPy drops
    the GIL inside its loops). Each element or row is computed by exactly the operations it
    would be computed by in one call, so the result is bitwise the same for any number of
@@ -25,6 +25,13 @@
    hand-off costs more than it saves: the `small` preset's attention core took 14.0 ms per
    layer with 2 BLAS threads, 10.4 ms with one. :func:`one_blas_thread` (threadpoolctl)
    runs such a section on one thread; the products are the same calls, so the same bits.
+
+4. **Idle BLAS threads sleep at once.** After a product OpenBLAS's worker threads spin,
+   waiting for the next one, for 2^28 clock cycles (about 0.1 s) by default, and a spinning
+   worker holds the core that a row block of :func:`rows` needs next: with it, threading
+   attention over the batch gained nothing inside a training step, though it ran 1.6x faster
+   alone. ``import refmp`` sets ``OPENBLAS_THREAD_TIMEOUT=4`` (2^4 cycles, OpenBLAS's
+   least) unless the user set it; it takes effect only if NumPy was not loaded before refmp.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def split_everything(monkeypatch):
 
 
 def run_layers(dtype, seed=0):
-    """Every threaded layer's forward, cache and backward on odd shapes (B 5, T 7, C 24)."""
+    """Every threaded layer's forward, cache and backward on odd shapes (B 5, T 7, C 24, 4 heads)."""
     rng = np.random.default_rng(seed)
     B, T, C = 5, 7, 24
     x, d = (rng.standard_normal((B, T, C)).astype(dtype) for _ in range(2))
@@ -39,6 +39,10 @@ def run_layers(dtype, seed=0):
     out["layernorm"] = (y, *c, *L.layernorm_backward(d, c))
     y, c = L.gelu_forward(x)
     out["gelu"] = (y, *c, L.gelu_backward(d, c))
+    qkv = rng.standard_normal((B, T, 3 * C)).astype(dtype)
+    for keep in (True, False):  # the softmax kept, or recomputed in the backward
+        y, c = L.attention_forward(qkv, 4, keep_scores=keep)
+        out[f"attention keep_scores={keep}"] = (y, *c[:4], L.attention_backward(d, c))
     params = {"w": rng.standard_normal((9, 4)).astype(dtype), "b": rng.standard_normal(5).astype(dtype)}
     grads = {k: rng.standard_normal(v.shape).astype(dtype) for k, v in params.items()}
     opt = AdamW(params, lr=1e-2, weight_decay=0.1)
@@ -59,6 +63,9 @@ def test_threads_are_bitwise_one_call(split_everything, dtype, n):
         for i, (a, b) in enumerate(zip(arrays, many[name], strict=True)):
             if a is None:
                 assert b is None, name
+                continue
+            if not isinstance(a, np.ndarray):  # a scalar of the cache (attention's scale)
+                assert a == b, (name, i)
                 continue
             assert a.dtype == b.dtype and a.shape == b.shape, (name, i)
             assert np.array_equal(a, b), f"{name}: array {i} differs with {n} threads"
@@ -125,6 +132,19 @@ def test_threads_follow_what_the_command_line_sets():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "REFMP_THREADS": "3"},
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "3", out.stderr
+
+
+def test_import_refmp_makes_idle_blas_threads_sleep_unless_the_user_chose():
+    import subprocess
+    import sys
+
+    code = "import os, refmp; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    for given, expect in ((None, "4"), ("12", "12")):
+        extra = {} if given is None else {"OPENBLAS_THREAD_TIMEOUT": given}
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra},
+                             capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == expect, out.stderr
 
 
 def test_small_products_run_on_one_blas_thread():

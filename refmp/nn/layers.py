@@ -14,10 +14,11 @@ arrays it computes in fp32 (BLAS has no bf16 kernel; LayerNorm statistics, softm
 cross-entropy want fp32 anyway) and rounds what it returns, caches included, to that dtype.
 Given fp32 or fp64 arrays it is the plain function.
 
-Speed: the elementwise and row-wise layers (LayerNorm, GELU) write their math once, as a
-``_kernel(inputs..., outputs...)`` that fills given output arrays in place, and run it with
-refmp.cpu.rows: on row blocks in parallel threads for NumPy, in one call otherwise. Results
-are bitwise the same either way (each row is computed by the same operations).
+Speed: the elementwise and row-wise layers (LayerNorm, GELU, and attention, whose batch
+elements are independent) write their math once, as a ``_kernel(inputs..., outputs...)`` that
+fills given output arrays in place, and run it with refmp.cpu.rows: on row blocks in parallel
+threads for NumPy, in one call otherwise. Results are bitwise the same either way (each row is
+computed by the same operations).
 """
 
 from __future__ import annotations
@@ -212,25 +213,32 @@ def attention_forward(qkv, n_head, keep_scores: bool = True):
     cache keeps q, k, v (views of qkv, which c_attn's backward keeps anyway) but not the
     (B, NH, T, T) softmax, which backward recomputes by the same operations, bitwise.
     """
+    xp = array_module(qkv)
     B, T, C3 = qkv.shape
     C = C3 // 3
     hs = C // n_head
     # (B, T, 3, NH, HS) -> (3, B, NH, T, HS): one transpose gives all three in head-major form
     q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # each (B, NH, T, HS)
     scale = 1.0 / math.sqrt(hs)
+    att = xp.empty((B, n_head, T, T), dtype=qkv.dtype)
+    y = xp.empty((B, T, n_head, hs), dtype=qkv.dtype)  # (B, T, C) once reshaped
     with one_blas_thread(T, T, hs, qkv):  # B NH small products (refmp.cpu)
-        att = attention_weights(q, k, scale)  # (B, NH, T, T)
-        y = att @ v  # (B, NH, T, HS)
-    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C) heads side by side
-    return y, (q, k, v, att if keep_scores else None, scale)
+        rows(functools.partial(_attention, scale=scale), q, k, v, att, y)  # per batch element
+    return y.reshape(B, T, C), (q, k, v, att if keep_scores else None, scale)
+
+
+def _attention(q, k, v, att, y, *, scale):
+    """The rows (batch elements) of attention_forward, into att and y (B, T, NH, HS)."""
+    attention_weights(q, k, scale, out=att)  # (B, NH, T, T)
+    y[...] = (att @ v).transpose(0, 2, 1, 3)  # (B, T, NH, HS) heads side by side
 
 
 @autocast
-def attention_weights(q, k, scale):
-    """softmax(q k^T * scale) with the causal mask: (B, NH, T, T)."""
+def attention_weights(q, k, scale, out=None):
+    """softmax(q k^T * scale) with the causal mask: (B, NH, T, T), into ``out`` if given."""
     xp = array_module(q)
     T = q.shape[2]
-    att = q @ k.transpose(0, 1, 3, 2)  # (B, NH, T, T)
+    att = xp.matmul(q, k.transpose(0, 1, 3, 2), out=out)  # (B, NH, T, T)
     att *= scale
     # causal mask: position t sees positions <= t only (-inf above the diagonal)
     att += xp.triu(xp.full((T, T), -xp.inf, dtype=att.dtype), k=1)  # (T, T) broadcast
@@ -246,24 +254,33 @@ def attention_backward(dout, cache):
     q, k, v, att, scale = cache
     xp = array_module(dout)
     B, NH, T, HS = q.shape
+    recompute = att is None  # selective recomputation: the forward's weights, again
+    if recompute:
+        att = xp.empty((B, NH, T, T), dtype=q.dtype)
+    dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
+    dqkv = xp.empty((B, T, 3, NH, HS), dtype=dout.dtype)  # (B, T, 3C) once reshaped
     with one_blas_thread(T, T, HS, dout):  # B NH small products (refmp.cpu)
-        if att is None:  # selective recomputation: the forward's weights, again
-            att = attention_weights(q, k, scale)  # (B, NH, T, T)
-        dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
-        # forward was: y = att @ v
-        datt = dy @ v.transpose(0, 1, 3, 2)  # (B, NH, T, T)
-        dv = att.transpose(0, 1, 3, 2) @ dy  # (B, NH, T, HS)
-        # forward was: att = softmax(s); ds = att * (datt - sum(datt * att)); masked entries have
-        # att == 0, so their gradient is 0 without looking at the mask again. (In place: datt -> ds.)
-        datt -= (datt * att).sum(axis=-1, keepdims=True)
-        datt *= att  # (B, NH, T, T) = ds
-        # forward was: s = q @ k^T * scale; write dq, dk, dv straight into c_attn's layout
-        dqkv = xp.empty((B, T, 3, NH, HS), dtype=dout.dtype)  # (B, T, 3C) once reshaped
-        dqkv[:, :, 0] = (datt @ k).transpose(0, 2, 1, 3)  # dq, (B, T, NH, HS)
-        dqkv[:, :, 1] = (datt.transpose(0, 1, 3, 2) @ q).transpose(0, 2, 1, 3)  # dk
-        dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
-        dqkv[:, :, :2] *= scale
-        return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
+        grad = functools.partial(_attention_grad, scale=scale, recompute=recompute)
+        rows(grad, dy, q, k, v, att, dqkv)  # per batch element
+    return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
+
+
+def _attention_grad(dy, q, k, v, att, dqkv, *, scale, recompute):
+    """The rows (batch elements) of attention_backward, into dqkv (B, T, 3, NH, HS)."""
+    if recompute:
+        attention_weights(q, k, scale, out=att)  # (B, NH, T, T)
+    # forward was: y = att @ v
+    datt = dy @ v.transpose(0, 1, 3, 2)  # (B, NH, T, T)
+    dv = att.transpose(0, 1, 3, 2) @ dy  # (B, NH, T, HS)
+    # forward was: att = softmax(s); ds = att * (datt - sum(datt * att)); masked entries have
+    # att == 0, so their gradient is 0 without looking at the mask again. (In place: datt -> ds.)
+    datt -= (datt * att).sum(axis=-1, keepdims=True)
+    datt *= att  # (B, NH, T, T) = ds
+    # forward was: s = q @ k^T * scale; write dq, dk, dv straight into c_attn's layout
+    dqkv[:, :, 0] = (datt @ k).transpose(0, 2, 1, 3)  # dq, (B, T, NH, HS)
+    dqkv[:, :, 1] = (datt.transpose(0, 1, 3, 2) @ q).transpose(0, 2, 1, 3)  # dk
+    dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
+    dqkv[:, :, :2] *= scale
 
 
 # --- attention over one block of keys, with its log-sum-exp (for ring attention) ---------
