@@ -119,7 +119,8 @@ def global_grad_norm(grads: dict, sum_sq: Callable[[float], float] | None = None
     ``grads`` holds the elements this rank owns; ``sum_sq`` adds the partial sums of squares
     over the ranks that own other elements (e.g. ``grid.comm["tp"].allreduce_scalar``).
     """
-    local = sum((g * g).sum() for g in grads.values())  # on the device: one read below
+    # vdot: one BLAS pass per gradient, no g * g temporary; summed on the device, read once
+    local = sum(array_module(g).vdot(g.ravel(), g.ravel()) for g in grads.values())
     local = float(local)
     total = sum_sq(local) if sum_sq is not None else local
     return math.sqrt(total)
