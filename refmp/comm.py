@@ -11,10 +11,15 @@ the input before scattering; send/recv: the message). Multiply by the algorithm'
 
 Waiting: MPICH busy-polls inside blocking calls, so a rank that waits would burn the core a
 working rank needs when ranks outnumber cores. refmp therefore starts every operation
-nonblocking and waits with Test-and-sleep (:func:`wait`), backing off from 10 us to a cap:
-1 ms when this node's ranks outnumber its cores (a sleeping rank then leaves the core to a
-working one), else 100 us, because a message that arrives while its receiver sleeps waits
-for the wake-up (in a pipeline, on every hop). ``REFMP_POLL_US`` sets the cap.
+nonblocking and waits with Test-and-sleep (:func:`wait`). MPI moves a nonblocking operation
+on only inside a call such as Test, and a collective takes many such steps (an all-to-all of
+1 MiB a peer took 25 ms when each Test was followed by a sleep, 0.3 ms when tested without
+pause), so when the ranks fit the cores a wait first tests without pause for 1 ms
+(``REFMP_SPIN_US``), then sleeps between tests, backing off from 10 us to a cap: 100 us,
+because a message that arrives while its receiver sleeps waits for the wake-up (in a
+pipeline, on every hop). When this node's ranks outnumber its cores there is no spinning and
+the cap is 1 ms: a sleeping rank leaves the core to a working one. ``REFMP_POLL_US`` sets
+the cap.
 
 GPU arrays: before MPI touches device memory the stream is synchronized. With a CUDA-aware
 MPI (``comm.cuda_aware``, agreed by all ranks, see refmp.device) device arrays go to MPI as
@@ -110,26 +115,50 @@ class StagedRequest(MPI.Request):
         return self
 
 
+def _env_us(name: str) -> float | None:
+    """The environment's ``name`` in microseconds, as seconds (None if unset; refused if bad)."""
+    given = os.environ.get(name)
+    if given is None:
+        return None
+    if not given.isdigit():
+        from refmp.errors import ConfigError  # noqa: PLC0415
+
+        raise ConfigError(f"{name} must be a whole number of microseconds, got {given!r}")
+    return int(given) * 1e-6
+
+
 def poll_cap() -> float:
     """The longest sleep between tests, in seconds (see the module docstring)."""
-    given = os.environ.get("REFMP_POLL_US")
+    given = _env_us("REFMP_POLL_US")
     if given is not None:
-        if not given.isdigit():
-            from refmp.errors import ConfigError  # noqa: PLC0415
-
-            raise ConfigError(f"REFMP_POLL_US must be a whole number of microseconds, got {given!r}")
-        return int(given) * 1e-6
+        return given
     return 1e-3 if cpu.local_ranks() > cpu.cores() else 1e-4
 
 
+def spin_time() -> float:
+    """How long a wait keeps testing before its first sleep, in seconds (module docstring)."""
+    given = _env_us("REFMP_SPIN_US")
+    if given is not None:
+        return given
+    return 0.0 if cpu.local_ranks() > cpu.cores() else 1e-3
+
+
 _poll_cap: float | None = None  # poll_cap(), read at the first wait
+_spin: float | None = None  # spin_time(), likewise
 
 
 def sleep_until(done) -> None:
-    """Call ``done()`` until it is true, sleeping between calls (10 us, doubling to poll_cap())."""
-    global _poll_cap
+    """Call ``done()`` until it is true: without pause for spin_time(), then sleeping between
+    calls (10 us, doubling to poll_cap())."""
+    global _poll_cap, _spin
     if _poll_cap is None:
-        _poll_cap = poll_cap()
+        _poll_cap, _spin = poll_cap(), spin_time()
+    end = time.perf_counter() + _spin
+    while True:
+        if done():
+            return
+        if time.perf_counter() > end:
+            break
     delay = 1e-5
     while not done():
         time.sleep(delay)
@@ -137,7 +166,8 @@ def sleep_until(done) -> None:
 
 
 def wait(req: MPI.Request | None):
-    """Wait for a request without busy-polling: Test, then sleep, backing off to poll_cap().
+    """Wait for a request: Test without pause for spin_time(), then Test and sleep, backing
+    off to poll_cap() (see the module docstring).
 
     ``None`` (what a size-1 communicator returns for a skipped operation) is already done.
     """

@@ -106,3 +106,33 @@ def test_groups_of_axes_and_experts_carved_from_dp_x_cp():
         2 * (2 * (f // 2) + j) + rank % 2 for j in range(2)]
     assert list(g2.comm["edp"].allgather(np.array([rank]))) == [
         2 * (2 * j + f % 2) + rank % 2 for j in range(2)]
+
+
+def test_waits_spin_when_the_ranks_fit_the_cores_and_refuse_bad_settings(monkeypatch):
+    """Tests without pause first (a collective needs many of MPI's progress steps), sleeping
+    only after spin_time(); no spinning when ranks outnumber cores; bad values refused."""
+    from refmp import comm, cpu
+
+    monkeypatch.delenv("REFMP_SPIN_US", raising=False)
+    monkeypatch.delenv("REFMP_POLL_US", raising=False)
+    monkeypatch.setattr(cpu, "cores", lambda: 2)
+    monkeypatch.setattr(cpu, "local_ranks", lambda: 2)
+    assert comm.spin_time() == 1e-3 and comm.poll_cap() == 1e-4
+    monkeypatch.setattr(cpu, "local_ranks", lambda: 3)  # oversubscribed: sleep at once
+    assert comm.spin_time() == 0.0 and comm.poll_cap() == 1e-3
+    monkeypatch.setenv("REFMP_SPIN_US", "250")
+    assert comm.spin_time() == 250e-6
+    monkeypatch.setenv("REFMP_SPIN_US", "1ms")
+    with pytest.raises(ConfigError, match="REFMP_SPIN_US must be a whole number of microseconds"):
+        comm.spin_time()
+
+    sleeps, calls = [], []
+    monkeypatch.setattr(comm.time, "sleep", sleeps.append)
+    monkeypatch.setattr(comm, "_poll_cap", 1e-4)
+    monkeypatch.setattr(comm, "_spin", 10.0)  # long enough for 50 calls
+    comm.sleep_until(lambda: calls.append(1) or len(calls) == 50)
+    assert len(calls) == 50 and sleeps == []  # done while spinning: never slept
+    calls.clear()
+    monkeypatch.setattr(comm, "_spin", 0.0)
+    comm.sleep_until(lambda: calls.append(1) or len(calls) == 7)
+    assert sleeps == [1e-5, 2e-5, 4e-5, 8e-5, 1e-4]  # backs off to the cap

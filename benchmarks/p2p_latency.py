@@ -1,0 +1,61 @@
+"""How long refmp's Comm.recv takes for a message that is already waiting (a pipeline hop).
+
+    OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/p2p_latency.py [--kib 128] [--trials 60]
+
+Rank 1 starts sending and then computes (it stays out of MPI, as a pipeline stage does
+between actions); rank 0 calls ``Comm.recv`` once the message has been waiting for 5 ms and
+times the call. The default size is one micro-batch's activation of the `small` preset at
+8 micro-batches (1 x 128 x 256 float32 = 128 KiB). Prints the median and the slowest, in
+microseconds, as JSON. Run it from two checkouts to compare their receive paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from refmp.comm import Comm, wait
+
+
+def busy(seconds: float) -> None:
+    """Compute (outside MPI) for ``seconds``."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kib", type=int, default=128, help="message size in KiB (128)")
+    ap.add_argument("--trials", type=int, default=60, help="messages timed (60)")
+    args = ap.parse_args()
+    world = MPI.COMM_WORLD
+    if world.size != 2:
+        raise SystemExit("run under mpiexec -n 2")
+    comm = Comm(world, "pp")
+    x = np.ones(args.kib * 256, dtype=np.float32)
+    times = []
+    for trial in range(args.trials):
+        world.Barrier()
+        if world.rank == 1:
+            req = comm.send(x, dest=0, tag=trial)
+            busy(0.010)
+            wait(req)
+        else:
+            busy(0.005)  # the message is posted meanwhile
+            t0 = time.perf_counter()
+            comm.recv(x.shape, x.dtype, source=1, tag=trial)
+            times.append(time.perf_counter() - t0)
+    if world.rank == 0:
+        us = [1e6 * t for t in times[5:]]  # the first few warm MPI up
+        print(json.dumps({"kib": args.kib, "trials": len(us), "median_us": round(statistics.median(us)),
+                          "max_us": round(max(us))}))
+
+
+if __name__ == "__main__":
+    main()

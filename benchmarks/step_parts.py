@@ -1,0 +1,116 @@
+"""Where a serial training step's wall time goes, layer by layer (ms per step).
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/step_parts.py [--steps 30]
+
+Wraps each layer function of refmp.nn.layers (and the optimizer and clipping) in a
+perf_counter timer, runs training steps of the `small` preset in one process (its threads:
+REFMP_THREADS / OMP_NUM_THREADS, else every core) and prints the median step and each part's
+mean share of it. Nested parts (the LM head holds a LayerNorm) are counted in both. With
+``--torch`` it prints PyTorch eager's operator table for the same model instead
+(torch.profiler, the model of benchmarks/torch_anchor.py).
+"""
+
+from __future__ import annotations  # noqa: I001  (refmp before NumPy, below)
+
+import refmp  # noqa: F401  (first: it sets OpenBLAS's thread spin before NumPy loads)
+
+import argparse
+import collections
+import statistics
+import time
+
+import numpy as np
+
+from refmp.bench import PRESETS
+from refmp.nn import GPT, GPTConfig
+from refmp.nn import gpt as G
+from refmp.nn import layers as L
+from refmp.optim import AdamW, clip_grad_norm
+
+PARTS = {L: ["linear_forward", "linear_backward_input", "linear_backward_weight",
+             "attention_forward", "attention_backward", "layernorm_forward",
+             "layernorm_backward", "gelu_forward", "gelu_backward", "cross_entropy_forward",
+             "cross_entropy_backward"],
+         G: ["head_forward", "head_backward", "embed_forward", "embed_backward"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30, help="timed steps (30)")
+    ap.add_argument("--torch", action="store_true", help="PyTorch's operator table instead")
+    args = ap.parse_args()
+    s = PRESETS["small"]
+    cfg = GPTConfig(s["vocab"], s["block_size"], s["n_layer"], s["n_head"], s["n_embd"])
+    model = GPT.create(cfg, seed=0, dtype="float32")
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, s["vocab"], (s["batch_size"], s["block_size"]))
+    y = rng.integers(0, s["vocab"], (s["batch_size"], s["block_size"]))
+    if args.torch:
+        return torch_table(model, cfg, x, y, args.steps)
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def timed(name, fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            spent[name] += time.perf_counter() - t0
+            return out
+        return run
+
+    for module, names in PARTS.items():
+        for name in names:
+            setattr(module, name, timed(name, getattr(module, name)))
+    opt = AdamW(model.params, lr=1e-4, weight_decay=0.1)
+    adamw, clip = timed("adamw", opt.step), timed("clip_grad_norm", clip_grad_norm)
+
+    def step():
+        model.zero_grad()
+        loss, cache = model.forward(x, y)
+        model.backward(cache)
+        clip(model.grads, 1.0)
+        adamw(model.grads)
+
+    for _ in range(3):
+        step()
+    spent.clear()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    print(f"step {1e3 * statistics.median(times):.1f} ms (median of {args.steps})")
+    for name, t in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:24s} {1e3 * t / args.steps:6.1f}")
+
+
+def torch_table(model, cfg, x, y, steps: int) -> None:
+    import torch  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    from torch_anchor import TorchGPT  # noqa: PLC0415  (benchmarks/ is on the path)
+
+    host = {k: v.copy() for k, v in model.params.items()}
+    tm = TorchGPT(host, cfg.n_head, cfg.n_layer)
+    decay = [p for p in tm.p.values() if p.ndim >= 2]
+    other = [p for p in tm.p.values() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": other, "weight_decay": 0.0}], lr=1e-4)
+    tx, ty = torch.tensor(x), torch.tensor(y)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        tm(tx, ty).backward()
+        torch.nn.utils.clip_grad_norm_(tm.parameters(), 1.0)
+        opt.step()
+
+    for _ in range(3):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads, {steps} steps "
+          "(divide the times by the steps):")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()
