@@ -153,14 +153,10 @@ def sleep_until(done) -> None:
     global _poll_cap, _spin
     if _poll_cap is None:
         _poll_cap, _spin = poll_cap(), spin_time()
-    end = time.perf_counter() + _spin
-    while True:
-        if done():
-            return
-        if time.perf_counter() > end:
-            break
-    delay = 1e-5
+    end, delay = time.perf_counter() + _spin, 1e-5
     while not done():
+        if time.perf_counter() < end:
+            continue  # still spinning
         time.sleep(delay)
         delay = min(delay * 2, _poll_cap)
 

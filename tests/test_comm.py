@@ -134,5 +134,5 @@ def test_waits_spin_when_the_ranks_fit_the_cores_and_refuse_bad_settings(monkeyp
     assert len(calls) == 50 and sleeps == []  # done while spinning: never slept
     calls.clear()
     monkeypatch.setattr(comm, "_spin", 0.0)
-    comm.sleep_until(lambda: calls.append(1) or len(calls) == 7)
+    comm.sleep_until(lambda: calls.append(1) or len(calls) == 6)
     assert sleeps == [1e-5, 2e-5, 4e-5, 8e-5, 1e-4]  # backs off to the cap
