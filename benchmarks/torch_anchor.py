@@ -128,9 +128,19 @@ def dp_main(s: dict, steps: int, rounds: int) -> None:
     if world.rank == 0:
         print(json.dumps({"preset": s, "dp": world.size, "threads_per_rank": torch.get_num_threads(),
                           "first_loss": {"refmp": l_refmp, "torch": l_torch},
-                          "ms_per_step": med, "refmp_over_torch_time": med["refmp"] / med["torch"]},
+                          "ms_per_step": med, "refmp_over_torch_time": med["refmp"] / med["torch"],
+                          "per_round_ratio": (r := round_ratios(times, steps)),
+                          "median_round_ratio": statistics.median(r)},
                          indent=1))
     dist.destroy_process_group()
+
+
+def round_ratios(times: dict, steps: int) -> list[float]:
+    """refmp's median step over torch's within each round (the two ran back to back, so a
+    slow spell on the shared machine weighs on both): steadier than the ratio of medians."""
+    per = {k: [statistics.median(v[i:i + steps]) for i in range(0, len(v), steps)]
+           for k, v in times.items()}
+    return [round(r / t, 3) for r, t in zip(per["refmp"], per["torch"], strict=True)]
 
 
 def main():
@@ -199,12 +209,14 @@ def main():
                 sync()
                 times[name].append(time.perf_counter() - t0)
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    ratios = round_ratios(times, args.steps)
     tokens = s["batch_size"] * s["block_size"]
     out = {"preset": args.preset, "model": s, "device": args.device,
            "torch_threads": torch.get_num_threads(),
            "first_loss": {"refmp": l_refmp, "torch": l_torch},
            "ms_per_step": med, "tokens_per_s": {k: tokens / (v / 1e3) for k, v in med.items()},
-           "refmp_over_torch_time": med["refmp"] / med["torch"]}
+           "refmp_over_torch_time": med["refmp"] / med["torch"],
+           "per_round_ratio": ratios, "median_round_ratio": statistics.median(ratios)}
     print(json.dumps(out, indent=1))
 
 

@@ -103,15 +103,34 @@ def copy_from_host(dst, src: np.ndarray) -> None:
 
 
 def scatter_add(a, idx, values) -> None:
-    """a[idx[i]] += values[i], accumulating repeated indices (numpy.add.at on the CPU)."""
+    """a[idx[i]] += values[i] for 1-D ``idx``, repeated indices accumulating in the order of i.
+
+    On the CPU this gives bitwise ``np.add.at(a, idx, values)``, about 20x faster: add.at
+    visits one element at a time (10 ns each), while a fancy-index ``a[j] += v`` is one
+    vectorized pass, but correct only if j has no repeats. So the values go in rounds: round
+    r adds every index's r-th occurrence, whose indices are distinct. Each index still
+    receives its values in the order of i, the order add.at adds them. There are as many
+    rounds as the most repeated index has occurrences (tens for a batch of text).
+    """
     if is_device_array(a) and xp.__name__ != "cupy":
         xp.scatter_add(a, idx, values)  # a stand-in's cupyx.scatter_add (tests/device)
-    elif is_device_array(a):
+        return
+    if is_device_array(a):
         import cupyx  # noqa: PLC0415
 
         cupyx.scatter_add(a, idx, values)
-    else:
-        np.add.at(a, idx, values)
+        return
+    if len(idx) == 0:
+        return
+    order = np.argsort(idx, kind="stable")  # i grouped by index, each group in the order of i
+    grouped = idx[order]
+    first = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])  # each group's start
+    occurrence = np.arange(len(idx)) - np.repeat(first, np.diff(np.r_[first, len(idx)]))
+    by_round = order[np.argsort(occurrence, kind="stable")]  # round 0's i, then round 1's, ...
+    ends = np.cumsum(np.bincount(occurrence))
+    for lo, hi in zip(np.r_[0, ends[:-1]], ends, strict=True):
+        i = by_round[lo:hi]  # one round: distinct indices
+        a[idx[i]] += values[i]
 
 
 def sync() -> None:

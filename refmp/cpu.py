@@ -15,8 +15,11 @@
    axis into one block per thread and runs the same code on each block at once (NumPy drops
    the GIL inside its loops). Each element or row is computed by exactly the operations it
    would be computed by in one call, so the result is bitwise the same for any number of
-   threads (tests/test_cpu.py proves it). The thread count is ``REFMP_THREADS``, else
-   ``OMP_NUM_THREADS`` (which ``refmp`` sets per rank under ``mpiexec``), else the cores,
+   threads (tests/test_cpu.py proves it). A block must hold at least MIN_BLOCK elements,
+   counted over all the arrays it touches: handing a block to a thread costs about 50 us on
+   a 2-core VM, and below 2^19 elements (LayerNorm's and AdamW's arrays on the small preset)
+   a second thread made the layer slower, not faster. The thread count is
+   ``REFMP_THREADS``, else ``OMP_NUM_THREADS`` (which ``refmp`` sets per rank under ``mpiexec``), else the cores,
    read at the first call (after the command line has set the environment).
    Only NumPy arrays are split; CuPy arrays run in one call (the GPU is already parallel).
 
@@ -45,7 +48,7 @@ import sys
 
 MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value (HEAP_MAX_SIZE / 2 on 64 bits)
 TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of freed memory mapped
-MIN_BLOCK = 1 << 14  # elements: below this per block, a thread hand-off costs more than it saves
+MIN_BLOCK = 1 << 19  # elements of all a block's arrays together: below it, one thread is faster
 SMALL_PRODUCT = 1 << 22  # m * n * k below which a product runs faster on one BLAS thread
 
 
@@ -130,7 +133,7 @@ def rows(fn, *arrays) -> None:
     threads, the caller's included; an exception in any block is raised here.
     """
     n_rows = arrays[0].shape[0]
-    n = min(threads(), n_rows, max(1, arrays[0].size // max(1, MIN_BLOCK)))
+    n = min(threads(), n_rows, max(1, sum(a.size for a in arrays) // max(1, MIN_BLOCK)))
     if n <= 1 or not all(map(_is_numpy, arrays)):
         fn(*arrays)
         return

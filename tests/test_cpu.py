@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from refmp import cpu
+from refmp import backend, cpu
 from refmp.nn import layers as L
 from refmp.optim import AdamW
 
@@ -94,6 +94,39 @@ def test_rows_splits_runs_in_threads_and_reraises(split_everything):
         cpu.rows(fail, a)
     with pytest.raises(ValueError, match="threads must be >= 1"):
         cpu.set_threads(0)
+
+
+def test_blocks_are_sized_by_all_their_arrays(monkeypatch):
+    """A block gets at least MIN_BLOCK elements, counted over every array it touches."""
+    monkeypatch.setattr(cpu, "MIN_BLOCK", 12)
+    before = cpu.threads()
+    cpu.set_threads(4)
+    try:
+        for n_rows, n_arrays, blocks in ((6, 1, 1), (6, 2, 1), (12, 2, 2), (24, 2, 4), (100, 1, 4)):
+            sizes: list[int] = []
+            cpu.rows(lambda *a, seen=sizes: seen.append(len(a[0])),
+                     *(np.zeros(n_rows) for _ in range(n_arrays)))
+            assert len(sizes) == blocks and sum(sizes) == n_rows, (n_rows, n_arrays, sizes)
+    finally:
+        cpu.set_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("ids", ["repeats", "distinct", "one index", "empty", "heavy"])
+def test_scatter_add_is_bitwise_add_at(dtype, ids):
+    """backend.scatter_add (rounds of distinct indices) against numpy.add.at, byte for byte."""
+    rng = np.random.default_rng(0)
+    V, N = 50, 200
+    idx = {"repeats": rng.integers(0, V, N), "distinct": rng.permutation(V)[:30],
+           "one index": np.full(N, 7), "empty": np.zeros(0, dtype=np.int64),
+           "heavy": np.minimum(rng.zipf(1.5, N), V) - 1}[ids]
+    values = rng.standard_normal((len(idx), 3)).astype(dtype)
+    values[::5] *= 1e8  # magnitudes apart: another order of additions gives other bits
+    start = rng.standard_normal((V, 3)).astype(dtype)
+    want, got = start.copy(), start.copy()
+    np.add.at(want, idx, values)
+    backend.scatter_add(got, idx, values)
+    assert got.tobytes() == want.tobytes()
 
 
 def test_one_thread_and_non_numpy_arrays_run_in_one_call(split_everything):
