@@ -7,7 +7,9 @@ PyTorch is not a refmp dependency; install it to run this (`pip install torch`).
 builds refmp's model, copies its initial weights into an eager PyTorch GPT-2 (nanoGPT style:
 `F.scaled_dot_product_attention`, `torch.optim.AdamW`, `clip_grad_norm_`), checks that both
 compute the same first loss, then times training steps of each in alternating rounds on the
-same data and the same number of threads, and prints medians and the ratio. With
+same data and the same number of threads, and prints medians and the ratio, and each
+round's ratio with their median (a round's two halves run back to back, so a slow spell on
+a shared machine weighs on both: the steadier figure there). With
 ``--device gpu`` refmp runs on CuPy and PyTorch on CUDA (timed with device synchronization).
 
 Under ``mpiexec -n N`` it times data parallelism instead: refmp's own training step
@@ -130,7 +132,7 @@ def dp_main(s: dict, steps: int, rounds: int) -> None:
                           "first_loss": {"refmp": l_refmp, "torch": l_torch},
                           "ms_per_step": med, "refmp_over_torch_time": med["refmp"] / med["torch"],
                           "per_round_ratio": (r := round_ratios(times, steps)),
-                          "median_round_ratio": statistics.median(r)},
+                          "median_round_ratio": round(statistics.median(r), 3)},
                          indent=1))
     dist.destroy_process_group()
 
@@ -216,7 +218,7 @@ def main():
            "first_loss": {"refmp": l_refmp, "torch": l_torch},
            "ms_per_step": med, "tokens_per_s": {k: tokens / (v / 1e3) for k, v in med.items()},
            "refmp_over_torch_time": med["refmp"] / med["torch"],
-           "per_round_ratio": ratios, "median_round_ratio": statistics.median(ratios)}
+           "per_round_ratio": ratios, "median_round_ratio": round(statistics.median(ratios), 3)}
     print(json.dumps(out, indent=1))
 
 

@@ -19,8 +19,9 @@
    counted over all the arrays it touches: handing a block to a thread costs about 50 us on
    a 2-core VM, and below 2^19 elements (LayerNorm's and AdamW's arrays on the small preset)
    a second thread made the layer slower, not faster. The thread count is
-   ``REFMP_THREADS``, else ``OMP_NUM_THREADS`` (which ``refmp`` sets per rank under ``mpiexec``), else the cores,
-   read at the first call (after the command line has set the environment).
+   ``REFMP_THREADS``, else ``OMP_NUM_THREADS`` (which ``refmp`` sets per rank under
+   ``mpiexec``), else the cores, read at the first call (after the command line has set the
+   environment).
    Only NumPy arrays are split; CuPy arrays run in one call (the GPU is already parallel).
 
 3. **Small products on one BLAS thread.** OpenBLAS splits even a 128 x 128 x 32 product over
