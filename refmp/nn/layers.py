@@ -249,7 +249,7 @@ def attention_weights(q, k, scale, out=None):
     att += xp.triu(xp.full((T, T), -xp.inf, dtype=att.dtype), k=1)  # (T, T) broadcast
     att -= att.max(axis=-1, keepdims=True)  # stable softmax
     xp.exp(att, out=att)
-    # row sums by einsum: NumPy's .sum over 128-long rows costs 3x as much (per-row overhead)
+    # row sums by einsum: NumPy's .sum costs 3x as much on rows this short (per-row overhead)
     att /= xp.einsum("...j->...", att)[..., None]  # (B, NH, T, T) attention weights
     return att
 
