@@ -52,23 +52,25 @@ def moe_extra_bytes(b: int, Tl: int, T: int, C: int, E: int, K: int, cf: float, 
                     sp: bool = False, w: int = 4, ep: int = 1) -> int:
     """Bytes an MoE MLP's cache keeps beyond a dense MLP's (refmp.nn.moe; an estimate).
 
-    N = b Tl tokens on the rank (b Tl/tp with SP). The experts run on a padded (E, Emax, C)
-    batch and keep its input, c_fc's output and GELU's two arrays: 13 C per padded slot. With
-    a capacity factor an expert takes at most cap = ceil(CF K T/E) tokens of a sequence, so
-    E Emax <= E min(N, b cap): the bound is used. Without a limit (CF = 0) the slots are
-    counted as twice the balanced K N (at most E N): uneven routing may pad more. The rest:
-    the combined outputs (N, K, C), probabilities (N, E), gates and choices (N, K), the
-    log-sum-exp (N,), and int64 indices (N K + 3 M, M <= K N kept assignments). The dense
-    MLP's c_fc output, tanh and GELU (12 N C, over tp without SP) are taken back; the
-    router's input is the c_fc input a dense block keeps too. And the rank's E/ep experts'
-    weights, stacked into (E/ep, C, 4C) ... arrays for the batched matmuls: 8 C^2 + 5 C each.
+    N = b Tl tokens on the rank (b Tl/tp with SP). The experts keep, for each row they run
+    on, its input, c_fc's output and GELU's two arrays: 13 C. Without expert parallelism the
+    rows are the M kept assignments: K N when nothing is dropped (CF = 0, and mostly with a
+    capacity); with a capacity factor an expert takes at most cap = ceil(CF K T/E)
+    assignments of a sequence, so M <= min(K N, E b cap), the bound used. Over ep ranks a
+    rank's experts run on what every peer sends them, R <= min(ep K N, E b cap): a bound
+    again, since routing is not known before it runs. The rest: the combined outputs
+    (N, K, C), probabilities (N, E), gates and choices (N, K), the log-sum-exp (N,), and
+    int64 indices (N K + M). The dense MLP's
+    c_fc output, tanh and GELU (12 N C, over tp without SP) are taken back; the router's input
+    is the c_fc input a dense block keeps too. And the rank's E/ep experts' weights, stacked
+    into (E/ep, C, 4C) ... arrays: 8 C^2 + 5 C each.
     """
     N = b * Tl // tp if sp else b * Tl
     cap = math.ceil(cf * K * T / E)
-    slots = E * min(N, b * cap) if cf > 0 else min(2 * K * N, E * N)
-    kept = K * N  # M <= K N
-    floats = 13 * slots * C + K * N * C + N * E + 2 * N * K + N + E // ep * (8 * C * C + 5 * C)
-    return w * (floats - 12 * b * Tl * C // tp) + 8 * (N * K + 3 * kept)
+    kept = min(K * N, E * b * cap) if cf > 0 else K * N  # M, this rank's kept assignments
+    rows = min(ep * K * N, E * b * cap) if cf > 0 else ep * K * N  # what its experts run on
+    floats = 13 * rows * C + K * N * C + N * E + 2 * N * K + N + E // ep * (8 * C * C + 5 * C)
+    return w * (floats - 12 * b * Tl * C // tp) + 8 * (N * K + kept)
 
 
 def head_cache_bytes(b: int, Tl: int, C: int, V: int, tp: int = 1, sp: bool = False,

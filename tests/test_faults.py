@@ -217,8 +217,8 @@ def test_writable_paths(tmp_path):
 ])
 def test_memory_estimate_against_the_measured_serial(kw):
     """The estimate's state is what the engine holds, exactly; its activations are the
-    measured peak of live caches, exactly for dense blocks, within 30% for MoE (the padded
-    expert batch is bounded, not known)."""
+    measured peak of live caches, exactly for dense blocks, within 5% for MoE (the kept
+    assignments are bounded, not known, when a capacity drops some)."""
     cfg = TrainConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 16, "batch_size": 8, "steps": 2,
                          "progress": False, **kw})
     tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
@@ -228,7 +228,7 @@ def test_memory_estimate_against_the_measured_serial(kw):
     for k in ("params", "grads", "optimizer"):
         assert est[k] == got[k], k
     if cfg.n_expert:
-        assert 0.9 * got["activations"] <= est["activations"] <= 1.3 * got["activations"]
+        assert 0.95 * got["activations"] <= est["activations"] <= 1.05 * got["activations"]
     else:
         assert est["activations"] == got["activations"]
     kinds = ("params", "grads", "optimizer", "activations")
