@@ -75,12 +75,13 @@ def embed_backward(dx, cache, comm: Comm) -> dict:
     With sequence parallelism dwpe is partial over tp (rows of the other ranks' positions
     are 0 here): the caller sums it over tp with the other replicated gradients.
     """
-    tok_cache, mine, pos_cache, sp = cache
+    (local, w_shape), mine, pos_cache, sp = cache
     # forward was: tok = sum over tp (g): backward identity, or all-gather with SP
-    dtok = reduce_scatter_to_sp_backward(dx, comm) if sp else dx.copy()  # (B, T, C)
-    dtok[~mine] = 0.0  # forward wrote zeros there: no gradient reaches my rows from them
+    dtok = reduce_scatter_to_sp_backward(dx, comm) if sp else dx  # (B, T, C)
+    # only the positions holding my ids: the forward wrote zeros at the others, so no
+    # gradient reaches my rows from them (and they would all scatter into row 0)
     return {
-        "wte.weight": L.embedding_backward(dtok, tok_cache),  # (Vl, C)
+        "wte.weight": L.embedding_backward(dtok[mine], (local[mine], w_shape)),  # (Vl, C)
         "wpe.weight": L.embedding_backward(dx.sum(axis=0), pos_cache),  # (T, C)
     }
 
