@@ -60,10 +60,10 @@ def moe_extra_bytes(b: int, Tl: int, T: int, C: int, E: int, K: int, cf: float, 
     rank's experts run on what every peer sends them, R <= min(ep K N, E b cap): a bound
     again, since routing is not known before it runs. The rest: the combined outputs
     (N, K, C), probabilities (N, E), gates and choices (N, K), the log-sum-exp (N,), and
-    int64 indices (N K + M). The dense MLP's
-    c_fc output, tanh and GELU (12 N C, over tp without SP) are taken back; the router's input
-    is the c_fc input a dense block keeps too. And the rank's E/ep experts' weights, stacked
-    into (E/ep, C, 4C) ... arrays: 8 C^2 + 5 C each.
+    int64 indices (N K + M). The dense MLP's c_fc output, tanh and GELU (12 N C, over tp
+    without SP) are taken back; the router's input is the c_fc input a dense block keeps
+    too. And the rank's E/ep experts' weights, stacked into (E/ep, C, 4C) ... arrays:
+    8 C^2 + 5 C each.
     """
     N = b * Tl // tp if sp else b * Tl
     cap = math.ceil(cf * K * T / E)
