@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refmp.errors import ConfigError
+from refmp.nn import blockwise as BW
 from refmp.nn import layers as L
 from refmp.parallel.context import ChunkLayout, ring_attention_flops
 
@@ -40,15 +41,15 @@ def test_blocks_merged_equal_causal_attention(B, NH, HS, n_blocks, c, seed):
     lse = np.full(q.shape[:-1], -np.inf)
     for a in range(n_blocks):
         for b in reversed(range(a + 1)):  # any order merges to the same result
-            yb, lb = L.attention_block_forward(q[:, :, blk[a]], k[:, :, blk[b]], v[:, :, blk[b]],
+            yb, lb = BW.attention_block_forward(q[:, :, blk[a]], k[:, :, blk[b]], v[:, :, blk[b]],
                                                scale, causal=a == b)
-            y[:, :, blk[a]], lse[:, :, blk[a]] = L.attention_merge(
+            y[:, :, blk[a]], lse[:, :, blk[a]] = BW.attention_merge(
                 y[:, :, blk[a]], lse[:, :, blk[a]], yb, lb)
     np.testing.assert_allclose(y.transpose(0, 2, 1, 3).reshape(B, T, -1), y_ref, **TOL)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for a in range(n_blocks):
         for b in range(a + 1):
-            g = L.attention_block_backward(dy[:, :, blk[a]], q[:, :, blk[a]], k[:, :, blk[b]],
+            g = BW.attention_block_backward(dy[:, :, blk[a]], q[:, :, blk[a]], k[:, :, blk[b]],
                                            v[:, :, blk[b]], y[:, :, blk[a]], lse[:, :, blk[a]],
                                            scale, causal=a == b)
             dq[:, :, blk[a]] += g[0]
@@ -62,7 +63,7 @@ def test_lse_is_the_row_log_sum_exp():
     rng = np.random.default_rng(0)
     q, k, v = rng.standard_normal((3, 1, 2, 3, 4))
     s = q @ k.transpose(0, 1, 3, 2) / 2.0
-    _, lse = L.attention_block_forward(q, k, v, 0.5)
+    _, lse = BW.attention_block_forward(q, k, v, 0.5)
     np.testing.assert_allclose(lse, np.log(np.exp(s).sum(-1)), **TOL)
 
 

@@ -24,6 +24,7 @@ from mpi4py import MPI
 from refmp.comm import Comm, Ledger
 from refmp.data import Dataset
 from refmp.grid import ProcessGrid
+from refmp.nn import blockwise as BW
 from refmp.nn import layers as L
 from refmp.parallel.context import ChunkLayout, nbytes_of, ring_attention_flops
 from refmp.parallel.context_ring import RingAttention
@@ -71,10 +72,10 @@ say("\n== 2. merging two blocks: lse = log(e^lse1 + e^lse2), "
 rng = np.random.default_rng(0)
 q, k, v = rng.standard_normal((3, 1, 1, 1, 6, 2)).reshape(3, 1, 1, 6, 2)  # 6 keys, HS 2
 q = q[:, :, :1]  # one query row
-y_full, lse_full = L.attention_block_forward(q, k, v, 1.0)
-y1, lse1 = L.attention_block_forward(q, k[:, :, :3], v[:, :, :3], 1.0)  # keys 0-2
-y2, lse2 = L.attention_block_forward(q, k[:, :, 3:], v[:, :, 3:], 1.0)  # keys 3-5
-y, lse = L.attention_merge(y1, lse1, y2, lse2)
+y_full, lse_full = BW.attention_block_forward(q, k, v, 1.0)
+y1, lse1 = BW.attention_block_forward(q, k[:, :, :3], v[:, :, :3], 1.0)  # keys 0-2
+y2, lse2 = BW.attention_block_forward(q, k[:, :, 3:], v[:, :, 3:], 1.0)  # keys 3-5
+y, lse = BW.attention_merge(y1, lse1, y2, lse2)
 say(f"block 1: lse {lse1.item():.4f}  y {y1.ravel().round(4)}")
 say(f"block 2: lse {lse2.item():.4f}  y {y2.ravel().round(4)}")
 say(f"merged : lse {lse.item():.4f}  y {y.ravel().round(4)}")
@@ -101,7 +102,7 @@ for balance in ("contiguous", "zigzag"):
         for src in range(cp):
             for a, b, causal in ring.pairs(src):  # (k, v of src: the same shapes as mine)
                 qa, kb = slice(a * lay.c, (a + 1) * lay.c), slice(b * lay.c, (b + 1) * lay.c)
-                L.attention_block_forward(q[:, :, qa], k[:, :, kb], v[:, :, kb], 0.25, causal)
+                BW.attention_block_forward(q[:, :, qa], k[:, :, kb], v[:, :, kb], 0.25, causal)
         busy.append((time.perf_counter() - t0) * 1e3)
     flops, times = world.allgather(ring.flops // 3), world.allgather(ms)
     busy = world.allgather(min(busy))

@@ -61,6 +61,7 @@ them, no communication); refmp.parallel.expert sends tokens to sharded experts b
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -121,8 +122,8 @@ def stack_experts(p: dict) -> tuple[list[int], dict]:
 
 def expert_rows(counts) -> list[slice]:
     """Expert j's rows of the sorted assignments: slice j, counts[j] long (host ints)."""
-    ends = np.cumsum([0, *(int(c) for c in counts)])
-    return [slice(int(lo), int(hi)) for lo, hi in zip(ends[:-1], ends[1:], strict=True)]
+    ends = [0, *itertools.accumulate(int(c) for c in counts)]
+    return [slice(lo, hi) for lo, hi in zip(ends[:-1], ends[1:], strict=True)]
 
 
 def experts_forward(w: dict, xs, counts):

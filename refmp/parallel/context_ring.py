@@ -11,7 +11,7 @@ Every rank keeps its queries and, step by step, sees every other rank's keys and
              merges the result into its running (y, lse) with the online-softmax rule.
 
 After cp steps (cp-1 transfers) every query has attended over the whole sequence. The merge
-(``refmp.nn.layers.attention_merge``) is exact: with lse the log-sum-exp of a row's scores,
+(``refmp.nn.blockwise.attention_merge``) is exact: with lse the log-sum-exp of a row's scores,
 
     lse = log(e^lse1 + e^lse2),   y = e^(lse1 - lse) y1 + e^(lse2 - lse) y2.
 
@@ -32,7 +32,7 @@ import math
 
 from refmp import backend
 from refmp.comm import Comm, wait, wait_all
-from refmp.nn import layers as L
+from refmp.nn import blockwise as BW
 
 TAG_KV, TAG_DKV = 11, 12
 
@@ -85,10 +85,10 @@ class RingAttention:
         for _, src, blk in self._ring(kv, TAG_KV):
             for a, b, causal in self.pairs(src):
                 qa, kb = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                yb, lb = L.attention_block_forward(q[:, :, qa], blk[0][:, :, kb], blk[1][:, :, kb],
+                yb, lb = BW.attention_block_forward(q[:, :, qa], blk[0][:, :, kb], blk[1][:, :, kb],
                                                    scale, causal)  # (B, NH, c, HS), (B, NH, c)
                 # the online-softmax merge of this block into the rows' running result
-                y[:, :, qa], lse[:, :, qa] = L.attention_merge(y[:, :, qa], lse[:, :, qa], yb, lb)
+                y[:, :, qa], lse[:, :, qa] = BW.attention_merge(y[:, :, qa], lse[:, :, qa], yb, lb)
                 self.flops += 4 * B * n_head * c * c * hs
         out = y.transpose(0, 2, 1, 3).reshape(B, Tl, n_head * hs)  # (B, Tl, C)
         return out, (q, kv, y, lse, scale)
@@ -106,7 +106,7 @@ class RingAttention:
             dkv = xp.zeros_like(blk)  # (2, B, NH, Tl, HS) my share of src's dK, dV
             for a, b, causal in self.pairs(src):
                 qa, kb = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                dqa, dkb, dvb = L.attention_block_backward(
+                dqa, dkb, dvb = BW.attention_block_backward(
                     dy[:, :, qa], q[:, :, qa], blk[0][:, :, kb], blk[1][:, :, kb],
                     y[:, :, qa], lse[:, :, qa], scale, causal)
                 dq[:, :, qa] += dqa

@@ -75,22 +75,14 @@ def embed_backward(dx, cache, comm: Comm) -> dict:
     With sequence parallelism dwpe is partial over tp (rows of the other ranks' positions
     are 0 here): the caller sums it over tp with the other replicated gradients.
     """
-    tok_cache, mine, pos_cache, sp = cache
+    (local, w_shape), mine, pos_cache, sp = cache
     # forward was: tok = sum over tp (g): backward identity, or all-gather with SP
     dtok = reduce_scatter_to_sp_backward(dx, comm) if sp else dx  # (B, T, C)
-    # the forward wrote zeros at the positions holding other ranks' ids: no gradient reaches
-    # my rows from them. On the CPU they are left out (mapped to row 0 they would make one
-    # index repeat N (1 - 1/tp) times, slow for scatter_add); on a GPU they are zeroed
-    # instead (a boolean selection's size would be read back from the device)
-    if backend.is_device_array(dtok):
-        dtok = dtok.copy()
-        dtok[~mine] = 0.0
-        dwte = L.embedding_backward(dtok, tok_cache)
-    else:
-        local, w_shape = tok_cache
-        dwte = L.embedding_backward(dtok[mine], (local[mine], w_shape))
+    # only the positions holding my ids (as cross_entropy_backward below): the forward wrote
+    # zeros at the others, so no gradient reaches my rows from them (mapped to row 0, they
+    # would make one index repeat N (1 - 1/tp) times in the scatter-add)
     return {
-        "wte.weight": dwte,  # (Vl, C)
+        "wte.weight": L.embedding_backward(dtok[mine], (local[mine], w_shape)),  # (Vl, C)
         "wpe.weight": L.embedding_backward(dx.sum(axis=0), pos_cache),  # (T, C)
     }
 
