@@ -19,7 +19,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from refmp.comm import Comm, wait
+from refmp.distributed.comm import Comm, wait
 
 
 def busy(seconds: float) -> None:

@@ -14,7 +14,7 @@ without model parallelism (DeepSpeed) rows, with the table's own micro-batch siz
 Run: python benchmarks/plan_megatron.py
 """
 
-from refmp import plan
+from refmp.cost import model as plan
 from refmp.nn.params import GPTConfig
 
 # params (B), heads, hidden, layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU, % of peak

@@ -22,8 +22,8 @@ import statistics
 import subprocess
 import sys
 
-from refmp import plan
-from refmp.bench import PRESETS
+from refmp.cli.bench import PRESETS
+from refmp.cost import model as plan
 from refmp.nn.params import GPTConfig
 
 # name: (tp, pp, dp, cp, micro-batches); 4 ranks each
@@ -64,7 +64,7 @@ def predicted(name: str, spec: dict, mach: plan.Machine) -> float:
     return plan.predict(lay, mcfg, B, mach)["step_seconds"]
 
 
-PROBE = ("import json; from mpi4py import MPI; from refmp.plan import measure_links; "
+PROBE = ("import json; from mpi4py import MPI; from refmp.cost.model import measure_links; "
          "r = measure_links(MPI.COMM_WORLD); MPI.COMM_WORLD.rank or print(json.dumps(r))")
 
 

@@ -21,11 +21,11 @@ import time
 
 import numpy as np
 
-from refmp.bench import PRESETS
+from refmp.cli.bench import PRESETS
 from refmp.nn import GPT, GPTConfig
 from refmp.nn import gpt as G
 from refmp.nn import layers as L
-from refmp.optim import AdamW, clip_grad_norm
+from refmp.training.optim import AdamW, clip_grad_norm
 
 PARTS = {L: ["linear_forward", "linear_backward_input", "linear_backward_weight",
              "attention_forward", "attention_backward", "layernorm_forward",

@@ -13,7 +13,7 @@ a shared machine weighs on both: the steadier figure there). With
 ``--device gpu`` refmp runs on CuPy and PyTorch on CUDA (timed with device synchronization).
 
 Under ``mpiexec -n N`` it times data parallelism instead: refmp's own training step
-(``refmp.train.Trainer`` with ``--dp N``, what ``refmp train`` and ``refmp bench`` run:
+(``refmp.training.trainer.Trainer`` with ``--dp N``, what ``refmp train`` and ``refmp bench`` run:
 bucketed all-reduce, clipping, AdamW) against PyTorch's DistributedDataParallel over gloo,
 each rank with OMP_NUM_THREADS threads, both on the same global batch of the preset; a step's
 time is the slowest rank's (every rank starts it together).
@@ -33,10 +33,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from refmp import backend
-from refmp.bench import PRESETS
+from refmp.runtime import backend
+from refmp.cli.bench import PRESETS
 from refmp.nn import GPT, GPTConfig
-from refmp.optim import AdamW, clip_grad_norm
+from refmp.training.optim import AdamW, clip_grad_norm
 
 
 class TorchGPT(torch.nn.Module):
@@ -77,8 +77,8 @@ def dp_main(s: dict, steps: int, rounds: int) -> None:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from refmp.data import Dataset, get_batch
-    from refmp.train import TrainConfig, Trainer
+    from refmp.training.datasets import Dataset, get_batch
+    from refmp.training.trainer import TrainConfig, Trainer
 
     world = MPI.COMM_WORLD
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

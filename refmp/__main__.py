@@ -2,6 +2,6 @@
 
 import sys
 
-from refmp.cli import main
+from refmp.cli.main import main
 
 sys.exit(main())

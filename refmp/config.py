@@ -2,8 +2,8 @@
 learning-rate schedule, and the check that every value makes sense before anything is built
 (the same answer on every rank: a pure function of the configuration).
 
-refmp.train runs the step; refmp.parallel.layout checks the layout; refmp.faults the output
-paths; refmp.memory_check the memory the layout will need.
+refmp.training.trainer runs the step; refmp.parallel.layout checks the layout;
+refmp.distributed.faults the output paths; refmp.cost.memory the memory the layout will need.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class TrainConfig:
     n_embd: int = 64
     n_expert: int = 0  # mixture of experts (refmp.nn.moe); 0: dense
     # the MoE settings below: None means not given, so GPTConfig's default or what an --init
-    # file says; a value given wins over the file's metadata (refmp.checkpoint.read_config)
+    # file says; a value given wins over the file's metadata (refmp.checkpoint.weights.read_config)
     top_k: int | None = None
     moe_every: int | None = None
     capacity_factor: float | None = None
@@ -70,7 +70,7 @@ class TrainConfig:
     save: str | None = None
     log_json: str | None = None
     progress: bool = True
-    checkpoint_dir: str | None = None  # sharded checkpoints (refmp.state): DIR/step-{N:08d}/
+    checkpoint_dir: str | None = None  # sharded checkpoints (refmp.checkpoint.sharded): DIR/step-{N:08d}/
     save_every: int = 0  # a checkpoint every N steps (0: only at the end)
     keep: int = 0  # keep the last K checkpoints (0: all)
     resume: str | None = None  # continue from the latest complete checkpoint in this directory

@@ -1,4 +1,4 @@
-"""The exception types refmp stops on cleanly (refmp.cli prints one message, from rank 0)."""
+"""The exception types refmp stops on cleanly (refmp.cli.main prints one message, from rank 0)."""
 
 
 class ConfigError(ValueError):

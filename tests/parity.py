@@ -13,9 +13,9 @@ import numpy as np
 from mpi4py import MPI
 from mpi_helpers import Mismatches
 
-from refmp import backend
-from refmp.grid import ProcessGrid
-from refmp.train import TrainConfig, Trainer
+from refmp.distributed.grid import ProcessGrid
+from refmp.runtime import backend
+from refmp.training.trainer import TrainConfig, Trainer
 
 TOL = dict(rtol=1e-9, atol=1e-12)  # float64: rounding only (sums in other orders)
 SERIAL_ONLY = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "microbatches",

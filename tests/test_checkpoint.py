@@ -1,4 +1,4 @@
-"""Sharded checkpoints (refmp.state): save on one layout, resume on any.
+"""Sharded checkpoints (refmp.checkpoint.sharded): save on one layout, resume on any.
 
 * On the same layout, a run stopped, saved and resumed is bitwise the uninterrupted run
   (float32 and float64; ZeRO stages, pipeline, experts, SGD momentum and AdamW).
@@ -24,10 +24,10 @@ from parity import TOL, host, serial_config
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from refmp import state
-from refmp.data import Dataset
-from refmp.grid import ProcessGrid
-from refmp.train import TrainConfig, Trainer
+from refmp.checkpoint import sharded as state
+from refmp.distributed.grid import ProcessGrid
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi
 

@@ -8,8 +8,8 @@ from mpi4py import MPI
 from mpi_helpers import refmp
 from safetensors.numpy import load_file
 
-from refmp.grid import ProcessGrid
-from refmp.train import TrainConfig, Trainer
+from refmp.distributed.grid import ProcessGrid
+from refmp.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.cli
 

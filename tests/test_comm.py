@@ -5,9 +5,9 @@ import pytest
 from mpi4py import MPI
 from mpi_helpers import collective
 
-from refmp.comm import Comm
+from refmp.distributed.comm import Comm
+from refmp.distributed.grid import ProcessGrid, check_sizes
 from refmp.errors import ConfigError
-from refmp.grid import ProcessGrid, check_sizes
 
 pytestmark = pytest.mark.mpi
 
@@ -40,7 +40,7 @@ def test_collectives_and_ledger():
 def test_send_recv_checks_size():
     c = Comm(MPI.COMM_WORLD, "pp")
     if c.rank == 0:
-        from refmp.comm import wait
+        from refmp.distributed.comm import wait
 
         wait(c.send(np.arange(6, dtype=np.float32).reshape(2, 3), dest=1, tag=1))
         wait(c.send(np.zeros(5, dtype=np.float32), dest=1, tag=2))
@@ -111,8 +111,8 @@ def test_groups_of_axes_and_experts_carved_from_dp_x_cp():
 def test_waits_spin_when_the_ranks_fit_the_cores_and_refuse_bad_settings(monkeypatch):
     """Tests without pause first (a collective needs many of MPI's progress steps), sleeping
     only after spin_time(); no spinning when ranks outnumber cores; bad values refused."""
-    from refmp import comm, cpu
-
+    from refmp.distributed import comm
+    from refmp.runtime import cpu
     monkeypatch.delenv("REFMP_SPIN_US", raising=False)
     monkeypatch.delenv("REFMP_POLL_US", raising=False)
     monkeypatch.setattr(cpu, "cores", lambda: 2)

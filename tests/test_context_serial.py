@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from refmp.errors import ConfigError
 from refmp.nn import blockwise as BW
 from refmp.nn import layers as L
-from refmp.parallel.context import ChunkLayout, ring_attention_flops
+from refmp.parallel.context.chunks import ChunkLayout, ring_attention_flops
 
 pytestmark = pytest.mark.nn
 

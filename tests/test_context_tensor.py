@@ -18,15 +18,15 @@ from parity import assert_same_run
 from safetensors.numpy import load_file
 from test_context_parallel import assert_ledger
 
-from refmp.data import Dataset
-from refmp.grid import ProcessGrid
+from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
-from refmp.parallel.context import ChunkLayout
-from refmp.parallel.context_ring import RingAttention
-from refmp.parallel.context_ulysses import UlyssesAttention
+from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.ring import RingAttention
+from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.ops import ParallelOps
 from refmp.parallel.placement import place, tp_shard
-from refmp.train import TrainConfig, Trainer
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, Trainer
 
 TOL = dict(rtol=1e-9, atol=1e-12)
 close = np.testing.assert_allclose

@@ -1,4 +1,4 @@
-"""refmp.cpu: row blocks in threads give bitwise the one-call result; the allocator setting.
+"""refmp.runtime.cpu: row blocks in threads give bitwise the one-call result; the allocator setting.
 
 LayerNorm, GELU and AdamW run their row-wise math through ``cpu.rows``. With one thread that is a
 single call (the plain NumPy code); with several, each block of rows runs the same operations
@@ -15,9 +15,9 @@ import threading
 import numpy as np
 import pytest
 
-from refmp import backend, cpu
 from refmp.nn import layers as L
-from refmp.optim import AdamW
+from refmp.runtime import backend, cpu
+from refmp.training.optim import AdamW
 
 
 @pytest.fixture
@@ -146,12 +146,12 @@ def test_freed_memory_is_kept_on_glibc():
 def test_threads_follow_what_the_command_line_sets():
     """`refmp` sets each rank's thread count (cli.limit_threads) before NumPy loads: importing
     refmp and its CLI must not load NumPy (OpenBLAS reads its thread count when it loads),
-    and refmp.cpu must read the count when first used, not at import."""
+    and refmp.runtime.cpu must read the count when first used, not at import."""
     import subprocess
     import sys
 
-    code = ("import os, sys, refmp, refmp.cli; assert 'numpy' not in sys.modules; "
-            "refmp.cli.limit_threads(); from refmp import cpu; print(cpu.threads())")
+    code = ("import os, sys, refmp, refmp.cli.main; assert 'numpy' not in sys.modules; "
+            "refmp.cli.main.limit_threads(); from refmp import cpu; print(cpu.threads())")
     cores = cpu.cores()
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "REFMP_THREADS", "OPENBLAS_NUM_THREADS")}

@@ -5,8 +5,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refmp.data import ADD_CHARS, AdditionTask, dp_rows, get_batch, load_tokens, window_indices
 from refmp.errors import ConfigError
+from refmp.parallel.data.accumulate import dp_rows
+from refmp.training.datasets import ADD_CHARS, AdditionTask, get_batch, load_tokens, window_indices
 
 
 @given(B=st.integers(1, 8), dp=st.sampled_from([1, 2, 4]), step=st.integers(0, 50),

@@ -7,10 +7,10 @@ from device import strict
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 
-from refmp import backend
-from refmp.comm import Comm, wait
-from refmp.device import detect_cuda_aware, device_for
+from refmp.distributed.comm import Comm, wait
 from refmp.errors import ConfigError
+from refmp.runtime import backend
+from refmp.runtime.device import detect_cuda_aware, device_for
 
 
 def pretend(a):

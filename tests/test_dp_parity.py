@@ -17,16 +17,16 @@ from mpi4py import MPI
 from mpi_helpers import collective
 from parity import assert_same_run
 
-from refmp.data import Dataset
+from refmp.cost.zero import unit_sizes
 from refmp.nn import GPTConfig
-from refmp.parallel.zero_cost import unit_sizes
-from refmp.train import TrainConfig
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig
 
 pytestmark = pytest.mark.mpi
 
 
 def buckets_per_step(sizes: dict[str, int], bucket_mb: float, itemsize: int) -> int:
-    """All-reduce calls per step of stage 0 (DDP's rule, refmp.parallel.sharding.Sharder):
+    """All-reduce calls per step of stage 0 (DDP's rule, refmp.parallel.data.sharder.Sharder):
     units become ready in backward order, ln_f, h.{L-1}, ..., h.0, then wte and wpe in the
     embedding's backward (with pp = 1 the tied wte is complete only then); a bucket starts
     as soon as the ready units hold ``bucket_mb``; what is left goes after backward.
@@ -85,7 +85,7 @@ def test_dp_addition_task_equals_serial():
     """The built-in task, AdamW with clipping that bites, a few steps (a golden run), with
     the default 25 MB buckets (one all-reduce a step) and with buckets a little larger than
     a block, where the order units become ready in decides the count."""
-    from refmp.data import AdditionTask
+    from refmp.training.datasets import AdditionTask
 
     ds = AdditionTask(3, seed=0, n_train=500, n_test=10).dataset()
     cfg = TrainConfig(n_layer=2, n_head=2, n_embd=16, batch_size=8, steps=4, grad_clip=0.5,

@@ -14,10 +14,10 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, refmp
 from parity import assert_same_run
 
-from refmp.data import Dataset
-from refmp.parallel.tensor import comm_bytes_per_step
-from refmp.parallel.zero_cost import comm_per_step, memory_per_rank, unit_sizes
-from refmp.train import TrainConfig, Trainer
+from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
+from refmp.parallel.tensor.linear import comm_bytes_per_step
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi
 
@@ -131,7 +131,7 @@ def test_composed_ledger_and_memory_equal_the_single_axis_formulas():
 
 
 def test_grid_groups_are_cached_and_named_by_their_axes():
-    from refmp.grid import ProcessGrid
+    from refmp.distributed.grid import ProcessGrid
 
     g = ProcessGrid(MPI.COMM_SELF)
     assert g.group("dp", "cp") is g.group("cp", "dp")  # one communicator per group
@@ -172,7 +172,7 @@ def test_cli_runs_a_4d_layout_with_experts(tmp_path):
 
     cfg = TrainConfig(n_layer=2, n_head=4, n_embd=16, block_size=8, digits=2, batch_size=4,
                       steps=2, dtype="float64", n_expert=4, progress=False)  # the CLI's run
-    from refmp.grid import ProcessGrid
+    from refmp.distributed.grid import ProcessGrid
 
     serial = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
     for _ in range(cfg.steps):

@@ -19,20 +19,21 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refmp
 from parity import assert_same_run
 
-from refmp.data import Dataset, dp_rows, get_batch
-from refmp.grid import ProcessGrid
+from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import moe as M
-from refmp.parallel.context import ChunkLayout
+from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.data.accumulate import dp_rows
 from refmp.parallel.expert import alltoallv_bytes, expert_index
-from refmp.train import TrainConfig, Trainer
+from refmp.training.datasets import Dataset, get_batch
+from refmp.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi
 
 
 def token_owners(grid: ProcessGrid, cfg: TrainConfig, B: int, T: int):
     """owner (B, T): the dp x cp index f = dp_i cp + cp_i of the rank holding each token
-    (the ep folding, refmp.grid), and mask (B, T): the tokens the ranks of my tp coordinate
+    (the ep folding, refmp.distributed.grid), and mask (B, T): the tokens the ranks of my tp coordinate
     hold (all of them, unless sequence parallelism gives each tp rank T/tp)."""
     s, tp_i = grid.sizes, grid.coords["tp"]
     owner, mask = np.zeros((B, T), dtype=int), np.zeros((B, T), dtype=bool)
@@ -193,7 +194,7 @@ def test_moe_with_every_layout_equals_serial(layout, big_ep, K, cf, zero, microb
 @pytest.mark.parallel(nprocs=3)  # 3: blocks of every size 0..2 between every pair
 @collective
 def test_comm_alltoallv_uneven_and_empty_blocks():
-    from refmp.comm import Comm
+    from refmp.distributed.comm import Comm
 
     c = Comm(MPI.COMM_WORLD, "ep")
     r, n = c.rank, c.size
@@ -231,7 +232,7 @@ def test_cli_expert_parallel_run_saves_the_full_model_and_reports_stats(tmp_path
 
     from safetensors.numpy import load_file
 
-    from refmp.checkpoint import load_model
+    from refmp.checkpoint.weights import load_model
 
     log, a = tmp_path / "log.jsonl", tmp_path / "a.safetensors"
     moe = ["--n-expert", "4", "--top-k", "2", "--capacity-factor", "0.5", "--moe-every", "1"]

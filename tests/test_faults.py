@@ -1,4 +1,4 @@
-"""No rank fails alone (refmp.faults): bad input, a diverging run, a failing or killed rank.
+"""No rank fails alone (refmp.distributed.faults): bad input, a diverging run, a failing or killed rank.
 
 Every case runs the real command under mpiexec, as a user would, with a timeout: a job that
 hangs fails the test instead of hanging it. The bad-input cases run a few at a time (each is
@@ -19,13 +19,13 @@ import pytest
 from mpi4py import MPI
 from mpi_helpers import REPO, mpiexec, refmp
 
-from refmp import memory_check
-from refmp.checkpoint import save_model
+from refmp.checkpoint.weights import save_model
+from refmp.cost import memory as memory_check
+from refmp.distributed.faults import check_finite, check_writable_dir, check_writable_file
+from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError, TrainingError
-from refmp.faults import check_finite, check_writable_dir, check_writable_file
-from refmp.grid import ProcessGrid
 from refmp.nn import GPT, GPTConfig
-from refmp.train import TrainConfig, Trainer
+from refmp.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.cli
 
@@ -237,8 +237,8 @@ def test_memory_estimate_against_the_measured_serial(kw):
 
 ESTIMATE_SCRIPT = """
 from mpi4py import MPI
-from refmp.train import TrainConfig, Trainer
-from refmp import memory_check
+from refmp.training.trainer import TrainConfig, Trainer
+from refmp.cost import memory as memory_check
 for kw in LAYOUTS:
     cfg = TrainConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 16, "batch_size": 16, "steps": 1,
                          "progress": False, **kw})

@@ -6,11 +6,11 @@ import pytest
 from mpi_helpers import refmp
 from safetensors.numpy import load_file, save_file
 
-from refmp.checkpoint import read_config, save_model
-from refmp.data import Dataset
+from refmp.checkpoint.weights import read_config, save_model
 from refmp.errors import ConfigError
 from refmp.nn import GPT, GPTConfig
-from refmp.train import TrainConfig, build_model
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, build_model
 
 # 4 blocks, experts in blocks 0 and 2; every MoE setting away from GPTConfig's defaults
 SAVED = GPTConfig(256, 13, 4, 2, 8, n_expert=4, top_k=2, moe_every=2, capacity_factor=1.5,

@@ -36,13 +36,13 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 from test_engine import config, data, layouts
 
+from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
+from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
-from refmp.grid import ProcessGrid
-from refmp.parallel.sharding import Sharder
-from refmp.parallel.tensor import comm_bytes_per_step
-from refmp.parallel.zero_cost import comm_per_step, memory_per_rank, unit_sizes
-from refmp.precision import BF16, COMPUTE
-from refmp.train import TrainConfig, Trainer, check_config
+from refmp.parallel.data.sharder import Sharder
+from refmp.parallel.tensor.linear import comm_bytes_per_step
+from refmp.runtime.precision import BF16, COMPUTE
+from refmp.training.trainer import TrainConfig, Trainer, check_config
 
 pytestmark = pytest.mark.mpi
 
@@ -177,7 +177,7 @@ def test_one_rank_holds_16_bytes_per_parameter():
 @collective
 def test_zero_stages_hold_the_papers_bytes_per_parameter():
     """dp = 4, bf16: ZeRO-1 4 + 12/N_d, ZeRO-2 2 + 14/N_d, ZeRO-3 16/N_d bytes per (padded)
-    parameter, N_d = 4; every rank, every stage; and the formula of refmp.parallel.zero_cost."""
+    parameter, N_d = 4; every rank, every stage; and the formula of refmp.cost.zero."""
     bad = Mismatches()
     for stage in (0, 1, 2, 3):
         cfg = config(dp=4, zero=stage, batch_size=4, dtype="float32", mixed_precision="bf16")

@@ -17,12 +17,12 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refmp
 from parity import assert_same_run
 
-from refmp.data import Dataset
+from refmp.cost.zero import comm_per_step, memory_per_rank, padded, unit_sizes
 from refmp.nn import gpt
 from refmp.parallel.engine import TIED_TAG
 from refmp.parallel.pipeline.simulate import simulate_schedule
-from refmp.parallel.zero_cost import comm_per_step, memory_per_rank, padded, unit_sizes
-from refmp.train import TrainConfig
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig
 
 pytestmark = pytest.mark.mpi
 
@@ -160,7 +160,7 @@ def test_pipeline_training_equals_serial(schedule, layout, k, rows, extra_layers
 @collective
 def test_pp2_x_dp2_addition_task_equals_serial():
     """pp 2 x dp 2 on the built-in task, 1F1B, ZeRO-1, AdamW with clipping that bites."""
-    from refmp.data import AdditionTask
+    from refmp.training.datasets import AdditionTask
 
     cfg = TrainConfig(n_layer=2, n_head=2, n_embd=8, batch_size=8, steps=3, grad_clip=0.5,
                       dtype="float64", pp=2, microbatches=2, zero=1, progress=False)

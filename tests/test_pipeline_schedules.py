@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refmp.cli import main
+from refmp.cli.main import main
 from refmp.errors import ConfigError
 from refmp.nn import gpt
 from refmp.parallel.pipeline.partition import balanced_split, check_pipeline, piece_costs
@@ -199,10 +199,10 @@ def test_stage_chunks_in_sequence_equal_the_serial_model(zero, n_expert):
     caches and attaches them again for the backward; an MoE model adds its aux losses."""
     from mpi4py import MPI
 
-    from refmp.comm import Comm, Ledger
+    from refmp.distributed.comm import Comm, Ledger
+    from refmp.parallel.data.sharder import Sharder
     from refmp.parallel.pipeline.stage import Stage
     from refmp.parallel.placement import unit_of
-    from refmp.parallel.sharding import Sharder
 
     cfg = gpt.GPTConfig(vocab_size=7, block_size=4, n_layer=3, n_head=2, n_embd=4,
                         n_expert=n_expert, top_k=1, capacity_factor=1.0, aux_loss_coef=0.1)

@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import REPO, Mismatches, collective, mpiexec
 
-from refmp import cpu, plan, plan_search
-from refmp.grid import ProcessGrid
+from refmp.cost import model as plan
+from refmp.cost import search as plan_search
+from refmp.distributed.grid import ProcessGrid
 from refmp.nn.params import GPTConfig
-from refmp.train import Trainer
+from refmp.runtime import cpu
+from refmp.training.trainer import Trainer
 
 pytestmark = pytest.mark.cli
 
@@ -223,7 +225,7 @@ def test_train_layout_auto_trains_the_planned_layout_like_the_serial_run(tmp_pat
     from mpi_helpers import refmp
     from safetensors.numpy import load_file
 
-    from refmp.train import TrainConfig
+    from refmp.training.trainer import TrainConfig
 
     out, log = tmp_path / "auto.safetensors", tmp_path / "log.jsonl"
     r = refmp(4, ["train", "--layout", "auto", *TRAIN, "--steps", "3", "--save", str(out),
@@ -261,9 +263,9 @@ def test_train_layout_auto_refuses_what_cannot_fit_on_every_rank():
 def test_train_flags_given_are_the_searchs_fixed_choices():
     """given_flags tells a flag given (even at its default, or abbreviated) from a default;
     --microbatches fixes M, so b = B / (dp M); --stage-layers is refused."""
-    from refmp.cli import add_train_args, given_flags
+    from refmp.cli.main import add_train_args, given_flags
     from refmp.errors import ConfigError
-    from refmp.train import TrainConfig
+    from refmp.training.trainer import TrainConfig
 
     given = given_flags(add_train_args, ["--tp", "1", "--seq", "--steps", "3", "--layout", "auto"])
     assert given == {"tp", "sequence_parallel", "steps", "layout"}

@@ -5,7 +5,7 @@ shard: the column/row linears, one block (refmp.nn.gpt.block_forward run through
 refmp.parallel.ops.ParallelOps, whole and split for zero bubble), the vocab-parallel ends.
 Level 3: whole training steps (AdamW, clipping, ZeRO, micro-batches, MoE) through the engine
 against the serial run (tests/parity.py), tp x dp. Plus the ledger's bytes against the
-analytic formula (refmp.parallel.tensor.comm_bytes_per_step), and the activation memory of
+analytic formula (refmp.parallel.tensor.linear.comm_bytes_per_step), and the activation memory of
 one block and of the whole model with and without SP against the table of
 docs/tensor_parallel.md.
 """
@@ -18,16 +18,16 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 from parity import assert_same_run
 
-from refmp.data import Dataset
-from refmp.grid import ProcessGrid
+from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import layers as L
-from refmp.parallel import tensor as tpl
-from refmp.parallel import vocab
-from refmp.parallel.data import activation_bytes
+from refmp.parallel.data.accumulate import activation_bytes
 from refmp.parallel.ops import ParallelOps
-from refmp.parallel.placement import place, tp_shard
-from refmp.train import TrainConfig, Trainer
+from refmp.parallel.placement import padded_vocab, place, tp_shard
+from refmp.parallel.tensor import linear as tpl
+from refmp.parallel.tensor import vocab as vocab
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi
 
@@ -136,7 +136,7 @@ def model_activation_bytes(B, T, C, NH, V, n_layer, tp=1, sp=False, w=8) -> int:
     owns (bool, one byte each).
     """
     BT, s = B * T, (T // tp if sp else T)
-    Vl = vocab.padded_vocab(V, tp) // tp
+    Vl = padded_vocab(V, tp) // tp
     blocks = n_layer * w * block_elements(B, T, C, NH, tp, sp)
     head = w * (2 * B * s * C + B * s + BT * Vl + BT)
     ids = 8 * (2 * BT + T) + (2 * BT if tp > 1 else 0)

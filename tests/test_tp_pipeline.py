@@ -19,12 +19,11 @@ from mpi_helpers import Mismatches, collective, refmp
 from parity import assert_same_run
 from safetensors.numpy import load_file
 
-from refmp.data import Dataset
-from refmp.grid import ProcessGrid
+from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
-from refmp.parallel.placement import place
-from refmp.parallel.vocab import padded_vocab
-from refmp.train import TrainConfig, Trainer
+from refmp.parallel.placement import padded_vocab, place
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi
 
@@ -43,7 +42,7 @@ def free(*trainers):
 def expected_ledger(cfg, run, b, T, C) -> dict:
     """(bytes, calls) per step on tp for this stage, and the bytes it sends on pp.
 
-    Per micro-batch, refmp.parallel.tensor.comm_bytes_per_step restricted to what this stage
+    Per micro-batch, refmp.parallel.tensor.linear.comm_bytes_per_step restricted to what this stage
     holds: L_r blocks, the embedding if first (its g), the head and loss if last (its f and
     the cross-entropy's three (b, s) sums). With SP the all-reduces become reduce-scatters and
     all-gathers (6 per block: 2 gathers, 2 re-gathers, 2 of g's backward; the embedding's

@@ -4,7 +4,7 @@ Rank 0 trains the serial model itself (COMM_SELF, the whole batch, one micro-bat
 the engine on dp ranks (COMM_WORLD); after every step the whole gradient and the whole
 weights are gathered from the shards and compared element by element (tests/parity.py).
 The memory a rank keeps and the bytes its ledger counts are held against the formulas of
-refmp.parallel.zero_cost, exactly, on the Sharder's units (zero_cost.unit_sizes).
+refmp.cost.zero, exactly, on the Sharder's units (zero_cost.unit_sizes).
 """
 
 import contextlib
@@ -18,12 +18,12 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refmp
 from parity import assert_same_run
 
-from refmp.data import Dataset
+from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
 from refmp.nn import GPT, GPTConfig
-from refmp.parallel.data import activation_bytes
+from refmp.parallel.data.accumulate import activation_bytes
 from refmp.parallel.engine import Engine
-from refmp.parallel.zero_cost import comm_per_step, memory_per_rank, unit_sizes
-from refmp.train import TrainConfig
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig
 
 OPS = ("allreduce", "reduce_scatter", "allgather")
 

@@ -2,12 +2,12 @@
 tp 2 x dp 2 (with and without SP), pp 2 x dp 2 (every schedule, ZeRO-3 inside the pipeline
 too) and cp 2 x dp 2.
 
-The Sharder shards whatever a rank holds (refmp.parallel.sharding): its tp shards, its
+The Sharder shards whatever a rank holds (refmp.parallel.data.sharder): its tp shards, its
 pipeline stage's units, over the dense ZeRO group grid.group("dp", "cp"), which with cp 2 x
 dp 2 is all 4 ranks (ledger label "dp+cp"). Rank 0 trains the serial model beside the layout;
 after every step the whole gradient and the whole weights are gathered and compared element
 by element (tests/parity.py). Each rank's memory and its ZeRO group's ledger are held against
-refmp.parallel.zero_cost's formulas, exactly, on the units that rank holds
+refmp.cost.zero's formulas, exactly, on the units that rank holds
 (``unit_sizes(cfg, tp, blocks, first, last)``); the CLI's --save against a serial CLI run.
 """
 
@@ -19,10 +19,10 @@ from mpi_helpers import Mismatches, collective, refmp
 from parity import TOL, assert_same_run
 from test_zero import check_memory_and_ledger, ledger_of_the_steps
 
-from refmp.checkpoint import read_tensors
-from refmp.data import Dataset
-from refmp.parallel.zero_cost import unit_sizes
-from refmp.train import TrainConfig
+from refmp.checkpoint.weights import read_tensors
+from refmp.cost.zero import unit_sizes
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig
 
 
 @pytest.mark.mpi

@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 
-from refmp.data import ADD_CHARS, AdditionTask, get_batch
 from refmp.nn import GPT, GPTConfig
-from refmp.optim import AdamW
+from refmp.training.datasets import ADD_CHARS, AdditionTask, get_batch
+from refmp.training.optim import AdamW
 
 # 1. The data: the built-in addition task, one 13-character problem per window.
 task = AdditionTask(digits=3, seed=0, n_train=1000, n_test=10)

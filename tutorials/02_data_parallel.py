@@ -16,12 +16,12 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from refmp.comm import Comm
-from refmp.data import AdditionTask, dp_rows, get_batch
+from refmp.distributed.comm import Comm
 from refmp.nn import GPT, GPTConfig
-from refmp.optim import AdamW, clip_grad_norm
-from refmp.parallel.data import allreduce_grads
-from refmp.train import TrainConfig, Trainer
+from refmp.parallel.data.accumulate import allreduce_grads, dp_rows
+from refmp.training.datasets import AdditionTask, get_batch
+from refmp.training.optim import AdamW, clip_grad_norm
+from refmp.training.trainer import TrainConfig, Trainer
 
 world = Comm(MPI.COMM_WORLD, "dp")
 rank, dp = world.rank, world.size

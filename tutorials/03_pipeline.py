@@ -15,11 +15,11 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from refmp.data import AdditionTask
-from refmp.grid import ProcessGrid
+from refmp.distributed.grid import ProcessGrid
 from refmp.parallel.pipeline.schedules import schedule
 from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
-from refmp.train import TrainConfig, Trainer
+from refmp.training.datasets import AdditionTask
+from refmp.training.trainer import TrainConfig, Trainer
 
 world = MPI.COMM_WORLD
 pp, M = world.size, 4

@@ -6,7 +6,7 @@ All ranks form one tensor-parallel group. Each holds 1/tp of every big matrix: t
 columns of its own heads, its rows of the attention and MLP output projections, its columns
 of the MLP input, its rows of the (padded) token embedding (refmp.parallel.placement). The
 one engine runs the layout: the serial block of refmp.nn.gpt, through ParallelOps
-(refmp.parallel.ops), whose linears are column- and row-parallel (refmp.parallel.tensor).
+(refmp.parallel.ops), whose linears are column- and row-parallel (refmp.parallel.tensor.linear).
 The script shows the shards, trains a few AdamW steps with and without sequence parallelism
 next to the serial model, holds the ledger's bytes against the formula, and reports the
 activation memory each rank's caches hold. Exits non-zero if anything differs.
@@ -17,12 +17,11 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from refmp.data import AdditionTask
-from refmp.grid import ProcessGrid
-from refmp.parallel.placement import place, tp_shard
-from refmp.parallel.tensor import comm_bytes_per_step
-from refmp.parallel.vocab import padded_vocab
-from refmp.train import TrainConfig, Trainer
+from refmp.distributed.grid import ProcessGrid
+from refmp.parallel.placement import padded_vocab, place, tp_shard
+from refmp.parallel.tensor.linear import comm_bytes_per_step
+from refmp.training.datasets import AdditionTask
+from refmp.training.trainer import TrainConfig, Trainer
 
 world = MPI.COMM_WORLD
 tp = world.size

@@ -15,12 +15,13 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from refmp.data import ADD_CHARS, AdditionTask, dp_rows, get_batch
-from refmp.grid import ProcessGrid
+from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import moe as M
+from refmp.parallel.data.accumulate import dp_rows
 from refmp.parallel.expert import alltoallv_bytes
-from refmp.train import TrainConfig, Trainer
+from refmp.training.datasets import ADD_CHARS, AdditionTask, get_batch
+from refmp.training.trainer import TrainConfig, Trainer
 
 world = MPI.COMM_WORLD
 say = print if world.rank == 0 else (lambda *a, **k: None)

@@ -3,7 +3,7 @@
 Run:  mpiexec -n 2 python tutorials/06_zero.py      (any number of ranks works)
 
 It prints
-  1. the ZeRO memory table for GPT-2 124M and 1.5B, from the formulas (refmp.parallel.zero_cost);
+  1. the ZeRO memory table for GPT-2 124M and 1.5B, from the formulas (refmp.cost.zero);
   2. a tiny model trained 3 steps with each stage and 2 micro-batches, checked against the
      serial model (loss, gathered weights), with the memory each rank measured and the
      bytes its ledger counted, both next to the formulas;
@@ -17,11 +17,11 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from refmp.data import Dataset
-from refmp.grid import ProcessGrid
+from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
+from refmp.distributed.grid import ProcessGrid
 from refmp.nn import GPTConfig
-from refmp.parallel.zero_cost import comm_per_step, memory_per_rank, unit_sizes
-from refmp.train import TrainConfig, Trainer
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, Trainer
 
 world = MPI.COMM_WORLD
 rank0 = world.rank == 0

@@ -21,15 +21,15 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from refmp.comm import Comm, Ledger
-from refmp.data import Dataset
-from refmp.grid import ProcessGrid
+from refmp.distributed.comm import Comm, Ledger
+from refmp.distributed.grid import ProcessGrid
 from refmp.nn import blockwise as BW
 from refmp.nn import layers as L
-from refmp.parallel.context import ChunkLayout, nbytes_of, ring_attention_flops
-from refmp.parallel.context_ring import RingAttention
-from refmp.parallel.context_ulysses import UlyssesAttention
-from refmp.train import TrainConfig, Trainer
+from refmp.parallel.context.chunks import ChunkLayout, nbytes_of, ring_attention_flops
+from refmp.parallel.context.ring import RingAttention
+from refmp.parallel.context.ulysses import UlyssesAttention
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, Trainer
 
 world = MPI.COMM_WORLD
 cp, rank = world.size, world.rank

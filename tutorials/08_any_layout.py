@@ -16,10 +16,10 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from refmp.data import Dataset
-from refmp.grid import ProcessGrid
+from refmp.distributed.grid import ProcessGrid
 from refmp.parallel.expert import expert_index, is_expert
-from refmp.train import TrainConfig, Trainer
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, Trainer
 
 world = MPI.COMM_WORLD
 if world.size != 8:

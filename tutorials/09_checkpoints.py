@@ -23,10 +23,11 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
-from refmp import convert, state
-from refmp.data import Dataset
-from refmp.grid import ProcessGrid
-from refmp.train import TrainConfig, Trainer
+from refmp.checkpoint import convert
+from refmp.checkpoint import sharded as state
+from refmp.distributed.grid import ProcessGrid
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, Trainer
 
 world = MPI.COMM_WORLD
 if world.size != 4:

@@ -6,7 +6,7 @@ Run:  mpiexec -n 2 python tutorials/10_memory.py            (any number of ranks
 It prints
   1. ZeRO's bytes per parameter with mixed precision (bf16 weights and gradients, fp32 masters
      and AdamW moments: 2 + 2 + 12, Rajbhandari et al. 2020 sec. 3.1) for each stage on this
-     many ranks: the formula (refmp.parallel.zero_cost.memory_per_rank) beside what every
+     many ranks: the formula (refmp.cost.zero.memory_per_rank) beside what every
      rank measured in a real step;
   2. one model on one rank: params, grads, optimizer state and peak activations for
      --recompute none / selective / full (Korthikanti et al. 2022) x fp32 / bf16, with the
@@ -22,10 +22,10 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from refmp.data import Dataset
-from refmp.grid import ProcessGrid
-from refmp.parallel.zero_cost import memory_per_rank, padded, unit_sizes
-from refmp.train import TrainConfig, Trainer
+from refmp.cost.zero import memory_per_rank, padded, unit_sizes
+from refmp.distributed.grid import ProcessGrid
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, Trainer
 
 world = MPI.COMM_WORLD
 rank0 = world.rank == 0

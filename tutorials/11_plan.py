@@ -5,9 +5,9 @@ Run:  mpiexec -n 2 python tutorials/11_plan.py            (any number of ranks w
       mpiexec -n 2 python tutorials/11_plan.py --plot docs/img/plan_step_time.png
 
 It prints
-  1. the planner's five fastest layouts of GPT-2 small on 64 A100s (refmp.plan_search.search:
-     every layout check_layout accepts, timed by refmp.plan.predict, sized by
-     refmp.plan.memory), and why the best beats the runner-up;
+  1. the planner's five fastest layouts of GPT-2 small on 64 A100s (refmp.cost.search.search:
+     every layout check_layout accepts, timed by refmp.cost.model.predict, sized by
+     refmp.cost.model.memory), and why the best beats the runner-up;
   2. GPT-2 large on 64 A100s, bf16, full recomputation: the step time of each (tp, pp) split,
      term by term (GEMMs, elementwise kernels, the tp all-reduces, the pipeline's bubble and
      boundaries, the exposed dp reduction): where each layout loses its time; with --plot,
@@ -23,9 +23,10 @@ from dataclasses import replace
 
 from mpi4py import MPI
 
-from refmp import plan, plan_search
+from refmp.cost import model as plan
+from refmp.cost import search as plan_search
 from refmp.nn.params import GPTConfig
-from refmp.train import Trainer
+from refmp.training.trainer import Trainer
 
 world = MPI.COMM_WORLD
 rank, n = world.Get_rank(), world.Get_size()

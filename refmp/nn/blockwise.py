@@ -1,5 +1,5 @@
 """Attention over one block of keys at a time, with each row's log-sum-exp: the pieces ring
-attention (refmp.parallel.context_ring) is built of.
+attention (refmp.parallel.context.ring) is built of.
 
 Shapes: B batch, NH heads, Tq queries and Tk keys of the block, HS head size. The serial
 attention (refmp.nn.layers.attention_forward) sees every key at once; these see one block,
@@ -10,8 +10,8 @@ gradient (tests/test_context_serial.py).
 
 from __future__ import annotations
 
-from refmp.backend import array_module
-from refmp.precision import autocast
+from refmp.runtime.backend import array_module
+from refmp.runtime.precision import autocast
 
 
 @autocast

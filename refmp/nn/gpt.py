@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 
-from refmp import backend
 from refmp.nn import layers as L
 from refmp.nn import moe as M
 from refmp.nn.params import (  # noqa: F401  (re-exported: refmp.nn.gpt is where readers look)
@@ -34,7 +33,8 @@ from refmp.nn.params import (  # noqa: F401  (re-exported: refmp.nn.gpt is where
     init_params,
     param_shapes,
 )
-from refmp.precision import autocast
+from refmp.runtime import backend
+from refmp.runtime.precision import autocast
 
 # --- the pieces -----------------------------------------------------------------------------
 

@@ -9,14 +9,14 @@ order of the forward's arguments. The caller owns the cache; nothing here keeps 
 Backward passes mirror their forward: sections in reverse order, and the forward line each
 step inverts is quoted where it is not obvious.
 
-Mixed precision: each layer is wrapped in refmp.precision.autocast. Given bf16 or fp16
+Mixed precision: each layer is wrapped in refmp.runtime.precision.autocast. Given bf16 or fp16
 arrays it computes in fp32 (BLAS has no bf16 kernel; LayerNorm statistics, softmax and
 cross-entropy want fp32 anyway) and rounds what it returns, caches included, to that dtype.
 Given fp32 or fp64 arrays it is the plain function.
 
 Speed: the elementwise and row-wise layers (LayerNorm, GELU, and attention, whose batch
 elements are independent) write their math once, as a ``_kernel(inputs..., outputs...)`` that
-fills given output arrays in place, and run it with refmp.cpu.rows: on row blocks in parallel
+fills given output arrays in place, and run it with refmp.runtime.cpu.rows: on row blocks in parallel
 threads for NumPy, in one call otherwise. Results are bitwise the same either way (each row is
 computed by the same operations).
 """
@@ -26,9 +26,9 @@ from __future__ import annotations
 import functools
 import math
 
-from refmp.backend import array_module, scatter_add
-from refmp.cpu import one_blas_thread, rows
-from refmp.precision import autocast
+from refmp.runtime.backend import array_module, scatter_add
+from refmp.runtime.cpu import one_blas_thread, rows
+from refmp.runtime.precision import autocast
 
 LN_EPS = 1e-5
 GELU_K = math.sqrt(2.0 / math.pi)
@@ -227,7 +227,7 @@ def attention_forward(qkv, n_head, keep_scores: bool = True):
     scale = 1.0 / math.sqrt(hs)
     att = xp.empty((B, n_head, T, T), dtype=qkv.dtype)
     y = xp.empty((B, T, n_head, hs), dtype=qkv.dtype)  # (B, T, C) once reshaped
-    with one_blas_thread(T, T, hs, qkv):  # B NH small products (refmp.cpu)
+    with one_blas_thread(T, T, hs, qkv):  # B NH small products (refmp.runtime.cpu)
         rows(functools.partial(_attention, scale=scale), q, k, v, att, y)  # per batch element
     return y.reshape(B, T, C), (q, k, v, att if keep_scores else None, scale)
 
@@ -265,7 +265,7 @@ def attention_backward(dout, cache):
         att = xp.empty((B, NH, T, T), dtype=q.dtype)
     dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
     dqkv = xp.empty((B, T, 3, NH, HS), dtype=dout.dtype)  # (B, T, 3C) once reshaped
-    with one_blas_thread(T, T, HS, dout):  # B NH small products (refmp.cpu)
+    with one_blas_thread(T, T, HS, dout):  # B NH small products (refmp.runtime.cpu)
         grad = functools.partial(_attention_grad, scale=scale, recompute=recompute)
         rows(grad, dy, q, k, v, att, dqkv)  # per batch element
     return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)

@@ -69,9 +69,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from refmp import backend
 from refmp.nn import layers as L
-from refmp.precision import autocast
+from refmp.runtime import backend
+from refmp.runtime.precision import autocast
 
 EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
 EXPERT_PARAMS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")

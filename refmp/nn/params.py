@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refmp import backend
 from refmp.nn import moe as M
+from refmp.runtime import backend
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ The Engine composes orthogonal pieces; none of them knows the others' axes:
   ranks its sequences are split over from the MoEContext made here;
 * **placement** (refmp.parallel.placement): which slice of each full parameter this rank
   holds, which group sums its gradient, who counts it once in the norm;
-* **sharder** (refmp.parallel.sharding): DP / ZeRO 0-3 over the local units, dense ones over
+* **sharder** (refmp.parallel.data.sharder): DP / ZeRO 0-3 over the local units, dense ones over
   grid.group("dp", "cp"), expert ones over edp;
 * **pipeline** (refmp.parallel.pipeline): this rank's chunks (Stage), the schedule's action
   list and the executor. pp = 1 is a one-stage pipeline: its schedule is gradient
@@ -29,14 +29,19 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from refmp import backend
-from refmp.comm import Comm, wait
-from refmp.data import dp_rows
+from refmp.distributed.comm import Comm, wait
 from refmp.nn import gpt
-from refmp.parallel.context import ChunkLayout
-from refmp.parallel.context_ring import RingAttention
-from refmp.parallel.context_ulysses import UlyssesAttention
-from refmp.parallel.data import activation_bytes, flatten, split_microbatches, unflatten_into
+from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.ring import RingAttention
+from refmp.parallel.context.ulysses import UlyssesAttention
+from refmp.parallel.data.accumulate import (
+    activation_bytes,
+    dp_rows,
+    flatten,
+    split_microbatches,
+    unflatten_into,
+)
+from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
 from refmp.parallel.ops import ParallelOps
 from refmp.parallel.pipeline.executor import Executor
@@ -44,15 +49,23 @@ from refmp.parallel.pipeline.partition import parse_stage_layers, partition, pie
 from refmp.parallel.pipeline.schedules import schedule
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
-from refmp.parallel.placement import gather_experts, gather_tp, place, tp_shard, unit_of
-from refmp.parallel.sharding import Sharder
-from refmp.precision import mixed_dtypes
+from refmp.parallel.placement import (
+    gather_experts,
+    gather_tp,
+    holds,
+    place,
+    stage_chunks,
+    tp_shard,
+    unit_of,
+)
+from refmp.runtime import backend
+from refmp.runtime.precision import mixed_dtypes
 
 TIED_TAG = 32767  # MPI guarantees tags up to 32767; the executor's stay below (2 m S)
 
 
 class Engine:
-    """The runner (refmp.train.Runner) for any layout: ``model`` holds the full initial
+    """The runner (refmp.training.trainer.Runner) for any layout: ``model`` holds the full initial
     weights (layout-independent), which the engine slices and then frees."""
 
     def __init__(self, model: gpt.GPT, grid, cfg):
@@ -77,16 +90,11 @@ class Engine:
         self.S, r = P * V, self.pp.rank
         blocks = partition(mc.n_layer, self.S, piece_costs(mc.n_embd, T, mc.vocab_size),
                            parse_stage_layers(cfg.stage_layers))
-        chunks = {c: blocks[c] for c in range(r, self.S, P)}
+        chunks = {c: blocks[c] for c in stage_chunks(r, P, V)}
         self.first, self.last = 0 in chunks, self.S - 1 in chunks
-        mine = {f"h.{i}." for c in chunks.values() for i in c}
-        El = mc.n_expert // s["ep"] if mc.n_expert else 0
-        names = [k for k in model.params
-                 if (k.startswith("h.") and ".".join(k.split(".")[:2]) + "." in mine)
-                 or (k in ("wte.weight", "wpe.weight") and self.first)
-                 or (k in ("wte.weight", "ln_f.weight", "ln_f.bias") and self.last)]
-        names = [k for k in names if place(k, self.sp).expert is None
-                 or place(k, self.sp).expert // El == self.ep.rank]  # my experts only
+        my_blocks = {i for c in chunks.values() for i in c}
+        names = [k for k in model.params if holds(k, my_blocks, self.first, self.last,
+                                                   self.ep.rank, mc.n_expert, s["ep"])]
         local = {k: tp_shard(k, model.params[k], self.tp.rank, self.tp.size) for k in names}
         model.params, model.grads = {}, {}  # the full weights are not kept
         # the sharder: units, each over the group its gradient is summed over

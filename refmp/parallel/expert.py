@@ -4,7 +4,7 @@ Shapes: C channels, E experts, El = E/ep experts per rank, M this rank's kept as
 (token, expert), R the assignments this rank's experts receive from the whole ep group.
 
 Layout (Lepikhin et al. 2020, GShard; Fedus et al. 2021, Switch; Megatron's MoE parallel
-folding): ep is carved from the dp x cp ranks (refmp.grid). Every rank holds the non-expert
+folding): ep is carved from the dp x cp ranks (refmp.distributed.grid). Every rank holds the non-expert
 weights of its stage and tp shard (replicated over dp x cp) and the El experts e in
 [ep_rank El, (ep_rank + 1) El) of each of its MoE layers. The ranks in one ep group hold
 different experts; the ranks of an edp group (same ep_rank, different ep groups) hold the
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmp import backend
 from refmp.nn import moe as M
+from refmp.runtime import backend
 
 
 def is_expert(name: str) -> bool:
@@ -62,7 +62,7 @@ class ExpertDispatch:
     """Run the experts of refmp.nn.moe on their owners, by all-to-all over ``ep``.
 
     ``wire``: mixed precision's compute dtype. The MoE layer runs in fp32 inside
-    (refmp.precision.autocast), but its rows travel in the compute dtype, as every other
+    (refmp.runtime.precision.autocast), but its rows travel in the compute dtype, as every other
     activation does: the tokens were rounded to it before the layer widened them (so their
     trip is exact); the experts' outputs and the gradients are rounded for theirs.
     """

@@ -7,16 +7,16 @@ composes with every other; what is left are the arithmetic rules of each split.
 
 from __future__ import annotations
 
+from refmp.distributed.grid import check_sizes
 from refmp.errors import ConfigError
-from refmp.grid import check_sizes
-from refmp.parallel.context import ALGOS, ChunkLayout
+from refmp.parallel.context.chunks import ALGOS, ChunkLayout
 from refmp.parallel.pipeline.partition import check_pipeline, parse_stage_layers
 
 
 def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[str, int]:
     """Refuse what this layout cannot split; return the axis sizes (dp filled in).
 
-    ``cfg``: a refmp.train.TrainConfig; ``mcfg``: the model's GPTConfig; ``sizes``: the
+    ``cfg``: a refmp.training.trainer.TrainConfig; ``mcfg``: the model's GPTConfig; ``sizes``: the
     grid's, when one was made already (else read from cfg and checked against world_size).
     """
     s = sizes or check_sizes(world_size, cfg.pp, cfg.dp, cfg.cp, cfg.tp, cfg.ep)

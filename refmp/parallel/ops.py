@@ -7,11 +7,11 @@ parallelism), C channels, NH heads, V vocabulary, Vl = Vp/tp vocabulary rows per
 The serial Ops run plain linears, the serial attention core and the serial embedding and
 head. ParallelOps composes what a layout asks for, each axis touching only its own piece:
 
-* ``tp`` (Megatron, refmp.parallel.tensor): the linears become column- and row-parallel
+* ``tp`` (Megatron, refmp.parallel.tensor.linear): the linears become column- and row-parallel
   with f and g around them (or, with ``sp``, sequence parallelism's all-gather and
   reduce-scatter), each rank computes NH/tp heads, and the embedding, tied head and
-  cross-entropy are vocabulary-parallel (refmp.parallel.vocab);
-* ``attn`` (context parallelism, refmp.parallel.context): the attention core becomes ring
+  cross-entropy are vocabulary-parallel (refmp.parallel.tensor.vocab);
+* ``attn`` (context parallelism, refmp.parallel.context.chunks): the attention core becomes ring
   attention or Ulysses over cp, on whatever heads tp left this rank; ``positions`` are the
   global positions of this rank's tokens, for the position embedding;
 * experts (refmp.parallel.expert) are not here: the MoE MLP takes its dispatch from the
@@ -22,11 +22,11 @@ Composition is composition of Ops, not a runner per combination: tp x cp x SP is
 
 from __future__ import annotations
 
-from refmp.backend import array_module
-from refmp.comm import Comm
+from refmp.distributed.comm import Comm
 from refmp.nn import gpt
-from refmp.parallel import tensor as tpl
-from refmp.parallel import vocab
+from refmp.parallel.tensor import linear as tpl
+from refmp.parallel.tensor import vocab as vocab
+from refmp.runtime.backend import array_module
 
 
 class ParallelOps(gpt.Ops):

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from refmp import backend
 from refmp.nn import moe as M
-from refmp.parallel.vocab import padded_vocab
+from refmp.runtime import backend
 
 # tp splits: name inside a block (or the top-level name) -> (dim, kind)
 TP_SPLITS = {
@@ -63,6 +62,40 @@ def place(name: str, sp: bool) -> Place:
     if split is not None:
         return Place(split, None, ("dp", "cp"), ("dp", "cp"))
     return Place(None, None, ("dp", "cp", *tp_extra), ("dp", "cp", "tp"))
+
+
+def padded_vocab(V: int, tp: int) -> int:
+    """V rounded up to a multiple of tp (wte's rows are split evenly; the extra rows are 0)."""
+    return -(-V // tp) * tp
+
+
+# --- who holds what: the ownership rules (the engine, the memory estimate and the planner) ---
+
+
+def stage_chunks(pp_rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
+    """The model chunks pipeline rank ``pp_rank`` runs: chunk c of S = pp v on rank c % pp
+    (with v > 1, Narayanan et al. 2021's interleaving)."""
+    return list(range(pp_rank, pp * virtual_stages, pp))
+
+
+def expert_owner(e: int, n_expert: int, ep: int) -> int:
+    """The ep rank holding expert e: experts [r El, (r+1) El) on ep rank r (El = E/ep)."""
+    return e // (n_expert // ep)
+
+
+def holds(name: str, blocks, first: bool, last: bool, ep_rank: int = 0, n_expert: int = 0,
+          ep: int = 1) -> bool:
+    """Whether a rank running ``blocks`` (the first stage: ``first``, the last: ``last``) at
+    this ep rank holds parameter ``name`` (its tp shard): its blocks' weights, wte and wpe on
+    the first stage, ln_f and the tied wte on the last, and only its own experts."""
+    top = name.split(".")[0]
+    if top == "h":
+        if int(name.split(".")[1]) not in blocks:
+            return False
+    elif not ((top in ("wte", "wpe") and first) or (top in ("wte", "ln_f") and last)):
+        return False
+    e = place(name, False).expert
+    return e is None or expert_owner(e, n_expert, ep) == ep_rank
 
 
 def unit_of(name: str) -> str:

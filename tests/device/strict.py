@@ -35,8 +35,8 @@ import numpy as np
 class Crossings:
     """Host<->device traffic through the stand-in, whoever caused it. With ``trace`` on,
     ``log`` gets (kind, nbytes, site, staged) per crossing: ``site`` the innermost refmp
-    function outside backend.py and comm.py ("refmp/train.py:step"), ``staged`` whether it was
-    Comm staging a buffer for MPI."""
+    function outside runtime/backend.py and distributed/comm.py
+    ("refmp/training/trainer.py:step"), ``staged`` whether it was Comm staging a buffer for MPI."""
 
     def __init__(self):
         self.trace = False
@@ -55,9 +55,9 @@ class Crossings:
             stack = traceback.extract_stack()
             files = [f.filename.replace(os.sep, "/") for f in stack]
             ours = [(f, s.name) for f, s in zip(files, stack, strict=True) if "/refmp/" in f
-                    and not f.endswith(("/refmp/backend.py", "/refmp/comm.py"))]
+                    and not f.endswith(("/refmp/runtime/backend.py", "/refmp/distributed/comm.py"))]
             site = f"refmp/{ours[-1][0].rsplit('/refmp/', 1)[1]}:{ours[-1][1]}" if ours else "?"
-            staged = any(f.endswith("/refmp/comm.py") for f in files)
+            staged = any(f.endswith("/refmp/distributed/comm.py") for f in files)
             self.log.append((kind, int(nbytes), site, staged))
 
 

@@ -20,10 +20,10 @@ from mpi_helpers import Mismatches, collective
 from parity import assert_same_run
 from test_engine import REFUSED_BEFORE
 
-from refmp import backend
-from refmp.data import Dataset
-from refmp.grid import ProcessGrid
-from refmp.train import TrainConfig
+from refmp.distributed.grid import ProcessGrid
+from refmp.runtime import backend
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig
 
 pytestmark = [pytest.mark.mpi, pytest.mark.device]
 # tests/gpu/check.sh runs these again with REFMP_TEST_XP=cupy: the same layouts on CuPy, on a GPU
@@ -78,11 +78,12 @@ def traced_step(tr, bad: Mismatches, what: str) -> dict | None:
         c.trace = False
     staged = {k: sum(n for kind, n, _, s in c.log if s and kind == k) for k in ("d2h", "h2d")}
     other = [(kind, n, site) for kind, n, site, s in c.log if not s]
-    batch = [n for kind, n, site in other if (kind, site) == ("h2d", "refmp/train.py:step")]
+    batch = [n for kind, n, site in other if (kind, site) == ("h2d", "refmp/training/trainer.py:step")]
     rows = tr.rows.stop - tr.rows.start
     want_batch = [rows * tr.T * tr.ds.tokens.itemsize] * 2  # x, y
     stray = sorted({(kind, site) for kind, n, site in other
-                    if (kind, site) != ("h2d", "refmp/train.py:step") and (kind, site) not in ALLOWED})
+                    if (kind, site) != ("h2d", "refmp/training/trainer.py:step")
+                    and (kind, site) not in ALLOWED})
     eq = np.testing.assert_equal
     bad.check(eq, staged["d2h"], led.bytes("stage_d2h"), err_msg=f"{what}: staged d2h")
     bad.check(eq, staged["h2d"], led.bytes("stage_h2d"), err_msg=f"{what}: staged h2d")
@@ -164,7 +165,7 @@ def test_cuda_aware_mpi_takes_device_buffers_unstaged(on_strict_device):
 def test_generation_and_resume_on_device(on_strict_device, tmp_path_factory):
     """Greedy decoding and a checkpoint's save and resume, all on device arrays: the resumed
     run's next step is bitwise the uninterrupted one's."""
-    from refmp.train import Trainer
+    from refmp.training.trainer import Trainer
 
     kw = dict(pp=2, tp=2, zero=3, microbatches=2)
     tr = Trainer(config(**kw), dataset=data())
@@ -188,7 +189,7 @@ def test_fp16_on_device_is_bitwise_the_cpu_run(on_strict_device):
     """Mixed precision (fp16 compute, fp32 masters, loss scaling) on device arrays: the stand-in
     computes with NumPy, so staging and the device branches must leave every bit as on the
     CPU; and its step crosses only where a float64 one does."""
-    from refmp.train import Trainer
+    from refmp.training.trainer import Trainer
 
     if XP == "cupy":
         return  # cuBLAS rounds differently: tests/gpu holds CuPy to tolerances instead
@@ -209,9 +210,9 @@ def test_fp16_on_device_is_bitwise_the_cpu_run(on_strict_device):
 @pytest.mark.parallel(nprocs=4)
 @collective
 def test_a_whole_run_on_device(on_strict_device, tmp_path_factory):
-    """refmp.run end to end on device arrays: training, the held-out evaluation (generation),
+    """refmp.cli.train end to end on device arrays: training, the held-out evaluation (generation),
     the gathered --save, the log, the pipeline trace and a sharded checkpoint."""
-    from refmp.run import run
+    from refmp.cli.train import run
 
     world = MPI.COMM_WORLD
     d = world.bcast(str(tmp_path_factory.mktemp("run")) if world.rank == 0 else None)

@@ -17,11 +17,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="no GPU")
 from mpi4py import MPI  # noqa: E402
 from mpi_helpers import Mismatches, collective  # noqa: E402
 
-from refmp import backend  # noqa: E402
-from refmp.data import Dataset  # noqa: E402
-from refmp.grid import ProcessGrid  # noqa: E402
+from refmp.distributed.grid import ProcessGrid  # noqa: E402
 from refmp.nn import GPT, GPTConfig  # noqa: E402
-from refmp.train import TrainConfig, Trainer  # noqa: E402
+from refmp.runtime import backend  # noqa: E402
+from refmp.training.datasets import Dataset  # noqa: E402
+from refmp.training.trainer import TrainConfig, Trainer  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-12)
 

@@ -6,7 +6,7 @@ parallelism, then /tp with sequence parallelism), C channels.
 A chunk is a run of consecutive blocks (partition.py); chunk 0 also embeds the tokens and
 the last chunk also applies ln_f, the tied head and the loss. Every pass runs the one block
 of refmp.nn.gpt through the layout's Ops (refmp.parallel.ops), on weights the Sharder hands
-out unit by unit (refmp.parallel.sharding): views of resident buffers, or, with ZeRO-3,
+out unit by unit (refmp.parallel.data.sharder): views of resident buffers, or, with ZeRO-3,
 gathered just before the forward and again just before the backward. After each unit's
 backward of a micro-batch the Sharder is told its gradient is ready, so it can reduce it
 while the schedule goes on. pp = 1 is the same code with one chunk. With full recomputation
@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from refmp.nn import gpt
 from refmp.nn import moe as M
-from refmp.parallel.sharding import attach, detach
+from refmp.parallel.data.sharder import attach, detach
 
 
 class Recompute(NamedTuple):

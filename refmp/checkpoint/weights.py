@@ -1,0 +1,181 @@
+"""Model weights as safetensors, with GPT-2's parameter names.
+
+``save_model`` writes the full model (host arrays, the model's dtype) plus metadata giving
+the shape that the tensors alone do not say (n_head, and an MoE model's top_k, capacity
+factor, loss weights). ``load_model`` reads refmp's files and GPT-2 state dicts saved as
+safetensors: a ``transformer.`` prefix is stripped, and the attention-mask buffers and the
+tied ``lm_head.weight`` are ignored. ``read_config`` says what configuration a file gives,
+with the flags the user gave winning over its metadata, and notes where they differ.
+Sharded checkpoints (one file per rank, any layout reads any other's) are refmp.checkpoint.sharded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+
+from refmp.errors import ConfigError
+from refmp.nn.gpt import GPT, GPTConfig, param_shapes
+from refmp.runtime import backend
+
+MOE_META = ("top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+
+
+def save_model(path: str, params: dict, cfg: GPTConfig) -> None:
+    """Write full (unsharded) parameters, GPT-2 names, to ``path``, atomically."""
+    from safetensors.numpy import save_file
+
+    tensors = {k: np.ascontiguousarray(backend.to_host(v)) for k, v in params.items()}
+    meta = {"format": "refmp", "n_head": str(cfg.n_head)}
+    if cfg.n_expert:  # the MoE settings the tensors do not say
+        meta.update({k: str(getattr(cfg, k)) for k in MOE_META})
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, path)  # never leave a half-written file under the real name
+
+
+def moe_flags(cfg) -> dict:
+    """The MoE settings a TrainConfig was given (those not None), by GPTConfig field name."""
+    return {k: getattr(cfg, k) for k in MOE_META if getattr(cfg, k) is not None}
+
+
+def gpt2_name(key: str) -> str | None:
+    """A file's tensor name as refmp's parameter name; None for what is not a parameter."""
+    key = key.removeprefix("transformer.")
+    if key == "lm_head.weight" or re.fullmatch(r"h\.\d+\.attn\.(masked_)?bias", key):
+        return None  # tied head, causal-mask buffers: not parameters
+    return key
+
+
+def check_complete(path: str, flag: str = "--init") -> None:
+    """Refuse a truncated safetensors file (an interrupted copy or download), naming it.
+
+    The format: an 8-byte little-endian header length n, n bytes of JSON giving each
+    tensor's ``data_offsets`` [begin, end) in the data that follows; so the file must hold
+    8 + n + the largest end bytes. Other damage is left to safetensors' own message.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little")
+        if len(head) < 8 or 8 + n > size:
+            raise ConfigError(f"{flag} {path}: truncated, or not a safetensors file ({size:,} "
+                              f"bytes, too short for the header it starts with)")
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                       if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return  # not a header we can read: safetensors says what is wrong
+    if 8 + n + end > size:
+        raise ConfigError(f"{flag} {path}: truncated: the file has {size:,} bytes but its "
+                          f"header describes {8 + n + end:,} (an interrupted copy or download?)")
+
+
+def _open(path: str, read):
+    """``read(f)`` on the opened file; clear errors if it is missing, truncated or unreadable."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--init {path}: no such file")
+    check_complete(path)
+    try:
+        with safe_open(path, framework="numpy") as f:
+            return read(f)
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise ConfigError(f"--init {path}: not a readable safetensors file ({e})") from e
+
+
+def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors by GPT-2 name, metadata) from a safetensors file; clear errors if unreadable."""
+    raw, meta = _open(path, lambda f: ({k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}))
+    return {n: v for k, v in raw.items() if (n := gpt2_name(k)) is not None}, meta
+
+
+def read_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(shapes by GPT-2 name, metadata) from the file's header alone (no tensor is read)."""
+    raw, meta = _open(path, lambda f: ({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()},
+                                       f.metadata() or {}))
+    return {n: v for k, v in raw.items() if (n := gpt2_name(k)) is not None}, meta
+
+
+def read_config(path: str, n_head: int | None = None,
+                moe: dict | None = None) -> tuple[GPTConfig, list[str]]:
+    """The GPTConfig a file gives, and notes to print once (on rank 0).
+
+    Shapes come from the tensors: V, C from wte, T from wpe, L from the block names, E from a
+    router, moe_every from which blocks have routers. Heads: ``n_head``, else the metadata's,
+    else 4. The other MoE settings: ``moe`` (the flags given, by field name) wins over the
+    metadata, which wins over GPTConfig's defaults; the notes say where a flag overrides the
+    metadata, and which settings the file does not record (a file from another
+    implementation). A given moe_every must put the experts where the file's routers are.
+    """
+    shapes, meta = read_shapes(path)
+    if "wte.weight" not in shapes or "wpe.weight" not in shapes:
+        raise ConfigError(f"--init {path}: no wte.weight / wpe.weight; is this a GPT-2 model?")
+    V, C = shapes["wte.weight"]
+    T = shapes["wpe.weight"][0]
+    n_layer = len({int(m.group(1)) for k in shapes if (m := re.match(r"h\.(\d+)\.", k))})
+    heads = n_head if n_head is not None else int(meta.get("n_head", 4))
+    routers = sorted(int(m.group(1)) for k in shapes
+                     if (m := re.fullmatch(r"h\.(\d+)\.mlp\.router\.weight", k)))
+    given, notes, settings = dict(moe or {}), [], {}
+    flag = {k: f"--{k.replace('_', '-')}" for k in MOE_META}
+    if not routers:
+        if given:
+            notes.append(f"--init {path} is a dense model (no routers): "
+                         f"{', '.join(flag[k] for k in given)} ignored")
+    else:  # mixture of experts: E and moe_every from the routers, the rest as given or said
+        settings = {"n_expert": shapes[f"h.{routers[0]}.mlp.router.weight"][1],
+                    "moe_every": routers[1] - routers[0] if len(routers) > 1 else n_layer}
+        unsaid = []
+        for k in MOE_META:
+            said = type(getattr(GPTConfig, k))(meta[k]) if k in meta else None
+            if k in given:
+                if said is not None and said != given[k] and k != "moe_every":
+                    notes.append(f"{flag[k]} {given[k]} overrides {k} {said} in {path}")
+                settings[k] = given[k]
+            elif said is not None:
+                settings[k] = said
+            elif k != "moe_every":  # the tensors say moe_every
+                unsaid.append(k)
+        if unsaid:
+            notes.append(f"{path} does not record {', '.join(unsaid)}: using the defaults "
+                         + ", ".join(f"{flag[k]} {getattr(GPTConfig, k)}" for k in unsaid))
+    cfg = GPTConfig(V, T, n_layer, heads, C, **settings)
+    cfg.check()
+    if "moe_every" in given and routers:  # the tensors decide where the experts are
+        blocks = [i for i in range(n_layer) if cfg.is_moe(i)]
+        if blocks != routers:
+            raise ConfigError(f"--moe-every {given['moe_every']} puts experts in blocks {blocks}, "
+                              f"but {path} has routers in blocks {routers}")
+    return cfg, notes
+
+
+def read_model(path: str, n_head: int | None = None,
+               moe: dict | None = None) -> tuple[GPTConfig, dict[str, np.ndarray]]:
+    """``read_config(path, n_head, moe)``'s GPTConfig and the file's tensors (host arrays, the
+    file's dtype, GPT-2's order), checked against that model's names and shapes."""
+    cfg, _ = read_config(path, n_head, moe)  # the caller prints the notes on one rank
+    tensors, _ = read_tensors(path)
+    expected = param_shapes(cfg)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise ConfigError(f"--init {path}: names do not match a {cfg.n_layer}-layer GPT-2 "
+                          f"(missing {missing[:4]}, unexpected {extra[:4]})")
+    for k, shape in expected.items():
+        if tuple(tensors[k].shape) != shape:
+            raise ConfigError(f"--init {path}: {k} has shape {tuple(tensors[k].shape)}, "
+                              f"expected {shape}")
+    return cfg, {k: tensors[k] for k in expected}
+
+
+def load_model(path: str, n_head: int | None = None, dtype: str = "float32",
+               moe: dict | None = None) -> GPT:
+    """A GPT whose configuration is ``read_config(path, n_head, moe)``'s, with the file's weights."""
+    cfg, tensors = read_model(path, n_head, moe)
+    return GPT(cfg, {k: backend.from_host(v.astype(dtype)) for k, v in tensors.items()})

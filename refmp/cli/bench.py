@@ -1,0 +1,258 @@
+"""``refmp bench``: time training steps and report ms/step, tokens/s, FLOP/s, MFU and bytes.
+
+It takes every layout flag of ``refmp train`` (--dp --tp --pp --cp --ep, --zero, the pipeline,
+cp and MoE options; cli.py registers them once for both commands) on a model from a preset.
+
+Model FLOPs per step (the work a dense implementation must do, as in Chowdhery et al. 2022,
+appendix B): 6 * N * tokens for the matrix products of N parameters (forward 2, backward 4),
+where N leaves out wpe (a lookup, no product) but keeps wte (it is the LM head's matrix),
+plus 12 * L * T * C * tokens for attention's q k^T and att v (refmp computes the full T x T
+products, masked, so this is work done, not an upper bound). For a mixture of experts N is
+the active parameters: each expert's weights count top_k / n_expert (a token visits top_k
+of the n_expert experts), the router counts in full; tokens dropped at capacity are still
+counted, so this is the routed model's work, not what a layer with drops did.
+
+With --recompute the FLOPs executed exceed the model's: the extra forward work is reported
+apart (``recompute_gflops``, ``hardware_gflops``: Narayanan et al. 2021, eq. 3), and MFU
+stays model FLOPs over peak.
+
+With --mixed-precision bf16 or fp16 the products still run in fp32 on the CPU (BLAS has no
+bf16 kernel; refmp.runtime.precision), on operands rounded to the compute dtype: the peak is the
+fp32 product's, and what mixed precision changes here is the bytes (memory, the ledger).
+
+MFU divides the achieved FLOP/s by a peak that the command measures itself: every rank
+times a large float32/float64 matrix product at the same moment (so oversubscribed ranks
+see the cores they really share), and the peaks are summed.
+
+Communication: rank 0's byte ledger (refmp.distributed.comm.Ledger) over the timed steps only, grouped
+by axis ("tp", "dp", "dp+cp", ...), then by operation: the figures a ledger entry counts, as
+seen from one rank (with --pp, other stages' sends and receives may differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from refmp.nn.params import GPTConfig, param_shapes
+from refmp.runtime import backend
+from refmp.training.datasets import Dataset
+
+PRESETS = {
+    "small": dict(n_layer=4, n_embd=256, n_head=8, block_size=128, batch_size=8, vocab=256,
+                  dtype="float32"),
+    "tiny": dict(n_layer=2, n_embd=64, n_head=4, block_size=64, batch_size=8, vocab=256,
+                 dtype="float32"),
+}
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                   help="small: 4 layers, n_embd 256, 8 heads, block 128, batch 8, vocab 256, "
+                        "float32 (default)")
+    for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "vocab"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help="override the preset")
+    p.add_argument("--dtype", choices=["float32", "float64"], default=None)
+    p.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
+                   help="cpu (NumPy) or gpu (CuPy); default $REFMP_DEVICE or cpu")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+# TrainConfig fields that bench takes from train's own flags, as given (cli.add_layout_args,
+# cli.add_moe_args)
+LAYOUT = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "microbatches", "bucket_mb",
+          "schedule", "virtual_stages", "stage_layers", "cp_algo", "cp_balance", "recompute",
+          "mixed_precision", "grad_dtype", "loss_scale_init", "loss_scale_window")
+MOE = ("n_expert", "top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+
+
+def active_params(cfg: GPTConfig) -> float:
+    """N of the FLOP count: parameters in matrix products per token, wpe left out, each
+    expert's counted top_k / n_expert (see the module docstring)."""
+    n = 0.0
+    for name, shape in param_shapes(cfg).items():
+        if name == "wpe.weight":
+            continue  # a lookup, no product
+        share = cfg.top_k / cfg.n_expert if ".mlp.experts." in name else 1.0
+        n += share * math.prod(shape)
+    return n
+
+
+def model_flops_per_step(n_params: float, n_layer: int, T: int, C: int, tokens: int) -> float:
+    """6 N tokens + 12 L T C tokens (see the module docstring)."""
+    return 6.0 * n_params * tokens + 12.0 * n_layer * T * C * tokens
+
+
+def recompute_flops_per_step(mode: str, n_block_params: float, n_layer: int, T: int, C: int,
+                             tokens: int) -> float:
+    """The FLOPs recomputation adds (hardware FLOPs, Narayanan et al. 2021 eq. 3, beyond the
+    model's): full runs every block's forward again, 2 N_blocks tokens + 4 L T C tokens;
+    selective recomputes the softmax's scores q k^T, 2 L T C tokens."""
+    if mode == "full":
+        return 2.0 * n_block_params * tokens + 4.0 * n_layer * T * C * tokens
+    return 2.0 * n_layer * T * C * tokens if mode == "selective" else 0.0
+
+
+def ledger_by_axis(entries: dict[tuple[str, str], list[int]]) -> dict[str, dict[str, dict]]:
+    """{(op, axis): [bytes, count]} as {axis: {op: {"bytes": .., "count": ..}}}, sorted."""
+    out: dict[str, dict[str, dict]] = {}
+    for (op, axis), (b, c) in sorted(entries.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        out.setdefault(axis, {})[op] = {"bytes": b, "count": c}
+    return out
+
+
+def measure_peak(dtype: str, n: int = 1024, reps: int = 5) -> float:
+    """FLOP/s of this process's best n x n matrix product (median of reps)."""
+    xp = backend.xp
+    rng = np.random.default_rng(0)
+    a = backend.from_host(rng.standard_normal((n, n)).astype(dtype))
+    b = backend.from_host(rng.standard_normal((n, n)).astype(dtype))
+    a @ b  # warm-up (thread pools, caches)
+    times = []
+    for _ in range(reps):
+        backend.sync()
+        t0 = time.perf_counter()
+        xp.matmul(a, b)
+        backend.sync()
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / float(np.median(times))
+
+
+def run_bench(args) -> dict:
+    from refmp.errors import ConfigError
+    from refmp.training.trainer import TrainConfig, Trainer
+
+    spec = dict(PRESETS[args.preset])
+    for k in list(spec):
+        if getattr(args, k, None) is not None:
+            spec[k] = getattr(args, k)
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError("--steps must be at least 1 and --warmup at least 0")
+    cfg = TrainConfig(n_layer=spec["n_layer"], n_head=spec["n_head"], n_embd=spec["n_embd"],
+                      block_size=spec["block_size"], batch_size=spec["batch_size"],
+                      steps=args.warmup + args.steps, dtype=spec["dtype"], device=args.device,
+                      lr_schedule="constant", lr=1e-4, progress=False, trace=args.trace,
+                      **{k: getattr(args, k) for k in LAYOUT + MOE})
+    rng = np.random.default_rng(1)
+    n_tok = (spec["batch_size"] * (args.warmup + args.steps) + 1) * spec["block_size"] + 1
+    ds = Dataset(rng.integers(0, spec["vocab"], n_tok), spec["vocab"], "random tokens")
+    tr = Trainer(cfg, dataset=ds)
+    world, ledger = tr.grid.world, tr.grid.ledger
+    for _ in range(args.warmup):
+        tr.step()
+    times, sent = [], defaultdict(lambda: [0, 0])  # sent: the timed steps' ledger entries
+    timelines = []  # with a pipeline: each timed step's measured timeline
+    for _ in range(args.steps):
+        world.barrier()  # time whole-job steps: every rank starts together
+        ledger.reset()  # count this step's communication only, not the timing's
+        t0 = time.perf_counter()
+        tr.step()
+        dt = time.perf_counter() - t0
+        for key, (b, c) in ledger.entries.items():
+            sent[key][0] += b
+            sent[key][1] += c
+        times.append(world.allreduce_scalar(dt, op="max"))
+        if args.pp > 1:
+            timelines.append(tr.runner.timeline())  # collective over pp, after the timing
+    n = 8192 if args.device == "gpu" else 1024  # big enough to reach the peak
+    peak = world.allreduce_scalar(measure_peak(spec["dtype"], n))  # summed over ranks
+    sec = float(np.median(times))
+    m = tr.model.cfg
+    tokens = cfg.batch_size * tr.T
+    n_active = active_params(m)
+    flops = model_flops_per_step(n_active, m.n_layer, tr.T, m.n_embd, tokens)
+    n_blocks = n_active - m.vocab_size * m.n_embd - 2 * m.n_embd  # less wte (the head), ln_f
+    extra = recompute_flops_per_step(cfg.recompute, n_blocks, m.n_layer, tr.T, m.n_embd, tokens)
+    layout = {**tr.grid.sizes, **{k: getattr(cfg, k) for k in LAYOUT if k not in tr.grid.sizes}}
+    out = {
+        "ms_per_step": 1e3 * sec, "tokens_per_s": tokens / sec, "gflops": flops / sec / 1e9,
+        "mfu": flops / sec / peak, "peak_gflops": peak / 1e9, "params": tr.model.num_params(),
+        "active_params": n_active, "world_size": world.size, "steps": args.steps,
+        "model": {**spec, **({k: getattr(m, k) for k in MOE} if m.n_expert else {})},
+        "layout": layout,
+        "device": tr.device_info,
+        "ms_per_step_min": 1e3 * min(times), "ms_per_step_max": 1e3 * max(times),
+        "ledger": ledger_by_axis(sent),  # rank 0's, summed over the timed steps
+        "recompute": cfg.recompute, "recompute_gflops": extra / sec / 1e9,
+        "hardware_gflops": (flops + extra) / sec / 1e9,
+    }
+    if args.pp > 1:  # the timed steps' measured timelines against the schedule's formula
+        out.update(pipeline_report(timelines, args))
+        if args.trace and world.rank == 0:
+            timelines[-1].write_trace(args.trace)
+    if world.rank == 0:
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print_report(out, args)
+    return out
+
+
+def pipeline_report(timelines: list, args) -> dict:
+    """The bubble of the median step (by bubble), and where it goes.
+
+    ``bubble_theory`` is the formula (every F, B, W of equal cost); ``bubble_at_costs`` the
+    schedule simulated with that step's measured median F, B, W times per rank, messages free:
+    the bubble the schedule itself implies for these costs. The rest of the measured bubble is
+    ``idle``: receives waiting, sends, and the gaps between actions.
+    """
+    from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
+
+    tl = sorted(timelines, key=lambda t: t.bubble())[len(timelines) // 2]
+    at_costs = simulate_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages,
+                                 costs=tl.costs())
+    return {"bubble": tl.bubble(),
+            "bubble_theory": bubble_formula(args.schedule, args.pp, args.microbatches,
+                                            args.virtual_stages),
+            "bubble_at_costs": at_costs.bubble(), "idle": tl.idle(),
+            "costs_ms": {f"{kind}@{r}": 1e3 * t for (r, kind), t in sorted(tl.costs().items())}}
+
+
+def print_report(out: dict, args) -> None:
+    lay = out["layout"]
+    axes = " x ".join(f"{a}={lay[a]}" for a in ("pp", "dp", "cp", "tp", "ep"))
+    extra = [f"zero {lay['zero']}"] if lay["zero"] else []
+    extra += ["sequence parallel"] if lay["sequence_parallel"] else []
+    extra += [f"cp {lay['cp_algo']} {lay['cp_balance']}"] if lay["cp"] > 1 else []
+    extra += [f"{lay['microbatches']} micro-batches"] if lay["microbatches"] > 1 else []
+    extra += [f"recompute {lay['recompute']}"] if lay["recompute"] != "none" else []
+    extra += ([f"mixed precision {lay['mixed_precision']} (gradients {lay['grad_dtype']})"]
+              if lay["mixed_precision"] != "none" else [])
+    moe = out["model"]
+    print(f"refmp bench: preset {args.preset} {moe}, {out['params']:,} parameters, "
+          f"{out['world_size']} rank(s)")
+    print(f"  layout {', '.join([axes, *extra])}")
+    if moe.get("n_expert"):
+        print(f"  mixture of experts: {moe['n_expert']} experts, top-{moe['top_k']}; FLOPs "
+              f"count {out['active_params']:,.0f} active parameters (experts at top_k/n_expert)")
+    print(f"  {out['ms_per_step']:.1f} ms/step (median of {args.steps}; "
+          f"min {out['ms_per_step_min']:.1f}, max {out['ms_per_step_max']:.1f})")
+    print(f"  {out['tokens_per_s']:,.0f} tokens/s, {out['gflops']:.2f} GFLOP/s model, "
+          f"peak {out['peak_gflops']:.1f} GFLOP/s measured, MFU {100 * out['mfu']:.1f}%")
+    if out["recompute"] != "none":
+        print(f"  recompute {out['recompute']}: {out['recompute_gflops']:.2f} GFLOP/s more "
+              f"executed ({out['hardware_gflops']:.2f} GFLOP/s hardware, model FLOPs above)")
+    if "bubble" in out:
+        idle = out["idle"]
+        costs = ", ".join(f"{k} {v:.2f}" for k, v in out["costs_ms"].items())
+        print(f"  pipeline {args.schedule}, pp {args.pp}, {args.microbatches} "
+              f"micro-batches: bubble {out['bubble']:.4f} measured (median step), "
+              f"theory {out['bubble_theory']:.4f}, {out['bubble_at_costs']:.4f} simulated at "
+              f"the measured costs")
+        print(f"    measured costs (ms, action@rank): {costs}")
+        print(f"    idle: recv {idle['recv']:.4f}, send {idle['send']:.4f}, "
+              f"between actions {idle['other']:.4f}")
+    print("  communication per step, rank 0 (bytes; calls by operation):")
+    for axis, ops in out["ledger"].items():
+        total = sum(v["bytes"] for v in ops.values()) // args.steps
+        calls = ", ".join(f"{op} {v['count'] // args.steps}" for op, v in ops.items())
+        print(f"    {axis:<8} {total:>14,} B  ({calls})")

@@ -1,0 +1,171 @@
+"""``refmp train`` as a command: progress, the JSON log, checkpoints, --save, --trace and
+the summary.
+
+The step itself lives in refmp.training.trainer (Trainer); this module only drives it and reports.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from refmp.distributed.faults import inject_fault
+from refmp.errors import ConfigError, TrainingError
+from refmp.training.trainer import TrainConfig, Trainer
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train for cfg.steps steps; print progress and a summary on rank 0; return the summary."""
+    from refmp.checkpoint.sharded import check_flags, complete_steps
+    from refmp.checkpoint.weights import save_model
+
+    check_flags(cfg)
+    tr = Trainer(cfg)  # with --resume: the weights, optimizer state and step of a checkpoint
+    rank0 = tr.grid.rank == 0
+    start = tr.step_num
+    if start > cfg.steps:
+        raise ConfigError(f"--resume {tr.resumed['dir']} is at step {start}, beyond --steps "
+                          f"{cfg.steps} (--steps is the total, counting the steps before)")
+    log = open(cfg.log_json, "w") if (rank0 and cfg.log_json) else None
+    if rank0 and cfg.init:  # where a flag overrides the file, said once (the file was read)
+        from refmp.checkpoint.weights import moe_flags, read_config
+
+        for note in read_config(cfg.init, cfg.n_head, moe_flags(cfg))[1]:
+            print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)
+    if rank0:
+        m = tr.model.cfg
+        print(f"refmp train: {tr.ds.name}, {len(tr.ds.tokens):,} tokens, vocab {m.vocab_size}; "
+              f"GPT {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {tr.T}, "
+              f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}", flush=True)
+    if rank0 and tr.resumed:
+        _print_resume(tr.resumed, cfg)
+    bar = _progress(cfg.steps - start, rank0 and cfg.progress)
+    t_start, rec = time.perf_counter(), {}
+    while tr.step_num < cfg.steps:  # --steps is the total: a resumed run does the rest
+        step = tr.step_num
+        inject_fault(tr.grid.rank, step)  # a testing hook (REFMP_FAULT_RANK), off by default
+        try:
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                rec = tr.step()  # a non-finite result is reported once, by the step's check
+        except TrainingError as e:  # every rank stops (refmp.cli.main says why, once)
+            if log:
+                log.write(json.dumps({"error": str(e), "step": step}) + "\n")
+                log.close()
+            raise
+        if cfg.checkpoint_dir and cfg.save_every and tr.step_num % cfg.save_every == 0 \
+                and tr.step_num < cfg.steps:  # the last one is written below
+            tr.save_checkpoint(cfg.checkpoint_dir, cfg.keep)
+        if log:
+            log.write(json.dumps(rec) + "\n")
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['seconds']:.0f}")
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - t_start
+    if cfg.checkpoint_dir and (tr.step_num > start
+                               or tr.step_num not in complete_steps(cfg.checkpoint_dir)):
+        written = tr.save_checkpoint(cfg.checkpoint_dir, cfg.keep)  # always at the end
+        if rank0:
+            print(f"checkpoint of step {tr.step_num} written to {written}", flush=True)
+    if cfg.trace:  # the last step's measured pipeline timeline (collective over pp)
+        timeline = tr.runner.timeline()
+        if rank0:
+            timeline.write_trace(cfg.trace)
+            print(f"pipeline timeline of the last step written to {cfg.trace}; measured "
+                  f"bubble {100 * timeline.bubble():.1f}%", flush=True)
+    score = tr.evaluate()
+    memory = tr.grid.world.allgather_obj(tr.memory())
+    if cfg.save:
+        full = tr.runner.full_params()  # collective where the model is split; rank 0 gets it
+        if rank0:
+            save_model(cfg.save, full, tr.model.cfg)
+        tr.grid.world.barrier()
+    summary = {
+        "summary": True, "steps": cfg.steps, "start_step": start, "final_loss": rec.get("loss"),
+        "tokens_per_s": (cfg.steps - start) * cfg.batch_size * tr.T / max(seconds, 1e-9),
+        "seconds": seconds,
+        "accuracy": None if score is None else score[0] / max(1, score[1]),
+        "comm": tr.grid.ledger.as_dict(), "memory_per_rank": memory,
+        "layout": tr.grid.sizes, "device": tr.device_info, "config": asdict(cfg),
+    }
+    if "moe" in rec:
+        summary["moe"] = rec["moe"]  # the last step's routing statistics
+    if log:
+        log.write(json.dumps(summary) + "\n")
+        log.close()
+    if rank0:
+        _print_summary(summary, score)
+    return summary
+
+
+def _print_resume(man: dict, cfg: TrainConfig) -> None:
+    """Where the run continues from (the checkpoint's manifest), and the settings that differ
+    from the saved run's."""
+    from refmp.checkpoint.sharded import config_notes
+
+    lay = man["layout"]
+    saved = " x ".join(f"{a}={lay[a]}" for a in ("pp", "dp", "cp", "tp", "ep"))
+    print(f"refmp train: resuming from {man['dir']} at step {man['step']} of {cfg.steps} "
+          f"(saved on {saved}, ZeRO {lay['zero']})", flush=True)
+    for note in config_notes(man, cfg):
+        print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)
+
+
+def _progress(total: int, enabled: bool):
+    """tqdm on a terminal; in a log (not a TTY), a plain line about every 10% of the run."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    if sys.stderr.isatty():
+        return tqdm(total=total, desc="train", unit="step", mininterval=0.5)
+    return _LogProgress(total)
+
+
+class _LogProgress:
+    """tqdm's update/set_postfix/close, printing one line per tenth of the run."""
+
+    def __init__(self, total: int):
+        self.total, self.n, self.every, self.post = total, 0, max(1, total // 10), {}
+
+    def update(self, k: int) -> None:
+        self.n += k
+
+    def set_postfix(self, **post) -> None:
+        if self.n % self.every == 0 or self.n == self.total:
+            print(f"step {self.n}/{self.total} " + " ".join(f"{k} {v}" for k, v in post.items()),
+                  flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _print_summary(s: dict, score) -> None:
+    dev = s["device"]
+    if "cuda_aware" in dev:
+        print(f"device: {dev['device']} per rank; CUDA-aware MPI: {dev['cuda_aware']} "
+              f"(from {dev['cuda_aware_source']}; {'direct' if dev['cuda_aware'] else 'staged'})")
+    if s["final_loss"] is None:  # resumed at the last step: nothing left to train
+        print(f"done: the checkpoint was already at step {s['steps']}; nothing to train")
+    else:
+        print(f"done: {s['steps'] - s['start_step']} steps in {s['seconds']:.1f} s, final loss "
+              f"{s['final_loss']:.4f}, {s['tokens_per_s']:,.0f} tokens/s")
+    if score is not None:
+        print(f"held-out exact match: {score[0]}/{score[1]} = {100 * s['accuracy']:.1f}%")
+    if "moe" in s:
+        moe = s["moe"]
+        print(f"experts (last step): aux loss {moe['aux_loss']:.4g}, z-loss {moe['z_loss']:.4g}")
+        for i, (n, d) in enumerate(zip(moe["tokens_per_expert"], moe["dropped"], strict=True)):
+            print(f"  MoE layer {i}: tokens per expert {n}, dropped {100 * d:.1f}%")
+    print("communication (bytes, calls):")
+    for key, v in s["comm"].items():
+        print(f"  {key:<24} {v['bytes']:>14,} B  {v['count']:>6} calls")
+    print("memory per rank (bytes): params, grads, optimizer state, peak activations")
+    for r, m in enumerate(s["memory_per_rank"]):
+        print(f"  rank {r}: {m['params']:>12,} {m['grads']:>12,} {m['optimizer']:>12,} "
+              f"{m.get('activations', 0):>12,}")

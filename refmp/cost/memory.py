@@ -1,0 +1,254 @@
+"""The memory check before the first step: an estimate of what a rank will hold, against
+what its node has free (refmp.distributed.faults says how a refused run ends; docs/faults.md how close
+the estimate is).
+
+Shapes: B global batch, b = B/(dp M) rows of one micro-batch on a rank, M micro-batches,
+T sequence, Tl = T/cp tokens per rank, s = Tl/tp with sequence parallelism (else Tl),
+C channels, NH heads, V vocabulary (Vl = Vp/tp columns per rank), E experts, K top_k,
+L blocks; w bytes per element; pp, dp, cp, tp, ep group sizes.
+
+Parameters, gradients and optimizer state come from the same formulas the memory ledger is
+tested against (refmp.cost.zero); activations from the caches' shapes, added up
+over the rank's own schedule, micro-batch by micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from refmp.errors import ConfigError
+
+
+def block_cache_elements(b: int, Tl: int, T: int, C: int, NH: int, tp: int = 1, sp: bool = False,
+                         cp_algo: str = "ring", cp: int = 1, recompute: str = "none") -> int:
+    """Elements one block's forward cache keeps (docs/tensor_parallel.md's table, with cp).
+
+    Serial: 20 BTC + 2 BT + B NH T^2 (the LayerNorm outputs and rstd, the c_attn and c_fc
+    inputs, qkv, the attention output, c_fc's output, tanh and GELU, and the attention
+    weights P); tp splits the 16 BTC inside the column/row pairs and P, SP the rest too. With
+    cp each rank holds Tl tokens; Ulysses keeps P for its NH/cp heads over the whole sequence,
+    (b, NH/(tp cp), T, T); ring attention keeps no P, but its running output y and lse
+    (b NH Tl (HS + 1) / tp: q and K/V are its copies of qkv, counted as qkv; y is the
+    attention output's own buffer when a rank has one head).
+    docs/memory.md's recomputation: selective drops P, full keeps the block's input alone.
+    """
+    BTC, BT = b * Tl * C, b * Tl
+    if recompute == "full":
+        return BTC // tp if sp else BTC  # (b, s, C)
+    if cp > 1 and cp_algo == "ring":
+        # the ring's lse and its running output y (b, NH/tp, Tl, HS); with one head per rank
+        # (or one token) the output y.transpose(0, 2, 1, 3).reshape(b, Tl, C/tp) that c_proj
+        # keeps is a view of y, not a copy: the same buffer, counted once (as the output)
+        att = b * NH * Tl + (BTC if NH // tp > 1 and Tl > 1 else 0)
+    else:
+        att = 0 if recompute == "selective" else b * NH * Tl * T
+    if sp:
+        return (20 * BTC + 2 * BT + att) // tp
+    return 4 * BTC + 2 * BT + (16 * BTC + att) // tp
+
+
+def moe_extra_bytes(b: int, Tl: int, T: int, C: int, E: int, K: int, cf: float, tp: int = 1,
+                    sp: bool = False, w: int = 4, ep: int = 1) -> int:
+    """Bytes an MoE MLP's cache keeps beyond a dense MLP's (refmp.nn.moe; an estimate).
+
+    N = b Tl tokens on the rank (b Tl/tp with SP). The experts keep, for each row they run
+    on, its input, c_fc's output and GELU's two arrays: 13 C. Without expert parallelism the
+    rows are the M kept assignments: K N when nothing is dropped (CF = 0, and mostly with a
+    capacity); with a capacity factor an expert takes at most cap = ceil(CF K T/E)
+    assignments of a sequence, so M <= min(K N, E b cap), the bound used. Over ep ranks a
+    rank's experts run on what every peer sends them, R <= min(ep K N, E b cap): a bound
+    again, since routing is not known before it runs. The rest: the combined outputs
+    (N, K, C), probabilities (N, E), gates and choices (N, K), the log-sum-exp (N,), and
+    int64 indices (N K + M). The dense MLP's c_fc output, tanh and GELU (12 N C, over tp
+    without SP) are taken back; the router's input is the c_fc input a dense block keeps
+    too. And the rank's E/ep experts' weights, stacked into (E/ep, C, 4C) ... arrays:
+    8 C^2 + 5 C each.
+    """
+    N = b * Tl // tp if sp else b * Tl
+    cap = math.ceil(cf * K * T / E)
+    kept = min(K * N, E * b * cap) if cf > 0 else K * N  # M, this rank's kept assignments
+    rows = min(ep * K * N, E * b * cap) if cf > 0 else ep * K * N  # what its experts run on
+    floats = 13 * rows * C + K * N * C + N * E + 2 * N * K + N + E // ep * (8 * C * C + 5 * C)
+    return w * (floats - 12 * b * Tl * C // tp) + 8 * (N * K + kept)
+
+
+def head_cache_bytes(b: int, Tl: int, C: int, V: int, tp: int = 1, sp: bool = False,
+                     w: int = 4) -> int:
+    """The head's cache (tests/test_tensor_parallel.py's model_activation_bytes, less the
+    embedding's): ln_f's input, output and rstd on s positions, Vl columns of the logits and
+    the log-sum-exp, the int64 targets (with tp, a bool mask of those my shard owns)."""
+    from refmp.parallel.placement import padded_vocab
+
+    s, BT = (Tl // tp if sp else Tl), b * Tl
+    Vl = padded_vocab(V, tp) // tp
+    return w * (2 * b * s * C + b * s + BT * Vl + BT) + 8 * BT + (BT if tp > 1 else 0)
+
+
+def embed_cache_bytes(b: int, Tl: int, tp: int = 1) -> int:
+    """The embedding's cache: int64 token ids and positions (with tp, the owned-ids mask)."""
+    return 8 * (b * Tl + Tl) + (b * Tl if tp > 1 else 0)
+
+
+def held_peak(actions, chunk_bytes: dict, shared: dict | None = None) -> int:
+    """Peak bytes of the caches a rank's action list keeps alive: F makes chunk c's cache of a
+    micro-batch, B frees it (W does, when the schedule splits backward). ``shared``: bytes
+    that every micro-batch's cache of chunk c references (one array, not one each), counted
+    once while any of them is alive."""
+    split = any(a.kind == "W" for a in actions)
+    shared = shared or {}
+    held = peak = 0
+    alive = dict.fromkeys(chunk_bytes, 0)  # caches of each chunk alive now
+    for a in actions:
+        if a.kind == "F":
+            held += chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
+            alive[a.chunk] += 1
+        elif a.kind == ("W" if split else "B"):
+            alive[a.chunk] -= 1
+            held -= chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
+        peak = max(peak, held)
+    return peak
+
+
+def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
+    """Bytes one rank (at ``coords`` of a grid of ``sizes``) will hold, estimated.
+
+    ``params``, ``grads``, ``optimizer``: refmp.cost.zero.memory_per_rank on the
+    rank's units (unit_sizes: its tp shards of its stage's blocks, its E/ep experts), dense
+    units over dp x cp, expert units over edp = dp cp/ep (AdamW: 2 moments; SGD: 1 with
+    momentum, else 0). ``activations``: the caches its schedule keeps alive at once
+    (held_peak over its action list; a chunk's cache is its blocks' block_cache_elements,
+    plus the embedding's on the first chunk and the head's on the last): what
+    Engine.memory()["activations"] measures.
+    ``workspace``: a backward's temporaries (the gradients of a cache's arrays), taken as
+    one more whole cache of the largest piece, as recomputation rebuilds it (with ZeRO-3,
+    plus the largest unit, gathered whole while it runs). ``setup``: the full model, which
+    every rank builds (or reads from --init) before it keeps its slices.
+    """
+    from refmp.cost.zero import memory_per_rank, unit_sizes
+    from refmp.nn.gpt import param_shapes
+    from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
+    from refmp.parallel.pipeline.schedules import schedule
+    from refmp.parallel.placement import stage_chunks
+
+    w = 8 if cfg.dtype == "float64" else 4
+    pp, dp, cp, tp, ep = (sizes[a] for a in ("pp", "dp", "cp", "tp", "ep"))
+    T = cfg.block_size or mcfg.block_size
+    C, NH, V, M, v = mcfg.n_embd, mcfg.n_head, mcfg.vocab_size, cfg.microbatches, cfg.virtual_stages
+    S, r = pp * v, coords["pp"]
+    blocks = partition(mcfg.n_layer, S, piece_costs(C, T, V), parse_stage_layers(cfg.stage_layers))
+    chunks = {c: blocks[c] for c in stage_chunks(r, pp, v)}
+    mine = [i for c in chunks.values() for i in c]
+    ep_rank = (coords["dp"] * cp + coords["cp"]) % ep  # refmp.distributed.grid: ep carved from dp x cp
+    units = unit_sizes(mcfg, tp, mine, 0 in chunks, S - 1 in chunks, ep, ep_rank)
+    dense = {u: n for u, n in units.items() if not u.endswith(".experts")}
+    expert = {u: n for u, n in units.items() if u.endswith(".experts")}
+    mem = memory_per_rank(dense, dp * cp, cfg.zero, w)
+    for k, n in memory_per_rank(expert, dp * cp // ep, cfg.zero, w).items():
+        mem[k] += n
+    if cfg.optimizer == "sgd":
+        mem["optimizer"] = mem["optimizer"] // 2 if cfg.momentum else 0
+    # activations: one micro-batch's cache per chunk, then the schedule's peak
+    b, Tl = cfg.batch_size // (dp * M), T // cp
+    sp, cf = cfg.sequence_parallel, mcfg.capacity_factor
+    rebuilt = w * block_cache_elements(b, Tl, T, C, NH, tp, sp, cfg.cp_algo, cp)
+    block = w * block_cache_elements(b, Tl, T, C, NH, tp, sp, cfg.cp_algo, cp, cfg.recompute)
+    moe = moe_extra_bytes(b, Tl, T, C, mcfg.n_expert, mcfg.top_k, cf, tp, sp, w, ep) \
+        if mcfg.n_expert else 0
+    kept_moe = 0 if cfg.recompute == "full" else moe
+    head = head_cache_bytes(b, Tl, C, V, tp, sp, w)
+    embed = embed_cache_bytes(b, Tl, tp)
+    # with cp the positions (Tl,) are the engine's one array of this rank's token positions,
+    # which every micro-batch's embedding cache references: counted once, not per micro-batch
+    shared = {0: 8 * Tl} if cp > 1 and 0 in chunks else {}
+    chunk_bytes = {c: sum(block + (kept_moe if mcfg.is_moe(i) else 0) for i in chunks[c])
+                   + (embed - 8 * Tl * (cp > 1) if c == 0 else 0)
+                   + (head if c == S - 1 else 0) for c in chunks}
+    mem["activations"] = held_peak(schedule(cfg.schedule, pp, M, r, v), chunk_bytes, shared)
+    # a backward rebuilds what recomputation dropped: the whole cache of the block it runs
+    mem["workspace"] = max([rebuilt + moe] + ([head] if S - 1 in chunks else []))
+    if cfg.zero == 3:  # and the whole unit gathered for the forward or backward running now
+        mem["workspace"] += w * max(units.values())
+    mem["setup"] = w * sum(math.prod(s) for s in param_shapes(mcfg).values())
+    return mem
+
+
+def need_bytes(mem: dict) -> int:
+    """The peak of a rank: its state, plus the larger of the set-up's full model and the
+    step's activations and workspace (the full model is freed before the first step)."""
+    step = mem["activations"] + mem["workspace"]
+    return mem["params"] + mem["grads"] + mem["optimizer"] + max(mem["setup"], step)
+
+
+def available_memory(device: str = "cpu") -> tuple[int, str]:
+    """(bytes free, where that figure comes from): the GPU's free memory for --device gpu;
+    else /proc/meminfo's MemAvailable (or physical memory), capped by a cgroup limit."""
+    if device == "gpu":
+        import cupy
+
+        return int(cupy.cuda.runtime.memGetInfo()[0]), "free on this GPU"
+    free, source = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free, source = int(line.split()[1]) * 1024, "MemAvailable"
+    except OSError:
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as f1, open(usage) as f2:
+                room = int(f1.read().strip()) - int(f2.read().strip())
+        except (OSError, ValueError):  # no such cgroup file, or "max"
+            continue
+        if room < free:
+            free, source = room, "the cgroup's memory limit"
+    return free, source
+
+
+def check_memory(cfg, mcfg, grid) -> None:
+    """Refuse a layout whose estimated memory exceeds what this node (or GPU) has free.
+
+    Collective over grid.world (a split by node and GPU, one all-reduce): the ranks that
+    share the memory add up their needs. Raises on the ranks of a node that does not fit;
+    call it through refmp.training.trainer.agreed so that every rank stops.
+    """
+    from mpi4py import MPI
+
+    mem = estimate_memory(cfg, mcfg, grid.sizes, grid.coords)
+    need = need_bytes(mem)
+    device = 0
+    if cfg.device == "gpu":  # refmp.runtime.device.use_gpu chose this rank's GPU
+        import cupy
+
+        device = cupy.cuda.Device().id
+    node = grid.world.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+    share = node.Split(device, node.Get_rank())
+    try:
+        total, n = share.allreduce(need), share.Get_size()
+    finally:
+        share.Free()
+        node.Free()
+    free, source = available_memory(cfg.device)
+    if total > free:
+        parts = ", ".join(f"{k} {size(mem[k])}" for k in ("params", "grads", "optimizer"))
+        where = "GPU" if cfg.device == "gpu" else "node"
+        raise ConfigError(
+            f"not enough memory: rank {grid.rank} needs about {size(need)} ({parts}, peak "
+            f"activations {size(mem['activations'] + mem['workspace'])}, the full model at set-up "
+            f"{size(mem['setup'])}); the {n} rank(s) on this {where} need {size(total)}, "
+            f"but {size(free)} is available ({source}). Use a smaller --block-size or "
+            f"--batch-size, more --microbatches, or more ranks (an estimate: docs/faults.md)")
+
+
+def size(n: float) -> str:
+    """Bytes for people: 3 significant digits and a decimal unit (30.8 TB)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000:
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} PB"
+
+

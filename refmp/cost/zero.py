@@ -1,0 +1,118 @@
+"""What data parallelism and ZeRO cost per rank, from the model's shapes alone (the formulas).
+
+Rajbhandari et al. 2020, sec. 5 and 7: with N parameters on a rank, n ranks in its ZeRO
+group (dp x cp for dense weights, edp for experts), b bytes per element and AdamW (two
+moments; no master copy when one precision is kept: mixed precision below), per rank
+
+    stage 0 (plain DP):  params b N      grads b N      optimizer 2 b N
+    stage 1:             params b N'     grads b N'     optimizer 2 b N'/n
+    stage 2:             params b N'     grads b N'/n   optimizer 2 b N'/n
+    stage 3:             params b N'/n   grads b N'/n   optimizer 2 b N'/n
+
+where N' = sum over the rank's units of the unit's size rounded up to a multiple of n: the
+Sharder (refmp.parallel.data.sharder) shards each unit separately (``wte``, ``wpe``, each block
+``h.{i}`` and its experts, ``ln_f``: refmp.parallel.placement.unit_of), so that stage 3 can
+gather one unit at a time. N is what the rank holds: its tp shards of its pipeline stage's
+units (``unit_sizes``). Communication per step on the group (the ledger's convention,
+refmp.distributed.comm: an all-reduce or reduce-scatter counts its input, an all-gather its output), M
+micro-batches:
+
+    stage 0: all-reduce b N (in buckets)
+    stage 1: reduce-scatter b N' + all-gather b N'
+    stage 2: reduce-scatter M b N' (each micro-batch, unit by unit) + all-gather b N'
+    stage 3: reduce-scatter M b N' + all-gather M b (g_wte wte' + wpe' + 2 blocks' + 2 ln_f')
+
+Stage 3 gathers each unit just before each forward and each backward that needs its weights:
+a block twice, ln_f twice (the head's forward and backward), wpe once (the embedding's
+backward needs only the token ids), and wte g_wte times: for the embedding's forward (on the
+first stage) and for the head's forward and backward (on the last): 3 without a pipeline.
+
+The wire traffic of a ring is (n-1)/n of these per reduce-scatter or all-gather, and twice
+that per all-reduce: so stages 1 and 2 move what plain DP moves, stage 3 1.5 times that.
+
+Mixed precision (refmp.parallel.data.sharder; the ZeRO paper's own accounting, sec. 3.1): the
+weights held for compute take c bytes per element (2 for bf16 / fp16), the gradients g (the
+compute dtype's c, or 4 with ``--grad-dtype fp32``), and the optimizer 3 b (two moments and
+the master copy, b = 4 for fp32 masters) per owned element. With c = g = 2, b = 4 and N
+parameters on one unit, per rank:
+
+    stage 0:  2 N + 2 N + 12 N  = 16 N      stage 2:  2 N' + 14 N'/n
+    stage 1:  4 N' + 12 N'/n                stage 3:  16 N'/n
+
+and every collective above moves c (all-gathers of weights) or g (gradient reductions)
+bytes per element instead of b: half of fp32's with 16-bit gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+from refmp.nn.gpt import GPTConfig, param_shapes
+from refmp.parallel.placement import TP_SPLITS, holds, local_name, padded_vocab, unit_of
+
+
+def unit_sizes(cfg: GPTConfig, tp: int = 1, blocks=None, first: bool = True,
+               last: bool = True, ep: int = 1, ep_rank: int = 0) -> dict[str, int]:
+    """Elements per unit one rank holds: its tp shards of ``blocks`` (default: all), wte and
+    wpe if ``first``, ln_f and wte if ``last``, and its E/ep experts."""
+    blocks = range(cfg.n_layer) if blocks is None else blocks
+    blocks = set(blocks)
+    sizes: dict[str, int] = {}
+    for k, s in param_shapes(cfg).items():
+        if not holds(k, blocks, first, last, ep_rank, cfg.n_expert, ep):
+            continue
+        top = k.split(".")[0]
+        n = math.prod(s)
+        if TP_SPLITS.get(local_name(k)) is not None:
+            n = (padded_vocab(s[0], tp) * s[1] if top == "wte" else n) // tp
+        sizes[unit_of(k)] = sizes.get(unit_of(k), 0) + n
+    return sizes
+
+
+def padded(n: int, group: int) -> int:
+    return -(-n // group) * group
+
+
+def memory_per_rank(sizes: dict[str, int], n: int, stage: int, itemsize: int = 4,
+                    compute: int | None = None, grad: int | None = None) -> dict:
+    """Bytes of parameters, gradients and AdamW state per rank (the tables above).
+
+    ``itemsize``: the masters' (``--dtype``); ``compute``: the compute copy's with mixed
+    precision (None: no mixed precision, one copy in ``itemsize``); ``grad``: the gradients'
+    (default: the compute dtype's). With mixed precision the optimizer holds the masters too.
+    """
+    c = itemsize if compute is None else compute
+    g = c if grad is None else grad
+    opt = (2 if compute is None else 3) * itemsize  # moments (+ masters) per owned element
+    if stage == 0:
+        total = sum(sizes.values())
+        return {"params": c * total, "grads": g * total, "optimizer": opt * total}
+    n_pad = sum(padded(s, n) for s in sizes.values())
+    shard = n_pad // n
+    return {"params": c * (n_pad if stage < 3 else shard),
+            "grads": g * (n_pad if stage < 2 else shard),
+            "optimizer": opt * shard}
+
+
+def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int = 1,
+                  itemsize: int = 4, first: bool = True, last: bool = True,
+                  param_itemsize: int | None = None) -> dict[str, int]:
+    """Ledger bytes per step on the ZeRO group, by operation (the list above). ``itemsize``:
+    the gradients' bytes per element (reductions); ``param_itemsize``: the weights' (the
+    all-gathers; default the same: with mixed precision, the compute dtype's)."""
+    w = itemsize if param_itemsize is None else param_itemsize
+    if n == 1:
+        return {"allreduce": 0, "reduce_scatter": 0, "allgather": 0}
+    pad = {u: padded(s, n) for u, s in sizes.items()}
+    n_pad, M = sum(pad.values()), microbatches
+    if stage == 0:
+        return {"allreduce": itemsize * sum(sizes.values()), "reduce_scatter": 0, "allgather": 0}
+    if stage in (1, 2):
+        return {"allreduce": 0, "reduce_scatter": (1 if stage == 1 else M) * itemsize * n_pad,
+                "allgather": w * n_pad}
+    g_wte = (1 if first else 0) + (2 if last else 0)
+    blocks = sum(s for u, s in pad.items() if u.startswith("h."))
+    gathered = (g_wte * pad.get("wte", 0) + pad.get("wpe", 0) + 2 * blocks
+                + 2 * pad.get("ln_f", 0))
+    return {"allreduce": 0, "reduce_scatter": M * itemsize * n_pad,
+            "allgather": M * w * gathered}

@@ -1,0 +1,71 @@
+"""All-to-all context parallelism, DeepSpeed-Ulysses (Jacobs et al. 2023).
+
+Shapes: B batch (this dp rank's rows), T sequence, Tl = T/cp tokens on this rank, NH heads,
+HS head size, C = NH*HS; cp context-parallel ranks, NH/cp heads per rank after the exchange.
+
+Attention mixes tokens but not heads, so trade one sharding for the other around it:
+
+    (B, Tl, 3C) sequence-sharded --all-to-all--> (B, T, 3C/cp) head-sharded
+    serial causal attention on NH/cp heads over the whole sequence (refmp.nn.layers)
+    (B, T, C/cp) head-sharded    --all-to-all--> (B, Tl, C) sequence-sharded
+
+The backward pass is the same two exchanges in reverse (the gradient of an all-to-all is the
+opposite all-to-all): four all-to-alls per layer, of b*Tl*3C and b*Tl*C elements per rank.
+NH must be divisible by cp. Tokens arrive grouped by rank (rank 0's chunks, rank 1's, ...);
+a fixed permutation puts them in sequence order for the causal mask, and back afterwards.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refmp.distributed.comm import Comm
+from refmp.nn import layers as L
+from refmp.runtime import backend
+
+
+class UlyssesAttention:
+    """``forward(qkv, n_head)`` / ``backward(dout, cache)``, as refmp.nn.layers' attention."""
+
+    def __init__(self, comm: Comm, layout, keep_scores: bool = True):
+        self.comm, self.layout = comm, layout
+        self.keep_scores = keep_scores  # False: selective recomputation of the softmax
+        held = np.concatenate([layout.positions(j) for j in range(comm.size)])  # rank-major
+        self.by_rank = backend.from_host(held)  # natural-order index of each rank-major slot
+        self.to_natural = backend.from_host(np.argsort(held))  # and its inverse
+
+    def _to_heads(self, a, B, Tl, width):
+        """(B, Tl, cp*width) my tokens, all head groups -> (B, T, width) all tokens, my group."""
+        cp = self.comm.size
+        send = a.reshape(B, Tl, cp, width).transpose(2, 0, 1, 3)  # (cp, B, Tl, width) by dest
+        got = self.comm.alltoall(backend.xp.ascontiguousarray(send))  # (cp, B, Tl, width) by src
+        return got.transpose(1, 0, 2, 3).reshape(B, cp * Tl, width)[:, self.to_natural]
+
+    def _to_sequence(self, a, B, Tl, width):
+        """(B, T, width) all tokens, my group -> (B, Tl, cp*width) my tokens, all groups."""
+        cp = self.comm.size
+        send = a[:, self.by_rank].reshape(B, cp, Tl, width).transpose(1, 0, 2, 3)  # by dest
+        got = self.comm.alltoall(backend.xp.ascontiguousarray(send))  # (cp, B, Tl, width) by group
+        return got.transpose(1, 2, 0, 3).reshape(B, Tl, cp * width)
+
+    def forward(self, qkv, n_head: int):
+        cp = self.comm.size
+        B, Tl, C3 = qkv.shape
+        nh, hs = n_head // cp, C3 // 3 // n_head
+        # (B, Tl, 3, NH, HS) -> (B, Tl, cp, 3*NH/cp*HS): group g's q, k, v side by side
+        grouped = qkv.reshape(B, Tl, 3, cp, nh * hs).transpose(0, 1, 3, 2, 4)
+        full = self._to_heads(grouped, B, Tl, 3 * nh * hs)  # (B, T, 3C/cp) all-to-all #1
+        y, cache = L.attention_forward(full, nh, self.keep_scores)  # (B, T, C/cp) the serial layer, my heads
+        out = self._to_sequence(y, B, Tl, nh * hs)  # (B, Tl, C) all-to-all #2
+        return out, (cache, nh)
+
+    def backward(self, dout, cache):
+        cache, nh = cache
+        B, Tl, C = dout.shape
+        cp, hs = self.comm.size, C // (nh * self.comm.size)
+        dy = self._to_heads(dout, B, Tl, nh * hs)  # (B, T, C/cp) all-to-all #3, mirrors #2
+        dfull = L.attention_backward(dy, cache)  # (B, T, 3C/cp)
+        dgrouped = self._to_sequence(dfull, B, Tl, 3 * nh * hs)  # (B, Tl, cp*3C/cp) #4, mirrors #1
+        # forward was: grouped = qkv.reshape(B, Tl, 3, cp, nh*hs).transpose(0, 1, 3, 2, 4)
+        dqkv = dgrouped.reshape(B, Tl, cp, 3, nh * hs).transpose(0, 1, 3, 2, 4)  # (B, Tl, 3, cp, .)
+        return dqkv.reshape(B, Tl, 3 * C)  # (B, Tl, 3C)

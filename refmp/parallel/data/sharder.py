@@ -1,0 +1,283 @@
+"""The Sharder: data parallelism and ZeRO 0-3 over whatever local arrays a rank holds.
+
+Rajbhandari et al. 2020, "ZeRO", sec. 5. Shapes: P elements of a unit, Pp = P padded up to a
+multiple of the unit's group size n (no padding at stage 0), S = Pp/n the slice a rank owns.
+
+A rank's local parameters (its tp shards, its pipeline stage's blocks, its experts) are cut
+into units (placement.unit_of: ``wte``, ``wpe``, each block ``h.{i}``, its experts
+``h.{i}.experts``, ``ln_f``), each flattened in order into one buffer. A unit is replicated
+over a group of ranks: dense units over dp x cp (grid.group("dp", "cp")), expert units over
+edp. That replication is what the stages remove, on each unit's own group:
+
+    stage 0   full params, full grads: the gradient is all-reduced, in buckets, as soon as
+              its unit is complete after the last micro-batch (overlapping backward, as
+              PyTorch DDP, Li et al. 2020); ``bucket_mb`` 0: one all-reduce after backward
+    stage 1   ... optimizer state on the S owned elements only; the full gradient is
+              reduce-scattered once per step; the updated slices all-gathered after the step
+    stage 2   ... gradients too: each unit's gradient is reduce-scattered as soon as a
+              micro-batch completes it, and only the slice S is kept
+    stage 3   ... parameters too: a unit's weights are all-gathered just before each forward
+              and each backward that needs them (``weights``), and freed after
+
+The units' gradients are summed shares of the global loss (refmp.parallel.data.accumulate), so the slice
+a rank owns equals the same elements of the serial gradient. Clipping and the optimizer see
+``params`` / ``grads``: the owned slice of every unit, split back by parameter into flat
+pieces (so weight decay still goes to matrices only; the padding is a piece of its own whose
+gradient is always 0). The pipeline calls ``weights`` / ``accumulate`` / ``grad_ready``
+around its actions: ZeRO (any stage) composes with every schedule, micro-batch by micro-batch.
+
+Mixed precision (``compute`` bf16 or fp16; Micikevicius et al. 2018, ZeRO's sec. 3.1
+accounting of 2 + 2 + 12 bytes per parameter): the buffers the model computes on (``pbuf``)
+hold the 16-bit *compute copy*, the gradient buffers the compute dtype too (or ``grad_dtype``
+fp32), and the optimizer's ``params`` are pieces of fp32 *masters* of the owned slice only
+(S elements; all Pp at stage 0). Reductions run in the gradient dtype, so they move half the
+bytes. Before the optimizer, ``master_grads`` widens the owned gradient slice to fp32 and
+undoes the loss scale (fp16); after it, ``after_step`` rounds the masters into the owned
+slice of the compute copy, and stages 1 and 2 all-gather that copy (half the bytes again).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from refmp.distributed.comm import Comm, wait
+from refmp.runtime.backend import array_module
+
+
+class Unit:
+    """One unit flattened into a padded buffer (Pp,), and the slice [lo, hi) this rank owns."""
+
+    def __init__(self, name: str, shapes: dict, n: int, rank: int):
+        self.name, self.shapes = name, shapes
+        self.offsets, o = {}, 0
+        for k, s in shapes.items():
+            self.offsets[k] = o
+            o += math.prod(s)
+        self.numel = o  # P
+        self.padded = -(-o // n) * n  # Pp, a multiple of n
+        self.shard = self.padded // n  # S
+        self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
+
+    def views(self, flat) -> dict:
+        """The unit's parameters (full shapes) as views of a full flat buffer (Pp,)."""
+        return {k: flat[o : o + math.prod(s)].reshape(s)
+                for (k, s), o in zip(self.shapes.items(), self.offsets.values(), strict=True)}
+
+    def flatten(self, arrays: dict, xp, dtype):
+        """One padded flat buffer (Pp,) holding ``arrays`` (by name) in order, zeros after."""
+        flat = xp.zeros(self.padded, dtype=dtype)
+        for k, v in self.views(flat).items():
+            v[...] = arrays[k]
+        return flat
+
+    def pieces(self, shard) -> dict:
+        """This rank's elements of each parameter (and of the padding) as views of ``shard``."""
+        out = {}
+        ends = [(k, o, o + math.prod(self.shapes[k])) for k, o in self.offsets.items()]
+        for k, a, b in ends + [(f"{self.name}.padding", self.numel, self.padded)]:
+            a, b = max(a, self.lo), min(b, self.hi)
+            if a < b:
+                out[k] = shard[a - self.lo : b - self.lo]  # (b-a,) flat piece
+        return out
+
+
+class WeightRef:
+    """Stands in a cache for a weight that stage 3 freed; ``attach`` puts the weight back."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def detach(cache, p: dict):
+    """The cache with every array of ``p`` replaced by a WeightRef (so the weights can go)."""
+    names = {id(v): k for k, v in p.items()}
+
+    def walk(c):
+        if isinstance(c, tuple):
+            items = [walk(x) for x in c]
+            return type(c)(*items) if hasattr(c, "_fields") else tuple(items)  # NamedTuples too
+        return WeightRef(names[id(c)]) if id(c) in names else c
+
+    return walk(cache)
+
+
+def attach(cache, p: dict):
+    """Inverse of detach, with the freshly gathered weights ``p``."""
+    if isinstance(cache, tuple):
+        items = [attach(c, p) for c in cache]
+        return type(cache)(*items) if hasattr(cache, "_fields") else tuple(items)
+    return p[cache.name] if isinstance(cache, WeightRef) else cache
+
+
+class Sharder:
+    """ZeRO ``stage`` over ``local`` (name -> array), cut into ``units`` (unit -> names), each
+    reduced over ``groups[unit]``. The model computes on ``weights(unit)``."""
+
+    def __init__(self, local: dict, units: dict[str, list[str]], groups: dict[str, Comm],
+                 stage: int, bucket_mb: float = 25.0, compute=None, grad_dtype=None):
+        self.stage, self.groups, self.bucket_bytes = stage, groups, int(bucket_mb * 2**20)
+        p0 = next(iter(local.values()))
+        self.xp, self.dtype = array_module(p0), p0.dtype  # dtype: the masters' (--dtype)
+        self.compute = np.dtype(compute or self.dtype)  # what the model computes on
+        self.gdtype = np.dtype(grad_dtype or self.compute)  # gradients, and their sums
+        self.mixed = self.compute != self.dtype
+        self.units = {u: Unit(u, {k: tuple(local[k].shape) for k in ks},
+                              groups[u].size if stage else 1, groups[u].rank if stage else 0)
+                      for u, ks in units.items()}
+        self.pbuf, self.gbuf, self.work = {}, {}, {}
+        self.master, self.mgrad = {}, {}  # mixed precision: fp32 owned slices (S,) per unit
+        self.params, self.grads = {}, {}  # the owned pieces, by name (the optimizer's view)
+        for u, U in self.units.items():
+            full = U.flatten(local, self.xp, self.dtype)  # (Pp,)
+            if self.mixed:  # masters of my slice; the model gets the rounded compute copy
+                self.master[u] = full[U.lo : U.hi].copy()  # (S,) fp32
+                full = full.astype(self.compute)  # (Pp,) bf16 / fp16
+            self.pbuf[u] = full if stage < 3 else full[U.lo : U.hi].copy()  # stage 3: (S,)
+            self.gbuf[u] = self.xp.zeros(U.padded if stage < 2 else U.shard, self.gdtype)
+            owned = self.pbuf[u][U.lo : U.hi] if stage < 3 else self.pbuf[u]
+            self.params.update(U.pieces(self.master[u] if self.mixed else owned))
+            self.grads.update(U.pieces(self.gbuf[u][U.lo : U.hi] if stage < 2 else self.gbuf[u]))
+        self.decay = {k for k in self.params
+                      if any(len(U.shapes.get(k, ())) >= 2 for U in self.units.values())}
+        self._open: list = []  # stage 0: [units, flat, request] of started all-reduces
+        self._ready: dict[str, list[str]] = {}  # stage 0: complete units not yet started, by group
+
+    # --- what the model computes with ---------------------------------------------------------
+
+    def weights(self, u: str) -> dict:
+        """Unit u's parameters (full local shapes): views of the resident buffer, or, at
+        stage 3, of an all-gather made now (S -> Pp), alive only while the caller keeps it."""
+        U = self.units[u]
+        if self.stage < 3 or self.groups[u].size == 1:
+            return U.views(self.pbuf[u])
+        return U.views(self.groups[u].allgather(self.pbuf[u]))
+
+    def full_local(self, grads: bool = False) -> dict:
+        """Every local parameter (or its gradient) whole: the owned slices all-gathered over
+        each unit's group where they are sharded (collective over every group). With mixed
+        precision: the fp32 masters, and the fp32 unscaled gradient of the last step."""
+        out = {}
+        for u, U in self.units.items():
+            if not grads and not self.mixed:
+                out.update({k: v.copy() for k, v in self.weights(u).items()})
+                continue
+            # the optimizer's view: fp32 masters, and (mixed) the fp32 unscaled gradient
+            flat = self.master[u] if not grads else self.mgrad.get(u, self.owned_grad(u))
+            group = self.groups[u]
+            if self.stage > 0 and group.size > 1:
+                flat = group.allgather(self.xp.ascontiguousarray(flat))  # (Pp,)
+            out.update({k: v.copy() for k, v in U.views(flat).items()})
+        return out
+
+    def owned_index(self, index: dict) -> dict:
+        """The owned pieces of ``index`` (name -> integer array shaped like the local shard,
+        -1 where nothing global is held), by piece name, as ``params`` is split."""
+        out = {}
+        for U in self.units.values():
+            flat = U.flatten({k: index[k] + 1 for k in U.shapes}, np, np.int64) - 1  # pad: -1
+            out.update(U.pieces(flat[U.lo : U.hi]))
+        return out
+
+    # --- gradients as backward produces them ---------------------------------------------------
+
+    def zero_grad(self) -> None:
+        for g in self.gbuf.values():
+            g[...] = 0
+
+    def accumulate(self, u: str, g: dict) -> None:
+        """Add this micro-batch's gradients ``g`` (names of unit u, full local shapes)."""
+        U = self.units[u]
+        if self.stage < 2:
+            target = self.gbuf[u]  # (Pp,) the full gradient lives here all step
+        else:  # stage 2/3: a full buffer only until this micro-batch's reduce-scatter
+            if u not in self.work:
+                self.work[u] = self.xp.zeros(U.padded, self.gdtype)
+            target = self.work[u]  # in the gradient dtype (bf16 / fp16, or fp32)
+        views = U.views(target)
+        for k, v in g.items():
+            views[k] += v
+
+    def grad_ready(self, u: str, final: bool) -> None:
+        """Unit u's gradient of this micro-batch is complete (``final``: of the step's last)."""
+        if self.stage >= 2:
+            # reduce-scatter: sum the ranks' shares (Pp) and keep my S; the full buffer goes
+            work, group = self.work.pop(u), self.groups[u]
+            self.gbuf[u] += group.reduce_scatter(work) if group.size > 1 else work
+        elif self.stage == 0 and final and self.bucket_bytes > 0:
+            ready = self._ready.setdefault(self.groups[u].axis, [])
+            ready.append(u)
+            if sum(self.gbuf[v].nbytes for v in ready) >= self.bucket_bytes:
+                self._start(ready)
+                ready.clear()
+        for _, _, req in self._open:  # MPICH has no progress thread: Test drives the open
+            req.Test()  # all-reduces while backward goes on (the earlier layers' work)
+
+    def _start(self, units: list[str]) -> None:
+        """Start the all-reduce of one bucket: these units' gradients, flattened together."""
+        group = self.groups[units[0]]
+        if group.size == 1:
+            return  # nothing to sum
+        flat = self.xp.concatenate([self.gbuf[u] for u in units])
+        self._open.append((list(units), flat, group.allreduce_start(flat)))
+
+    def finish(self) -> None:
+        """After the step's backward: every owned slice holds the summed gradient."""
+        if self.stage == 0:
+            if self.bucket_bytes <= 0:  # one all-reduce per group, after backward
+                for axis in dict.fromkeys(g.axis for g in self.groups.values()):
+                    self._start([u for u in self.units if self.groups[u].axis == axis])
+            for ready in self._ready.values():  # the last, partly filled buckets
+                if ready:
+                    self._start(ready)
+            self._ready = {}
+            for units, flat, req in self._open:
+                wait(req)
+                o = 0
+                for u in units:
+                    self.gbuf[u][...] = flat[o : o + self.gbuf[u].size]
+                    o += self.gbuf[u].size
+            self._open = []
+        elif self.stage == 1:  # one reduce-scatter per unit per step
+            for u, U in self.units.items():
+                if self.groups[u].size > 1:
+                    self.gbuf[u][U.lo : U.hi] = self.groups[u].reduce_scatter(self.gbuf[u])
+        # stage 2/3: reduce-scattered unit by unit during backward
+
+    def owned_grad(self, u: str):
+        """The flat owned slice of unit u's gradient (S,), or all of it at stage 0."""
+        U = self.units[u]
+        return self.gbuf[u][U.lo : U.hi] if self.stage < 2 else self.gbuf[u]
+
+    def master_grads(self, scale: float = 1.0) -> dict:
+        """Mixed precision, before clipping and the optimizer: the owned gradient slices
+        widened to the masters' dtype and divided by the loss scale (a power of two: exact),
+        as pieces named like ``params``. A transient of the step (ZeRO's accounting, and
+        memory(), count the gradient buffers in their own dtype)."""
+        pieces = {}
+        for u, U in self.units.items():
+            g = self.owned_grad(u).astype(self.dtype)  # (S,) fp32
+            if scale != 1.0:
+                g *= 1.0 / scale
+            self.mgrad[u] = g
+            pieces.update(U.pieces(g))
+        return pieces
+
+    def after_step(self) -> None:
+        if self.mixed:  # round the updated masters into my slice of the compute copy
+            for u, U in self.units.items():
+                own = self.pbuf[u][U.lo : U.hi] if self.stage < 3 else self.pbuf[u]
+                own[...] = self.master[u]  # fp32 -> bf16 / fp16, round to nearest even
+        if self.stage in (1, 2):  # all-gather: each rank's updated S elements -> the full Pp
+            for u, U in self.units.items():
+                if self.groups[u].size > 1:
+                    self.pbuf[u][...] = self.groups[u].allgather(self.pbuf[u][U.lo : U.hi])
+        # stage 0: every rank made the same update; stage 3: weights stay sharded
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the parameter (compute copy), gradient and fp32 master buffers this rank
+        keeps between steps."""
+        return {"params": sum(int(b.nbytes) for b in self.pbuf.values()),
+                "grads": sum(int(b.nbytes) for b in self.gbuf.values()),
+                "masters": sum(int(b.nbytes) for b in self.master.values())}

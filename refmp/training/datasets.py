@@ -1,0 +1,166 @@
+"""Datasets and the layout-invariant batch order.
+
+The batch order (DESIGN.md, "Parity contract"): with block size T and global batch B, step s
+uses windows w = (s*B + j) mod n_windows for rows j = 0..B-1, n_windows = (len(tokens)-1)//T;
+window w is x = tokens[w*T : w*T+T], y = tokens[w*T+1 : w*T+T+1]. Data-parallel rank r of dp
+takes rows [r*B/dp, (r+1)*B/dp). An optional seeded shuffle permutes the window indices, the
+same on every rank. Nothing here depends on the layout except which rows a rank asks for.
+
+Sources: the built-in addition task (no download), a text file (bytes, vocabulary 256), a
+.npy 1-D integer array, or a nanoGPT-style .bin of uint16 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from refmp.errors import ConfigError
+
+
+@dataclass
+class Dataset:
+    """A token stream, its vocabulary size, and (optionally) a held-out task to score."""
+
+    tokens: np.ndarray  # (n,) int64
+    vocab_size: int
+    name: str
+    task: AdditionTask | None = field(default=None, repr=False)
+
+    def n_windows(self, T: int) -> int:
+        return (len(self.tokens) - 1) // T
+
+
+# --- batch order -------------------------------------------------------------------------------
+
+
+def window_indices(step: int, B: int, n_windows: int, perm: np.ndarray | None = None) -> np.ndarray:
+    """The B window indices of ``step``: (s*B + j) mod n_windows, through ``perm`` if given."""
+    w = (step * B + np.arange(B)) % n_windows  # (B,)
+    return w if perm is None else perm[w]
+
+
+def shuffle_perm(n_windows: int, seed: int) -> np.ndarray:
+    """A seeded permutation of window indices (identical on every rank)."""
+    return np.random.default_rng([seed, 0x5EED]).permutation(n_windows)
+
+
+def get_batch(tokens: np.ndarray, step: int, B: int, T: int, rows: slice = slice(None),
+              perm: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """x, y (len(rows), T) for the given rows of step's global batch."""
+    n = (len(tokens) - 1) // T
+    w = window_indices(step, B, n, perm)[rows]  # (b,)
+    offs = w[:, None] * T + np.arange(T)  # (b, T)
+    return tokens[offs], tokens[offs + 1]
+
+
+# --- the built-in task: integer addition ------------------------------------------------------
+
+
+ADD_CHARS = "0123456789+=\n"
+
+
+@dataclass
+class AdditionTask:
+    """Problems ``a+b=c`` with ``digits``-digit operands, written as characters.
+
+    Operands are zero-padded to ``digits`` and the sum to ``digits + 1`` characters, so every
+    problem has the same length ``3*digits + 4`` (e.g. ``123+456=0579\\n``). The sum is written
+    most-significant digit first, the way people write it. A seeded split holds out
+    ``n_test`` problems that never appear in training; :meth:`score` measures exact-match
+    accuracy on them by greedy decoding.
+    """
+
+    digits: int = 3
+    seed: int = 0
+    n_train: int = 200_000
+    n_test: int = 1000
+
+    def __post_init__(self):
+        n_pairs = 10 ** (2 * self.digits)
+        rng = np.random.default_rng([self.seed, 0xADD])
+        order = rng.permutation(n_pairs)  # pair p = a * 10^d + b
+        n_test = min(self.n_test, n_pairs // 5)  # 1 digit has only 100 problems: hold out 20
+        self.test_pairs = order[:n_test]
+        pool = order[n_test:]
+        self.train_pairs = pool[rng.integers(0, len(pool), self.n_train)]
+
+    @property
+    def line_len(self) -> int:
+        return 3 * self.digits + 4
+
+    def encode(self, pairs: np.ndarray) -> np.ndarray:
+        """Token ids (n, line_len) of the problems ``pairs`` (a * 10^d + b)."""
+        d = self.digits
+        a, b = np.divmod(pairs, 10**d)
+        c = a + b
+
+        def digits_of(v, width):  # (n, width), most significant first
+            return (v[:, None] // 10 ** np.arange(width - 1, -1, -1)) % 10
+
+        n = len(pairs)
+        plus, eq, nl = ADD_CHARS.index("+"), ADD_CHARS.index("="), ADD_CHARS.index("\n")
+        return np.concatenate([
+            digits_of(a, d), np.full((n, 1), plus), digits_of(b, d), np.full((n, 1), eq),
+            digits_of(c, d + 1), np.full((n, 1), nl),
+        ], axis=1).astype(np.int64)
+
+    def dataset(self) -> Dataset:
+        return Dataset(self.encode(self.train_pairs).reshape(-1), len(ADD_CHARS),
+                       f"addition ({self.digits}-digit)", task=self)
+
+    def score(self, model, pairs: np.ndarray | None = None, batch: int = 500) -> tuple[int, int]:
+        """(correct, total) exact-match answers by greedy decoding on held-out problems."""
+        from refmp.runtime import backend
+
+        pairs = self.test_pairs if pairs is None else pairs
+        lines = self.encode(pairs)
+        prompt_len = 2 * self.digits + 2  # "aaa+bbb="
+        correct = 0
+        for i in range(0, len(lines), batch):
+            chunk = lines[i : i + batch]
+            prompt = backend.from_host(chunk[:, :prompt_len])
+            out = backend.to_host(model.generate(prompt, self.digits + 1))
+            correct += int((out[:, prompt_len:] == chunk[:, prompt_len:-1]).all(axis=1).sum())
+        return correct, len(lines)
+
+
+# --- files ----------------------------------------------------------------------------------
+
+
+def load_tokens(path: str) -> Dataset:
+    """Read a token file: .npy (1-D ints), .bin (uint16, nanoGPT), anything else as bytes."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--data {path}: no such file")
+    try:
+        if path.endswith(".npy"):
+            arr = np.load(path, allow_pickle=False)
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise ConfigError(
+                    f"--data {path}: expected a 1-D integer token array, got {arr.ndim}-D {arr.dtype}"
+                )
+            if arr.size and arr.min() < 0:
+                raise ConfigError(f"--data {path}: token ids must be >= 0 (found {arr.min()})")
+            tokens = arr.astype(np.int64)
+        elif path.endswith(".bin"):
+            if os.path.getsize(path) % 2:
+                raise ConfigError(f"--data {path}: a .bin token file holds uint16 values; "
+                                  "its size must be even")
+            tokens = np.fromfile(path, dtype=np.uint16).astype(np.int64)
+        else:
+            tokens = np.frombuffer(open(path, "rb").read(), dtype=np.uint8).astype(np.int64)
+            return _checked(Dataset(tokens, 256, f"text {os.path.basename(path)}"), path)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--data {path}: cannot read it ({e})") from e
+    vocab = int(tokens.max()) + 1 if tokens.size else 0
+    return _checked(Dataset(tokens, vocab, os.path.basename(path)), path)
+
+
+def _checked(ds: Dataset, path: str) -> Dataset:
+    if len(ds.tokens) < 2:
+        raise ConfigError(f"--data {path}: needs at least 2 tokens, found {len(ds.tokens)}")
+    return ds

@@ -1,0 +1,305 @@
+"""The training loop behind ``refmp train`` (and the parity tests' whole-step runs).
+
+One step, on every rank, whatever the layout (the runner is refmp.parallel.engine.Engine):
+  1. take this rank's rows of the global batch (layout-invariant order, refmp.training.datasets);
+  2. forward and backward, the loss being this rank's share of the global mean;
+  3. reduce: every gradient piece this rank owns becomes the global gradient's;
+  4. stop if the global loss or gradient norm is not finite (every rank sees the same
+     values, so every rank stops: refmp.distributed.faults), else clip by the global norm, then the
+     optimizer step on the owned pieces.
+With --mixed-precision (refmp.runtime.precision) the pieces the optimizer sees are fp32 masters and
+fp32 gradients; with fp16, backward starts from the loss scale, and a step whose gradient
+norm is not finite (an overflow, on any rank) is skipped and the scale halved
+(refmp.training.optim.LossScaler) instead of stopping the run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from typing import Protocol
+
+import numpy as np
+
+from refmp.config import TrainConfig, check_config, lr_at
+from refmp.cost.memory import check_memory
+from refmp.distributed.comm import Comm
+from refmp.distributed.faults import check_finite, check_outputs
+from refmp.distributed.grid import ProcessGrid
+from refmp.errors import ConfigError
+from refmp.nn import GPT, GPTConfig
+from refmp.runtime import backend
+from refmp.training.datasets import AdditionTask, Dataset, get_batch, load_tokens, shuffle_perm
+from refmp.training.optim import SGD, AdamW, LossScaler, clip_grads
+
+
+def build_dataset(cfg: TrainConfig) -> Dataset:
+    if cfg.data is None:
+        return AdditionTask(cfg.digits, cfg.seed).dataset()
+    return load_tokens(cfg.data)
+
+
+def model_config(cfg: TrainConfig, ds: Dataset) -> GPTConfig:
+    """The model's shape, from the flags or the --init file's header (no weight is made or
+    read), checked against the data: what the memory check needs before anything is big.
+
+    MoE settings left None take GPTConfig's defaults, or with --init the file's metadata;
+    those given win over the file (refmp.checkpoint.weights.read_config says where they differ).
+    """
+    from refmp.checkpoint.weights import moe_flags, read_config
+
+    moe = moe_flags(cfg)  # the MoE settings given, by GPTConfig field name
+    if cfg.init is not None:
+        mcfg, _ = read_config(cfg.init, cfg.n_head, moe)
+        if cfg.block_size is not None and cfg.block_size > mcfg.block_size:
+            raise ConfigError(f"--block-size {cfg.block_size} exceeds the block size "
+                              f"{mcfg.block_size} of {cfg.init}")
+    else:
+        # the addition task: one problem per window, so every position keeps one role
+        T = cfg.block_size or (ds.task.line_len if ds.task else 64)
+        mcfg = GPTConfig(ds.vocab_size, T, cfg.n_layer, cfg.n_head or 4, cfg.n_embd,
+                         cfg.n_expert, **moe)
+        mcfg.check()
+    if ds.vocab_size > mcfg.vocab_size:
+        raise ConfigError(f"the data has {ds.vocab_size} token ids but the model's vocabulary "
+                          f"is {mcfg.vocab_size}")
+    T = cfg.block_size or mcfg.block_size
+    if ds.n_windows(T) < 1:
+        raise ConfigError(f"the data ({len(ds.tokens)} tokens) is shorter than one window of "
+                          f"{T + 1} tokens; use a smaller --block-size")
+    return mcfg
+
+
+def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
+    """A fresh GPT (GPT-2 init) or one loaded from --init, of model_config's shape."""
+    from refmp.checkpoint.weights import load_model, moe_flags
+
+    mcfg = model_config(cfg, ds)
+    if cfg.init is not None:
+        return load_model(cfg.init, n_head=cfg.n_head, dtype=cfg.dtype, moe=moe_flags(cfg))
+    return GPT.create(mcfg, cfg.seed, cfg.dtype)
+
+
+class Runner(Protocol):
+    """What the Trainer drives: refmp.parallel.engine.Engine, for every layout.
+
+    ``params`` / ``grads`` are the arrays this rank updates, by name (flat pieces of shards
+    are welcome: the optimizer is elementwise), ``decay`` the names that get weight decay;
+    ``eval_comm`` the ranks that split evaluation prompts; ``stats`` the last step's extra
+    figures for the log (MoE routing).
+    """
+
+    params: dict
+    grads: dict
+    decay: set[str]
+    eval_comm: Comm
+    stats: dict
+
+    def batch_rows(self, B: int) -> slice: ...  # the rows of the global batch this rank reads
+
+    def zero_grad(self) -> None: ...
+
+    def forward_backward(self, x, y, denom: int, dloss: float = 1.0) -> None: ...  # grads +=
+    # this rank's share; dloss: the gradient backward starts from (fp16's loss scale)
+
+    def reduce_grads(self) -> None: ...  # grads become the global gradient's owned pieces
+
+    def grad_norm(self) -> float: ...  # the global L2 norm, each element counted once
+
+    def after_step(self) -> None: ...  # after the optimizer (ZeRO 1/2: all-gather)
+
+    def loss_total(self) -> float: ...  # the step's global loss
+
+    def generate(self, idx, n: int): ...  # greedy decoding (collective where split)
+
+    def full_params(self) -> dict | None: ...  # the whole model on rank 0 (collective)
+
+    def timeline(self): ...  # the last step's pipeline timeline (collective over pp)
+
+    def memory(self) -> dict[str, int]: ...  # bytes held: params, grads, activations
+
+
+def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT) -> Runner:
+    """The one engine, after every layout rule has been checked (the same on every rank)."""
+    from refmp.parallel.engine import Engine
+    from refmp.parallel.layout import check_layout
+
+    check_layout(cfg, model.cfg, grid.world.size, grid.sizes)
+    return Engine(model, grid, cfg)
+
+
+def build_optimizer(cfg: TrainConfig, params: dict, decay=None):
+    """``decay``: names to weight-decay when params are flattened shards (default ndim >= 2)."""
+    if cfg.optimizer == "sgd":
+        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                   decay=decay)
+    return AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                 decay=decay)
+
+
+def agreed(comm, fn):
+    """Run ``fn()`` on every rank; if it raised a ConfigError on any rank, raise it on all.
+
+    Without this, a rank that failed alone (say, an unreadable file on its node) would leave
+    the others waiting in their next collective forever.
+    """
+    err = None
+    try:
+        out = fn()
+    except ConfigError as e:
+        err, out = str(e), None
+    errors = [e for e in comm.allgather_obj(err) if e is not None]
+    if errors:
+        raise ConfigError(errors[0])
+    return out
+
+
+def start_gpu(grid: ProcessGrid) -> dict:
+    """CuPy and this rank's GPU; CUDA-awareness detected, agreed, and set on every axis."""
+    from refmp.runtime.device import agree_cuda_aware, detect_cuda_aware, use_gpu
+
+    info = agreed(grid.world, lambda: use_gpu(grid.world.mpi))
+    answer, source = detect_cuda_aware()
+    aware = agree_cuda_aware(grid.world, answer)
+    grid.set_cuda_aware(aware)
+    return {**info, "device": f"gpu {info['device']}", "cuda_aware": aware,
+            "cuda_aware_source": source}
+
+
+class Trainer:
+    """Holds the grid, data, runner and optimizer of one run, on any layout."""
+
+    def __init__(self, cfg: TrainConfig, grid: ProcessGrid | None = None,
+                 dataset: Dataset | None = None):
+        check_config(cfg)
+        self.cfg = cfg
+        self.grid = grid if grid is not None else ProcessGrid(
+            dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)  # validates the layout
+
+        self.device_info = {"device": "cpu"}
+        if cfg.device == "gpu":  # before any array is made: parameters go straight to the GPU
+            self.device_info = start_gpu(self.grid)
+
+        from refmp.parallel.layout import check_layout
+
+        world = self.grid.world
+        # before any work, on every rank: the files rank 0 will write, the data and the
+        # model's shape, the layout's rules, then the memory the layout needs (refmp.cost.memory)
+        agreed(world, lambda: check_outputs(cfg) if world.rank == 0 else None)
+
+        def shape():
+            ds = dataset if dataset is not None else build_dataset(cfg)
+            return ds, model_config(cfg, ds)
+
+        self.ds, mcfg = agreed(world, shape)
+        check_layout(cfg, mcfg, world.size, self.grid.sizes)  # pure: the same on every rank
+        agreed(world, lambda: check_memory(cfg, mcfg, self.grid))
+        self.model = agreed(world, lambda: build_model(cfg, self.ds))
+        self.T = cfg.block_size or self.model.cfg.block_size
+        self.runner = build_runner(cfg, self.grid, self.model)
+        self.rows = self.runner.batch_rows(cfg.batch_size)
+        self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
+        self.opt = build_optimizer(cfg, self.runner.params, self.runner.decay)
+        # fp16: dynamic loss scaling (its state is training state: checkpoints save
+        # self.scaler.state()); bf16 has fp32's range and needs none
+        self.scaler = (LossScaler(cfg.loss_scale_init, cfg.loss_scale_window)
+                       if cfg.mixed_precision == "fp16" else None)
+        self.step_num = 0
+        self.resumed = self.resume(cfg.resume) if cfg.resume else None  # its manifest
+
+    def step(self) -> dict:
+        """One training step; returns {step, loss, grad_norm, lr, tokens, seconds} (and with
+        fp16 the loss scale the step used and whether it was skipped for an overflow)."""
+        cfg, run = self.cfg, self.runner
+        t0 = time.perf_counter()
+        x, y = get_batch(self.ds.tokens, self.step_num, cfg.batch_size, self.T, self.rows, self.perm)
+        x, y = backend.from_host(x), backend.from_host(y)
+        run.zero_grad()
+        denom = cfg.batch_size * self.T  # the global token count: each rank's loss is a share
+        scale = self.scaler.scale if self.scaler else 1.0
+        # fp16: an overflow is expected now and then (that is what the scaler is for)
+        quiet = np.errstate(over="ignore", invalid="ignore") if self.scaler else nullcontext()
+        with quiet:
+            run.forward_backward(x, y, denom, scale)  # backward starts from the loss scale
+            run.reduce_grads()  # now grads is the global gradient of this rank's pieces
+            norm = run.grad_norm()  # global: also without clipping, for the checks below
+        loss = run.loss_total()  # global (the forward's): the same on every rank
+        take = self.scaler.update(math.isfinite(norm)) if self.scaler else True
+        # every rank stops here, before the update (an fp16 overflow is skipped instead)
+        check_finite(self.step_num, loss, norm if take else 0.0)
+        if cfg.grad_clip > 0 and take:
+            clip_grads(run.grads, cfg.grad_clip, norm)
+        self.opt.lr = lr_at(cfg, self.step_num)
+        if take:  # an fp16 overflow skips the whole update (moments and step count too)
+            self.opt.step(run.grads)
+            run.after_step()  # the compute copy from the masters; ZeRO 1/2: all-gather
+        backend.sync()
+        rec = {"step": self.step_num, "loss": loss, "grad_norm": norm, "lr": self.opt.lr,
+               "tokens": cfg.batch_size * self.T, "seconds": time.perf_counter() - t0}
+        if self.scaler:
+            rec.update(loss_scale=scale, skipped=not take)
+        rec.update(run.stats)  # e.g. MoE routing statistics
+        self.step_num += 1
+        return rec
+
+    # --- the state that later steps depend on (refmp.checkpoint.sharded writes and reads it) --------------
+
+    def optimizer_state(self) -> tuple[dict, dict]:
+        """({kind, t}, {moment: {piece: array}}): what the optimizer carries from step to
+        step, keyed like ``runner.params``. AdamW: t and the moments m, v; SGD: the momentum
+        buffers once they exist; with fp16 the loss scaler's state. The learning rate is not
+        state: lr_at(cfg, step_num)."""
+        scale = {"loss_scale": self.scaler.state()} if self.scaler else {}  # fp16's scaler
+        if isinstance(self.opt, AdamW):
+            return ({"kind": "adamw", "t": self.opt.t, **scale},
+                    {"m": self.opt.m, "v": self.opt.v})
+        moments = {"momentum": self.opt.state} if self.opt.state else {}
+        return {"kind": "sgd", "t": self.step_num, **scale}, moments
+
+    def load_optimizer_state(self, t: int, moments: dict) -> None:
+        """Set what optimizer_state returns; ``moments`` {moment: {piece: host array}}, a
+        moment not given starts at zero (AdamW) or absent (SGD, as before its first step)."""
+        if isinstance(self.opt, AdamW):
+            self.opt.t = t
+            for name, state in (("m", self.opt.m), ("v", self.opt.v)):
+                for k, a in state.items():
+                    a[...] = backend.from_host(moments[name][k]) if name in moments else 0
+        else:
+            self.opt.state = {k: backend.from_host(a).astype(self.runner.params[k].dtype)
+                              for k, a in moments.get("momentum", {}).items()}
+
+    def save_checkpoint(self, root: str, keep: int = 0) -> str:
+        """Write this step's state as ``root/step-{N:08d}`` (collective; refmp.checkpoint.sharded.save)."""
+        from refmp.checkpoint.sharded import save
+
+        return save(self, root, keep)
+
+    def resume(self, path: str) -> dict:
+        """Continue from the checkpoint at, or latest in, ``path``, saved by any layout
+        (collective; refmp.checkpoint.sharded.load). Returns its manifest."""
+        from refmp.checkpoint.sharded import load
+
+        return load(self, path)
+
+    def evaluate(self) -> tuple[int, int] | None:
+        """Held-out exact-match (correct, total), split over dp ranks; None without a task."""
+        task = self.ds.task
+        if task is None:
+            return None
+        comm = self.runner.eval_comm
+        mine = np.array_split(task.test_pairs, comm.size)[comm.rank]
+        correct, total = task.score(self.runner, mine) if len(mine) else (0, 0)
+        return int(comm.allreduce_scalar(correct)), int(comm.allreduce_scalar(total))
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients, optimizer state (and activations)."""
+        run = self.runner
+        mem = {
+            "params": sum(int(p.nbytes) for p in run.params.values()),
+            "grads": sum(int(g.nbytes) for g in run.grads.values() if g is not None),
+            "optimizer": self.opt.state_bytes(),
+        }
+        mem.update(run.memory())  # the runner's own buffers and peak activations
+        mem["optimizer"] += mem.pop("masters", 0)  # mixed precision: fp32 masters (ZeRO's 12)
+        return mem
