@@ -40,7 +40,7 @@ def test_collectives_and_ledger():
 def test_send_recv_checks_size():
     c = Comm(MPI.COMM_WORLD, "pp")
     if c.rank == 0:
-        from refmp.distributed.comm import wait
+        from refmp.distributed.waiting import wait
 
         wait(c.send(np.arange(6, dtype=np.float32).reshape(2, 3), dest=1, tag=1))
         wait(c.send(np.zeros(5, dtype=np.float32), dest=1, tag=2))
@@ -111,28 +111,28 @@ def test_groups_of_axes_and_experts_carved_from_dp_x_cp():
 def test_waits_spin_when_the_ranks_fit_the_cores_and_refuse_bad_settings(monkeypatch):
     """Tests without pause first (a collective needs many of MPI's progress steps), sleeping
     only after spin_time(); no spinning when ranks outnumber cores; bad values refused."""
-    from refmp.distributed import comm
+    from refmp.distributed import waiting
     from refmp.runtime import cpu
     monkeypatch.delenv("REFMP_SPIN_US", raising=False)
     monkeypatch.delenv("REFMP_POLL_US", raising=False)
     monkeypatch.setattr(cpu, "cores", lambda: 2)
     monkeypatch.setattr(cpu, "local_ranks", lambda: 2)
-    assert comm.spin_time() == 1e-3 and comm.poll_cap() == 1e-4
+    assert waiting.spin_time() == 1e-3 and waiting.poll_cap() == 1e-4
     monkeypatch.setattr(cpu, "local_ranks", lambda: 3)  # oversubscribed: sleep at once
-    assert comm.spin_time() == 0.0 and comm.poll_cap() == 1e-3
+    assert waiting.spin_time() == 0.0 and waiting.poll_cap() == 1e-3
     monkeypatch.setenv("REFMP_SPIN_US", "250")
-    assert comm.spin_time() == 250e-6
+    assert waiting.spin_time() == 250e-6
     monkeypatch.setenv("REFMP_SPIN_US", "1ms")
     with pytest.raises(ConfigError, match="REFMP_SPIN_US must be a whole number of microseconds"):
-        comm.spin_time()
+        waiting.spin_time()
 
     sleeps, calls = [], []
-    monkeypatch.setattr(comm.time, "sleep", sleeps.append)
-    monkeypatch.setattr(comm, "_poll_cap", 1e-4)
-    monkeypatch.setattr(comm, "_spin", 10.0)  # long enough for 50 calls
-    comm.sleep_until(lambda: calls.append(1) or len(calls) == 50)
+    monkeypatch.setattr(waiting.time, "sleep", sleeps.append)
+    monkeypatch.setattr(waiting, "_poll_cap", 1e-4)
+    monkeypatch.setattr(waiting, "_spin", 10.0)  # long enough for 50 calls
+    waiting.sleep_until(lambda: calls.append(1) or len(calls) == 50)
     assert len(calls) == 50 and sleeps == []  # done while spinning: never slept
     calls.clear()
-    monkeypatch.setattr(comm, "_spin", 0.0)
-    comm.sleep_until(lambda: calls.append(1) or len(calls) == 6)
+    monkeypatch.setattr(waiting, "_spin", 0.0)
+    waiting.sleep_until(lambda: calls.append(1) or len(calls) == 6)
     assert sleeps == [1e-5, 2e-5, 4e-5, 8e-5, 1e-4]  # backs off to the cap

@@ -19,7 +19,8 @@ from mpi_helpers import Mismatches, collective, mpiexec, refmp
 from parity import assert_same_run, serial_config
 
 from refmp.cost.zero import comm_per_step, unit_sizes
-from refmp.distributed.comm import Comm, Ledger
+from refmp.distributed.comm import Comm
+from refmp.distributed.ledger import Ledger
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import layers as L
 from refmp.nn.gpt import GPT

@@ -7,7 +7,8 @@ from device import strict
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 
-from refmp.distributed.comm import Comm, wait
+from refmp.distributed.comm import Comm
+from refmp.distributed.waiting import wait
 from refmp.errors import ConfigError
 from refmp.runtime import backend
 from refmp.runtime.device import detect_cuda_aware, device_for

@@ -199,7 +199,8 @@ def test_stage_chunks_in_sequence_equal_the_serial_model(zero, n_expert):
     caches and attaches them again for the backward; an MoE model adds its aux losses."""
     from mpi4py import MPI
 
-    from refmp.distributed.comm import Comm, Ledger
+    from refmp.distributed.comm import Comm
+    from refmp.distributed.ledger import Ledger
     from refmp.parallel.data.sharder import Sharder
     from refmp.parallel.pipeline.stage import Stage
     from refmp.parallel.placement import unit_of

@@ -21,7 +21,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from refmp.distributed.comm import Comm, Ledger
+from refmp.distributed.comm import Comm
+from refmp.distributed.ledger import Ledger
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import blockwise as BW
 from refmp.nn import layers as L

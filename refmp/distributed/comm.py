@@ -1,183 +1,27 @@
-"""The one wrapper over mpi4py: collectives, point-to-point, waiting, and a byte ledger.
+"""The one wrapper over mpi4py: collectives and point-to-point, each call ledgered.
 
 Every MPI call in refmp goes through a :class:`Comm`, which knows the grid axis it works on
-("world", "dp", "tp", ...) and records each call in a shared :class:`Ledger` as
-(op, axis) -> bytes and count. Tests hold those figures against the textbook formulas.
-
-What a ledger entry counts: the bytes of the full logical tensor the operation acts on, as
-seen from one rank (all-reduce: the buffer; all-gather: the gathered result; reduce-scatter:
-the input before scattering; send/recv: the message). Multiply by the algorithm's factor
-(a ring all-reduce moves 2 (n-1)/n of it per rank) to get wire traffic.
-
-Waiting: MPICH busy-polls inside blocking calls, so a rank that waits would burn the core a
-working rank needs when ranks outnumber cores. refmp therefore starts every operation
-nonblocking and waits with Test-and-sleep (:func:`wait`). MPI moves a nonblocking operation
-on only inside a call such as Test, and a collective takes many such steps (an all-to-all of
-1 MiB a peer took 25 ms when each Test was followed by a sleep, 0.3 ms when tested without
-pause), so when the ranks fit the cores a wait first tests without pause for 1 ms
-(``REFMP_SPIN_US``), then sleeps between tests, backing off from 10 us to a cap: 100 us,
-because a message that arrives while its receiver sleeps waits for the wake-up (in a
-pipeline, on every hop). When this node's ranks outnumber its cores there is no spinning and
-the cap is 1 ms: a sleeping rank leaves the core to a working one. ``REFMP_POLL_US`` sets
-the cap.
+("world", "dp", "tp", ...) and records each call in a shared
+:class:`refmp.distributed.ledger.Ledger`. Every operation starts nonblocking and is waited on
+with Test-and-sleep (refmp.distributed.waiting); a method that returns a request leaves that
+wait to the caller.
 
 GPU arrays: before MPI touches device memory the stream is synchronized. With a CUDA-aware
-MPI (``comm.cuda_aware``, agreed by all ranks, see refmp.runtime.device) device arrays go to MPI as
-they are; otherwise they are staged through host memory, one copy each way, ledgered as
-``stage_d2h`` / ``stage_h2d``.
-
-bf16 (mixed precision, refmp.runtime.precision): MPI has no bf16 datatype and mpi4py refuses the
-``ml_dtypes`` arrays, so a bf16 buffer goes to MPI as its uint16 view (all-gathers, all-to-alls
-and messages only move bytes), and a reduction of bf16 uses a user-defined MPI operation that
-adds (or takes the max of) two bf16 buffers in fp32 and rounds: exactly bf16 arithmetic, on
-the wire 2 bytes per element. fp16 is MPI's own (MPIX_C_FLOAT16 in MPICH, through mpi4py).
+MPI (``comm.cuda_aware``, agreed by all ranks, see refmp.runtime.device) device arrays go to
+MPI as they are; otherwise they are staged through host memory, one copy each way, ledgered
+as ``stage_d2h`` / ``stage_h2d``. bf16 goes to MPI as its uint16 view, reduced by refmp's own
+operation (refmp.distributed.reductions).
 """
 
 from __future__ import annotations
 
-import os
-import time
-from collections import defaultdict
-
 import numpy as np
 from mpi4py import MPI
 
-from refmp.runtime import backend, cpu
-from refmp.runtime.precision import BF16
-
-_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-
-
-def _bf16_op(fn) -> MPI.Op:
-    """A commutative MPI op on bf16 buffers (seen by MPI as uint16): inout = fn(in, inout)."""
-
-    def apply(inbuf, inoutbuf, datatype):
-        a, b = np.frombuffer(inbuf, dtype=BF16), np.frombuffer(inoutbuf, dtype=BF16)
-        b[...] = fn(a.astype(np.float32), b.astype(np.float32))  # rounded back to bf16
-
-    return MPI.Op.Create(apply, commute=True)
-
-
-_BF16_OPS = {"sum": _bf16_op(np.add), "max": _bf16_op(np.maximum), "min": _bf16_op(np.minimum)}
-
-
-def _wire(buf):
-    """What MPI is handed for ``buf``: bf16 as its uint16 view (the same bytes), else itself."""
-    return buf.view(np.uint16) if buf.dtype == BF16 else buf
-
-
-def _op(op: str, dtype) -> MPI.Op:
-    return _BF16_OPS[op] if dtype == BF16 else _OPS[op]
-
-
-class Ledger:
-    """Bytes and call counts per (op, axis), shared by all the Comms of one grid."""
-
-    def __init__(self):
-        self.entries: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-
-    def record(self, op: str, axis: str, nbytes: int) -> None:
-        entry = self.entries[(op, axis)]
-        entry[0] += int(nbytes)
-        entry[1] += 1
-
-    def bytes(self, op: str | None = None, axis: str | None = None) -> int:
-        """Total bytes of the entries matching op and axis (None matches any)."""
-        return sum(
-            b for (o, a), (b, _) in self.entries.items()
-            if (op is None or o == op) and (axis is None or a == axis)
-        )
-
-    def count(self, op: str | None = None, axis: str | None = None) -> int:
-        return sum(
-            c for (o, a), (_, c) in self.entries.items()
-            if (op is None or o == op) and (axis is None or a == axis)
-        )
-
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        """{"op@axis": {"bytes": ..., "count": ...}} for logs and summaries."""
-        return {f"{o}@{a}": {"bytes": b, "count": c} for (o, a), (b, c) in sorted(self.entries.items())}
-
-    def reset(self) -> None:
-        self.entries.clear()
-
-
-class StagedRequest(MPI.Request):
-    """A request whose result must still be copied from a host staging buffer to the device.
-
-    :func:`wait` calls ``finish`` once the request completes; ``keep`` holds the host buffer
-    alive until then (MPI reads or writes it asynchronously).
-    """
-
-    def __new__(cls, req: MPI.Request, finish=None, keep=None):
-        self = super().__new__(cls, req)
-        self.finish, self.keep = finish, keep
-        return self
-
-
-def _env_us(name: str) -> float | None:
-    """The environment's ``name`` in microseconds, as seconds (None if unset; refused if bad)."""
-    given = os.environ.get(name)
-    if given is None:
-        return None
-    if not given.isdigit():
-        from refmp.errors import ConfigError  # noqa: PLC0415
-
-        raise ConfigError(f"{name} must be a whole number of microseconds, got {given!r}")
-    return int(given) * 1e-6
-
-
-def poll_cap() -> float:
-    """The longest sleep between tests, in seconds (see the module docstring)."""
-    given = _env_us("REFMP_POLL_US")
-    if given is not None:
-        return given
-    return 1e-3 if cpu.local_ranks() > cpu.cores() else 1e-4
-
-
-def spin_time() -> float:
-    """How long a wait keeps testing before its first sleep, in seconds (module docstring)."""
-    given = _env_us("REFMP_SPIN_US")
-    if given is not None:
-        return given
-    return 0.0 if cpu.local_ranks() > cpu.cores() else 1e-3
-
-
-_poll_cap: float | None = None  # poll_cap(), read at the first wait
-_spin: float | None = None  # spin_time(), likewise
-
-
-def sleep_until(done) -> None:
-    """Call ``done()`` until it is true: without pause for spin_time(), then sleeping between
-    calls (10 us, doubling to poll_cap())."""
-    global _poll_cap, _spin
-    if _poll_cap is None:
-        _poll_cap, _spin = poll_cap(), spin_time()
-    end, delay = time.perf_counter() + _spin, 1e-5
-    while not done():
-        if time.perf_counter() < end:
-            continue  # still spinning
-        time.sleep(delay)
-        delay = min(delay * 2, _poll_cap)
-
-
-def wait(req: MPI.Request | None):
-    """Wait for a request: Test without pause for spin_time(), then Test and sleep, backing
-    off to poll_cap() (see the module docstring).
-
-    ``None`` (what a size-1 communicator returns for a skipped operation) is already done.
-    """
-    if req is None:
-        return
-    sleep_until(req.Test)  # Test also drives MPI's progress engine
-    if isinstance(req, StagedRequest) and req.finish is not None:
-        req.finish()
-        req.finish = req.keep = None
-
-
-def wait_all(reqs: list[MPI.Request]) -> None:
-    for r in reqs:
-        wait(r)
+from refmp.distributed.ledger import Ledger
+from refmp.distributed.reductions import mpi_op, wire
+from refmp.distributed.waiting import StagedRequest, sleep_until, wait
+from refmp.runtime import backend
 
 
 class Comm:
@@ -221,7 +65,7 @@ class Comm:
     def _out_of_place(self, start, buf, out):
         """Run ``start(send, recv)`` on what MPI may touch, wait, and copy a staged result back."""
         m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
-        wait(start(_wire(m_in), _wire(m_out)))
+        wait(start(wire(m_in), wire(m_out)))
         self._finish(out, m_out)
         return out
 
@@ -233,12 +77,13 @@ class Comm:
         return buf
 
     def allreduce_start(self, buf, op: str = "sum") -> MPI.Request | None:
-        """Start an in-place all-reduce; finish it with :func:`wait`. For overlap with compute."""
+        """Start an in-place all-reduce; finish it with ``wait`` (refmp.distributed.waiting), for
+        overlap with compute."""
         self.ledger.record("allreduce", self.axis, buf.nbytes)
         if self.size == 1:
             return None
         m = self._mpi_in(buf)
-        req = self.mpi.Iallreduce(MPI.IN_PLACE, _wire(m), op=_op(op, m.dtype))
+        req = self.mpi.Iallreduce(MPI.IN_PLACE, wire(m), op=mpi_op(op, m.dtype))
         return req if m is buf else StagedRequest(req, lambda: self._finish(buf, m), keep=m)
 
     def allgather(self, buf):
@@ -261,9 +106,9 @@ class Comm:
         if self.size == 1:
             out[...] = buf
             return out
+        op = mpi_op("sum", buf.dtype)
         return self._out_of_place(
-            lambda send, recv: self.mpi.Ireduce_scatter_block(send, recv, op=_op("sum", buf.dtype)),
-            buf, out)
+            lambda send, recv: self.mpi.Ireduce_scatter_block(send, recv, op=op), buf, out)
 
     def alltoall(self, buf):
         """Block j of ``buf`` (axis 0 in ``size`` equal blocks) goes to rank j; block j of the
@@ -307,7 +152,7 @@ class Comm:
         self.ledger.record("bcast", self.axis, buf.nbytes)
         if self.size > 1:
             m = self._mpi_in(buf)
-            wait(self.mpi.Ibcast(_wire(m), root=root))
+            wait(self.mpi.Ibcast(wire(m), root=root))
             self._finish(buf, m)
         return buf
 
@@ -322,7 +167,7 @@ class Comm:
         buf = np.array(values, dtype=np.float64)
         self.ledger.record("metric", self.axis, buf.nbytes)
         if self.size > 1:
-            wait(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=_OPS[op]))
+            wait(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=mpi_op(op, buf.dtype)))
         return buf
 
     def allgather_obj(self, obj) -> list:
@@ -340,10 +185,10 @@ class Comm:
     # --- point-to-point ----------------------------------------------------------------------
 
     def send(self, buf, dest: int, tag: int = 0) -> MPI.Request:
-        """Start sending ``buf`` to ``dest``; wait on the returned request (with :func:`wait`)."""
+        """Start sending ``buf`` to ``dest``; finish it with ``wait`` (refmp.distributed.waiting)."""
         self.ledger.record("send", self.axis, buf.nbytes)
         m = self._mpi_in(buf)
-        req = self.mpi.Isend(_wire(m), dest=dest, tag=tag)
+        req = self.mpi.Isend(wire(m), dest=dest, tag=tag)
         return req if m is buf else StagedRequest(req, keep=m)  # keep the host copy alive
 
     def recv(self, shape, dtype, source: int, tag: int = 0):
@@ -352,13 +197,13 @@ class Comm:
         A message of another size is a clear error naming both sides, not silent garbage:
         a shorter one is caught from the receive's status, a longer one from MPI's truncation
         error. (Checked after the receive, not by probing first: a probe costs every message
-        one more trip through MPI's progress engine, 60-100 us per pipeline hop here.)
+        one more trip through MPI's progress engine.)
         """
         xp = backend.xp
         out = xp.empty(shape, dtype=dtype)
         m = self._mpi_out(out)
         status = MPI.Status()
-        req = self.mpi.Irecv(_wire(m), source=source, tag=tag)
+        req = self.mpi.Irecv(wire(m), source=source, tag=tag)
         try:
             sleep_until(lambda: req.Test(status))
             got = status.Get_count(MPI.BYTE)
@@ -376,13 +221,14 @@ class Comm:
         return out
 
     def recv_start(self, shape, dtype, source: int, tag: int = 0):
-        """Start receiving a new array; returns (array, request). Finish with :func:`wait`.
+        """Start receiving a new array; returns (array, request). Finish with
+        refmp.distributed.waiting.wait.
 
-        For overlapping a transfer with compute (ring attention). Unlike :meth:`recv` the size
-        is not probed first: a longer message is MPI's truncation error.
+        For overlapping a transfer with compute (ring attention). Unlike :meth:`recv` the
+        received size is not checked: a longer message is MPI's truncation error at the wait.
         """
         out = backend.xp.empty(shape, dtype=dtype)
         self.ledger.record("recv", self.axis, out.nbytes)
         m = self._mpi_out(out)
-        req = self.mpi.Irecv(_wire(m), source=source, tag=tag)
+        req = self.mpi.Irecv(wire(m), source=source, tag=tag)
         return out, (req if m is out else StagedRequest(req, lambda: self._finish(out, m), keep=m))

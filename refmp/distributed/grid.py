@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from refmp.distributed.comm import Comm, Ledger
+from refmp.distributed.comm import Comm
+from refmp.distributed.ledger import Ledger
 from refmp.errors import ConfigError
 
 AXES = ("pp", "dp", "cp", "tp")  # slowest to fastest

@@ -35,8 +35,9 @@ import numpy as np
 class Crossings:
     """Host<->device traffic through the stand-in, whoever caused it. With ``trace`` on,
     ``log`` gets (kind, nbytes, site, staged) per crossing: ``site`` the innermost refmp
-    function outside runtime/backend.py and distributed/comm.py
-    ("refmp/training/trainer.py:step"), ``staged`` whether it was Comm staging a buffer for MPI."""
+    function outside runtime/backend.py and the MPI layer's distributed/comm.py and
+    distributed/waiting.py ("refmp/training/trainer.py:step"), ``staged`` whether it was Comm
+    staging a buffer for MPI (distributed/comm.py: a wait finishes a staged receive through it)."""
 
     def __init__(self):
         self.trace = False
@@ -55,7 +56,8 @@ class Crossings:
             stack = traceback.extract_stack()
             files = [f.filename.replace(os.sep, "/") for f in stack]
             ours = [(f, s.name) for f, s in zip(files, stack, strict=True) if "/refmp/" in f
-                    and not f.endswith(("/refmp/runtime/backend.py", "/refmp/distributed/comm.py"))]
+                    and not f.endswith(("/refmp/runtime/backend.py", "/refmp/distributed/comm.py",
+                                        "/refmp/distributed/waiting.py"))]
             site = f"refmp/{ours[-1][0].rsplit('/refmp/', 1)[1]}:{ours[-1][1]}" if ours else "?"
             staged = any(f.endswith("/refmp/distributed/comm.py") for f in files)
             self.log.append((kind, int(nbytes), site, staged))

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 
-from refmp.distributed.comm import Comm, wait, wait_all
+from refmp.distributed.comm import Comm
+from refmp.distributed.waiting import wait, wait_all
 from refmp.nn import blockwise as BW
 from refmp.runtime import backend
 

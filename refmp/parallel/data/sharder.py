@@ -42,7 +42,8 @@ import math
 
 import numpy as np
 
-from refmp.distributed.comm import Comm, wait
+from refmp.distributed.comm import Comm
+from refmp.distributed.waiting import progress, wait
 from refmp.runtime.backend import array_module
 
 
@@ -212,7 +213,7 @@ class Sharder:
                 self._start(ready)
                 ready.clear()
         for _, _, req in self._open:  # MPICH has no progress thread: Test drives the open
-            req.Test()  # all-reduces while backward goes on (the earlier layers' work)
+            progress(req)  # all-reduces while backward goes on (the earlier layers' work)
 
     def _start(self, units: list[str]) -> None:
         """Start the all-reduce of one bucket: these units' gradients, flattened together."""

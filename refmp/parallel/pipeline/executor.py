@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import time
 
-from refmp.distributed.comm import Comm, wait_all
+from refmp.distributed.comm import Comm
+from refmp.distributed.waiting import wait_all
 from refmp.parallel.pipeline.schedules import Action
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Event
