@@ -1,4 +1,4 @@
-"""Sharded checkpoints (refmp.checkpoint.sharded): save on one layout, resume on any.
+"""Sharded checkpoints (refmp.checkpoint): save on one layout, resume on any.
 
 * On the same layout, a run stopped, saved and resumed is bitwise the uninterrupted run
   (float32 and float64; ZeRO stages, pipeline, experts, SGD momentum and AdamW).
@@ -24,8 +24,9 @@ from parity import TOL, host, serial_config
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from refmp.checkpoint import sharded as state
+from refmp.checkpoint import format as ckpt_format
 from refmp.distributed.grid import ProcessGrid
+from refmp.errors import ConfigError
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -54,6 +55,14 @@ def train(cfg: TrainConfig, steps: int, ds: Dataset, grid=None) -> tuple[Trainer
     return tr, [tr.step()["loss"] for _ in range(steps)]
 
 
+def optimizer_state(tr: Trainer) -> tuple[dict, dict]:
+    """({kind, t[, loss_scale]}, {moment: {piece: array}}): what the optimizer and fp16's
+    loss scaler carry from step to step, as the manifest's "optimizer" entry says it."""
+    state = tr.opt.state()
+    scale = {"loss_scale": tr.scaler.state()} if tr.scaler is not None else {}
+    return {"kind": state["kind"], "t": state["t"], **scale}, state["moments"]
+
+
 # --- the same layout: bitwise -------------------------------------------------------------------
 
 SAME_LAYOUT = [
@@ -80,7 +89,7 @@ def test_resume_on_the_same_layout_is_bitwise_the_uninterrupted_run():
         bad.check(np.testing.assert_equal, before + after, losses, err_msg=f"losses, {where}")
         bad.check(np.testing.assert_equal, second.step_num, 4)
         # this rank's optimizer state, piece by piece (the same layout: the same pieces)
-        (k1, m1), (k2, m2) = whole.optimizer_state(), second.optimizer_state()
+        (k1, m1), (k2, m2) = optimizer_state(whole), optimizer_state(second)
         bad.check(np.testing.assert_equal, k2, k1, err_msg=where)
         for m in m1:
             for k in m1[m]:
@@ -171,15 +180,15 @@ def test_keep_and_what_is_not_a_checkpoint(tmp_path):
     for _ in range(3):
         tr.step()
         tr.save_checkpoint(root, keep=2)
-    assert state.complete_steps(root) == [2, 3]
+    assert ckpt_format.complete_steps(root) == [2, 3]
     os.makedirs(os.path.join(root, "step-00000009"))  # a step directory with no manifest
     os.makedirs(os.path.join(root, ".step-00000010.tmp"))  # one still being written
-    assert state.find(root) == os.path.join(root, "step-00000003")
-    with pytest.raises(state.ConfigError, match="no complete checkpoint"):
-        state.find(str(tmp_path))
+    assert ckpt_format.find(root) == os.path.join(root, "step-00000003")
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        ckpt_format.find(str(tmp_path))
     index = np.array([3, 4, 5, 9, 10, 20], np.int64)
-    assert state.runs_of(index).tolist() == [[3, 3], [9, 2], [20, 1]]
-    np.testing.assert_array_equal(state.index_of(state.runs_of(index)), index)
+    assert ckpt_format.runs_of(index).tolist() == [[3, 3], [9, 2], [20, 1]]
+    np.testing.assert_array_equal(ckpt_format.index_of(ckpt_format.runs_of(index)), index)
 
 
 # --- the command ---------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from parity import assert_same_run, serial_config
 
 from refmp.cost.zero import comm_per_step, unit_sizes
 from refmp.distributed.comm import Comm
-from refmp.distributed.ledger import Ledger
 from refmp.distributed.grid import ProcessGrid
+from refmp.distributed.ledger import Ledger
 from refmp.nn import layers as L
 from refmp.nn.gpt import GPT
 from refmp.parallel.context.chunks import ChunkLayout, nbytes_of, ring_attention_flops

@@ -22,8 +22,8 @@ import numpy as np
 from mpi4py import MPI
 
 from refmp.distributed.comm import Comm
-from refmp.distributed.ledger import Ledger
 from refmp.distributed.grid import ProcessGrid
+from refmp.distributed.ledger import Ledger
 from refmp.nn import blockwise as BW
 from refmp.nn import layers as L
 from refmp.parallel.context.chunks import ChunkLayout, nbytes_of, ring_attention_flops

@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from refmp.checkpoint import convert
-from refmp.checkpoint import sharded as state
+from refmp.checkpoint.format import read_manifest
 from refmp.distributed.grid import ProcessGrid
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
@@ -56,7 +56,7 @@ say(f"Part 1. {first.grid.describe()}, ZeRO-1: 2 steps (loss {losses[-1]:.6f}), 
     f"  {ckpt}/: {', '.join(sorted(os.listdir(ckpt)))}\n")
 
 # --- 2. the manifest, who holds which slice, and the size formula -------------------------------
-man = state.read_manifest(ckpt)
+man = read_manifest(ckpt)
 say("Part 2. the manifest (abridged):")
 for key in ("step", "dtype", "layout", "optimizer", "data", "lr", "rng"):
     say(f"  {key:>9}: {json.dumps(man[key])}")

@@ -1,8 +1,9 @@
-"""``refmp convert``: a sharded checkpoint (refmp.checkpoint.sharded) to one GPT-2-named safetensors file
-(the ``--save`` format) and back, and what a checkpoint holds (``--info``).
+"""``refmp convert``: a sharded checkpoint (refmp.checkpoint.sharded) to one GPT-2-named
+safetensors file (the ``--save`` format) and back, and what a checkpoint holds (``--info``).
 
 One process, no MPI: the checkpoint's files are read through their manifest, each tensor
-assembled from the slices the files hold (refmp.checkpoint.sharded.assemble), as any layout's reader does.
+assembled from the slices the files hold (refmp.checkpoint.format.assemble), as any layout's
+reader does.
 """
 
 from __future__ import annotations
@@ -14,18 +15,18 @@ from dataclasses import asdict
 
 import numpy as np
 
-from refmp.checkpoint.sharded import (
+from refmp.checkpoint.format import (
     FORMAT,
     MANIFEST,
-    _oserror,
-    _write_json,
     assemble,
+    file_error,
     find,
     model_config,
     publish,
     rank_file,
     read_manifest,
     step_name,
+    write_json,
     write_rank_file,
 )
 from refmp.errors import ConfigError
@@ -50,7 +51,7 @@ def to_gpt2(path: str, out: str) -> str:
     try:
         save_model(out, params, model_config(man))
     except OSError as e:
-        raise _oserror("cannot write", out, e) from e
+        raise file_error("cannot write", out, e) from e
     return ckpt
 
 
@@ -70,7 +71,7 @@ def from_gpt2(path: str, root: str) -> str:
                                 {k: (np.arange(v.size, dtype=np.int64), {"param": v})
                                  for k, v in flat.items()})
         dtype = str(next(iter(flat.values())).dtype)
-        _write_json(os.path.join(tmp, MANIFEST), {
+        write_json(os.path.join(tmp, MANIFEST), {
             "format": FORMAT, "version": 1, "step": 0, "dtype": dtype,
             "layout": {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1, "world": 1, "zero": 0},
             "optimizer": {"kind": None, "t": 0, "moments": []}, "source": path,
@@ -80,7 +81,7 @@ def from_gpt2(path: str, root: str) -> str:
         })
         publish(tmp, final)
     except OSError as e:
-        raise _oserror("cannot write checkpoint", root, e) from e
+        raise file_error("cannot write checkpoint", root, e) from e
     return final
 
 
@@ -111,8 +112,8 @@ def info(path: str) -> str:
                      f"{len(f['pieces']):>3} pieces  {at}")
     lines.append("  who holds which slice (global flat indices: rank: count [first..last] runs):")
     for k, shape in man["tensors"].items():
-        held = [f"r{f['rank']}: {p['numel']} [{p['first']}..{p['last']}] {p['runs']}"
-                for f in sorted(man["files"].values(), key=lambda f: f["rank"])
-                if (p := f["pieces"].get(k))]
-        lines.append(f"    {k:<28} {str(tuple(shape)):<10} " + "; ".join(held))
+        holders = [f"r{f['rank']}: {p['numel']} [{p['first']}..{p['last']}] {p['runs']}"
+                   for f in sorted(man["files"].values(), key=lambda f: f["rank"])
+                   if (p := f["pieces"].get(k))]
+        lines.append(f"    {k:<28} {str(tuple(shape)):<10} " + "; ".join(holders))
     return "\n".join(lines)

@@ -20,7 +20,8 @@ from refmp.training.trainer import TrainConfig, Trainer
 
 def run(cfg: TrainConfig) -> dict:
     """Train for cfg.steps steps; print progress and a summary on rank 0; return the summary."""
-    from refmp.checkpoint.sharded import check_flags, complete_steps
+    from refmp.checkpoint.flags import check_flags
+    from refmp.checkpoint.format import complete_steps
     from refmp.checkpoint.weights import save_model
 
     check_flags(cfg)
@@ -106,7 +107,7 @@ def run(cfg: TrainConfig) -> dict:
 def _print_resume(man: dict, cfg: TrainConfig) -> None:
     """Where the run continues from (the checkpoint's manifest), and the settings that differ
     from the saved run's."""
-    from refmp.checkpoint.sharded import config_notes
+    from refmp.checkpoint.flags import config_notes
 
     lay = man["layout"]
     saved = " x ".join(f"{a}={lay[a]}" for a in ("pp", "dp", "cp", "tp", "ep"))

@@ -33,7 +33,7 @@ class Comm:
         self.ledger = ledger if ledger is not None else Ledger()
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
-        self.cuda_aware = False  # set for all axes by ProcessGrid.use_gpu, agreed by all ranks
+        self.cuda_aware = False  # set for all axes by ProcessGrid.set_cuda_aware, agreed by all ranks
 
     # --- what MPI sees: the array itself, or a host copy of a device array ------------------
 

@@ -8,8 +8,8 @@ L blocks; w bytes per element; pp, dp, cp, tp, ep group sizes.
 Three ways a run can go wrong, and what each does (docs/faults.md):
 
 * **bad input** (refmp.errors.ConfigError): found before any work, on every rank (through
-  ``refmp.training.trainer.agreed`` where only one rank can see it), said once, exit status 2. This
-  module adds the output-path checks and the memory check;
+  :func:`agreed` where only one rank can see it), said once, exit status 2. This module holds
+  ``agreed`` and the output-path checks; the memory check is refmp.cost.memory's;
 * **a diverging run** (refmp.errors.TrainingError): a non-finite loss or gradient norm is a
   global value, the same on every rank, so every rank stops at the same step, before the
   update; said once, exit status 3;
@@ -34,6 +34,27 @@ import traceback
 from refmp.errors import ConfigError, TrainingError
 
 ABORT_GRACE_S = 1.0  # between a failing rank's traceback and MPI_Abort (abort_job)
+
+# --- one rank's error is every rank's -----------------------------------------------------
+
+
+def agreed(comm, fn):
+    """Run ``fn()`` on every rank of ``comm``; if it raised a ConfigError on any rank, raise it
+    on all.
+
+    Without this, a rank that failed alone (say, an unreadable file on its node) would leave
+    the others waiting in their next collective forever.
+    """
+    err = None
+    try:
+        out = fn()
+    except ConfigError as e:
+        err, out = str(e), None
+    errors = [e for e in comm.allgather_obj(err) if e is not None]
+    if errors:
+        raise ConfigError(errors[0])
+    return out
+
 
 # --- output paths -------------------------------------------------------------------------
 

@@ -128,12 +128,12 @@ class Engine:
         zero_axes = {"dp", "cp", "edp"} if cfg.zero else set()
         self.sp_partial = {k for k in self.sharder.params
                            if k in local and "tp" in place(k, self.sp).reduce}
-        self.counted = {}
+        self.counts_in_norm = {}
         for k in self.sharder.params:
             full = k.rsplit(".padding", 1)[0] if k.endswith(".padding") else k
             copies = () if full not in local else place(full, self.sp).copies
-            self.counted[k] = (all(coords[a] == 0 for a in copies if a not in zero_axes)
-                               and not (k == "wte.weight" and self.last and not self.first))
+            self.counts_in_norm[k] = (all(coords[a] == 0 for a in copies if a not in zero_axes)
+                                      and not (k == "wte.weight" and self.last and not self.first))
         # evaluation: the ranks that may decode different prompts (ep peers and, with ZeRO-3,
         # every rank of a gather group must run the same forwards)
         self.eval_comm = (Comm(MPI.COMM_SELF, "self", grid.ledger) if cfg.zero == 3
@@ -204,7 +204,7 @@ class Engine:
         """The global L2 norm: each element counted once over the whole world."""
         # on the device, in float64, in Python's order (a CPU's bits): one read, not one a piece
         local = sum(((g * g).sum().astype(np.float64) for k, g in self.grads.items()
-                     if self.counted[k]), 0.0)
+                     if self.counts_in_norm[k]), 0.0)
         return math.sqrt(self.grid.world.allreduce_scalar(float(local)))
 
     def after_step(self) -> None:

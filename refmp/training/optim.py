@@ -3,6 +3,10 @@
 Both act on dicts ``{name: array}`` of parameters and gradients, in place. They never ask
 whether an array is a whole parameter or a shard of one: every update is elementwise, so a
 rank that holds a shard updates its shard exactly as the serial run updates those elements.
+What a later step depends on, each optimizer saves and restores itself (a checkpoint's
+part, refmp.checkpoint.sharded): ``state()`` gives {"kind", "t", "moments": {moment: {name:
+array}}}, ``load_state`` sets it from host arrays.
+
 Only two things need the parameter's identity, and both are passed in:
 
 * weight decay applies to parameters whose *global* ndim >= 2 (matrices and embeddings, not
@@ -19,7 +23,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable
 
-from refmp.runtime.backend import array_module
+from refmp.runtime.backend import array_module, from_host
 from refmp.runtime.cpu import rows
 
 
@@ -29,7 +33,9 @@ def decay_names(params: dict) -> set[str]:
 
 
 class SGD:
-    """p -= lr * (g + wd * p), with optional momentum (torch.optim.SGD semantics).
+    """p -= lr * (g + wd * p), with optional momentum (torch.optim.SGD semantics):
+
+        b <- g (first step);  b <- momentum b + g (later steps);  p <- p - lr b
 
     Weight decay is applied to the ``decay`` names only (default: ndim >= 2).
     """
@@ -38,22 +44,37 @@ class SGD:
                  weight_decay: float = 0.0, decay: Iterable[str] | None = None):
         self.params, self.lr, self.momentum, self.weight_decay = params, lr, momentum, weight_decay
         self.decay = set(decay_names(params) if decay is None else decay)
-        self.state: dict[str, object] = {}
+        self.t = 0  # steps taken
+        self.buffers: dict[str, object] = {}  # b of each parameter, from its first step on
 
     def step(self, grads: dict) -> None:
+        self.t += 1
         for k, p in self.params.items():
             g = grads[k]
             if self.weight_decay and k in self.decay:
                 g = g + self.weight_decay * p
             if self.momentum:
-                buf = self.state.get(k)
+                buf = self.buffers.get(k)
                 buf = g.copy() if buf is None else buf * self.momentum + g
-                self.state[k] = buf
+                self.buffers[k] = buf
                 g = buf
             p -= self.lr * g
 
+    def state(self) -> dict:
+        """{"kind": "sgd", "t", "moments": {"momentum": buffers}} (no moment before the first
+        step with momentum); the arrays are the live ones."""
+        return {"kind": "sgd", "t": self.t,
+                "moments": {"momentum": self.buffers} if self.buffers else {}}
+
+    def load_state(self, state: dict) -> None:
+        """Set what state() gives from {"t", "moments"} of host arrays; without a "momentum"
+        moment the buffers are absent, as before the first step."""
+        self.t = state["t"]
+        self.buffers = {k: from_host(a).astype(self.params[k].dtype)
+                        for k, a in state["moments"].get("momentum", {}).items()}
+
     def state_bytes(self) -> int:
-        return sum(int(v.nbytes) for v in self.state.values())
+        return sum(int(v.nbytes) for v in self.buffers.values())
 
 
 class AdamW:
@@ -84,6 +105,18 @@ class AdamW:
             update = functools.partial(_adamw, b1=b1, b2=b2, bc1=bc1, bc2_sqrt=bc2_sqrt,
                                        lr=self.lr, eps=self.eps, decay=decay)
             rows(update, p, grads[k], self.m[k], self.v[k])  # in threads (refmp.runtime.cpu)
+
+    def state(self) -> dict:
+        """{"kind": "adamw", "t", "moments": {"m": m, "v": v}}; the arrays are the live ones."""
+        return {"kind": "adamw", "t": self.t, "moments": {"m": self.m, "v": self.v}}
+
+    def load_state(self, state: dict) -> None:
+        """Set what state() gives from {"t", "moments"} of host arrays; a moment not given
+        starts at zero."""
+        self.t = state["t"]
+        for name, moment in (("m", self.m), ("v", self.v)):
+            for k, a in moment.items():
+                a[...] = from_host(state["moments"][name][k]) if name in state["moments"] else 0
 
     def state_bytes(self) -> int:
         return sum(int(a.nbytes) for a in self.m.values()) + sum(int(a.nbytes) for a in self.v.values())

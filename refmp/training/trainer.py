@@ -22,10 +22,11 @@ from typing import Protocol
 
 import numpy as np
 
+from refmp.checkpoint.sharded import Checkpointed, Pieces, load, save
 from refmp.config import TrainConfig, check_config, lr_at
 from refmp.cost.memory import check_memory
 from refmp.distributed.comm import Comm
-from refmp.distributed.faults import check_finite, check_outputs
+from refmp.distributed.faults import agreed, check_finite, check_outputs
 from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
 from refmp.nn import GPT, GPTConfig
@@ -81,16 +82,17 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
     return GPT.create(mcfg, cfg.seed, cfg.dtype)
 
 
-class Runner(Protocol):
+class Runner(Pieces, Protocol):
     """What the Trainer drives: refmp.parallel.engine.Engine, for every layout.
 
-    ``params`` / ``grads`` are the arrays this rank updates, by name (flat pieces of shards
-    are welcome: the optimizer is elementwise), ``decay`` the names that get weight decay;
-    ``eval_comm`` the ranks that split evaluation prompts; ``stats`` the last step's extra
-    figures for the log (MoE routing).
+    As the checkpoint's Pieces: ``params`` the arrays this rank updates, by name (flat pieces
+    of shards are welcome: the optimizer is elementwise), ``counts_in_norm`` which of them
+    this rank counts once (in the gradient norm, and in a checkpoint), ``piece_index()``
+    where their elements sit in the full model, ``after_step()``. Besides: ``grads`` their
+    gradients, ``decay`` the names that get weight decay; ``eval_comm`` the ranks that split
+    evaluation prompts; ``stats`` the last step's extra figures for the log (MoE routing).
     """
 
-    params: dict
     grads: dict
     decay: set[str]
     eval_comm: Comm
@@ -106,8 +108,6 @@ class Runner(Protocol):
     def reduce_grads(self) -> None: ...  # grads become the global gradient's owned pieces
 
     def grad_norm(self) -> float: ...  # the global L2 norm, each element counted once
-
-    def after_step(self) -> None: ...  # after the optimizer (ZeRO 1/2: all-gather)
 
     def loss_total(self) -> float: ...  # the step's global loss
 
@@ -136,23 +136,6 @@ def build_optimizer(cfg: TrainConfig, params: dict, decay=None):
                    decay=decay)
     return AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
                  decay=decay)
-
-
-def agreed(comm, fn):
-    """Run ``fn()`` on every rank; if it raised a ConfigError on any rank, raise it on all.
-
-    Without this, a rank that failed alone (say, an unreadable file on its node) would leave
-    the others waiting in their next collective forever.
-    """
-    err = None
-    try:
-        out = fn()
-    except ConfigError as e:
-        err, out = str(e), None
-    errors = [e for e in comm.allgather_obj(err) if e is not None]
-    if errors:
-        raise ConfigError(errors[0])
-    return out
 
 
 def start_gpu(grid: ProcessGrid) -> dict:
@@ -201,8 +184,8 @@ class Trainer:
         self.rows = self.runner.batch_rows(cfg.batch_size)
         self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
         self.opt = build_optimizer(cfg, self.runner.params, self.runner.decay)
-        # fp16: dynamic loss scaling (its state is training state: checkpoints save
-        # self.scaler.state()); bf16 has fp32's range and needs none
+        # fp16: dynamic loss scaling (its state is training state, which a checkpoint
+        # saves); bf16 has fp32's range and needs none
         self.scaler = (LossScaler(cfg.loss_scale_init, cfg.loss_scale_window)
                        if cfg.mixed_precision == "fp16" else None)
         self.step_num = 0
@@ -243,44 +226,37 @@ class Trainer:
         self.step_num += 1
         return rec
 
-    # --- the state that later steps depend on (refmp.checkpoint.sharded writes and reads it) --------------
+    # --- the state later steps depend on: each part saves itself (refmp.checkpoint.sharded) ---
 
-    def optimizer_state(self) -> tuple[dict, dict]:
-        """({kind, t}, {moment: {piece: array}}): what the optimizer carries from step to
-        step, keyed like ``runner.params``. AdamW: t and the moments m, v; SGD: the momentum
-        buffers once they exist; with fp16 the loss scaler's state. The learning rate is not
-        state: lr_at(cfg, step_num)."""
-        scale = {"loss_scale": self.scaler.state()} if self.scaler else {}  # fp16's scaler
-        if isinstance(self.opt, AdamW):
-            return ({"kind": "adamw", "t": self.opt.t, **scale},
-                    {"m": self.opt.m, "v": self.opt.v})
-        moments = {"momentum": self.opt.state} if self.opt.state else {}
-        return {"kind": "sgd", "t": self.step_num, **scale}, moments
+    def state(self) -> dict:
+        """The run's progress: the steps done, where the batch order stands (a function of
+        (step, B, seed, shuffle)), and the next learning rate, lr_at(cfg, step)."""
+        cfg, B, T, step = self.cfg, self.cfg.batch_size, self.T, self.step_num
+        n_windows = self.ds.n_windows(T)
+        return {"step": step,
+                "data": {"name": self.ds.name, "tokens": len(self.ds.tokens), "batch_size": B,
+                         "block_size": T, "windows": n_windows, "next_window": step * B % n_windows,
+                         "epoch": step * B // n_windows, "shuffle": cfg.shuffle, "seed": cfg.seed},
+                "lr": {"schedule": cfg.lr_schedule, "steps": cfg.steps, "next": lr_at(cfg, step)}}
 
-    def load_optimizer_state(self, t: int, moments: dict) -> None:
-        """Set what optimizer_state returns; ``moments`` {moment: {piece: host array}}, a
-        moment not given starts at zero (AdamW) or absent (SGD, as before its first step)."""
-        if isinstance(self.opt, AdamW):
-            self.opt.t = t
-            for name, state in (("m", self.opt.m), ("v", self.opt.v)):
-                for k, a in state.items():
-                    a[...] = backend.from_host(moments[name][k]) if name in moments else 0
-        else:
-            self.opt.state = {k: backend.from_host(a).astype(self.runner.params[k].dtype)
-                              for k, a in moments.get("momentum", {}).items()}
+    def load_state(self, state: dict) -> None:
+        """Continue after ``state["step"]`` steps (the batch order and lr follow from it)."""
+        self.step_num = int(state["step"])
+
+    def checkpointed(self) -> Checkpointed:
+        """What a checkpoint saves and restores of this run: the runner's pieces, the
+        optimizer, fp16's loss scaler, and this Trainer's progress."""
+        return Checkpointed(self.grid, self.cfg, self.model.cfg, self.runner, self.opt,
+                            self.scaler, progress=self)
 
     def save_checkpoint(self, root: str, keep: int = 0) -> str:
-        """Write this step's state as ``root/step-{N:08d}`` (collective; refmp.checkpoint.sharded.save)."""
-        from refmp.checkpoint.sharded import save
-
-        return save(self, root, keep)
+        """Write this step's state as ``root/step-{N:08d}`` (collective)."""
+        return save(self.checkpointed(), root, keep)
 
     def resume(self, path: str) -> dict:
         """Continue from the checkpoint at, or latest in, ``path``, saved by any layout
-        (collective; refmp.checkpoint.sharded.load). Returns its manifest."""
-        from refmp.checkpoint.sharded import load
-
-        return load(self, path)
+        (collective). Returns its manifest."""
+        return load(self.checkpointed(), path)
 
     def evaluate(self) -> tuple[int, int] | None:
         """Held-out exact-match (correct, total), split over dp ranks; None without a task."""

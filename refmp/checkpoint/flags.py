@@ -1,0 +1,29 @@
+"""The checkpoint flags, checked together, and what a resumed run changes of the saved one."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from refmp.config import TrainConfig
+from refmp.errors import ConfigError
+
+MATH_FIELDS = ("batch_size", "optimizer", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio",
+               "weight_decay", "beta1", "beta2", "momentum", "grad_clip", "dtype", "seed", "data",
+               "shuffle", "digits", "steps")  # the settings that change a step's numbers
+
+
+def config_notes(man: dict, cfg: TrainConfig) -> list[str]:
+    """Where this run's training settings differ from the saved run's (said once, rank 0)."""
+    saved = man.get("config") or {}
+    given = asdict(cfg)
+    return [f"--{k.replace('_', '-')} {given[k]} differs from the checkpoint's {saved[k]}"
+            for k in MATH_FIELDS if k in saved and saved[k] != given[k]]
+
+
+def check_flags(cfg: TrainConfig) -> None:
+    """--checkpoint-dir, --save-every, --keep, --resume: values that make sense together."""
+    for k in ("save_every", "keep"):
+        if getattr(cfg, k) < 0:
+            raise ConfigError(f"--{k.replace('_', '-')} must be 0 or more, got {getattr(cfg, k)}")
+    if (cfg.save_every or cfg.keep) and not cfg.checkpoint_dir:
+        raise ConfigError("--save-every and --keep need --checkpoint-dir DIR")
