@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmp.nn import moe as M
+from refmp.nn import experts as M
 from refmp.runtime import backend
 
 

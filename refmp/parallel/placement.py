@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from refmp.nn import moe as M
+from refmp.nn import experts as M
 from refmp.runtime import backend
 
 # tp splits: name inside a block (or the top-level name) -> (dim, kind)

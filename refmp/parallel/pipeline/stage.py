@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from refmp.nn import gpt
 from refmp.nn import moe as M
+from refmp.nn.experts import EXPERT
 from refmp.parallel.data.sharder import attach, detach
 
 
@@ -139,8 +140,8 @@ class Stage:
                 self._add_block(i, gpt.block_backward_weight(w, self.ops), final, True)
 
     def _add_block(self, i: int, g: dict, final: bool, dense_ready: bool) -> None:
-        dense = {f"h.{i}.{k}": v for k, v in g.items() if not M.EXPERT.match(k)}
-        experts = {f"h.{i}.{k}": v for k, v in g.items() if M.EXPERT.match(k)}
+        dense = {f"h.{i}.{k}": v for k, v in g.items() if not EXPERT.match(k)}
+        experts = {f"h.{i}.{k}": v for k, v in g.items() if EXPERT.match(k)}
         self.sharder.accumulate(f"h.{i}", dense)
         if experts:  # an MoE block's experts are complete after its B
             self.sharder.accumulate(f"h.{i}.experts", experts)
