@@ -110,8 +110,7 @@ def scatter_add(a, idx, values) -> None:
     pass, but correct only if j has no repeats. So the values go in rounds: round r adds
     every index's r-th occurrence, whose indices are distinct. Each index still receives its
     values in the order of i, the order add.at adds them. There are as many rounds as the
-    most repeated index has occurrences: 8x faster than add.at on the small preset's 1,024
-    tokens, 2x on 8,192 Zipf-distributed ids, one of them 2,098 times (docs/speed.md).
+    most repeated index has occurrences (docs/speed.md compares the two).
     """
     if is_device_array(a) and xp.__name__ != "cupy":
         xp.scatter_add(a, idx, values)  # a stand-in's cupyx.scatter_add (tests/device)

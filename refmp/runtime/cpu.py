@@ -16,9 +16,8 @@
    the GIL inside its loops). Each element or row is computed by exactly the operations it
    would be computed by in one call, so the result is bitwise the same for any number of
    threads (tests/test_cpu.py proves it). A block must hold at least MIN_BLOCK elements,
-   counted over all the arrays it touches: handing a block to a thread costs about 50 us on
-   a 2-core VM, and below 2^19 elements (LayerNorm's and AdamW's arrays on the small preset)
-   a second thread made the layer slower, not faster. The thread count is
+   counted over all the arrays it touches: handing a block to a thread costs tens of
+   microseconds, more than a second thread saves on fewer elements. The thread count is
    ``REFMP_THREADS``, else ``OMP_NUM_THREADS`` (which ``refmp`` sets per rank under
    ``mpiexec``), else the cores, read at the first call (after the command line has set the
    environment).
@@ -26,15 +25,13 @@
 
 3. **Small products on one BLAS thread.** OpenBLAS splits even a 128 x 128 x 32 product over
    its threads, and for attention's many small (per batch element and head) products the
-   hand-off costs more than it saves: the `small` preset's attention core took 14.0 ms per
-   layer with 2 BLAS threads, 10.4 ms with one. :func:`one_blas_thread` (threadpoolctl)
-   runs such a section on one thread; the products are the same calls, so the same bits.
+   hand-off costs more than it saves. :func:`one_blas_thread` (threadpoolctl) runs such a
+   section on one thread; the products are the same calls, so the same bits.
 
 4. **Idle BLAS threads sleep at once.** After a product OpenBLAS's worker threads spin,
    waiting for the next one, for 2^28 clock cycles (about 0.1 s) by default, and a spinning
-   worker holds the core that a row block of :func:`rows` needs next: with it, threading
-   attention over the batch gained nothing inside a training step, though it ran 1.6x faster
-   alone. ``import refmp`` sets ``OPENBLAS_THREAD_TIMEOUT=4`` (2^4 cycles, OpenBLAS's
+   worker holds the core that a row block of :func:`rows` needs next, taking back what the
+   threads gain. ``import refmp`` sets ``OPENBLAS_THREAD_TIMEOUT=4`` (2^4 cycles, OpenBLAS's
    least) unless the user set it; it takes effect only if NumPy was not loaded before refmp.
 """
 

@@ -1,10 +1,11 @@
 """Datasets and the layout-invariant batch order.
 
-The batch order (DESIGN.md, "Parity contract"): with block size T and global batch B, step s
-uses windows w = (s*B + j) mod n_windows for rows j = 0..B-1, n_windows = (len(tokens)-1)//T;
-window w is x = tokens[w*T : w*T+T], y = tokens[w*T+1 : w*T+T+1]. Data-parallel rank r of dp
-takes rows [r*B/dp, (r+1)*B/dp). An optional seeded shuffle permutes the window indices, the
-same on every rank. Nothing here depends on the layout except which rows a rank asks for.
+The batch order, the same for every layout (what parity with the serial run rests on): with
+block size T and global batch B, step s uses windows w = (s*B + j) mod n_windows for rows
+j = 0..B-1, n_windows = (len(tokens)-1)//T; window w is x = tokens[w*T : w*T+T],
+y = tokens[w*T+1 : w*T+T+1]. Data-parallel rank r of dp takes rows [r*B/dp, (r+1)*B/dp). An
+optional seeded shuffle permutes the window indices, the same on every rank. Nothing here
+depends on the layout except which rows a rank asks for.
 
 Sources: the built-in addition task (no download), a text file (bytes, vocabulary 256), a
 .npy 1-D integer array, or a nanoGPT-style .bin of uint16 tokens.

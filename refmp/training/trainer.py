@@ -264,8 +264,8 @@ class Trainer:
         if task is None:
             return None
         comm = self.runner.eval_comm
-        mine = np.array_split(task.test_pairs, comm.size)[comm.rank]
-        correct, total = task.score(self.runner, mine) if len(mine) else (0, 0)
+        prompts = np.array_split(task.test_pairs, comm.size)[comm.rank]  # this rank's share
+        correct, total = task.score(self.runner, prompts) if len(prompts) else (0, 0)
         return int(comm.allreduce_scalar(correct)), int(comm.allreduce_scalar(total))
 
     def memory(self) -> dict[str, int]:
