@@ -151,7 +151,7 @@ def test_threads_follow_what_the_command_line_sets():
     import sys
 
     code = ("import os, sys, refmp, refmp.cli.main; assert 'numpy' not in sys.modules; "
-            "refmp.cli.main.limit_threads(); from refmp import cpu; print(cpu.threads())")
+            "refmp.cli.main.limit_threads(); from refmp.runtime import cpu; print(cpu.threads())")
     cores = cpu.cores()
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "REFMP_THREADS", "OPENBLAS_NUM_THREADS")}
