@@ -14,14 +14,9 @@ A checkpoint is a directory per step, ``DIR/step-{N:08d}/``::
                              GPTConfig, optimizer kind and step count, every tensor's global
                              shape, which file holds which pieces, each file's sha256
 
-The files are disjoint and together hold every element once (who writes what:
-refmp.checkpoint.sharded). The directory is written as ``.step-{N:08d}.tmp`` and renamed
-(:func:`publish`) once every file and the manifest are complete: a directory named ``step-*``
-with a manifest is a whole checkpoint, and anything else is not one.
-
-Reading: :func:`read_manifest` checks what readers rely on, :func:`read_file` a file's size
-and sha256, and :func:`assemble` scatters the pieces of the files that overlap a wanted range
-into full flat tensors through their runs.
+The directory is written as ``.step-{N:08d}.tmp`` and renamed (:func:`publish`) once every
+file and the manifest are complete: a directory named ``step-*`` with a manifest is a whole
+checkpoint, and anything else is not one.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """Sharded checkpoints: every rank writes what it owns; any layout reads back what it needs.
 
-Shapes: P elements of a full parameter, n its elements in one rank's piece (the format:
-refmp.checkpoint.format).
-
-What is saved is handed over as a :class:`Checkpointed` record, each part saving and
-restoring itself (torchtitan's ``Stateful``): the runner's owned pieces (their values and
-``piece_index()``), the optimizer's ``state()`` (kind, step count, moments), fp16's loss
-scaler, and the run's progress (the step, the data position, the next learning rate).
-
-A rank writes only the pieces it *counts* (``counts_in_norm``: one rank per distinct copy of
-an element), so the files are disjoint and together hold every element once.
+What is saved comes as a :class:`Checkpointed` record whose parts save and restore
+themselves (torchtitan's ``Stateful``). A rank writes only the pieces it *counts*
+(``counts_in_norm``: one rank per distinct copy of an element), so the files (the format:
+refmp.checkpoint.format) are disjoint and together hold every element once.
 
 Resharding is reading the slices you need: a rank of any layout knows, from its own
 ``piece_index()``, the global flat indices of every element it holds. It reads the files
-whose pieces of those parameters overlap them (the manifest gives each piece's first and last
-index), scatters each piece into the full flat tensor through its runs, and takes its own
-elements out through its index. Small models only: a rank builds the full tensors of the
-parameters it holds (docs/checkpoints.md has the sizes).
+whose pieces of those parameters overlap them, scatters each piece into the full flat tensor
+through its runs, and takes its own elements out through its index. Small models only: a
+rank builds the full tensors of the parameters it holds (docs/checkpoints.md has the sizes).
 """
 
 from __future__ import annotations
@@ -61,7 +54,7 @@ class Stateful(Protocol):
 class Pieces(Protocol):
     """The arrays a rank owns, by piece name, and where their elements sit in the full model."""
 
-    params: dict  # {piece: (n,) or shaped array} the values this rank updates
+    params: dict  # {piece: array} the values this rank updates
     counts_in_norm: dict[str, bool]  # {piece: is this rank the one copy that counts}
 
     def piece_index(self) -> dict: ...  # {piece: (n,) global flat index, -1 for padding}
@@ -71,12 +64,10 @@ class Pieces(Protocol):
 
 @dataclass
 class Checkpointed:
-    """What a checkpoint holds of one run, and the run's settings it records beside it.
+    """One run's checkpointed parts, and the settings its manifest records beside them.
 
-    ``optimizer.state()``: {"kind", "t", "moments": {moment: {piece: array}}};
-    ``scaler``: fp16's loss scaler (None without one); ``progress.state()``: {"step", "data",
-    "lr"}, and ``progress.load_state({"step": N})`` continues after step N.
-    """
+    ``optimizer.state()``: {"kind", "t", "moments": {moment: {piece: array}}}; ``scaler``:
+    fp16's loss scaler, or None; ``progress.state()``: {"step", "data", "lr"}."""
 
     grid: ProcessGrid
     cfg: TrainConfig

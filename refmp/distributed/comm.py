@@ -62,8 +62,13 @@ class Comm:
                 self.ledger.record("stage_h2d", self.axis, out.nbytes)
             backend.copy_from_host(out, host)
 
-    def _out_of_place(self, start, buf, out):
-        """Run ``start(send, recv)`` on what MPI may touch, wait, and copy a staged result back."""
+    def _out_of_place(self, op: str, nbytes: int, start, buf, out):
+        """Ledger ``op``, run ``start(send, recv)`` on what MPI may touch, wait, and copy a
+        staged result back. Alone on this axis: ``out`` becomes a copy of ``buf``."""
+        self.ledger.record(op, self.axis, nbytes)
+        if self.size == 1:
+            out[...] = buf
+            return out
         m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
         wait(start(wire(m_in), wire(m_out)))
         self._finish(out, m_out)
@@ -90,11 +95,7 @@ class Comm:
         """Concatenate every rank's ``buf`` along axis 0, in rank order (same shape on all)."""
         xp = backend.array_module(buf)
         out = xp.empty((self.size * buf.shape[0],) + buf.shape[1:], dtype=buf.dtype)
-        self.ledger.record("allgather", self.axis, out.nbytes)
-        if self.size == 1:
-            out[...] = buf
-            return out
-        return self._out_of_place(self.mpi.Iallgather, buf, out)
+        return self._out_of_place("allgather", out.nbytes, self.mpi.Iallgather, buf, out)
 
     def reduce_scatter(self, buf):
         """Sum ``buf`` over ranks and return this rank's 1/size slice of axis 0."""
@@ -102,13 +103,9 @@ class Comm:
         if buf.shape[0] % self.size:
             raise ValueError(f"reduce_scatter: axis 0 ({buf.shape[0]}) not divisible by {self.size}")
         out = xp.empty((buf.shape[0] // self.size,) + buf.shape[1:], dtype=buf.dtype)
-        self.ledger.record("reduce_scatter", self.axis, buf.nbytes)
-        if self.size == 1:
-            out[...] = buf
-            return out
         op = mpi_op("sum", buf.dtype)
-        return self._out_of_place(
-            lambda send, recv: self.mpi.Ireduce_scatter_block(send, recv, op=op), buf, out)
+        return self._out_of_place("reduce_scatter", buf.nbytes, lambda send, recv: (
+            self.mpi.Ireduce_scatter_block(send, recv, op=op)), buf, out)
 
     def alltoall(self, buf):
         """Block j of ``buf`` (axis 0 in ``size`` equal blocks) goes to rank j; block j of the
@@ -118,11 +115,7 @@ class Comm:
         if buf.shape[0] % self.size:
             raise ValueError(f"alltoall: axis 0 ({buf.shape[0]}) not divisible by {self.size}")
         out = xp.empty_like(buf)
-        self.ledger.record("alltoall", self.axis, buf.nbytes)
-        if self.size == 1:
-            out[...] = buf
-            return out
-        return self._out_of_place(self.mpi.Ialltoall, buf, out)
+        return self._out_of_place("alltoall", buf.nbytes, self.mpi.Ialltoall, buf, out)
 
     def alltoallv(self, buf, send_rows, recv_rows):
         """Variable all-to-all along axis 0: the next ``send_rows[j]`` rows of ``buf`` go to
@@ -138,14 +131,10 @@ class Comm:
             raise ValueError(f"alltoallv on {self.axis}: counts {list(send_rows)} / "
                              f"{list(recv_rows)} do not fit {self.size} ranks and {buf.shape}")
         out = xp.empty((int(recv.sum()) // max(row, 1),) + buf.shape[1:], dtype=buf.dtype)
-        self.ledger.record("alltoallv", self.axis, buf.nbytes)
-        if self.size == 1:
-            out[...] = buf
-            return out
         sdispl = np.concatenate([[0], np.cumsum(send)[:-1]])
         rdispl = np.concatenate([[0], np.cumsum(recv)[:-1]])
-        return self._out_of_place(
-            lambda s, r: self.mpi.Ialltoallv([s, (send, sdispl)], [r, (recv, rdispl)]), buf, out)
+        return self._out_of_place("alltoallv", buf.nbytes, lambda s, r: (
+            self.mpi.Ialltoallv([s, (send, sdispl)], [r, (recv, rdispl)])), buf, out)
 
     def bcast(self, buf, root: int = 0):
         """In-place broadcast of ``buf`` (contiguous) from ``root``; returns ``buf``."""

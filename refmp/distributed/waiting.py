@@ -9,10 +9,8 @@ pause for 1 ms (``REFMP_SPIN_US``), then sleeps between tests, backing off from 
 cap: 100 us, because a message that arrives while its receiver sleeps waits for the wake-up
 (in a pipeline, on every hop). When this node's ranks outnumber its cores there is no
 spinning and the cap is 1 ms: a sleeping rank leaves the core to a working one.
-``REFMP_POLL_US`` sets the cap.
-
-Every request refmp starts comes from a :class:`refmp.distributed.comm.Comm` and is finished
-here: :func:`wait` (or :func:`wait_all`), and :func:`progress` to let one move on meanwhile.
+``REFMP_POLL_US`` sets the cap. A request a Comm returns is finished here (:func:`wait`),
+and :func:`progress` lets it move on meanwhile.
 """
 
 from __future__ import annotations

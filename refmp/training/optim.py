@@ -33,9 +33,7 @@ def decay_names(params: dict) -> set[str]:
 
 
 class SGD:
-    """p -= lr * (g + wd * p), with optional momentum (torch.optim.SGD semantics):
-
-        b <- g (first step);  b <- momentum b + g (later steps);  p <- p - lr b
+    """p -= lr * (g + wd * p), with optional momentum (torch.optim.SGD semantics).
 
     Weight decay is applied to the ``decay`` names only (default: ndim >= 2).
     """
@@ -61,14 +59,13 @@ class SGD:
             p -= self.lr * g
 
     def state(self) -> dict:
-        """{"kind": "sgd", "t", "moments": {"momentum": buffers}} (no moment before the first
-        step with momentum); the arrays are the live ones."""
+        """{"kind": "sgd", "t", "moments": {"momentum": buffers}}, no moment before the first
+        step with momentum; the live arrays."""
         return {"kind": "sgd", "t": self.t,
                 "moments": {"momentum": self.buffers} if self.buffers else {}}
 
     def load_state(self, state: dict) -> None:
-        """Set what state() gives from {"t", "moments"} of host arrays; without a "momentum"
-        moment the buffers are absent, as before the first step."""
+        """Set what state() gives from {"t", "moments"} of host arrays (no "momentum": none yet)."""
         self.t = state["t"]
         self.buffers = {k: from_host(a).astype(self.params[k].dtype)
                         for k, a in state["moments"].get("momentum", {}).items()}
@@ -107,12 +104,11 @@ class AdamW:
             rows(update, p, grads[k], self.m[k], self.v[k])  # in threads (refmp.runtime.cpu)
 
     def state(self) -> dict:
-        """{"kind": "adamw", "t", "moments": {"m": m, "v": v}}; the arrays are the live ones."""
+        """{"kind": "adamw", "t", "moments": {"m": m, "v": v}}; the live arrays."""
         return {"kind": "adamw", "t": self.t, "moments": {"m": self.m, "v": self.v}}
 
     def load_state(self, state: dict) -> None:
-        """Set what state() gives from {"t", "moments"} of host arrays; a moment not given
-        starts at zero."""
+        """Set what state() gives from {"t", "moments"} of host arrays (one not given: zeros)."""
         self.t = state["t"]
         for name, moment in (("m", self.m), ("v", self.v)):
             for k, a in moment.items():
