@@ -24,7 +24,7 @@ MFU divides the achieved FLOP/s by a peak that the command measures itself: ever
 times a large float32/float64 matrix product at the same moment (so oversubscribed ranks
 see the cores they really share), and the peaks are summed.
 
-Communication: rank 0's byte ledger (refmp.distributed.comm.Ledger) over the timed steps only, grouped
+Communication: rank 0's byte ledger (refmp.distributed.ledger.Ledger) over the timed steps only, grouped
 by axis ("tp", "dp", "dp+cp", ...), then by operation: the figures a ledger entry counts, as
 seen from one rank (with --pp, other stages' sends and receives may differ).
 """

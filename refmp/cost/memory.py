@@ -213,7 +213,7 @@ def check_memory(cfg, mcfg, grid) -> None:
 
     Collective over grid.world (a split by node and GPU, one all-reduce): the ranks that
     share the memory add up their needs. Raises on the ranks of a node that does not fit;
-    call it through refmp.training.trainer.agreed so that every rank stops.
+    call it through refmp.distributed.faults.agreed so that every rank stops.
     """
     from mpi4py import MPI
 

@@ -16,7 +16,7 @@ One MoE layer, forward (refmp.nn.moe routes and combines; :class:`ExpertDispatch
   2. all-to-all of the counts: rank j learns how many rows each peer sends to each of its
      experts (it needs them to size its receive buffer);
   3. all-to-all(v) of the token rows, M x C out, R x C in;
-  4. the local experts run (refmp.nn.moe.experts_forward) on the rows regrouped by expert;
+  4. the local experts run (refmp.nn.experts.experts_forward) on the rows regrouped by expert;
   5. all-to-all(v) of the results back to the ranks that own the tokens, R x C out;
   6. the owners combine them with their gates (refmp.nn.moe).
 Backward mirrors it: the output gradients go to the experts (M x C), the input gradients come
