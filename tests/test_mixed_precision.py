@@ -49,7 +49,7 @@ from refmp.training.trainer import TrainConfig, Trainer, check_config
 
 pytestmark = pytest.mark.mpi
 
-U = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # unit roundoff of the compute dtype
+ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # u, the unit roundoff of the compute dtype
 GRAD_K, LOSS_K, UPDATE_TOL = 8, 1, 0.5
 
 
@@ -76,7 +76,7 @@ def update_distance(run_a, run_b) -> float:
 
 
 def compare(bad: Mismatches, got, want, mp: str, what: str) -> None:
-    u = U[mp]
+    u = ROUNDOFF[mp]
     bad.check(np.testing.assert_array_less, np.abs(got[0] - want[0]) / want[0], LOSS_K * u,
               err_msg=f"{what}: loss")
     for k in want[1]:
@@ -87,11 +87,11 @@ def compare(bad: Mismatches, got, want, mp: str, what: str) -> None:
 
 def compute_copy_is_rounded_masters(tr: Trainer, bad: Mismatches) -> None:
     """Every unit's compute copy (gathered at ZeRO-3) equals its masters, rounded (exact)."""
-    sh = tr.runner.sharder
-    masters = sh.full_local()  # fp32 masters, whole (collective over each unit's group)
-    for u in sh.units:
-        for k, w in sh.weights(u).items():
-            if not np.array_equal(w, masters[k].astype(sh.compute)):
+    sharder = tr.runner.sharder
+    masters = sharder.full_local()  # fp32 masters, whole (collective over each unit's group)
+    for unit in sharder.units:
+        for k, w in sharder.weights(unit).items():
+            if not np.array_equal(w, masters[k].astype(sharder.compute)):
                 bad.errors.append(f"rank {tr.grid.rank}: compute copy of {k} != round(masters)")
 
 
@@ -152,7 +152,7 @@ def test_gradient_norms_equal_fp32s_without_clipping(mp, opt):
     themselves (AdamW's is blind to a gradient's scale), so its 3 steps' update, and every
     loss, are held to the gradient's tolerance too (measured: norms <= 1.7 u, SGD's update
     <= 1.3 u)."""
-    u, fp32, mixed = U[mp], scaled_run("none", **opt), scaled_run(mp, **opt)
+    u, fp32, mixed = ROUNDOFF[mp], scaled_run("none", **opt), scaled_run(mp, **opt)
     np.testing.assert_array_less(np.abs(mixed[0] - fp32[0]) / fp32[0], GRAD_K * u)
     if opt:
         np.testing.assert_array_less(np.abs(mixed[1] - fp32[1]) / fp32[1], GRAD_K * u)
@@ -169,14 +169,14 @@ def test_master_grads_widen_and_unscale_the_owned_gradient():
     local = {"w": rng.standard_normal((2, 3)).astype(np.float32),
              "b": rng.standard_normal(3).astype(np.float32)}
     groups = {"u": Comm(MPI.COMM_SELF, "dp")}
-    sh = Sharder(local, {"u": ["w", "b"]}, groups, stage=0, compute=np.float16)
+    sharder = Sharder(local, {"u": ["w", "b"]}, groups, stage=0, compute=np.float16)
     g16 = {k: (rng.standard_normal(v.shape) * 2.0**12).astype(np.float16)
            for k, v in local.items()}
-    sh.accumulate("u", g16)
+    sharder.accumulate("u", g16)
     for scale in (2.0**16, 1.0):
-        pieces = sh.master_grads(scale)
-        assert sorted(pieces) == sorted(sh.params)
-        full = sh.full_local(grads=True)
+        pieces = sharder.master_grads(scale)
+        assert sorted(pieces) == sorted(sharder.params)
+        full = sharder.full_local(grads=True)
         for k, g in g16.items():
             want = g.astype(np.float32) / np.float32(scale)
             assert pieces[k].dtype == np.float32
@@ -372,7 +372,7 @@ def test_train_takes_the_flags_and_reports_2_2_12(tmp_path):
     assert [rec["loss_scale"] for rec in recs[:-1]] == [65536.0] * 3
     N = 101_760  # the addition task's default model
     mem = recs[-1]["memory_per_rank"][0]
-    held = mem["params"] // 2  # elements: the units, each padded to a multiple of dp = 2
-    assert mem["grads"] == mem["params"] and N <= held < N + 2 * 8  # 8 units
-    assert mem["optimizer"] == 12 * held // 2  # ZeRO-1: 12 bytes for my half
+    padded = mem["params"] // 2  # elements: the units, each padded to a multiple of dp = 2
+    assert mem["grads"] == mem["params"] and N <= padded < N + 2 * 8  # 8 units
+    assert mem["optimizer"] == 12 * padded // 2  # ZeRO-1: 12 bytes for my half
     assert recs[-1]["config"]["mixed_precision"] == "fp16"
