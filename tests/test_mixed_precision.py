@@ -18,10 +18,9 @@ step's sign flips (any two runs then differ by up to ~2 lr per step in that elem
 3 steps the whole model's update w_3 - w_0 stays within UPDATE_TOL = 0.5 of the fp32 run's,
 in relative norm (measured 0.02 - 0.45); a run whose compute copy missed an update is off by
 more. AdamW is blind to a gradient's scale, and clipping that bites hides it too, so fp16's
-unscaling is held where the scale shows: the gradient norms with clipping off, an SGD run
-(its update is lr times the gradient: held to the gradient's tolerance), and
-Sharder.master_grads itself. What is exact: after every step, in every layout, the compute
-copy equals the masters rounded to the compute dtype, bitwise.
+unscaling is held where the scale shows (tests/test_loss_scale.py): the gradient norms with
+clipping off, an SGD run, and Sharder.master_grads itself. What is exact: after every step,
+in every layout, the compute copy equals the masters rounded to the compute dtype, bitwise.
 
 Memory and bytes are exact: ZeRO's 2 + 2 + 12 bytes per parameter split by stage, the
 activations half of fp32's (all but the integer token ids), every collective and message
@@ -130,58 +129,6 @@ def test_masters_stay_near_the_fp32_run(mp):
         assert mixed[3][k].dtype == np.float32  # the masters
         bad.check(np.testing.assert_array_less, np.abs(mixed[3][k] - w), 2 * lr_sum, err_msg=k)
     bad.assert_none()
-
-
-def scaled_run(mp: str, **kw) -> tuple:
-    """Serial run, fp32 masters, no clipping: (gradient norms, losses, whole weights before
-    and after), the weights where ``update_distance`` reads them."""
-    cfg = config(dtype="float32", grad_clip=0.0, mixed_precision=mp, **kw)
-    tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=data())
-    w0 = tr.runner.full_params()
-    recs = [tr.step() for _ in range(cfg.steps)]
-    norms, losses = (np.array([r[k] for r in recs]) for k in ("grad_norm", "loss"))
-    return norms, losses, w0, tr.runner.full_params()
-
-
-@pytest.mark.parametrize("mp", ["bf16", "fp16"])
-@pytest.mark.parametrize("opt", [dict(), dict(optimizer="sgd", lr=0.1)], ids=["adamw", "sgd"])
-def test_gradient_norms_equal_fp32s_without_clipping(mp, opt):
-    """With clipping off the gradient norm is what the optimizer is given, unclipped: every
-    step's norm within GRAD_K u of the fp32 run's (fp16: after dividing by the loss scale,
-    2^16; not dividing makes it 2^16 times fp32's). SGD's update is lr times the gradients
-    themselves (AdamW's is blind to a gradient's scale), so its 3 steps' update, and every
-    loss, are held to the gradient's tolerance too (measured: norms <= 1.7 u, SGD's update
-    <= 1.3 u)."""
-    u, fp32, mixed = ROUNDOFF[mp], scaled_run("none", **opt), scaled_run(mp, **opt)
-    np.testing.assert_array_less(np.abs(mixed[0] - fp32[0]) / fp32[0], GRAD_K * u)
-    if opt:
-        np.testing.assert_array_less(np.abs(mixed[1] - fp32[1]) / fp32[1], GRAD_K * u)
-        assert update_distance(mixed, fp32) <= GRAD_K * u
-
-
-def test_master_grads_widen_and_unscale_the_owned_gradient():
-    """Sharder.master_grads(scale): the owned fp16 gradient, widened to fp32 and divided by
-    the scale (a power of two: exact), as pieces named like ``params``; the same arrays are
-    what full_local(grads=True) reports. scale 1: widened only."""
-    from refmp.distributed.comm import Comm
-
-    rng = np.random.default_rng(0)
-    local = {"w": rng.standard_normal((2, 3)).astype(np.float32),
-             "b": rng.standard_normal(3).astype(np.float32)}
-    groups = {"u": Comm(MPI.COMM_SELF, "dp")}
-    sharder = Sharder(local, {"u": ["w", "b"]}, groups, stage=0, compute=np.float16)
-    g16 = {k: (rng.standard_normal(v.shape) * 2.0**12).astype(np.float16)
-           for k, v in local.items()}
-    sharder.accumulate("u", g16)
-    for scale in (2.0**16, 1.0):
-        pieces = sharder.master_grads(scale)
-        assert sorted(pieces) == sorted(sharder.params)
-        full = sharder.full_local(grads=True)
-        for k, g in g16.items():
-            want = g.astype(np.float32) / np.float32(scale)
-            assert pieces[k].dtype == np.float32
-            np.testing.assert_array_equal(pieces[k], want.ravel())
-            np.testing.assert_array_equal(full[k], want)
 
 
 def test_caches_hold_the_compute_dtype_and_half_the_bytes():

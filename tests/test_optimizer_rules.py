@@ -16,8 +16,6 @@ from refmp.parallel.data.sharder import Sharder
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 
-pytestmark = pytest.mark.nn
-
 
 class Group:
     """What Sharder's constructor reads of a unit's group: its size and this rank's place."""
