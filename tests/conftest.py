@@ -1,7 +1,7 @@
 """Test set-up shared by every test file.
 
 * One BLAS/OpenMP thread per process: MPI tests run several ranks on few cores.
-* The hypothesis profile for MPI (DESIGN.md, "Tests"): every rank must draw the same examples,
+* The hypothesis profile for MPI: every rank must draw the same examples,
   so the profile is derandomized, keeps no example database and has no deadline. It is
   loaded explicitly here, for serial and parallel tests alike.
 * The parallel tests of a file that want the same number of ranks run in one mpiexec

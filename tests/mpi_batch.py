@@ -3,7 +3,7 @@
 mpi-pytest runs each test marked ``parallel(nprocs=N)`` as its own ``mpiexec -n N pytest
 file::test``: N new Python processes, each importing pytest, hypothesis, NumPy, mpi4py and the
 test file, about half a second of CPU each, for tests that often take less than that to run.
-On a 2-core machine those start-ups were most of the suite's time.
+On a 2-core machine those start-ups are most of what such tests cost.
 
 So the parent pytest (the one you started) groups the parallel tests by (file, N) and, when
 the first test of a group comes up, runs the whole group in one launch::
@@ -23,7 +23,7 @@ step. Its time limit is the sum of its tests' (each test keeps its own within th
 What a test leaves behind, the next one sees: MPICH gives a process about 2,000
 communicators, and every ProcessGrid makes some (the largest group today leaves 1,770 free;
 a test that makes grids by the hundred frees them, as tests/test_tensor_parallel.py does).
-One test alone (``pytest file::test``) is a group of one: the same launch mpi-pytest made.
+One test alone (``pytest file::test``) is a group of one: the same launch mpi-pytest makes.
 With ``pytest -s`` the ranks print as they run; ``--durations`` gives the first test of a
 group the time of the whole launch.
 """
@@ -137,14 +137,14 @@ def tail(text: str, lines: int = 40) -> str:
 
 def outcome(nodeid: str, launched: dict) -> None:
     """Pass, or fail / skip as the ranks reported (every rank must have run the test)."""
-    mine = {r: [x for x in reps if x["nodeid"] == nodeid]
+    of_test = {r: [x for x in reps if x["nodeid"] == nodeid]
             for r, reps in launched["ranks"].items()}
     missing = [r for r in range(launched["n"]) if not any(
-        x["when"] == "teardown" for x in mine.get(r, []))]
+        x["when"] == "teardown" for x in of_test.get(r, []))]
     failed: dict[str, list] = {}  # each distinct traceback once, with the ranks that raised it
     output = []
-    for r in sorted(mine):
-        for x in mine[r]:
+    for r in sorted(of_test):
+        for x in of_test[r]:
             if x["outcome"] == "failed":
                 failed.setdefault(f"({x['when']})\n{x['text']}", []).append(r)
                 output += [f"--- rank {r}: {title} ---\n{body}" for title, body in x["output"]]
@@ -154,7 +154,7 @@ def outcome(nodeid: str, launched: dict) -> None:
     if missing:
         pytest.fail(f"ranks {missing} did not finish this test: {launched['why']}",
                     pytrace=False)
-    skips = [x for x in mine.get(0, []) if x["outcome"] == "skipped"]
+    skips = [x for x in of_test.get(0, []) if x["outcome"] == "skipped"]
     if skips:
         pytest.skip(skips[0]["text"].removeprefix("Skipped: "))
 

@@ -70,5 +70,12 @@ class Mismatches:
         except AssertionError as e:
             self.errors.append(str(e).strip())
 
-    def assert_none(self) -> None:
-        assert not self.errors, "\n".join(self.errors[:5]) + f"\n({len(self.errors)} in all)"
+    def assert_none(self, comm: MPI.Comm | None = None) -> None:
+        """Raise if any check failed. With ``comm`` (collective over it): every rank's
+        mismatches are allgathered and every rank raises the same error, naming the ranks,
+        so the verdict is agreed and no rank goes on alone into its next collective."""
+        errors = self.errors
+        if comm is not None:
+            errors = [f"rank {r}: {e}" for r, errs in enumerate(comm.allgather(errors))
+                      for e in errs]
+        assert not errors, "\n".join(errors[:5]) + f"\n({len(errors)} in all)"

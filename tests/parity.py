@@ -3,8 +3,9 @@
 Rank 0 trains the serial model itself (on MPI.COMM_SELF, the whole batch); every rank trains
 the layout under test (on COMM_WORLD). After each step the layout's whole gradient and whole
 weights are gathered to rank 0 (Engine.full_grads / full_params: collective) and compared
-element by element with the serial run's, as are the loss and the gradient norm. Mismatches
-are collected and asserted after the last collective (mpi_helpers.Mismatches).
+element by element with the serial run's, as are the loss and the gradient norm. Rank 0's
+mismatches are shared with every rank after each step (mpi_helpers.Mismatches.assert_none
+over the world), so a failing run fails on all ranks together, at its first bad step.
 """
 
 from __future__ import annotations
@@ -46,38 +47,59 @@ def gathered(par: Trainer) -> tuple:
     return out
 
 
+def compare_step(bad: Mismatches, a: dict, b: dict, serial: Trainer, grads: dict, params: dict,
+                 tol: dict, s: int) -> None:
+    """Rank 0: step ``s`` of the layout (record ``b``, whole ``grads`` and ``params``) against
+    the serial run's (record ``a``, its trainer ``serial``), every mismatch into ``bad``."""
+    close = np.testing.assert_allclose
+    sg, sp = host(serial.runner.full_grads()), host(serial.runner.full_params())
+    bad.check(close, b["loss"], a["loss"], **tol, err_msg=f"loss at step {s}")
+    bad.check(close, b["grad_norm"], a["grad_norm"], **tol, err_msg=f"norm at step {s}")
+    if "moe" in a:
+        bad.check(close, b["moe"]["aux_loss"], a["moe"]["aux_loss"], **tol,
+                  err_msg=f"aux loss at step {s}")
+        bad.check(close, b["moe"]["tokens_per_expert"], a["moe"]["tokens_per_expert"],
+                  err_msg=f"tokens per expert at step {s}")
+    grads, params = host(grads), host(params)
+    for k in sp:
+        bad.check(close, grads[k], sg[k], **tol, err_msg=f"gradient {k} at step {s}")
+        bad.check(close, params[k], sp[k], **tol, err_msg=f"weight {k} after step {s}")
+
+
 def assert_same_run(cfg: TrainConfig, ds=None, grid: ProcessGrid | None = None,
                     tol: dict | None = None, check=None) -> Trainer:
     """Train ``cfg`` on the world and serially; assert every step matches. Returns the
     parallel Trainer (its ledger and memory for further checks). ``check(par, step)``, if
-    given, runs after each step on every rank (collectives allowed)."""
+    given, runs after each step on every rank (collectives allowed; an AssertionError it
+    raises after its last collective is agreed on like a mismatch).
+
+    Collective over the world: after each step every rank learns the verdict (an allgather
+    of the mismatches rank 0 found, and of what ``check`` raised), and if anything is wrong
+    every rank raises the same AssertionError at once, naming the first mismatches. Rank 0
+    must not raise alone: the other ranks would wait in their next collective until the
+    test's timeout."""
     tol = tol or TOL
     world = MPI.COMM_WORLD
     serial = None
     if world.rank == 0:
         serial = Trainer(serial_config(cfg), grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
     par = Trainer(cfg, grid=grid, dataset=ds)
-    close = np.testing.assert_allclose
     bad = Mismatches()
     for s in range(cfg.steps):
-        a = serial.step() if serial is not None else None
+        a = None
+        if serial is not None:
+            try:
+                a = serial.step()
+            except Exception as e:  # noqa: BLE001  (agreed on below, on every rank)
+                bad.errors.append(f"the serial run's step {s}: {type(e).__name__}: {e}")
         b = par.step()
         grads, params = gathered(par)
         if check is not None:
-            check(par, s)
-        if a is None:
-            continue
-        sg, sp = host(serial.runner.full_grads()), host(serial.runner.full_params())
-        bad.check(close, b["loss"], a["loss"], **tol, err_msg=f"loss at step {s}")
-        bad.check(close, b["grad_norm"], a["grad_norm"], **tol, err_msg=f"norm at step {s}")
-        if "moe" in a:
-            bad.check(close, b["moe"]["aux_loss"], a["moe"]["aux_loss"], **tol,
-                      err_msg=f"aux loss at step {s}")
-            bad.check(close, b["moe"]["tokens_per_expert"], a["moe"]["tokens_per_expert"],
-                      err_msg=f"tokens per expert at step {s}")
-        grads, params = host(grads), host(params)
-        for k in sp:
-            bad.check(close, grads[k], sg[k], **tol, err_msg=f"gradient {k} at step {s}")
-            bad.check(close, params[k], sp[k], **tol, err_msg=f"weight {k} after step {s}")
-    bad.assert_none()
+            bad.check(check, par, s)
+        if a is not None:
+            try:
+                compare_step(bad, a, b, serial, grads, params, tol, s)
+            except Exception as e:  # noqa: BLE001  (a missing key, a shape: agreed on below)
+                bad.errors.append(f"comparing step {s}: {type(e).__name__}: {e}")
+        bad.assert_none(world)
     return par

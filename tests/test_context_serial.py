@@ -77,6 +77,22 @@ def test_layout_partitions_the_sequence(T_per, cp, balance):
     assert all(len(lay.positions(r)) == n * T_per // cp for r in range(cp))
 
 
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_layout_gives_each_rank_its_documented_chunks(cp):
+    """zigzag: 2cp chunks of c tokens, rank r holds chunk r then chunk 2cp-1-r; contiguous:
+    cp chunks, rank r holds chunk r. Written out from the rule, not from ChunkLayout."""
+    c = 3
+    for r in range(cp):
+        early, late = range(r * c, (r + 1) * c), range((2 * cp - 1 - r) * c, (2 * cp - r) * c)
+        zig = ChunkLayout(2 * cp * c, cp, "zigzag")
+        assert zig.chunks(r) == [r, 2 * cp - 1 - r]
+        assert zig.positions(r).tolist() == [*early, *late]
+        con = ChunkLayout(cp * c, cp, "contiguous")
+        assert con.chunks(r) == [r]
+        assert con.positions(r).tolist() == list(range(r * c, (r + 1) * c))
+    assert ChunkLayout(16, 4, "zigzag").positions(1).tolist() == [2, 3, 12, 13]
+
+
 def test_layout_refuses_a_sequence_it_cannot_split():
     with pytest.raises(ConfigError, match="not divisible by 8"):
         ChunkLayout(12, 4, "zigzag")

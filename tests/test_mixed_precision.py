@@ -16,9 +16,11 @@ The weights cannot be held that tightly: AdamW divides each element's step by it
 gradient's root mean square, so where a gradient is at the level of the rounding noise the
 step's sign flips (any two runs then differ by up to ~2 lr per step in that element). Over
 3 steps the whole model's update w_3 - w_0 stays within UPDATE_TOL = 0.5 of the fp32 run's,
-in relative norm (measured 0.02 - 0.45); a run whose compute copy missed an update, or whose
-gradients were not unscaled, is off by more. What is exact: after every step, in every
-layout, the compute copy equals the masters rounded to the compute dtype, bitwise.
+in relative norm (measured 0.02 - 0.45); a run whose compute copy missed an update is off by
+more. AdamW is blind to a gradient's scale, and clipping that bites hides it too, so fp16's
+unscaling is held where the scale shows (tests/test_loss_scale.py): the gradient norms with
+clipping off, an SGD run, and Sharder.master_grads itself. What is exact: after every step,
+in every layout, the compute copy equals the masters rounded to the compute dtype, bitwise.
 
 Memory and bytes are exact: ZeRO's 2 + 2 + 12 bytes per parameter split by stage, the
 activations half of fp32's (all but the integer token ids), every collective and message
@@ -46,7 +48,7 @@ from refmp.training.trainer import TrainConfig, Trainer, check_config
 
 pytestmark = pytest.mark.mpi
 
-U = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # unit roundoff of the compute dtype
+ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # u, the unit roundoff of the compute dtype
 GRAD_K, LOSS_K, UPDATE_TOL = 8, 1, 0.5
 
 
@@ -73,7 +75,7 @@ def update_distance(run_a, run_b) -> float:
 
 
 def compare(bad: Mismatches, got, want, mp: str, what: str) -> None:
-    u = U[mp]
+    u = ROUNDOFF[mp]
     bad.check(np.testing.assert_array_less, np.abs(got[0] - want[0]) / want[0], LOSS_K * u,
               err_msg=f"{what}: loss")
     for k in want[1]:
@@ -84,11 +86,11 @@ def compare(bad: Mismatches, got, want, mp: str, what: str) -> None:
 
 def compute_copy_is_rounded_masters(tr: Trainer, bad: Mismatches) -> None:
     """Every unit's compute copy (gathered at ZeRO-3) equals its masters, rounded (exact)."""
-    sh = tr.runner.sharder
-    masters = sh.full_local()  # fp32 masters, whole (collective over each unit's group)
-    for u in sh.units:
-        for k, w in sh.weights(u).items():
-            if not np.array_equal(w, masters[k].astype(sh.compute)):
+    sharder = tr.runner.sharder
+    masters = sharder.full_local()  # fp32 masters, whole (collective over each unit's group)
+    for unit in sharder.units:
+        for k, w in sharder.weights(unit).items():
+            if not np.array_equal(w, masters[k].astype(sharder.compute)):
                 bad.errors.append(f"rank {tr.grid.rank}: compute copy of {k} != round(masters)")
 
 
@@ -317,7 +319,7 @@ def test_train_takes_the_flags_and_reports_2_2_12(tmp_path):
     assert [rec["loss_scale"] for rec in recs[:-1]] == [65536.0] * 3
     N = 101_760  # the addition task's default model
     mem = recs[-1]["memory_per_rank"][0]
-    held = mem["params"] // 2  # elements: the units, each padded to a multiple of dp = 2
-    assert mem["grads"] == mem["params"] and N <= held < N + 2 * 8  # 8 units
-    assert mem["optimizer"] == 12 * held // 2  # ZeRO-1: 12 bytes for my half
+    padded = mem["params"] // 2  # elements: the units, each padded to a multiple of dp = 2
+    assert mem["grads"] == mem["params"] and N <= padded < N + 2 * 8  # 8 units
+    assert mem["optimizer"] == 12 * padded // 2  # ZeRO-1: 12 bytes for my half
     assert recs[-1]["config"]["mixed_precision"] == "fp16"
