@@ -123,7 +123,7 @@ class DevTools:
             raise RuntimeError(f"{expression}: {r['exceptionDetails']}")
         return r["result"].get("value")
 
-    def wait_for(self, expression: str, timeout: float = 10.0):
+    def wait_for(self, expression: str, timeout: float = 30.0):
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             value = self.js(expression)
