@@ -1,10 +1,18 @@
-"""The docs show code from the tested source, not copies that drift (docs/sync_code.py)."""
+"""The guide says what the code does: its code blocks are the tested source (docs/sync_code.py),
+its flag table is the parser's, its pages describe the project as it is, and the script its
+collectives page quotes runs. The site itself is tested in tests/test_site.py."""
 
+import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 
 
 def test_doc_code_blocks_match_the_source():
@@ -13,8 +21,43 @@ def test_doc_code_blocks_match_the_source():
     assert r.returncode == 0, "run `python docs/sync_code.py`:\n" + r.stdout + r.stderr
 
 
-def test_every_doc_is_linked_from_the_index():
-    index = (ROOT / "docs" / "index.md").read_text()
-    for page in (ROOT / "docs").glob("*.md"):
+def test_the_index_links_every_page():
+    index = (DOCS / "index.md").read_text()
+    for page in DOCS.glob("*.md"):
         if page.name != "index.md":
             assert f"({page.name})" in index, f"docs/index.md does not link {page.name}"
+
+
+def test_the_flag_table_is_the_parser():
+    """docs/cli.md's table of `refmp train` lists every flag `refmp train --help` shows, once."""
+    r = subprocess.run([sys.executable, "-m", "refmp", "train", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    # the option column: two spaces in (help text wraps further in, and names other flags)
+    parser = set(re.findall(r"^  (?:-\w, )?(--[a-z][a-z0-9-]*)", r.stdout, re.M)) - {"--help"}
+    page = (DOCS / "cli.md").read_text()
+    section = page.split("## `refmp train`")[1].split("\n## ")[0]
+    rows = re.findall(r"^\| `(--[a-z][a-z0-9-]*)` \|", section, re.M)
+    assert len(rows) == len(set(rows)), "a flag is listed twice"
+    assert set(rows) == parser, {"missing": parser - set(rows), "not a flag": set(rows) - parser}
+
+
+HISTORY = re.compile(r"\bsessions?\b|first version|earlier version|the code before|used to "
+                     r"\w+ (?:show|be|scatter|probe)|\bwas once\b|\b20\d\d-\d\d-\d\d\b", re.I)
+
+
+def test_no_page_narrates_history():
+    """Pages describe the code as it is: no sessions, versions or dates of measurements."""
+    hits = [f"{page.name}:{i}: {line.strip()}" for page in sorted(DOCS.glob("*.md"))
+            for i, line in enumerate(page.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert not hits, "\n".join(hits)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec")
+def test_the_collectives_script_runs():
+    """benchmarks/collectives.py (docs/collectives.md), on tiny messages: it fits and prints."""
+    r = subprocess.run(["mpiexec", "-n", "2", sys.executable, "benchmarks/collectives.py",
+                        "--max-mib", "0.001", "--reps", "2"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fitted alpha" in r.stdout and "| allreduce |" in r.stdout and "| send |" in r.stdout

@@ -1,0 +1,277 @@
+"""The guide as a site: `mkdocs build --strict` passes, and a real browser draws its pages.
+
+The build (mkdocs.yml) fails on any warning: a page missing from the nav, a link to a page or
+an anchor that does not exist, math that cannot be converted. The browser test serves the
+built site on 127.0.0.1, opens pages in headless Chromium (Debian's ``chromium`` package)
+through the DevTools protocol, and checks that each page drew: its text and images are laid
+out, its math is typeset as MathML, the search finds a word, and nothing was logged as an
+error (an exception, a failed request, a console error). It skips where Chromium is missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import json
+import os
+import pathlib
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import zlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+pytest.importorskip("mkdocs")
+pytest.importorskip("material")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once by `mkdocs build --strict` into a temporary directory."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "WARNING" not in r.stderr, r.stderr
+    return out
+
+
+def nav_pages() -> list[str]:
+    """The pages mkdocs.yml's nav lists, in order."""
+    return re.findall(r":\s*([\w/]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+
+
+def test_every_page_is_in_the_nav_once():
+    pages = sorted(p.name for p in DOCS.glob("*.md"))
+    assert sorted(nav_pages()) == pages
+
+
+def test_the_site_is_built_strict_with_search_math_and_images(site):
+    index = json.loads((site / "search" / "search_index.json").read_text())
+    searched = {d["location"].split("#")[0] for d in index["docs"]}
+    for page in nav_pages():
+        html = page.replace(".md", ".html")
+        assert (site / html).is_file(), html
+        assert html in searched or (page == "index.md" and "" in searched), html
+    for img in (DOCS / "img").iterdir():
+        assert (site / "img" / img.name).is_file(), img.name
+    text = (site / "pipeline.html").read_text()
+    assert text.count("<math") >= 3 and "arithmatex" not in text
+
+
+def test_the_site_needs_no_network(site):
+    """No page loads a script, style sheet, font or image from another host."""
+    remote = re.compile(r"""<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=["']?(?:https?:)?//""")
+    for page in site.rglob("*.html"):
+        hits = remote.findall(page.read_text())
+        assert not hits, f"{page.name} loads {hits[:3]}"
+    for css in site.rglob("*.css"):
+        assert not re.search(r"@import|url\(\s*[\"']?(https?:)?//", css.read_text()), css.name
+
+
+# --- the browser ------------------------------------------------------------------------------
+
+CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))
+                 if p), None)
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (apt-get install chromium)")
+
+
+class DevTools:
+    """A page of headless Chromium, driven over the DevTools protocol (one websocket)."""
+
+    def __init__(self, ws):
+        self.ws, self.next_id, self.events = ws, 0, []
+
+    def call(self, method: str, **params):
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == self.next_id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+            self.events.append(msg)
+
+    def pump(self, seconds: float) -> None:
+        """Collect the events that arrive within ``seconds``."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self.ws.settimeout(left)
+            try:
+                self.events.append(json.loads(self.ws.recv()))
+            except Exception:  # the timeout
+                break
+        self.ws.settimeout(30)
+
+    def js(self, expression: str):
+        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True,
+                      awaitPromise=True)
+        if "exceptionDetails" in r:
+            raise RuntimeError(f"{expression}: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    def wait_for(self, expression: str, timeout: float = 30.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            value = self.js(expression)
+            if value:
+                return value
+            self.pump(0.1)
+        raise AssertionError(f"timed out waiting for {expression}")
+
+    def errors(self) -> list[str]:
+        """What the page logged as an error: uncaught exceptions, console.error, failed loads."""
+        out = []
+        for e in self.events:
+            m, p = e.get("method"), e.get("params", {})
+            if m == "Runtime.exceptionThrown":
+                out.append(p["exceptionDetails"].get("exception", {}).get("description")
+                           or p["exceptionDetails"].get("text"))
+            elif m == "Runtime.consoleAPICalled" and p["type"] in ("error", "assert"):
+                out.append(" ".join(str(a.get("value", a.get("description"))) for a in p["args"]))
+            elif m == "Log.entryAdded" and p["entry"]["level"] == "error":
+                out.append(f"{p['entry']['text']} {p['entry'].get('url', '')}")
+        return out
+
+
+@pytest.fixture(scope="module")
+def browser(site):
+    """(DevTools of one page, the site's base URL); the server and Chromium stop afterwards."""
+    websocket = pytest.importorskip("websocket")
+    handler = functools.partial(QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    profile = tempfile.mkdtemp(prefix="refmp-chromium-")
+    proc = subprocess.Popen(
+        [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         "--disable-extensions", "--disable-background-networking", "--window-size=1280,900",
+         f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        port_file = pathlib.Path(profile) / "DevToolsActivePort"
+        end = time.monotonic() + 30
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < end, "Chromium did not start"
+            time.sleep(0.05)
+        port = int(port_file.read_text().split()[0])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list") as r:
+            page = next(t for t in json.load(r) if t["type"] == "page")
+        ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=30,
+                                         suppress_origin=True)
+        tools = DevTools(ws)
+        for domain in ("Page", "Runtime", "Log"):
+            tools.call(f"{domain}.enable")
+        yield tools, f"http://127.0.0.1:{server.server_address[1]}"
+        ws.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        server.shutdown()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # no line per request on stderr
+        pass
+
+
+def open_page(tools: DevTools, url: str) -> None:
+    tools.events.clear()
+    tools.call("Page.navigate", url=url)
+    tools.wait_for("document.readyState === 'complete'")
+    tools.pump(0.5)  # late work: the search worker loading its index
+
+
+def screenshot_colours(tools: DevTools) -> int:
+    """How many distinct colours the viewport shows (1 for a blank page), from a PNG
+    screenshot decoded here (8-bit RGB or RGBA, the five PNG row filters undone)."""
+    clip = {"x": 0, "y": 0, "width": 1280, "height": 900, "scale": 0.25}  # small: decoded in Python
+    png = base64.b64decode(tools.call("Page.captureScreenshot", format="png", clip=clip)["data"])
+    width, height, depth, colour = struct.unpack(">IIBB", png[16:26])
+    assert depth == 8 and colour in (2, 6), (depth, colour)
+    data, pos = b"", 8
+    while pos < len(png):  # the IDAT chunks hold one zlib stream
+        n, kind = struct.unpack(">I4s", png[pos:pos + 8])
+        data += png[pos + 8:pos + 8 + n] if kind == b"IDAT" else b""
+        pos += 12 + n
+    raw, bpp = zlib.decompress(data), 3 if colour == 2 else 4
+    stride, prev, colours = width * bpp, bytearray(width * bpp), set()
+    for y in range(0, height):
+        kind, row = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a, b = row[i - bpp] if i >= bpp else 0, prev[i]
+            c = prev[i - bpp] if i >= bpp else 0
+            p = a + b - c
+            pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+            row[i] = (row[i] + (0, a, b, (a + b) // 2,
+                                a if pa <= pb and pa <= pc else b if pb <= pc else c)[kind]) & 255
+        colours.update(bytes(row[i:i + 3]) for i in range(0, stride, bpp))
+        prev = row
+    return len(colours)
+
+
+PAGE_CHECK = """(() => {
+  const article = document.querySelector("article");
+  const maths = [...article.querySelectorAll("math")];
+  const imgs = [...article.querySelectorAll("img")];
+  return {
+    title: document.title,
+    text: article.innerText.length,
+    height: article.getBoundingClientRect().height,
+    maths: maths.length,
+    mathDrawn: maths.filter(m => m.getBoundingClientRect().height > 0
+                             && getComputedStyle(m).display.includes("math")).length,
+    rawTex: /\\\\(frac|sum|left)|\\$\\$/.test(article.innerText),
+    imgs: imgs.length,
+    imgsDrawn: imgs.filter(i => i.complete && i.naturalWidth > 0).length,
+  };
+})()"""
+
+
+@needs_chromium
+@pytest.mark.parametrize("page", ["index.html", "pipeline.html", "collectives.html"])
+def test_a_browser_draws_the_page(browser, page):
+    tools, base = browser
+    open_page(tools, f"{base}/{page}")
+    got = tools.js(PAGE_CHECK)
+    assert got["text"] > 500 and got["height"] > 400, got
+    assert got["mathDrawn"] == got["maths"], got
+    if page != "index.html":
+        assert got["maths"] >= 3, got  # the strategy pages typeset their formulas
+    assert not got["rawTex"], got
+    assert got["imgsDrawn"] == got["imgs"], got
+    assert screenshot_colours(tools) > 20, "the page looks blank"
+    assert tools.errors() == [], tools.errors()
+
+
+@needs_chromium
+def test_the_search_finds_a_page(browser):
+    tools, base = browser
+    open_page(tools, f"{base}/index.html")
+    tools.js("""(() => {
+      const input = document.querySelector("input.md-search__input");
+      input.focus();
+      input.value = "bubble";
+      input.dispatchEvent(new Event("input", {bubbles: true}));
+      input.dispatchEvent(new KeyboardEvent("keyup", {bubbles: true}));
+    })()""")
+    found = tools.wait_for(
+        "[...document.querySelectorAll('.md-search-result__item a')].map(a => a.href)")
+    assert any("pipeline.html" in href for href in found), found
+    assert tools.errors() == [], tools.errors()
