@@ -14,7 +14,7 @@ A checkpoint is a directory per step, ``DIR/step-{N:08d}/``::
                              GPTConfig, optimizer kind and step count, every tensor's global
                              shape, which file holds which pieces, each file's sha256
 
-A rank writes only the pieces it *counts* (Engine.counted: one rank per distinct copy of an
+A rank writes only the pieces it *counts* (Engine.counts_in_norm: one rank per distinct copy of an
 element), so the files are disjoint and together hold every element once. The directory is
 written as ``.step-{N:08d}.tmp`` and renamed by rank 0 once every file and the manifest are
 complete: a directory named ``step-*`` with a manifest is a whole checkpoint, and anything
@@ -152,7 +152,7 @@ def save(tr, root: str, keep: int = 0) -> str:
     pieces = {}
     for k, index in run.piece_index().items():  # my elements' global flat indices
         held = index >= 0  # -1: padding (ZeRO's, or the vocabulary's with tp)
-        if not run.counted[k] or not held.any():
+        if not run.counts_in_norm[k] or not held.any():
             continue  # another rank writes this copy, or it holds nothing
         host = {"param": backend.to_host(run.params[k])}
         host.update({m: backend.to_host(a[k]) for m, a in moments.items()})
