@@ -239,8 +239,8 @@ class Engine:
 
     def grad_norm(self) -> float:
         """The global L2 norm: each element counted once over the whole world."""
-        counted = {k: g for k, g in self.grads.items() if self.counts_in_norm[k]}
-        return global_grad_norm(counted, self.grid.world.allreduce_scalar)
+        pieces = {k: g for k, g in self.grads.items() if self.counts_in_norm[k]}
+        return global_grad_norm(pieces, self.grid.world.allreduce_scalar)
 
     def after_step(self) -> None:
         self.sharder.after_step()  # ZeRO 1/2: all-gather the updated slices

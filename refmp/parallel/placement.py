@@ -162,8 +162,8 @@ def tp_shard(name: str, full, rank: int, tp: int):
         C = full.shape[dim] // 3
         packed = full.reshape(full.shape[:-1] + (3, C))
         n = C // tp
-        mine = xp.ascontiguousarray(packed[..., rank * n : (rank + 1) * n])  # (.., 3, C/tp)
-        return mine.reshape(full.shape[:-1] + (3 * n,))  # (.., 3C/tp) = [q_r | k_r | v_r]
+        shard = xp.ascontiguousarray(packed[..., rank * n : (rank + 1) * n])  # (.., 3, C/tp)
+        return shard.reshape(full.shape[:-1] + (3 * n,))  # (.., 3C/tp) = [q_r | k_r | v_r]
     n = full.shape[dim] // tp
     sl = [slice(None)] * full.ndim
     sl[dim] = slice(rank * n, (rank + 1) * n)

@@ -14,7 +14,7 @@ The numerics are those of mixed precision, and the memory ledger counts what a 1
 holds: 2 bytes per cached element. NumPy has bf16 through the ``ml_dtypes`` package.
 
 With fp32 or fp64 arrays :func:`autocast` calls the layer unchanged: runs without
-``--mixed-precision`` are bitwise what they were.
+``--mixed-precision`` are bitwise those of the plain layers.
 """
 
 from __future__ import annotations
