@@ -22,7 +22,7 @@ shaped like GPT-2's MLP. Its auxiliary losses are added to the model's loss.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from collections import namedtuple
 
 from refmp.nn import layers as L
 from refmp.nn import moe as M
@@ -112,24 +112,10 @@ class Ops:
         return logits_last.argmax(axis=-1)  # (B,) from (B, V)
 
 
-class MLPCache(NamedTuple):
-    """GPT-2's MLP: the caches of c_fc, gelu and c_proj."""
-
-    c_fc: Any
-    gelu: Any
-    c_proj: Any
-
-
-class BlockCache(NamedTuple):
-    """What one block's backward needs: each piece's cache, in forward order; ``mlp`` is an
-    MLPCache, or with a mixture of experts an MoECache (which carries the layer's loss)."""
-
-    ln_1: Any
-    c_attn: Any
-    attn: Any
-    a_proj: Any
-    ln_2: Any
-    mlp: MLPCache | M.MoECache
+# What one block's backward needs: each piece's cache, in forward order; ``mlp`` is an
+# MLPCache (c_fc, gelu, c_proj), or with a mixture of experts an MoECache (with its loss).
+MLPCache = namedtuple("MLPCache", "c_fc gelu c_proj")
+BlockCache = namedtuple("BlockCache", "ln_1 c_attn attn a_proj ln_2 mlp")
 
 
 def block_forward(p: dict, x, ops: Ops, moe: M.MoEContext | None = None):
@@ -154,8 +140,7 @@ def block_forward(p: dict, x, ops: Ops, moe: M.MoEContext | None = None):
     return x + h, BlockCache(ln1, c_attn, attn, a_proj, ln2, mlp)  # residual
 
 
-def block_backward(dout, cache: BlockCache, ops: Ops, todo: list | None = None,
-                   dloss: float = 1.0):
+def block_backward(dout, cache: BlockCache, ops: Ops, todo: list | None = None, dloss: float = 1.0):
     """Mirror of block_forward; returns dx and the block's gradients (names inside the block).
 
     ``todo``: the zero-bubble split (Qi et al. 2023, sec. 2). Given a list, the four linears'

@@ -82,8 +82,7 @@ def context_parallel(grid, layout: TrainConfig, T: int, keep_scores: bool):
 
 
 def take_params(model: gpt.GPT, chunks: dict[int, range], first: bool, last: bool, grid) -> dict:
-    """This rank's tp shard of every parameter it holds (placement.holds); the model's full
-    weights are freed (they are not kept)."""
+    """This rank's tp shard of every parameter it holds (placement.holds); frees the model."""
     blocks = {i for c in chunks.values() for i in c}
     ep, tp, E = grid.comm["ep"], grid.comm["tp"], model.cfg.n_expert
     names = [k for k in model.params if holds(k, blocks, first, last, ep.rank, E, ep.size)]
@@ -203,9 +202,8 @@ class Engine:
         self.peak_activations = max(self.peak_activations, activation_bytes(caches, params))
 
     def reduce_grads(self) -> None:
-        """Every owned piece becomes the global gradient: the three sums of the module
-        docstring's last paragraph (Megatron's finalize_model_grads), then, with mixed
-        precision, fp32 and unscaled for the norm, clipping and the optimizer."""
+        """Every owned piece becomes the global gradient (the module docstring's three sums,
+        as Megatron's finalize_model_grads); mixed precision: then fp32 and unscaled."""
         self._reduce_data_parallel()
         self._reduce_sp_partial()
         self._reduce_tied_embedding()
@@ -216,8 +214,7 @@ class Engine:
         self.sharder.finish()  # dense units over dp x cp, expert units over edp
 
     def _reduce_sp_partial(self) -> None:
-        """SP: the weights every tp rank saw T/tp of the tokens for have gradients partial
-        over tp; one all-reduce of them all."""
+        """SP: weights every tp rank saw T/tp tokens for have gradients partial over tp."""
         arrays = [g for k, g in self.grads.items() if k in self.partial_over_tp]
         if arrays:  # none without SP
             flat = flatten(arrays)
@@ -225,9 +222,8 @@ class Engine:
             unflatten_into(flat, arrays)
 
     def _reduce_tied_embedding(self) -> None:
-        """wte's two copies, on the first stage (embedding) and the last (head), each get
-        the other's share: both ends hold wte with the same flat layout, and a + b == b + a
-        exactly, so both hold the same sum."""
+        """wte's copies on the first stage (embedding) and the last (head) add each other's
+        share: the same flat layout at both ends, and a + b == b + a exactly."""
         if self.pp.size == 1 or not (self.first or self.last) or "wte" not in self.sharder.units:
             return
         here = self.sharder.owned_grad("wte")

@@ -129,11 +129,9 @@ def units_of(names) -> dict[str, list[str]]:
 
 def counts_in_norm(pieces, local: dict, coords: dict[str, int], sp: bool, partitioned: bool,
                    first: bool, last: bool) -> dict[str, bool]:
-    """Whether a rank counts each of its owned ``pieces`` (the Sharder's piece names) in the
-    global gradient norm: on the one rank of its copies at coordinate 0 (the table's "copies"
-    axes, less dp, cp and edp when the Sharder ``partitioned`` the pieces over them), and the
-    tied wte on the first stage only. ``local``: the rank's parameters; ``coords``: its grid
-    coordinates and its edp rank. Padding pieces (gradient 0) count everywhere."""
+    """Whether a rank counts each owned piece in the global norm: on the rank of its copies
+    (the table's "copies" axes, less dp, cp and edp when the Sharder ``partitioned`` them) at
+    coordinate 0, and the tied wte on the first stage only; padding (gradient 0) everywhere."""
     split_axes = {"dp", "cp", "edp"} if partitioned else set()
     counts = {}
     for k in pieces:

@@ -1,13 +1,10 @@
-"""Functions over many arrays at once: a nested cache walked leaf by leaf, and the global
+"""Functions over many arrays at once: nested caches walked leaf by leaf, and the global
 gradient norm of a dict of gradient pieces.
 
-A cache (what a forward keeps for its backward, and a layer's arguments and results) is a
-nest of tuples (NamedTuples too), lists and dicts; its *leaves* are everything else: arrays,
-scalars, and objects such as ZeRO-3's weight references. Mixed precision casts the leaves
-(refmp.runtime.precision), ZeRO-3 swaps weights for references and back
-(refmp.parallel.data.sharder), and the memory ledger counts their bytes
-(refmp.parallel.data.accumulate.activation_bytes, refmp.parallel.context.chunks.nbytes_of),
-all through these two walkers.
+A cache (what a forward keeps for its backward; a layer's arguments and results) is a nest
+of tuples (NamedTuples too), lists and dicts whose *leaves* are arrays, scalars and other
+objects. Mixed precision's casts (refmp.runtime.precision), ZeRO-3's weight references
+(refmp.parallel.data.sharder) and the memory ledger's byte counts all walk them through here.
 """
 
 from __future__ import annotations
@@ -19,9 +16,8 @@ import numpy as np
 
 
 def leaves(obj) -> Iterator:
-    """Every leaf of ``obj``, depth first, left to right (dicts in their values' order).
-
-    One pass over an explicit stack: autocast calls it on every layer's arguments."""
+    """Every leaf of ``obj``, depth first, left to right (one pass over an explicit stack:
+    autocast calls it on every layer's arguments)."""
     stack = [obj]
     while stack:
         o = stack.pop()

@@ -140,20 +140,17 @@ class Sharder:
 
     @property
     def releases_weights(self) -> bool:
-        """Stage 3: a unit's weights are gathered for each use and freed after, so a cache
-        must name its weights (``detach``) rather than hold them, and get them back
-        (``attach``) gathered again before its backward."""
+        """Stage 3: weights are gathered for each use and freed after, so a cache names its
+        weights (``detach``) and gets them back gathered again (``attach``)."""
         return self.stage == 3
 
     @property
     def partitions(self) -> bool:
-        """Stages 1-3: each rank of a unit's group owns a disjoint slice of it (its pieces
-        are different elements on every rank of the group; at stage 0 they are copies)."""
+        """Stages 1-3: the ranks of a unit's group own disjoint slices (stage 0: copies)."""
         return self.stage > 0
 
     def resident(self) -> list:
-        """The parameter buffers kept between uses, which caches may reference but which are
-        not activations: the compute copies; none at stage 3 (caches name those weights)."""
+        """The parameter buffers kept between uses (caches reference them; not activations)."""
         return list(self.pbuf.values()) if self.stage < 3 else []
 
     # --- what the model computes with ---------------------------------------------------------
