@@ -24,7 +24,7 @@ from refmp.nn import gpt
 from refmp.nn import moe as M
 from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.data.accumulate import dp_rows
-from refmp.parallel.expert import alltoallv_bytes, expert_index
+from refmp.parallel.expert import alltoallv_bytes, expert_index, is_expert
 from refmp.training.datasets import Dataset, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -72,9 +72,9 @@ class RoutingWatch:
         mine = {i for c in run.stage.chunks.values() for i in c}  # my stage's blocks
         want = 0
         for i, c in enumerate(cache[1]):
-            if i in mine and isinstance(c[-1], M.MoECache) and grid.sizes["ep"] > 1:
-                order = c[-1].order  # kept assignments a = n K + k, over the global batch
-                tok, expert = order // m.top_k, c[-1].top.reshape(-1)[order]
+            if i in mine and isinstance(c.mlp, M.MoECache) and grid.sizes["ep"] > 1:
+                order = c.mlp.order  # kept assignments a = n K + k, over the global batch
+                tok, expert = order // m.top_k, c.mlp.top.reshape(-1)[order]
                 held = mask.reshape(-1)[tok]
                 want += alltoallv_bytes(owner.reshape(-1)[tok][held], expert[held], f,
                                         grid.sizes["ep"], m.n_expert, m.n_embd, 8)
@@ -104,10 +104,11 @@ def check_moe_run(cfg: TrainConfig, ds: Dataset) -> None:
               err_msg="alltoallv calls")
     # my experts are E/ep of each MoE layer: ep rank r holds [r El, (r + 1) El)
     El, r = m.n_expert // grid.sizes["ep"], grid.comm["ep"].rank
-    for u, U in run.sharder.units.items():
-        if u.endswith(".experts"):
-            bad.check(np.testing.assert_equal, sorted({expert_index(k) for k in U.shapes}),
-                      list(range(r * El, (r + 1) * El)), err_msg=f"experts of {u}")
+    for u, unit in run.sharder.units.items():
+        experts_here = sorted({expert_index(k) for k in unit.shapes if is_expert(k)})
+        if experts_here:  # an expert unit (placement.unit_of)
+            bad.check(np.testing.assert_equal, experts_here, list(range(r * El, (r + 1) * El)),
+                      err_msg=f"experts of {u}")
     # dropping: none without a capacity; certain when a sequence's K T assignments exceed
     # the E cap slots (a sequence split over cp or SP ranks counts as a whole)
     T = par.T

@@ -153,8 +153,8 @@ def test_caches_hold_the_compute_dtype_and_half_the_bytes():
             elif getattr(c, "ndim", 0) > 0 and hasattr(c, "dtype"):
                 seen.add(np.dtype(c.dtype))
 
-        measure = tr.runner.exe.on_forward
-        tr.runner.exe.on_forward = lambda caches, m=measure: (dtypes(caches), m(caches))
+        measure = tr.runner.executor.on_forward
+        tr.runner.executor.on_forward = lambda caches, m=measure: (dtypes(caches), m(caches))
         tr.step()
         assert {d for d in seen if d.kind == "f" or d == BF16} == {BF16}, (recompute, seen)
         B, T = cfg.batch_size, cfg.block_size

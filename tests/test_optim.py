@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from refmp.training.optim import SGD, AdamW, clip_grad_norm, decay_names, global_grad_norm
+from refmp.runtime.arrays import global_grad_norm
+from refmp.training.optim import SGD, AdamW, clip_grad_norm, decay_names
 
 
 def params_and_grads(seed=0):

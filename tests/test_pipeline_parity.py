@@ -75,7 +75,7 @@ def check_pipeline_run(cfg: TrainConfig, ds: Dataset) -> None:
                   err_msg="greedy decoding through the pipeline")
     # the executor held exactly what the simulator says this schedule holds
     sim = simulate_schedule(cfg.schedule, P, cfg.microbatches, cfg.virtual_stages)
-    bad.check(np.testing.assert_equal, run.exe.peak_held, sim.peak_held[r], err_msg="peak held")
+    bad.check(np.testing.assert_equal, run.executor.peak_held, sim.peak_held[r], err_msg="peak held")
     # ZeRO's memory formula on this rank's units (its stage's blocks, the ends it holds)
     blocks = [i for c in run.stage.chunks.values() for i in c]
     sizes = unit_sizes(m, 1, blocks, run.first, run.last)
@@ -85,7 +85,7 @@ def check_pipeline_run(cfg: TrainConfig, ds: Dataset) -> None:
         bad.check(np.testing.assert_equal, mem[k], want[k], err_msg=f"memory {k}")
     # the watched steps: sends on pp (b rows of T/cp tokens), and the ZeRO group's traffic
     rows, C, Tl = cfg.batch_size // grid.sizes["dp"], m.n_embd, T // grid.sizes["cp"]
-    boundaries = sum((c < run.S - 1) + (c > 0) for c in run.stage.chunks)
+    boundaries = sum((c < run.n_chunks - 1) + (c > 0) for c in run.stage.chunks)
     # tied wte: the two ends swap the wte unit's owned gradient slice (all of it at ZeRO 0,
     # the padded 1/(dp cp) at ZeRO 1-3; the same flat layout at both ends: Engine.reduce_grads)
     n = n_zero if cfg.zero else 1

@@ -203,7 +203,7 @@ def test_stage_chunks_in_sequence_equal_the_serial_model(zero, n_expert):
     from refmp.distributed.ledger import Ledger
     from refmp.parallel.data.sharder import Sharder
     from refmp.parallel.pipeline.stage import Stage
-    from refmp.parallel.placement import unit_of
+    from refmp.parallel.placement import units_of
 
     cfg = gpt.GPTConfig(vocab_size=7, block_size=4, n_layer=3, n_head=2, n_embd=4,
                         n_expert=n_expert, top_k=1, capacity_factor=1.0, aux_loss_coef=0.1)
@@ -212,9 +212,7 @@ def test_stage_chunks_in_sequence_equal_the_serial_model(zero, n_expert):
     x, y = rng.integers(0, 7, (3, 4)), rng.integers(0, 7, (3, 4))
     loss, cache = model.forward(x, y, denom=12)
     model.backward(cache)
-    units: dict[str, list[str]] = {}
-    for k in model.params:
-        units.setdefault(unit_of(k), []).append(k)
+    units = units_of(model.params)
     one = Comm(MPI.COMM_SELF, "dp", Ledger())
     sharder = Sharder(model.params, units, {u: one for u in units}, zero, bucket_mb=0)
     moe = (lambda denom: cfg.moe_context(denom)) if n_expert else None

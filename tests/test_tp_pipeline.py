@@ -62,7 +62,7 @@ def expected_ledger(cfg, run, b, T, C) -> dict:
         k = 4 * L_r + first + last
         tp = {"reduce_scatter": (0, 0), "allgather": (0, 0),
               "allreduce": (k * act + last * loss, (k + 3 * last) * M)}
-    boundaries = sum((c < run.S - 1) + (c > 0) for c in run.stage.chunks)
+    boundaries = sum((c < run.n_chunks - 1) + (c > 0) for c in run.stage.chunks)
     Vp = padded_vocab(run.mcfg.vocab_size, n)
     tied = (Vp // n) * C * w if (first or last) else 0  # my wte shard, to my tp peer's stage
     sent = boundaries * act // (n if cfg.sequence_parallel else 1) + tied

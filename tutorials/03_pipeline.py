@@ -55,7 +55,7 @@ for name in ("naive", "gpipe", "1f1b", "zb-h1"):
     worst = pipe.grid.world.allreduce_scalar(worst, op="max")
     worst_all = max(worst_all, worst)
     say(f"{name:>6}: losses {' '.join(f'{x:.6f}' for x in losses)}; largest weight "
-        f"difference from serial {worst:.1e}; rank 0 held at most {run.exe.peak_held} "
+        f"difference from serial {worst:.1e}; rank 0 held at most {run.executor.peak_held} "
         f"micro-batches; "
         f"{pipe.grid.ledger.bytes('send', 'pp'):,} B sent over pp")
 

@@ -95,17 +95,17 @@ tr = Trainer(TrainConfig(**{**cfg0, "n_layer": 4, "n_embd": 32, "microbatches": 
 tr.step()
 sizes = unit_sizes(tr.runner.mcfg)
 order = ["ln_f", *(f"h.{i}" for i in reversed(range(4))), "wte", "wpe"]
-buckets, held = [], []
+buckets, bucket = [], []
 for u in order:
-    held.append(u)
-    if sum(8 * sizes[v] for v in held) >= int(bucket_mb * 2**20):
-        buckets.append(held)
-        held = []
-buckets += [held] if held else []
+    bucket.append(u)
+    if sum(8 * sizes[v] for v in bucket) >= int(bucket_mb * 2**20):
+        buckets.append(bucket)
+        bucket = []
+buckets += [bucket] if bucket else []
 say(f"\n3. one plain data-parallel step, 4 layers, n_embd 32, buckets of {bucket_mb} MB "
     f"({int(bucket_mb * 2**20)} bytes):")
 for j, b in enumerate(buckets):
-    when = "after backward" if j == len(buckets) - 1 and held else f"when {b[-1]} is complete"
+    when = "after backward" if j == len(buckets) - 1 and bucket else f"when {b[-1]} is complete"
     say(f"   bucket {j}: {' + '.join(b):<12} {sum(8 * sizes[v] for v in b):>7} bytes, "
         f"started {when}")
 led = tr.grid.ledger

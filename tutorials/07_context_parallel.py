@@ -58,7 +58,7 @@ for balance in ("contiguous", "zigzag"):
         cells = []
         for r in range(cp):
             ring = RingAttention(Comm(MPI.COMM_SELF), lay)
-            ring.mine = lay.chunks(r)  # draw rank r's view without its communicator
+            ring.own_chunks = lay.chunks(r)  # draw rank r's view without its communicator
             src = (r - i) % cp
             pairs = [f"{lay.chunks(r)[a]}<-{lay.chunks(src)[b]}{'*' if c else ''}"
                      for a, b, c in ring.pairs(src)]

@@ -85,7 +85,7 @@ what = {"tp": "f/g of the column/row linears, vocab-parallel embedding, head and
 for axis in ("tp", "cp", "pp", "ep"):
     b = led.bytes(axis=axis)
     say(f"  {axis:>6}: {b:>9,} B in {led.count(axis=axis):>4} calls   {what[axis]}")
-dense = run.sharder.groups[f"h.{blocks[0]}"].axis  # the dp x cp group of this rank
+dense = run.grid.group("dp", "cp").axis  # the group dense units are reduced over
 zero = led.bytes("reduce_scatter", dense) + led.bytes("allgather", dense)
 say(f"  dense gradients: reduce-scatter + all-gather over dp x cp (ZeRO-1), label {dense!r}:"
     f" {zero:,} B")

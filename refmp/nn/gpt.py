@@ -22,6 +22,7 @@ shaped like GPT-2's MLP. Its auxiliary losses are added to the model's loss.
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 from refmp.nn import layers as L
 from refmp.nn import moe as M
@@ -111,6 +112,12 @@ class Ops:
         return logits_last.argmax(axis=-1)  # (B,) from (B, V)
 
 
+# What one block's backward needs: each piece's cache, in forward order; ``mlp`` is an
+# MLPCache (c_fc, gelu, c_proj), or with a mixture of experts an MoECache (with its loss).
+MLPCache = namedtuple("MLPCache", "c_fc gelu c_proj")
+BlockCache = namedtuple("BlockCache", "ln_1 c_attn attn a_proj ln_2 mlp")
+
+
 def block_forward(p: dict, x, ops: Ops, moe: M.MoEContext | None = None):
     """One pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.)).
 
@@ -127,13 +134,13 @@ def block_forward(p: dict, x, ops: Ops, moe: M.MoEContext | None = None):
         h, c_fc = ops.column(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"])  # (B, T, 4C)
         h, gelu = L.gelu_forward(h)  # (B, T, 4C)
         h, m_proj = ops.row(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])  # like x
-        mlp = (c_fc, gelu, m_proj)
+        mlp = MLPCache(c_fc, gelu, m_proj)
     else:
         h, mlp = M.moe_forward(p, h, moe)  # like x
-    return x + h, (ln1, c_attn, attn, a_proj, ln2, mlp)  # residual
+    return x + h, BlockCache(ln1, c_attn, attn, a_proj, ln2, mlp)  # residual
 
 
-def block_backward(dout, cache, ops: Ops, todo: list | None = None, dloss: float = 1.0):
+def block_backward(dout, cache: BlockCache, ops: Ops, todo: list | None = None, dloss: float = 1.0):
     """Mirror of block_forward; returns dx and the block's gradients (names inside the block).
 
     ``todo``: the zero-bubble split (Qi et al. 2023, sec. 2). Given a list, the four linears'
@@ -142,7 +149,6 @@ def block_backward(dout, cache, ops: Ops, todo: list | None = None, dloss: float
     An MoE MLP does its whole backward in B. ``dloss`` scales the gradient of an MoE layer's
     own losses (1 for the plain loss).
     """
-    ln1, c_attn, attn, a_proj, ln2, mlp = cache
     g = {}
 
     def linear(name: str, d, c):
@@ -154,19 +160,19 @@ def block_backward(dout, cache, ops: Ops, todo: list | None = None, dloss: float
         return dx
 
     # forward was: out = x + h   (the residual passes dout to both branches)
+    mlp = cache.mlp
     if isinstance(mlp, M.MoECache):
         dh, gm = M.moe_backward(dout, mlp, dloss)
         g.update(gm)
     else:
-        c_fc, gelu, m_proj = mlp
-        dh = L.gelu_backward(linear("mlp.c_proj", dout, m_proj), gelu)  # (B, T, 4C)
-        dh = linear("mlp.c_fc", dh, c_fc)  # like x
-    dx, g["ln_2.weight"], g["ln_2.bias"] = L.layernorm_backward(dh, ln2)
+        dh = L.gelu_backward(linear("mlp.c_proj", dout, mlp.c_proj), mlp.gelu)  # (B, T, 4C)
+        dh = linear("mlp.c_fc", dh, mlp.c_fc)  # like x
+    dx, g["ln_2.weight"], g["ln_2.bias"] = L.layernorm_backward(dh, cache.ln_2)
     dx += dout
     # forward was: x = x + a
-    dqkv = ops.attention_backward(linear("attn.c_proj", dx, a_proj), attn)  # (B, T, 3C)
-    dh = linear("attn.c_attn", dqkv, c_attn)
-    dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(dh, ln1)
+    dqkv = ops.attention_backward(linear("attn.c_proj", dx, cache.a_proj), cache.attn)  # (B, T, 3C)
+    dh = linear("attn.c_attn", dqkv, cache.c_attn)
+    dh, g["ln_1.weight"], g["ln_1.bias"] = L.layernorm_backward(dh, cache.ln_1)
     return dx + dh, g
 
 
@@ -240,7 +246,7 @@ class GPT:
             blocks.append(c)
         out, head = head_forward(self.params, x, targets, denom)
         if targets is not None and cfg.n_expert:
-            out = out + sum(c[-1].loss for c in blocks if isinstance(c[-1], M.MoECache))
+            out = out + sum(c.mlp.loss for c in blocks if isinstance(c.mlp, M.MoECache))
         return out, (emb, blocks, head)
 
     def backward(self, cache, dloss=1.0) -> None:
@@ -264,8 +270,8 @@ class GPT:
     @staticmethod
     def moe_stats(cache) -> dict:
         """The MoE layers' routing statistics of a forward (empty for a dense model)."""
-        return moe_summary([c[-1].stats["raw"] for c in cache[1]
-                            if isinstance(c[-1], M.MoECache)])
+        return moe_summary([c.mlp.stats["raw"] for c in cache[1]
+                            if isinstance(c.mlp, M.MoECache)])
 
     def generate(self, idx, max_new_tokens: int, dispatch=None):
         """Greedy decoding: append the most likely next token, max_new_tokens times.

@@ -1,20 +1,17 @@
 """The Engine: one runner for every layout, pp x dp x cp x tp with experts, ZeRO 0-3 and SP.
 
 Shapes: B global batch, b = B/dp rows per pipeline, M micro-batches, T sequence, Tl = T/cp
-tokens per rank; pp, dp, cp, tp, ep group sizes, S = pp v chunks (v virtual stages).
+tokens per rank; pp, dp, cp, tp, ep group sizes; n_chunks = pp v model chunks (v virtual
+stages); n prompts, t their length, when decoding.
 
-The Engine composes orthogonal pieces; none of them knows the others' axes:
-
-* **ops** (refmp.parallel.ops): the block's linears, attention core and ends, split over tp
-  (with SP) and cp; the MoE MLP gets its dispatch (local, or all-to-all over ep) and the
-  ranks its sequences are split over from the MoEContext made here;
-* **placement** (refmp.parallel.placement): which slice of each full parameter this rank
-  holds, which group sums its gradient, who counts it once in the norm;
-* **sharder** (refmp.parallel.data.sharder): DP / ZeRO 0-3 over the local units, dense ones over
-  grid.group("dp", "cp"), expert ones over edp;
-* **pipeline** (refmp.parallel.pipeline): this rank's chunks (Stage), the schedule's action
-  list and the executor. pp = 1 is a one-stage pipeline: its schedule is gradient
-  accumulation over the M micro-batches.
+The Engine composes orthogonal pieces, none of which knows the others' axes, built in named
+steps, each deciding one thing: ``context_parallel`` (the attention core over cp and the
+positions of each cp rank's tokens; the ParallelOps split the block over tp, SP and cp),
+placement's ``rank_chunks`` (this pipeline rank's chunks), ``take_params`` (the slice of each
+parameter it holds), ``build_sharder`` (the units, and the group each is reduced over: DP /
+ZeRO 0-3), ``moe_context`` (the experts' dispatch and the ranks a sequence is split over),
+the Stage and its Executor (the schedule over pp; pp = 1 is gradient accumulation), and
+placement's ``counts_in_norm`` (the pieces this rank counts in the global gradient norm).
 
 One step: take this rank's rows (dp) and tokens (cp), run the schedule (each action runs the
 stage's chunk through the ops, gathering / reducing unit by unit through the sharder), then
@@ -25,6 +22,7 @@ every tp rank saw a part of, and the tied wte's sum between the pipeline's two e
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
@@ -46,101 +44,125 @@ from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
 from refmp.parallel.ops import ParallelOps
 from refmp.parallel.pipeline.executor import Executor
-from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
 from refmp.parallel.pipeline.schedules import schedule
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.placement import (
+    counts_in_norm,
     gather_experts,
     gather_tp,
     holds,
     place,
-    stage_chunks,
+    rank_chunks,
     tp_shard,
-    unit_of,
+    units_of,
 )
 from refmp.runtime import backend
+from refmp.runtime.arrays import global_grad_norm
 from refmp.runtime.precision import mixed_dtypes
 
-TIED_TAG = 32767  # MPI guarantees tags up to 32767; the executor's stay below (2 m S)
+if TYPE_CHECKING:
+    from refmp.config import TrainConfig
+
+TIED_TAG = 32767  # MPI guarantees tags up to 32767; the executor's stay below (2 m n_chunks)
+
+
+# --- the build steps -------------------------------------------------------------------------
+
+
+def context_parallel(grid, layout: TrainConfig, T: int, keep_scores: bool):
+    """(the attention core over cp, or None; the global positions (Tl,) of each cp rank's
+    tokens, in cp rank order). Without cp: no core, and one rank holding 0..T-1."""
+    cp = grid.sizes["cp"]
+    if cp == 1:
+        return None, [np.arange(T)]
+    chunks = ChunkLayout(T, cp, layout.cp_balance)
+    attn = (RingAttention(grid.comm["cp"], chunks) if layout.cp_algo == "ring"
+            else UlyssesAttention(grid.comm["cp"], chunks, keep_scores))
+    return attn, [chunks.positions(r) for r in range(cp)]
+
+
+def take_params(model: gpt.GPT, chunks: dict[int, range], first: bool, last: bool, grid) -> dict:
+    """This rank's tp shard of every parameter it holds (placement.holds); frees the model."""
+    blocks = {i for c in chunks.values() for i in c}
+    ep, tp, E = grid.comm["ep"], grid.comm["tp"], model.cfg.n_expert
+    names = [k for k in model.params if holds(k, blocks, first, last, ep.rank, E, ep.size)]
+    local = {k: tp_shard(k, model.params[k], tp.rank, tp.size) for k in names}
+    model.params, model.grads = {}, {}
+    return local
+
+
+def build_sharder(local: dict, grid, layout: TrainConfig) -> Sharder:
+    """The Sharder over ``local``: its units (placement.units_of), each over the group its
+    gradient is summed over (placement's "reduce": dp x cp, or edp for experts)."""
+    dense, edp = grid.group("dp", "cp"), grid.comm["edp"]
+    units = units_of(local)
+    groups = {u: edp if "edp" in place(names[0], False).reduce else dense
+              for u, names in units.items()}
+    compute, grad_dtype = mixed_dtypes(layout)  # None, None without --mixed-precision
+    return Sharder(local, units, groups, layout.zero, layout.bucket_mb, compute, grad_dtype)
+
+
+def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list):
+    """``moe(denom)``, the MoEContext of one forward (None for a dense model): the experts'
+    dispatch (all-to-all over ep, or local) and, when a sequence is split over cp (and over
+    tp with SP), the ranks its MoE rules gather over (SequenceSplit)."""
+    if not mcfg.n_expert:
+        return None
+    ep, tp = grid.comm["ep"], grid.comm["tp"]
+    dispatch = ExpertDispatch(ep, mcfg.n_expert, compute) if ep.size > 1 else None
+    seq = None
+    if grid.sizes["cp"] > 1 or sp:
+        n = tp.size if sp else 1  # with SP each cp part is split again over tp
+        parts = [pos[j * (len(pos) // n) : (j + 1) * (len(pos) // n)]
+                 for pos in cp_positions for j in range(n)]
+        seq = SequenceSplit(grid.group("cp", "tp") if sp else grid.comm["cp"], parts)
+
+    def moe(denom):
+        return mcfg.moe_context(denom, dispatch, seq if denom is not None else None)
+    return moe
 
 
 class Engine:
     """The runner (refmp.training.trainer.Runner) for any layout: ``model`` holds the full initial
-    weights (layout-independent), which the engine slices and then frees."""
+    weights (layout-independent), which the engine slices and then frees; ``layout`` is read
+    for its layout fields only; ``T`` is the block size the run trains on."""
 
-    def __init__(self, model: gpt.GPT, grid, cfg):
-        mc, s = model.cfg, grid.sizes
-        self.mcfg, self.grid, self.cfg = mc, grid, cfg
-        self.tp, self.pp, self.ep = grid.comm["tp"], grid.comm["pp"], grid.comm["ep"]
-        self.sp, self.M = cfg.sequence_parallel, cfg.microbatches
-        T = cfg.block_size or mc.block_size
-        # context parallelism: my tokens of every sequence, and the attention core over cp
-        attn, self.positions, held = None, None, [np.arange(T)]
-        keep = cfg.recompute == "none"  # selective / full: the softmax is not kept
-        if s["cp"] > 1:
-            layout = ChunkLayout(T, s["cp"], cfg.cp_balance)
-            attn = (RingAttention(grid.comm["cp"], layout) if cfg.cp_algo == "ring"
-                    else UlyssesAttention(grid.comm["cp"], layout, keep))
-            held = [layout.positions(r) for r in range(s["cp"])]
-            self.positions = backend.from_host(held[grid.coords["cp"]])  # (Tl,)
+    def __init__(self, model: gpt.GPT, grid, layout: TrainConfig, T: int):
+        mc = self.mcfg = model.cfg
+        self.grid, self.tp, self.pp, self.ep = grid, grid.comm["tp"], grid.comm["pp"], grid.comm["ep"]
+        self.sp, self.microbatches = layout.sequence_parallel, layout.microbatches
+        keep_scores = layout.recompute == "none"  # selective / full: the softmax is not kept
+        attn, cp_positions = context_parallel(grid, layout, T, keep_scores)
+        self.positions = (None if attn is None  # (Tl,) the global positions of my tokens
+                          else backend.from_host(cp_positions[grid.coords["cp"]]))
         self.ops = ParallelOps(mc.n_head, mc.vocab_size, self.tp, self.sp, attn, self.positions,
-                               keep)
-        # pipeline: the chunks of this rank (chunk c on pp rank c % pp)
-        P, V = s["pp"], cfg.virtual_stages
-        self.S, r = P * V, self.pp.rank
-        blocks = partition(mc.n_layer, self.S, piece_costs(mc.n_embd, T, mc.vocab_size),
-                           parse_stage_layers(cfg.stage_layers))
-        chunks = {c: blocks[c] for c in stage_chunks(r, P, V)}
-        self.first, self.last = 0 in chunks, self.S - 1 in chunks
-        my_blocks = {i for c in chunks.values() for i in c}
-        names = [k for k in model.params if holds(k, my_blocks, self.first, self.last,
-                                                   self.ep.rank, mc.n_expert, s["ep"])]
-        local = {k: tp_shard(k, model.params[k], self.tp.rank, self.tp.size) for k in names}
-        model.params, model.grads = {}, {}  # the full weights are not kept
-        # the sharder: units, each over the group its gradient is summed over
-        dense, edp = grid.group("dp", "cp"), grid.comm["edp"]
-        units: dict[str, list[str]] = {}
-        for k in local:
-            units.setdefault(unit_of(k), []).append(k)
-        groups = {u: edp if u.endswith(".experts") else dense for u in units}
-        compute, gdtype = mixed_dtypes(cfg)  # None, None without --mixed-precision
-        self.sharder = Sharder(local, units, groups, cfg.zero, cfg.bucket_mb, compute, gdtype)
-        # experts: where they run, and the ranks a sequence is split over (its MoE rules)
-        self.dispatch = ExpertDispatch(self.ep, mc.n_expert, compute) if s["ep"] > 1 else None
-        seq = None
-        if s["cp"] > 1 or self.sp:
-            n = self.tp.size if self.sp else 1  # with SP each cp part is split again over tp
-            parts = [h[j * (len(h) // n) : (j + 1) * (len(h) // n)] for h in held for j in range(n)]
-            seq = SequenceSplit(grid.group("cp", "tp") if self.sp else grid.comm["cp"], parts)
-        moe = None
-        if mc.n_expert:
-            def moe(denom):
-                return mc.moe_context(denom, self.dispatch, seq if denom is not None else None)
-        self.stage = Stage(chunks, self.S, mc, self.ops, self.sharder, moe,
-                           self.tp.size if self.sp else 1, cfg.recompute == "full")
-        self.exe = Executor(self.stage, self.pp, self.sharder.compute)  # activations' dtype
-        self.actions = schedule(cfg.schedule, P, self.M, r, V)
-        self.schedule_name, self.v = cfg.schedule, V
-        # clipping: a piece counts on the one rank of its copies (placement's "copies" axes
-        # minus those the sharder partitions; the tied wte only on the first stage)
+                               keep_scores)
+        self.schedule_name, self.v = layout.schedule, layout.virtual_stages
+        self.n_chunks = self.pp.size * self.v
+        chunks = rank_chunks(mc, T, self.pp.rank, self.pp.size, self.v, layout.stage_layers)
+        self.first, self.last = 0 in chunks, self.n_chunks - 1 in chunks
+        local = take_params(model, chunks, self.first, self.last, grid)
+        self.sharder = build_sharder(local, grid, layout)
+        self.stage = Stage(chunks, self.n_chunks, mc, self.ops, self.sharder,
+                           moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
+                           self.tp.size if self.sp else 1, layout.recompute == "full")
+        self.executor = Executor(self.stage, self.pp, self.sharder.compute,  # activations' dtype
+                                 on_forward=self._measure)
+        self.actions = schedule(self.schedule_name, self.pp.size, self.microbatches, self.pp.rank,
+                                self.v)
+        # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
+        self.partial_over_tp = {k for k in self.sharder.params
+                                if k in local and "tp" in place(k, self.sp).reduce}
         coords = {**grid.coords, "edp": grid.comm["edp"].rank}
-        zero_axes = {"dp", "cp", "edp"} if cfg.zero else set()
-        self.sp_partial = {k for k in self.sharder.params
-                           if k in local and "tp" in place(k, self.sp).reduce}
-        self.counts_in_norm = {}
-        for k in self.sharder.params:
-            full = k.rsplit(".padding", 1)[0] if k.endswith(".padding") else k
-            copies = () if full not in local else place(full, self.sp).copies
-            self.counts_in_norm[k] = (all(coords[a] == 0 for a in copies if a not in zero_axes)
-                                      and not (k == "wte.weight" and self.last and not self.first))
-        # evaluation: the ranks that may decode different prompts (ep peers and, with ZeRO-3,
-        # every rank of a gather group must run the same forwards)
-        self.eval_comm = (Comm(MPI.COMM_SELF, "self", grid.ledger) if cfg.zero == 3
-                          else edp if s["ep"] > 1 else dense)
+        self.counts_in_norm = counts_in_norm(self.sharder.params, local, coords, self.sp,
+                                             self.sharder.partitions, self.first, self.last)
+        # evaluation: the ranks that may decode different prompts (ep peers and, when ZeRO-3
+        # gathers weights, every rank of a gather group must run the same forwards)
+        self.eval_comm = (Comm(MPI.COMM_SELF, "self", grid.ledger) if self.sharder.releases_weights
+                          else grid.comm["edp"] if self.ep.size > 1 else grid.group("dp", "cp"))
         self.peak_activations, self._loss = 0, (0.0, 0.0)
         self._scale, self._master = 1.0, None  # mixed precision: loss scale, fp32 grad pieces
-        self.exe.on_forward = self._measure
 
     # --- what the optimizer and the trainer see ---------------------------------------------
 
@@ -171,41 +193,51 @@ class Engine:
         self._scale, self._master = dloss, None
         if self.positions is not None:
             x, y = x[:, self.positions], y[:, self.positions]  # (b, Tl) my tokens
-        xs, ys = zip(*split_microbatches(x, y, self.M), strict=True)
-        ce = self.exe.step(self.actions, list(xs), list(ys), denom, dloss)
+        xs, ys = zip(*split_microbatches(x, y, self.microbatches), strict=True)
+        ce = self.executor.step(self.actions, list(xs), list(ys), denom, dloss)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:
         """After a forward: the live caches' bytes (the peak is the memory report's)."""
-        keep = list(self.sharder.pbuf.values()) if self.sharder.stage < 3 else []
-        self.peak_activations = max(self.peak_activations, activation_bytes(caches, keep))
+        params = self.sharder.resident()
+        self.peak_activations = max(self.peak_activations, activation_bytes(caches, params))
 
     def reduce_grads(self) -> None:
-        """Every owned piece becomes the global gradient (the module docstring, last paragraph)."""
-        sh = self.sharder
-        sh.finish()  # dense over dp x cp, experts over edp
-        if self.sp:  # SP: weights every tp rank saw T/tp of have gradients partial over tp
-            arrays = [g for k, g in self.grads.items() if k in self.sp_partial]
-            if arrays:
-                flat = flatten(arrays)
-                self.tp.allreduce(flat)
-                unflatten_into(flat, arrays)
-        if self.pp.size > 1 and (self.first or self.last) and "wte" in sh.units:
-            mine = sh.owned_grad("wte")  # the two ends hold wte with the same flat layout
-            other = self.pp.size - 1 if self.first else 0
-            req = self.pp.send(mine, other, tag=TIED_TAG)
-            theirs = self.pp.recv(mine.shape, mine.dtype, other, tag=TIED_TAG)
-            wait(req)
-            mine += theirs  # a + b == b + a exactly: both ends hold the same sum
-        if sh.mixed:  # fp32 and unscaled for the norm, clipping and the optimizer
-            self._master = sh.master_grads(self._scale)
+        """Every owned piece becomes the global gradient (the module docstring's three sums,
+        as Megatron's finalize_model_grads); mixed precision: then fp32 and unscaled."""
+        self._reduce_data_parallel()
+        self._reduce_sp_partial()
+        self._reduce_tied_embedding()
+        if self.sharder.mixed:
+            self._master = self.sharder.master_grads(self._scale)
+
+    def _reduce_data_parallel(self) -> None:
+        self.sharder.finish()  # dense units over dp x cp, expert units over edp
+
+    def _reduce_sp_partial(self) -> None:
+        """SP: weights every tp rank saw T/tp tokens for have gradients partial over tp."""
+        arrays = [g for k, g in self.grads.items() if k in self.partial_over_tp]
+        if arrays:  # none without SP
+            flat = flatten(arrays)
+            self.tp.allreduce(flat)
+            unflatten_into(flat, arrays)
+
+    def _reduce_tied_embedding(self) -> None:
+        """wte's copies on the first stage (embedding) and the last (head) add each other's
+        share: the same flat layout at both ends, and a + b == b + a exactly."""
+        if self.pp.size == 1 or not (self.first or self.last) or "wte" not in self.sharder.units:
+            return
+        here = self.sharder.owned_grad("wte")
+        other = self.pp.size - 1 if self.first else 0
+        req = self.pp.send(here, other, tag=TIED_TAG)
+        there = self.pp.recv(here.shape, here.dtype, other, tag=TIED_TAG)
+        wait(req)
+        here += there
 
     def grad_norm(self) -> float:
         """The global L2 norm: each element counted once over the whole world."""
-        # on the device, in float64, in Python's order (a CPU's bits): one read, not one a piece
-        local = sum(((g * g).sum().astype(np.float64) for k, g in self.grads.items()
-                     if self.counts_in_norm[k]), 0.0)
-        return math.sqrt(self.grid.world.allreduce_scalar(float(local)))
+        pieces = {k: g for k, g in self.grads.items() if self.counts_in_norm[k]}
+        return global_grad_norm(pieces, self.grid.world.allreduce_scalar)
 
     def after_step(self) -> None:
         self.sharder.after_step()  # ZeRO 1/2: all-gather the updated slices
@@ -238,22 +270,22 @@ class Engine:
         """Greedy decoding through the pipeline (collective over pp, tp, ep): the last stage
         picks the token and broadcasts it, every stage appends it. Whole prompts: serial
         attention, no SP; ZeRO-3 gathers the weights once for the call."""
-        sh, xp, P = self.sharder, backend.array_module(idx), self.pp.size
-        full = {u: sh.weights(u) for u in sh.units}  # views, or gathered (stage 3)
+        sharder, xp, pp = self.sharder, backend.array_module(idx), self.pp.size
+        full = {u: sharder.weights(u) for u in sharder.units}  # views, or gathered (ZeRO-3)
         ops, T = self.ops.for_decoding(), self.mcfg.block_size
         for _ in range(n):
-            ctx = idx[:, -T:]  # (B, t)
+            ctx = idx[:, -T:]  # (n, t)
             shape = (ctx.shape[0], ctx.shape[1], self.mcfg.n_embd)
             x, reqs = None, []
             for c in sorted(self.stage.chunks):
-                x = ctx if c == 0 else self.pp.recv(shape, self.exe.dtype, (c - 1) % P, tag=c)
+                x = ctx if c == 0 else self.pp.recv(shape, self.executor.dtype, (c - 1) % pp, tag=c)
                 x, _ = self.stage.forward(c, x, ops=ops, weights=full.__getitem__)
-                if c < self.S - 1:
-                    reqs.append(self.pp.send(x, (c + 1) % P, tag=c + 1))
-            nxt = xp.empty((ctx.shape[0],), dtype=idx.dtype)  # (B,)
+                if c < self.n_chunks - 1:
+                    reqs.append(self.pp.send(x, (c + 1) % pp, tag=c + 1))
+            nxt = xp.empty((ctx.shape[0],), dtype=idx.dtype)  # (n,)
             if self.last:
                 nxt[...] = ops.next_token(xp.ascontiguousarray(x[:, -1, :]))
-            self.pp.bcast(nxt, root=P - 1)
+            self.pp.bcast(nxt, root=pp - 1)
             for req in reqs:
                 wait(req)
             idx = xp.concatenate([idx, nxt[:, None]], axis=1)
@@ -264,8 +296,8 @@ class Engine:
         elements in its full GPT-2 parameter, -1 for padding. What a sharded checkpoint
         stores beside the values, so that any other layout can find its own elements."""
         shapes, index = gpt.param_shapes(self.mcfg), {}
-        for U in self.sharder.units.values():
-            for k in U.shapes:
+        for unit in self.sharder.units.values():
+            for k in unit.shapes:
                 whole = np.arange(math.prod(shapes[k]), dtype=np.int64).reshape(shapes[k]) + 1
                 index[k] = tp_shard(k, whole, self.tp.rank, self.tp.size) - 1  # vocab pad: -1
         return self.sharder.owned_index(index)
@@ -284,26 +316,27 @@ class Engine:
         local = gather_tp(local, self.tp, self.mcfg.vocab_size)
         if self.mcfg.n_expert and self.ep.size > 1:
             local = gather_experts(local, self.ep, self.mcfg.n_expert)
-        c = self.grid.coords
-        if c["dp"] or c["cp"] or c["tp"]:
+        coords = self.grid.coords
+        if coords["dp"] or coords["cp"] or coords["tp"]:
             return None
-        mine = sorted(k for k in local if not (k == "wte.weight" and not self.first))
-        owners = self.pp.allgather_obj(mine)
+        names = sorted(k for k in local if not (k == "wte.weight" and not self.first))
+        owners = self.pp.allgather_obj(names)  # pp rank -> the names it sends
         if not self.first:
-            for req in [self.pp.send(local[k], 0, tag=j) for j, k in enumerate(mine)]:
+            for req in [self.pp.send(local[k], 0, tag=j) for j, k in enumerate(names)]:
                 wait(req)
             return None
         shapes = gpt.param_shapes(self.mcfg)
-        for s in range(1, self.pp.size):
-            for j, k in enumerate(owners[s]):
-                local[k] = self.pp.recv(shapes[k], self.sharder.dtype, s, tag=j)
+        for src in range(1, self.pp.size):
+            for j, k in enumerate(owners[src]):
+                local[k] = self.pp.recv(shapes[k], self.sharder.dtype, src, tag=j)
         return {k: local[k] for k in shapes}
 
     def timeline(self) -> Timeline:
         """The last step's measured timeline of this pipeline, gathered over pp (collective)."""
-        events = [e for evs in self.pp.allgather_obj(self.exe.events) for e in evs]
-        peaks = self.pp.allgather_obj(self.exe.peak_held)
-        return Timeline(self.schedule_name, self.pp.size, self.M, self.v, events, "s", peaks)
+        events = [e for evs in self.pp.allgather_obj(self.executor.events) for e in evs]
+        peaks = self.pp.allgather_obj(self.executor.peak_held)
+        return Timeline(self.schedule_name, self.pp.size, self.microbatches, self.v, events, "s",
+                        peaks)
 
     def memory(self) -> dict[str, int]:
         """Bytes of the parameter (compute copy), gradient and fp32 master buffers kept, and

@@ -31,16 +31,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmp.nn import experts as M
+from refmp.nn import experts
 from refmp.runtime import backend
 
 
 def is_expert(name: str) -> bool:
-    return M.EXPERT.search(name) is not None
+    return experts.EXPERT.search(name) is not None
 
 
 def expert_index(name: str) -> int:
-    return int(M.EXPERT.search(name).group(1))
+    return int(experts.EXPERT.search(name).group(1))
 
 
 def alltoallv_bytes(owner, expert, dp_rank: int, ep: int, n_expert: int, C: int,
@@ -89,8 +89,8 @@ class ExpertDispatch:
         # regroup by (local expert, source rank), so each expert's rows are consecutive
         label = np.repeat(np.arange(ep.size * El), recv.reshape(-1))  # (R,) = s * El + l
         perm = backend.from_host(np.argsort((label % El) * ep.size + label // El, kind="stable"))
-        ids, w = M.stack_experts(p)  # the El experts held here
-        yl, ecache = M.experts_forward(w, xr[perm], recv.sum(axis=0))  # (R, C)
+        ids, w = experts.stack_experts(p)  # the El experts held here
+        yl, ecache = experts.experts_forward(w, xr[perm], recv.sum(axis=0))  # (R, C)
         yr = backend.xp.empty_like(yl)
         yr[perm] = yl  # back to (source rank, local expert) order
         # the results go back to the tokens' ranks, in the order they were sent
@@ -102,24 +102,24 @@ class ExpertDispatch:
         ids, ecache, perm, send_rows, recv_rows = cache
         # mirror of the return trip: output gradients go to the experts
         dyr = self._a2a(dys, send_rows, recv_rows)  # (R, C)
-        dxl, g = M.experts_backward(dyr[perm], ecache)  # (R, C)
+        dxl, g = experts.experts_backward(dyr[perm], ecache)  # (R, C)
         dxr = backend.xp.empty_like(dxl)
         dxr[perm] = dxl
         # mirror of the dispatch: input gradients go back to the tokens' ranks
         dxs = self._a2a(dxr, recv_rows, send_rows)  # (M, C)
-        return dxs, M.unstack_grads(ids, g)
+        return dxs, experts.unstack_grads(ids, g)
 
 
 class SequenceSplit:
     """The ranks one sequence is split over (cp, and tp with sequence parallelism), for the
-    MoE layer's per-sequence rules (refmp.nn.moe): ``held[j]`` are the global positions of
+    MoE layer's per-sequence rules (refmp.nn.moe): ``positions[j]`` are the global positions of
     the tokens group rank j holds, in the order it holds them."""
 
-    def __init__(self, comm, held: list):
+    def __init__(self, comm, positions: list):
         self.comm = comm
-        order = np.concatenate(held)  # rank-major slots -> natural positions
+        order = np.concatenate(positions)  # rank-major slots -> natural positions
         self.to_natural = backend.from_host(np.argsort(order))
-        self.here = backend.from_host(held[comm.rank])  # my tokens' positions
+        self.here = backend.from_host(positions[comm.rank])  # my tokens' positions
 
     def gather(self, top):
         """(B, Tl, K) my tokens' chosen experts -> (B, T, K) the whole sequences', in order:

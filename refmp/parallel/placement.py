@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from refmp.nn import experts as M
+from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
 from refmp.runtime import backend
 
 # tp splits: name inside a block (or the top-level name) -> (dim, kind)
@@ -78,6 +79,15 @@ def stage_chunks(pp_rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
     return list(range(pp_rank, pp * virtual_stages, pp))
 
 
+def rank_chunks(mcfg, T: int, pp_rank: int, pp: int, virtual_stages: int = 1,
+                stage_layers: str | None = None) -> dict[int, range]:
+    """The model chunks of pipeline rank ``pp_rank`` (stage_chunks), each with its blocks:
+    the balanced partition of the layers over S = pp v chunks, or ``--stage-layers``'."""
+    blocks = partition(mcfg.n_layer, pp * virtual_stages,
+                       piece_costs(mcfg.n_embd, T, mcfg.vocab_size), parse_stage_layers(stage_layers))
+    return {c: blocks[c] for c in stage_chunks(pp_rank, pp, virtual_stages)}
+
+
 def expert_owner(e: int, n_expert: int, ep: int) -> int:
     """The ep rank holding expert e: experts [r El, (r+1) El) on ep rank r (El = E/ep)."""
     return e // (n_expert // ep)
@@ -109,6 +119,29 @@ def unit_of(name: str) -> str:
     return f"{block}.experts" if M.EXPERT.search(name) else block
 
 
+def units_of(names) -> dict[str, list[str]]:
+    """The Sharder units of these parameter names (unit -> its names, both in order)."""
+    units: dict[str, list[str]] = {}
+    for k in names:
+        units.setdefault(unit_of(k), []).append(k)
+    return units
+
+
+def counts_in_norm(pieces, local: dict, coords: dict[str, int], sp: bool, partitioned: bool,
+                   first: bool, last: bool) -> dict[str, bool]:
+    """Whether a rank counts each owned piece in the global norm: on the rank of its copies
+    (the table's "copies" axes, less dp, cp and edp when the Sharder ``partitioned`` them) at
+    coordinate 0, and the tied wte on the first stage only; padding (gradient 0) everywhere."""
+    split_axes = {"dp", "cp", "edp"} if partitioned else set()
+    counts = {}
+    for k in pieces:
+        full = k.rsplit(".padding", 1)[0] if k.endswith(".padding") else k
+        copies = () if full not in local else place(full, sp).copies
+        counts[k] = (all(coords[a] == 0 for a in copies if a not in split_axes)
+                     and not (k == "wte.weight" and last and not first))
+    return counts
+
+
 # --- slicing a full parameter to this rank's shard, and gluing shards back -------------------
 
 
@@ -127,8 +160,8 @@ def tp_shard(name: str, full, rank: int, tp: int):
         C = full.shape[dim] // 3
         packed = full.reshape(full.shape[:-1] + (3, C))
         n = C // tp
-        mine = xp.ascontiguousarray(packed[..., rank * n : (rank + 1) * n])  # (.., 3, C/tp)
-        return mine.reshape(full.shape[:-1] + (3 * n,))  # (.., 3C/tp) = [q_r | k_r | v_r]
+        shard = xp.ascontiguousarray(packed[..., rank * n : (rank + 1) * n])  # (.., 3, C/tp)
+        return shard.reshape(full.shape[:-1] + (3 * n,))  # (.., 3C/tp) = [q_r | k_r | v_r]
     n = full.shape[dim] // tp
     sl = [slice(None)] * full.ndim
     sl[dim] = slice(rank * n, (rank + 1) * n)

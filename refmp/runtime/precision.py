@@ -14,7 +14,7 @@ The numerics are those of mixed precision, and the memory ledger counts what a 1
 holds: 2 bytes per cached element. NumPy has bf16 through the ``ml_dtypes`` package.
 
 With fp32 or fp64 arrays :func:`autocast` calls the layer unchanged: runs without
-``--mixed-precision`` are bitwise what they were.
+``--mixed-precision`` are bitwise those of the plain layers.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import functools
 
 import ml_dtypes
 import numpy as np
+
+from refmp.runtime.arrays import leaves, map_leaves
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP16 = np.dtype(np.float16)
@@ -41,51 +43,31 @@ def mixed_dtypes(cfg):
 
 
 def _low_of(obj):
-    """The first 16-bit dtype among the arrays in ``obj`` (tuples, lists, dicts), or None.
+    """The first 16-bit dtype among the arrays in ``obj`` (its leaves), or None.
 
-    Called on every layer's arguments, so it is kept cheap: one pass over a stack, and dtype
-    membership in a set (a dtype's == converts its operand, which is slow).
-    """
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if type(o) is np.ndarray:  # the common case, first
-            if o.dtype in _LOW_SET:
-                return o.dtype
-        elif isinstance(o, (tuple, list)):
-            stack.extend(reversed(o))  # left to right, as the arguments read
-        elif isinstance(o, dict):
-            stack.extend(reversed(list(o.values())))
-        else:
-            dt = getattr(o, "dtype", None)
-            if dt is not None and dt in _LOW_SET and hasattr(o, "shape"):
-                return dt
+    Called on every layer's arguments: dtype membership in a set (a dtype's == converts its
+    operand, which is slow)."""
+    for o in leaves(obj):
+        dt = getattr(o, "dtype", None)
+        if dt is not None and dt in _LOW_SET and hasattr(o, "shape"):
+            return dt
     return None
 
 
-def _walk(obj, fn):
-    """``obj`` with every array replaced by fn(array), through tuples (NamedTuples too),
-    lists and dicts; scalars and other objects as they are."""
-    if isinstance(obj, tuple):
-        items = [_walk(x, fn) for x in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [_walk(x, fn) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _walk(v, fn) for k, v in obj.items()}
-    if hasattr(obj, "shape") and hasattr(obj, "astype") and not np.isscalar(obj) \
-            and getattr(obj, "ndim", 0) > 0:
-        return fn(obj)
-    return obj
+def _is_array(obj) -> bool:
+    """An array of at least one dimension (0-d results, a loss, are not cast)."""
+    return (hasattr(obj, "shape") and hasattr(obj, "astype") and not np.isscalar(obj)
+            and getattr(obj, "ndim", 0) > 0)
 
 
 def autocast(layer):
     """Run ``layer`` in fp32 when its array arguments are bf16 or fp16, rounding the arrays it
     returns (outputs, gradients, caches) back to that dtype. 0-d results (a loss) stay fp32.
 
-    An argument handed back as it came (a weight a cache keeps) is returned as the caller's
-    own array, not a rounded copy: ZeRO-3 finds its weights in caches by identity, and the
-    activation ledger skips them as parameters.
+    Identity (map_leaves' contract, refmp.runtime.arrays): an argument handed back as it came
+    (a weight a cache keeps) is returned as the caller's own array, not a rounded copy, and
+    with no 16-bit argument the layer's results are returned as they are: ZeRO-3 finds its
+    weights in caches by ``id``, and the activation ledger leaves them out by ``id``.
     """
 
     @functools.wraps(layer)
@@ -96,19 +78,21 @@ def autocast(layer):
         wide: dict[int, tuple] = {}  # id(fp32 copy) -> (the copy, the caller's array)
 
         def up(a):
-            if a.dtype != low:
+            if not _is_array(a) or a.dtype != low:
                 return a
             w = a.astype(np.float32)
             wide[id(w)] = (w, a)  # the copy stays alive: its id cannot be reused meanwhile
             return w
 
-        out = layer(*_walk(args, up), **_walk(kwargs, up))
+        out = layer(*map_leaves(args, up), **map_leaves(kwargs, up))
 
         def down(a):
+            if not _is_array(a):
+                return a
             if id(a) in wide:
                 return wide[id(a)][1]
             return a.astype(low) if a.dtype == np.float32 else a
 
-        return _walk(out, down)
+        return map_leaves(out, down)
 
     return run

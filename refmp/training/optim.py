@@ -14,7 +14,7 @@ Only two things need the parameter's identity, and both are passed in:
   pass ``decay`` names explicitly;
 * the global gradient norm must count every element once across ranks: each rank sums the
   squares of the elements it owns, and ``sum_sq`` adds those partial sums over the ranks that
-  own different elements (an all-reduce over the sharded axes; nothing for replicated ones).
+  own different elements (refmp.runtime.arrays.global_grad_norm, which the engine uses too).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable
 
+from refmp.runtime.arrays import global_grad_norm
 from refmp.runtime.backend import array_module, from_host
 from refmp.runtime.cpu import rows
 
@@ -140,19 +141,6 @@ def _adamw(p, g, m, v, *, b1, b2, bc1, bc2_sqrt, lr, eps, decay):
     xp.divide(m, t, out=t)
     t *= lr / bc1
     p -= t  # p = p - lr / (1 - b1^t) * m / (...)
-
-
-def global_grad_norm(grads: dict, sum_sq: Callable[[float], float] | None = None) -> float:
-    """sqrt(sum over every element of every gradient of g^2), counted once across ranks.
-
-    ``grads`` holds the elements this rank owns; ``sum_sq`` adds the partial sums of squares
-    over the ranks that own other elements (e.g. ``grid.comm["tp"].allreduce_scalar``).
-    """
-    # vdot: one BLAS pass per gradient, no g * g temporary; summed on the device, read once
-    local = sum(array_module(g).vdot(g.ravel(), g.ravel()) for g in grads.values())
-    local = float(local)
-    total = sum_sq(local) if sum_sq is not None else local
-    return math.sqrt(total)
 
 
 def clip_grad_norm(grads: dict, max_norm: float,

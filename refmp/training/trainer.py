@@ -121,12 +121,10 @@ class Runner(Pieces, Protocol):
 
 
 def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT) -> Runner:
-    """The one engine, after every layout rule has been checked (the same on every rank)."""
+    """The one engine, for a layout whose rules were checked (refmp.parallel.layout)."""
     from refmp.parallel.engine import Engine
-    from refmp.parallel.layout import check_layout
 
-    check_layout(cfg, model.cfg, grid.world.size, grid.sizes)
-    return Engine(model, grid, cfg)
+    return Engine(model, grid, cfg, cfg.block_size or model.cfg.block_size)
 
 
 def build_optimizer(cfg: TrainConfig, params: dict, decay=None):

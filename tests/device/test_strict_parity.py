@@ -41,7 +41,7 @@ LAYOUTS = [kw for kw in REFUSED_BEFORE if kw not in SAME_PATHS] + [
 
 # what a step may move besides the batch and MPI staging: {(kind, "file:function"): why}
 ALLOWED = {
-    ("scalar", "refmp/parallel/engine.py:grad_norm"): "the gradient norm (one float)",
+    ("scalar", "refmp/runtime/arrays.py:global_grad_norm"): "the gradient norm (one float)",
     ("scalar", "refmp/parallel/pipeline/executor.py:step"): "the loss (a float a micro-batch)",
     ("scalar", "refmp/parallel/pipeline/stage.py:forward"): "MoE's auxiliary loss (a layer)",
     ("scalar", "refmp/nn/moe.py:moe_forward"): "the aux and z losses for the statistics",

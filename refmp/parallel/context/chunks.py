@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmp.errors import ConfigError
+from refmp.runtime.arrays import leaves
 
 ALGOS = ("ring", "ulysses")
 BALANCES = ("zigzag", "contiguous")
@@ -75,7 +76,6 @@ def ring_attention_flops(layout: ChunkLayout, r: int, B: int, n_head: int, hs: i
 
 
 def nbytes_of(obj) -> int:
-    """Bytes of every array in a (nested) cache tuple: the activation memory it holds."""
-    if isinstance(obj, (tuple, list)):
-        return sum(nbytes_of(o) for o in obj)
-    return int(getattr(obj, "nbytes", 0))
+    """Bytes of every array in a (nested) cache: the activation memory it holds (views and
+    repeats counted each time, unlike accumulate.activation_bytes)."""
+    return sum(int(getattr(o, "nbytes", 0)) for o in leaves(obj))

@@ -49,12 +49,12 @@ class RingAttention:
 
     def __init__(self, comm: Comm, layout):
         self.comm, self.layout = comm, layout
-        self.mine = layout.chunks(comm.rank)  # my chunk ids, in the order my tokens are held
+        self.own_chunks = layout.chunks(comm.rank)  # my chunk ids, in the order my tokens are held
         self.flops = 0
 
     def pairs(self, src: int):
         """(query slot, key slot, causal) for the chunk pairs that are not fully masked."""
-        for a_slot, a in enumerate(self.mine):
+        for a_slot, a in enumerate(self.own_chunks):
             for b_slot, b in enumerate(self.layout.chunks(src)):
                 if b <= a:  # b > a: the whole block lies above the diagonal, skipped
                     yield a_slot, b_slot, a == b

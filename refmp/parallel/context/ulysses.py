@@ -30,9 +30,9 @@ class UlyssesAttention:
     def __init__(self, comm: Comm, layout, keep_scores: bool = True):
         self.comm, self.layout = comm, layout
         self.keep_scores = keep_scores  # False: selective recomputation of the softmax
-        held = np.concatenate([layout.positions(j) for j in range(comm.size)])  # rank-major
-        self.by_rank = backend.from_host(held)  # natural-order index of each rank-major slot
-        self.to_natural = backend.from_host(np.argsort(held))  # and its inverse
+        rank_major = np.concatenate([layout.positions(j) for j in range(comm.size)])  # (T,)
+        self.by_rank = backend.from_host(rank_major)  # natural-order index of each rank-major slot
+        self.to_natural = backend.from_host(np.argsort(rank_major))  # and its inverse
 
     def _to_heads(self, a, B, Tl, width):
         """(B, Tl, cp*width) my tokens, all head groups -> (B, T, width) all tokens, my group."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from refmp.distributed.comm import Comm
 from refmp.errors import ConfigError
+from refmp.runtime.arrays import leaves
 from refmp.runtime.backend import array_module
 
 
@@ -83,22 +84,16 @@ def activation_bytes(cache, exclude=()) -> int:
 
     skip = {id(root(a)) for a in exclude}
     seen: dict[int, int] = {}
-    stack = [cache]
-    while stack:
-        c = stack.pop()
-        if isinstance(c, (tuple, list)):
-            stack.extend(c)
-        elif isinstance(c, dict):
-            stack.extend(c.values())
-        elif hasattr(c, "nbytes") and hasattr(c, "shape"):
-            r = root(c)
+    for leaf in leaves(cache):
+        if hasattr(leaf, "nbytes") and hasattr(leaf, "shape"):
+            r = root(leaf)
             if id(r) not in skip:
                 seen[id(r)] = int(r.nbytes)
     return sum(seen.values())
 
 
 def split_microbatches(x, y, M: int) -> list:
-    """M consecutive, equal row slices of (x, y) (DESIGN.md: micro-batches split rows in order).
+    """M consecutive, equal row slices of (x, y): micro-batch i is rows [i b, (i+1) b).
 
     Copied (token ids, small), so a micro-batch's caches hold only its own rows.
     """

@@ -44,6 +44,7 @@ import numpy as np
 
 from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import progress, wait
+from refmp.runtime.arrays import map_leaves
 from refmp.runtime.backend import array_module
 
 
@@ -92,24 +93,15 @@ class WeightRef:
 
 
 def detach(cache, p: dict):
-    """The cache with every array of ``p`` replaced by a WeightRef (so the weights can go)."""
+    """The cache with every array of ``p`` replaced by a WeightRef (so the weights can go);
+    the arrays are found by identity (map_leaves keeps the caller's own objects)."""
     names = {id(v): k for k, v in p.items()}
-
-    def walk(c):
-        if isinstance(c, tuple):
-            items = [walk(x) for x in c]
-            return type(c)(*items) if hasattr(c, "_fields") else tuple(items)  # NamedTuples too
-        return WeightRef(names[id(c)]) if id(c) in names else c
-
-    return walk(cache)
+    return map_leaves(cache, lambda a: WeightRef(names[id(a)]) if id(a) in names else a)
 
 
 def attach(cache, p: dict):
     """Inverse of detach, with the freshly gathered weights ``p``."""
-    if isinstance(cache, tuple):
-        items = [attach(c, p) for c in cache]
-        return type(cache)(*items) if hasattr(cache, "_fields") else tuple(items)
-    return p[cache.name] if isinstance(cache, WeightRef) else cache
+    return map_leaves(cache, lambda a: p[a.name] if isinstance(a, WeightRef) else a)
 
 
 class Sharder:
@@ -130,37 +122,54 @@ class Sharder:
         self.pbuf, self.gbuf, self.work = {}, {}, {}
         self.master, self.mgrad = {}, {}  # mixed precision: fp32 owned slices (S,) per unit
         self.params, self.grads = {}, {}  # the owned pieces, by name (the optimizer's view)
-        for u, U in self.units.items():
-            full = U.flatten(local, self.xp, self.dtype)  # (Pp,)
+        for u, unit in self.units.items():
+            full = unit.flatten(local, self.xp, self.dtype)  # (Pp,)
             if self.mixed:  # masters of my slice; the model gets the rounded compute copy
-                self.master[u] = full[U.lo : U.hi].copy()  # (S,) fp32
+                self.master[u] = full[unit.lo : unit.hi].copy()  # (S,) fp32
                 full = full.astype(self.compute)  # (Pp,) bf16 / fp16
-            self.pbuf[u] = full if stage < 3 else full[U.lo : U.hi].copy()  # stage 3: (S,)
-            self.gbuf[u] = self.xp.zeros(U.padded if stage < 2 else U.shard, self.gdtype)
-            owned = self.pbuf[u][U.lo : U.hi] if stage < 3 else self.pbuf[u]
-            self.params.update(U.pieces(self.master[u] if self.mixed else owned))
-            self.grads.update(U.pieces(self.gbuf[u][U.lo : U.hi] if stage < 2 else self.gbuf[u]))
+            self.pbuf[u] = full if stage < 3 else full[unit.lo : unit.hi].copy()  # stage 3: (S,)
+            self.gbuf[u] = self.xp.zeros(unit.padded if stage < 2 else unit.shard, self.gdtype)
+            owned = self.pbuf[u][unit.lo : unit.hi] if stage < 3 else self.pbuf[u]
+            self.params.update(unit.pieces(self.master[u] if self.mixed else owned))
+            self.grads.update(unit.pieces(self.gbuf[u][unit.lo : unit.hi] if stage < 2 else self.gbuf[u]))
         self.decay = {k for k in self.params
-                      if any(len(U.shapes.get(k, ())) >= 2 for U in self.units.values())}
+                      if any(len(unit.shapes.get(k, ())) >= 2 for unit in self.units.values())}
         self._open: list = []  # stage 0: [units, flat, request] of started all-reduces
         self._ready: dict[str, list[str]] = {}  # stage 0: complete units not yet started, by group
+
+    # --- what the stage means for the callers ---------------------------------------------------
+
+    @property
+    def releases_weights(self) -> bool:
+        """Stage 3: weights are gathered for each use and freed after, so a cache names its
+        weights (``detach``) and gets them back gathered again (``attach``)."""
+        return self.stage == 3
+
+    @property
+    def partitions(self) -> bool:
+        """Stages 1-3: the ranks of a unit's group own disjoint slices (stage 0: copies)."""
+        return self.stage > 0
+
+    def resident(self) -> list:
+        """The parameter buffers kept between uses (caches reference them; not activations)."""
+        return list(self.pbuf.values()) if self.stage < 3 else []
 
     # --- what the model computes with ---------------------------------------------------------
 
     def weights(self, u: str) -> dict:
         """Unit u's parameters (full local shapes): views of the resident buffer, or, at
         stage 3, of an all-gather made now (S -> Pp), alive only while the caller keeps it."""
-        U = self.units[u]
+        unit = self.units[u]
         if self.stage < 3 or self.groups[u].size == 1:
-            return U.views(self.pbuf[u])
-        return U.views(self.groups[u].allgather(self.pbuf[u]))
+            return unit.views(self.pbuf[u])
+        return unit.views(self.groups[u].allgather(self.pbuf[u]))
 
     def full_local(self, grads: bool = False) -> dict:
         """Every local parameter (or its gradient) whole: the owned slices all-gathered over
         each unit's group where they are sharded (collective over every group). With mixed
         precision: the fp32 masters, and the fp32 unscaled gradient of the last step."""
         out = {}
-        for u, U in self.units.items():
+        for u, unit in self.units.items():
             if not grads and not self.mixed:
                 out.update({k: v.copy() for k, v in self.weights(u).items()})
                 continue
@@ -169,16 +178,16 @@ class Sharder:
             group = self.groups[u]
             if self.stage > 0 and group.size > 1:
                 flat = group.allgather(self.xp.ascontiguousarray(flat))  # (Pp,)
-            out.update({k: v.copy() for k, v in U.views(flat).items()})
+            out.update({k: v.copy() for k, v in unit.views(flat).items()})
         return out
 
     def owned_index(self, index: dict) -> dict:
         """The owned pieces of ``index`` (name -> integer array shaped like the local shard,
         -1 where nothing global is held), by piece name, as ``params`` is split."""
         out = {}
-        for U in self.units.values():
-            flat = U.flatten({k: index[k] + 1 for k in U.shapes}, np, np.int64) - 1  # pad: -1
-            out.update(U.pieces(flat[U.lo : U.hi]))
+        for unit in self.units.values():
+            flat = unit.flatten({k: index[k] + 1 for k in unit.shapes}, np, np.int64) - 1  # pad: -1
+            out.update(unit.pieces(flat[unit.lo : unit.hi]))
         return out
 
     # --- gradients as backward produces them ---------------------------------------------------
@@ -189,14 +198,14 @@ class Sharder:
 
     def accumulate(self, u: str, g: dict) -> None:
         """Add this micro-batch's gradients ``g`` (names of unit u, full local shapes)."""
-        U = self.units[u]
+        unit = self.units[u]
         if self.stage < 2:
             target = self.gbuf[u]  # (Pp,) the full gradient lives here all step
         else:  # stage 2/3: a full buffer only until this micro-batch's reduce-scatter
             if u not in self.work:
-                self.work[u] = self.xp.zeros(U.padded, self.gdtype)
+                self.work[u] = self.xp.zeros(unit.padded, self.gdtype)
             target = self.work[u]  # in the gradient dtype (bf16 / fp16, or fp32)
-        views = U.views(target)
+        views = unit.views(target)
         for k, v in g.items():
             views[k] += v
 
@@ -241,15 +250,15 @@ class Sharder:
                     o += self.gbuf[u].size
             self._open = []
         elif self.stage == 1:  # one reduce-scatter per unit per step
-            for u, U in self.units.items():
+            for u, unit in self.units.items():
                 if self.groups[u].size > 1:
-                    self.gbuf[u][U.lo : U.hi] = self.groups[u].reduce_scatter(self.gbuf[u])
+                    self.gbuf[u][unit.lo : unit.hi] = self.groups[u].reduce_scatter(self.gbuf[u])
         # stage 2/3: reduce-scattered unit by unit during backward
 
     def owned_grad(self, u: str):
         """The flat owned slice of unit u's gradient (S,), or all of it at stage 0."""
-        U = self.units[u]
-        return self.gbuf[u][U.lo : U.hi] if self.stage < 2 else self.gbuf[u]
+        unit = self.units[u]
+        return self.gbuf[u][unit.lo : unit.hi] if self.stage < 2 else self.gbuf[u]
 
     def master_grads(self, scale: float = 1.0) -> dict:
         """Mixed precision, before clipping and the optimizer: the owned gradient slices
@@ -257,23 +266,23 @@ class Sharder:
         as pieces named like ``params``. A transient of the step (ZeRO's accounting, and
         memory(), count the gradient buffers in their own dtype)."""
         pieces = {}
-        for u, U in self.units.items():
+        for u, unit in self.units.items():
             g = self.owned_grad(u).astype(self.dtype)  # (S,) fp32
             if scale != 1.0:
                 g *= 1.0 / scale
             self.mgrad[u] = g
-            pieces.update(U.pieces(g))
+            pieces.update(unit.pieces(g))
         return pieces
 
     def after_step(self) -> None:
         if self.mixed:  # round the updated masters into my slice of the compute copy
-            for u, U in self.units.items():
-                own = self.pbuf[u][U.lo : U.hi] if self.stage < 3 else self.pbuf[u]
+            for u, unit in self.units.items():
+                own = self.pbuf[u][unit.lo : unit.hi] if self.stage < 3 else self.pbuf[u]
                 own[...] = self.master[u]  # fp32 -> bf16 / fp16, round to nearest even
         if self.stage in (1, 2):  # all-gather: each rank's updated S elements -> the full Pp
-            for u, U in self.units.items():
+            for u, unit in self.units.items():
                 if self.groups[u].size > 1:
-                    self.pbuf[u][...] = self.groups[u].allgather(self.pbuf[u][U.lo : U.hi])
+                    self.pbuf[u][...] = self.groups[u].allgather(self.pbuf[u][unit.lo : unit.hi])
         # stage 0: every rank made the same update; stage 3: weights stay sharded
 
     def memory(self) -> dict[str, int]:

@@ -21,6 +21,7 @@ and dtype it expects (Comm.recv refuses a message of another size).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import wait_all
@@ -35,13 +36,16 @@ def tag(mb: int, chunk: int, n_chunks: int, grad: bool) -> int:
 
 
 class Executor:
-    """Runs action lists for one Stage over the pp communicator, timing every action."""
+    """Runs action lists for one Stage over the pp communicator, timing every action.
 
-    def __init__(self, stage: Stage, comm: Comm, dtype):
-        self.stage, self.comm, self.dtype = stage, comm, dtype
+    ``dtype``: the activations' (what crosses a stage boundary); ``on_forward``, if given, is
+    called with the live caches after each forward (the engine measures their bytes)."""
+
+    def __init__(self, stage: Stage, comm: Comm, dtype,
+                 on_forward: Callable[[dict], None] | None = None):
+        self.stage, self.comm, self.dtype, self.on_forward = stage, comm, dtype, on_forward
         self.events: list[Event] = []  # the last step's timeline on this rank
         self.peak_held = 0  # most micro-batch caches held at once in the last step
-        self.on_forward = None  # called with the live caches after each forward (memory)
 
     def _send(self, x, shape, mb: int, chunk: int, grad: bool, pending: list) -> None:
         t0 = time.perf_counter()
@@ -69,40 +73,40 @@ class Executor:
 
         Returns this rank's loss share (non-zero on the rank holding the last chunk).
         """
-        st, S = self.stage, self.stage.n_chunks
+        stage, n_chunks = self.stage, self.stage.n_chunks
         split = any(a.kind == "W" for a in actions)
         caches, todos, pending = {}, {}, []
-        loss, held = 0.0, 0
+        loss, caches_held = 0.0, 0
         self.events, self.peak_held = [], 0
         for a in actions:
             i, c = a.mb, a.chunk
             final = i == len(xs) - 1  # the step's last micro-batch
-            shape = st.act_shape(*xs[i].shape)  # (b_i, T, C); T/tp with SP
+            shape = stage.act_shape(*xs[i].shape)  # (b_i, T, C); T/tp with SP
             if a.kind == "F":
                 inp = xs[i] if c == 0 else self._recv(shape, i, c, grad=False)
                 t0 = time.perf_counter()
-                out, caches[i, c] = st.forward(c, inp, ys[i], denom)
-                held += 1
-                self.peak_held = max(self.peak_held, held)
+                out, caches[i, c] = stage.forward(c, inp, ys[i], denom)
+                caches_held += 1
+                self.peak_held = max(self.peak_held, caches_held)
                 self._event("F", i, c, t0)
                 if self.on_forward is not None:
                     self.on_forward(caches)
-                if c == S - 1:
+                if c == n_chunks - 1:
                     loss += float(out)
                 else:
                     self._send(out, shape, i, c + 1, grad=False, pending=pending)
             elif a.kind == "B":
-                dout = None if c == S - 1 else self._recv(shape, i, c, grad=True)
+                dout = None if c == n_chunks - 1 else self._recv(shape, i, c, grad=True)
                 t0 = time.perf_counter()
-                dx, todos[i, c] = st.backward(c, dout, caches.pop((i, c)), split, final, dloss)
-                held -= 0 if split else 1
+                dx, todos[i, c] = stage.backward(c, dout, caches.pop((i, c)), split, final, dloss)
+                caches_held -= 0 if split else 1
                 self._event("B", i, c, t0)
                 if dx is not None:
                     self._send(dx, shape, i, c - 1, grad=True, pending=pending)
             else:  # W
                 t0 = time.perf_counter()
-                st.weight(todos.pop((i, c)), final)
-                held -= 1
+                stage.weight(todos.pop((i, c)), final)
+                caches_held -= 1
                 self._event("W", i, c, t0)
         t0 = time.perf_counter()
         wait_all([req for req, _ in pending])  # the buffers stayed alive in `pending` until here

@@ -61,7 +61,7 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
     chunks = pp * v
     done: dict[Action, int] = {}
     pos, free = [0] * pp, [0] * pp
-    held, peak = [0] * pp, [0] * pp  # micro-batch activations held per rank (over chunks)
+    live, peak = [0] * pp, [0] * pp  # micro-batch activations live per rank (over chunks)
     tl = Timeline(name, pp, m, v)
     while any(pos[r] < len(lists[r]) for r in range(pp)):
         moved = False
@@ -75,8 +75,8 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
                 done[a] = free[r] = start + (costs[r, a.kind] if costs else unit[a.kind])
                 tl.events.append(Event(r, a.kind, a.mb, a.chunk, start, free[r]))
                 # the cache of F lives until the last pass that reads it (B, or W if split)
-                held[r] += {"F": 1, "B": 0 if split else -1, "W": -1}[a.kind]
-                peak[r] = max(peak[r], held[r])
+                live[r] += {"F": 1, "B": 0 if split else -1, "W": -1}[a.kind]
+                peak[r] = max(peak[r], live[r])
                 pos[r] += 1
                 moved = True
         if not moved:

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 from refmp.nn import gpt
 from refmp.nn import moe as M
-from refmp.nn.experts import EXPERT
 from refmp.parallel.data.sharder import attach, detach
+from refmp.parallel.placement import unit_of
 
 
 class Recompute(NamedTuple):
@@ -36,16 +36,21 @@ class Recompute(NamedTuple):
 class Stage:
     """This rank's chunks (chunk id -> block indices), its Ops and its Sharder.
 
-    ``moe(denom)`` makes the MoEContext of one forward (None: a dense model); ``sp_div`` is
-    tp with sequence parallelism (the boundary activation holds T/tp tokens), else 1.
+    ``moe(denom)`` makes the MoEContext of one forward (None: a dense model);
+    ``sequence_shards`` is tp with sequence parallelism (a boundary activation holds T/tp
+    tokens), else 1.
     """
 
     def __init__(self, chunks: dict[int, range], n_chunks: int, cfg, ops, sharder, moe=None,
-                 sp_div: int = 1, recompute: bool = False):
+                 sequence_shards: int = 1, recompute: bool = False):
         self.chunks, self.n_chunks, self.cfg, self.ops = chunks, n_chunks, cfg, ops
-        self.sharder, self.moe, self.sp_div = sharder, moe, sp_div
+        self.sharder, self.moe, self.sequence_shards = sharder, moe, sequence_shards
         self.recompute = recompute  # full recomputation: keep only each block's input
-        self.zero3 = sharder.stage == 3
+        # block -> the Sharder units of its parameters held here: dense, then its experts
+        self.block_units = {i: [u for u in dict.fromkeys(unit_of(f"h.{i}.{k}")
+                                                         for k in gpt.block_param_shapes(cfg, i))
+                                if u in sharder.units]
+                            for blocks in chunks.values() for i in blocks}
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -53,13 +58,13 @@ class Stage:
         self.moe_raw: dict[int, object] = {}  # block -> summed routing figures (refmp.nn.moe)
 
     def act_shape(self, b: int, T: int) -> tuple[int, int, int]:
-        return (b, T // self.sp_div, self.cfg.n_embd)  # what crosses a stage boundary
+        return (b, T // self.sequence_shards, self.cfg.n_embd)  # what crosses a stage boundary
 
     def block_weights(self, i: int, weights) -> dict:
         """Block i's parameters by their name inside the block (dense unit + its experts)."""
-        p = dict(weights(f"h.{i}"))
-        if f"h.{i}.experts" in self.sharder.units:
-            p.update(weights(f"h.{i}.experts"))
+        p = {}
+        for u in self.block_units[i]:
+            p.update(weights(u))
         return gpt.block_params(p, i)
 
     def forward(self, c: int, inp, targets=None, denom=None, ops=None, weights=None):
@@ -69,7 +74,7 @@ class Stage:
         stage's own (decoding runs whole prompts on gathered weights)."""
         ops, weights = ops or self.ops, weights or self.sharder.weights
         train = targets is not None
-        release = (lambda cache, p: detach(cache, p)) if self.zero3 and train else (lambda c_, p: c_)
+        release = train and self.sharder.releases_weights  # caches name weights, not hold them
         x, emb, head, blocks = inp, None, None, []
         if c == 0:
             x, emb = ops.embed({**weights("wte"), **weights("wpe")}, inp)  # (b, T, C)
@@ -78,17 +83,17 @@ class Stage:
             p, moe = self.block_weights(i, weights), ctx if self.cfg.is_moe(i) else None
             x_in = x
             x, bc = gpt.block_forward(p, x, ops, moe)
-            if train and isinstance(bc[-1], M.MoECache):
-                self.aux += float(bc[-1].loss)
-                raw = bc[-1].stats["raw"]
+            if train and isinstance(bc.mlp, M.MoECache):
+                self.aux += float(bc.mlp.loss)
+                raw = bc.mlp.stats["raw"]
                 self.moe_raw[i] = raw if i not in self.moe_raw else self.moe_raw[i] + raw
             if train and self.recompute:  # full recomputation: the input is all we keep
                 bc = Recompute(x_in, moe)
-            blocks.append(release(bc, p))  # ZeRO-3: the cache names the weights, not holds them
+            blocks.append(detach(bc, p) if release else bc)
         if c == self.n_chunks - 1:
             p = {**weights("ln_f"), **weights("wte")}
             x, head = ops.head(p, x, targets, denom)  # loss share, or logits
-            head = release(head, p)
+            head = detach(head, p) if release else head
         return x, (emb, blocks, head)
 
     def backward(self, c: int, dout, cache, split: bool, final: bool, dloss: float = 1.0):
@@ -97,27 +102,27 @@ class Stage:
         dout is the gradient of the chunk's output, or None on the last chunk (the loss
         share's own gradient is ``dloss``: 1, or fp16's loss scale; MoE losses get it too).
         With ``split`` (zero bubble) the linears' weight gradients and the embedding's are
-        left for :meth:`weight`. ``final``: this is the
-        step's last micro-batch (the Sharder starts stage 0's all-reduces then).
+        left for :meth:`weight`. ``final``: this is the step's last micro-batch (the Sharder
+        starts stage 0's all-reduces then).
         """
         emb, blocks, head = cache
-        sh, dx = self.sharder, dout
+        sharder, dx = self.sharder, dout
         if head is not None:
-            if self.zero3:  # gathered again: the forward's copy was freed
-                head = attach(head, {**sh.weights("ln_f"), **sh.weights("wte")})
+            if sharder.releases_weights:  # gathered again: the forward's copy was freed
+                head = attach(head, {**sharder.weights("ln_f"), **sharder.weights("wte")})
             dx, g = self.ops.head_backward(dloss, head)  # ln_f and the tied wte's head share
-            sh.accumulate("wte", {"wte.weight": g.pop("wte.weight")})
-            sh.accumulate("ln_f", g)
-            sh.grad_ready("ln_f", final)
+            sharder.accumulate("wte", {"wte.weight": g.pop("wte.weight")})
+            sharder.accumulate("ln_f", g)
+            sharder.grad_ready("ln_f", final)
             if 0 not in self.chunks:  # the last stage's own copy of wte is complete
-                sh.grad_ready("wte", final)
+                sharder.grad_ready("wte", final)
         todo = []
         for i, bc in zip(reversed(self.chunks[c]), reversed(blocks), strict=True):
             if isinstance(bc, Recompute):  # the block's forward again (bitwise the same)
-                _, bc = gpt.block_forward(self.block_weights(i, sh.weights), bc.x, self.ops,
+                _, bc = gpt.block_forward(self.block_weights(i, sharder.weights), bc.x, self.ops,
                                           bc.moe)
-            elif self.zero3:
-                bc = attach(bc, self.block_weights(i, sh.weights))
+            elif sharder.releases_weights:
+                bc = attach(bc, self.block_weights(i, sharder.weights))
             w_todo = [] if split else None
             dx, g = gpt.block_backward(dx, bc, self.ops, w_todo, dloss)
             self._add_block(i, g, final, dense_ready=not split)
@@ -140,14 +145,20 @@ class Stage:
                 self._add_block(i, gpt.block_backward_weight(w, self.ops), final, True)
 
     def _add_block(self, i: int, g: dict, final: bool, dense_ready: bool) -> None:
-        dense = {f"h.{i}.{k}": v for k, v in g.items() if not EXPERT.match(k)}
-        experts = {f"h.{i}.{k}": v for k, v in g.items() if EXPERT.match(k)}
-        self.sharder.accumulate(f"h.{i}", dense)
-        if experts:  # an MoE block's experts are complete after its B
-            self.sharder.accumulate(f"h.{i}.experts", experts)
-            self.sharder.grad_ready(f"h.{i}.experts", final)
+        """Block i's gradients ``g`` (names inside the block) into its units. Its experts'
+        unit is complete after B (an MoE MLP does its whole backward there); its dense unit
+        after B, or after W when the backward is split."""
+        dense, *experts = self.block_units[i]
+        by_unit: dict[str, dict] = {u: {} for u in self.block_units[i]}
+        for k, v in g.items():
+            by_unit[unit_of(f"h.{i}.{k}")][f"h.{i}.{k}"] = v
+        self.sharder.accumulate(dense, by_unit[dense])
+        for u in experts:
+            if by_unit[u]:
+                self.sharder.accumulate(u, by_unit[u])
+                self.sharder.grad_ready(u, final)
         if dense_ready:
-            self.sharder.grad_ready(f"h.{i}", final)
+            self.sharder.grad_ready(dense, final)
 
     def _embed_backward(self, dx, emb, final: bool) -> None:
         g = self.ops.embed_backward(dx, emb)  # needs no weights, only the token ids

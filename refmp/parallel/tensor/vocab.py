@@ -47,11 +47,11 @@ def embed_forward(p: dict, idx, comm: Comm, sp: bool = False, positions=None):
     xp = backend.array_module(p["wte.weight"])
     Vl = p["wte.weight"].shape[0]
     start = comm.rank * Vl
-    local = idx - start  # (B, T) row in my shard, if mine
-    mine = (local >= 0) & (local < Vl)  # (B, T)
-    local = xp.where(mine, local, 0)
+    local = idx - start  # (B, T) row in my shard, if the id is there
+    in_shard = (local >= 0) & (local < Vl)  # (B, T)
+    local = xp.where(in_shard, local, 0)
     tok, tok_cache = L.embedding_forward(local, p["wte.weight"])  # (B, T, C)
-    tok[~mine] = 0.0  # (B, T, C) partial over tp: only my ids are filled in
+    tok[~in_shard] = 0.0  # (B, T, C) partial over tp: only my ids are filled in
     # the sum over tp puts every token's row in place (each id is owned by exactly one rank)
     tok = reduce_scatter_to_sp(tok, comm) if sp else reduce_from_tp(tok, comm)
     if positions is None:
@@ -60,7 +60,7 @@ def embed_forward(p: dict, idx, comm: Comm, sp: bool = False, positions=None):
         T = tok.shape[1]
         positions = positions[comm.rank * T : (comm.rank + 1) * T]
     pos, pos_cache = L.embedding_forward(positions, p["wpe.weight"])  # (T, C)
-    return tok + pos, (tok_cache, mine, pos_cache, sp)
+    return tok + pos, (tok_cache, in_shard, pos_cache, sp)
 
 
 def embed_backward(dx, cache, comm: Comm) -> dict:
@@ -69,14 +69,14 @@ def embed_backward(dx, cache, comm: Comm) -> dict:
     With sequence parallelism dwpe is partial over tp (rows of the other ranks' positions
     are 0 here): the caller sums it over tp with the other replicated gradients.
     """
-    (local, w_shape), mine, pos_cache, sp = cache
+    (local, w_shape), in_shard, pos_cache, sp = cache
     # forward was: tok = sum over tp (g): backward identity, or all-gather with SP
     dtok = reduce_scatter_to_sp_backward(dx, comm) if sp else dx  # (B, T, C)
     # only the positions holding my ids (as cross_entropy_backward below): the forward wrote
     # zeros at the others, so no gradient reaches my rows from them (mapped to row 0, they
     # would make one index repeat N (1 - 1/tp) times in the scatter-add)
     return {
-        "wte.weight": L.embedding_backward(dtok[mine], (local[mine], w_shape)),  # (Vl, C)
+        "wte.weight": L.embedding_backward(dtok[in_shard], (local[in_shard], w_shape)),  # (Vl, C)
         "wpe.weight": L.embedding_backward(dx.sum(axis=0), pos_cache),  # (T, C)
     }
 
@@ -128,24 +128,24 @@ def cross_entropy_forward(logits, targets, comm: Comm, denom=None):
     m = comm.allreduce(lg.max(axis=-1), op="max")  # (N,) global max: all-reduce 1
     shifted = lg - m[:, None]  # (N, Vl)
     sumexp = comm.allreduce(xp.exp(shifted).sum(axis=-1))  # (N,): all-reduce 2
-    local = tg - comm.rank * Vl  # (N,) target's column here, if mine
-    mine = (local >= 0) & (local < Vl)
+    local = tg - comm.rank * Vl  # (N,) target's column here, if it is in my shard
+    in_shard = (local >= 0) & (local < Vl)
     rows = xp.arange(tg.size)
-    tgt = xp.where(mine, shifted[rows, xp.where(mine, local, 0)], 0.0)  # (N,) partial
+    tgt = xp.where(in_shard, shifted[rows, xp.where(in_shard, local, 0)], 0.0)  # (N,) partial
     tgt = comm.allreduce(tgt)  # (N,) the target's shifted logit: all-reduce 3
     lse = xp.log(sumexp)  # (N,)
     loss = (lse - tgt).sum() / denom  # sum of -log p[target] over my rows / global count
-    return loss, (shifted, lse, local, mine, denom, logits.shape)
+    return loss, (shifted, lse, local, in_shard, denom, logits.shape)
 
 
 @autocast
 def cross_entropy_backward(dout, cache):
     """dlogits_r = (softmax - onehot) / denom * dout on my columns: no communication."""
-    shifted, lse, local, mine, denom, shape = cache
+    shifted, lse, local, in_shard, denom, shape = cache
     xp = backend.array_module(shifted)
     dlogits = xp.exp(shifted - lse[:, None])  # (N, Vl) = my columns of the softmax
-    rows = xp.arange(local.size)[mine]
-    dlogits[rows, local[mine]] -= 1.0
+    rows = xp.arange(local.size)[in_shard]
+    dlogits[rows, local[in_shard]] -= 1.0
     dlogits *= dout / denom
     return dlogits.reshape(shape)  # (B, T, Vl)
 
