@@ -171,9 +171,7 @@ def save(tr, root: str, keep: int = 0) -> str:
     n_windows = tr.ds.n_windows(T)
     manifest = {
         "format": FORMAT, "version": 1, "step": step, "dtype": cfg.dtype,
-        "layout": {**tr.grid.sizes, "world": world.size, "zero": cfg.zero,
-                   "sequence_parallel": cfg.sequence_parallel,
-                   "virtual_stages": cfg.virtual_stages, "stage_layers": cfg.stage_layers},
+        "layout": {**cfg.layout(tr.grid.sizes), "world": world.size},
         "optimizer": {**opt, "moments": sorted(moments)},
         # the batch order is a function of (step, B, seed, shuffle): this is where it stands
         "data": {"name": tr.ds.name, "tokens": len(tr.ds.tokens), "batch_size": B,

@@ -1,6 +1,7 @@
-"""The memory check before the first step: an estimate of what a rank will hold, against
-what its node has free (refmp.distributed.faults says how a refused run ends; docs/faults.md how close
-the estimate is).
+"""What a rank will hold: an estimate of its bytes from the shapes alone (estimate_memory:
+refmp.training.checks compares it with what the node has free before the first step,
+docs/faults.md says how close it is), and the planner's figure for a layout (memory: the
+stage that needs the most).
 
 Shapes: B global batch, b = B/(dp M) rows of one micro-batch on a rank, M micro-batches,
 T sequence, Tl = T/cp tokens per rank, s = Tl/tp with sequence parallelism (else Tl),
@@ -15,9 +16,12 @@ over the rank's own schedule, micro-batch by micro-batch.
 from __future__ import annotations
 
 import math
-import os
+from dataclasses import replace
 
-from refmp.errors import ConfigError
+from refmp.config import TrainConfig
+from refmp.cost.layout import Layout, split, train_config
+from refmp.nn.params import GPTConfig
+from refmp.parallel.placement import stage_chunks
 
 
 def block_cache_elements(b: int, Tl: int, T: int, C: int, NH: int, tp: int = 1, sp: bool = False,
@@ -129,7 +133,6 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     from refmp.nn.gpt import param_shapes
     from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
     from refmp.parallel.pipeline.schedules import schedule
-    from refmp.parallel.placement import stage_chunks
 
     w = 8 if cfg.dtype == "float64" else 4
     pp, dp, cp, tp, ep = (sizes[a] for a in ("pp", "dp", "cp", "tp", "ep"))
@@ -180,69 +183,6 @@ def need_bytes(mem: dict) -> int:
     return mem["params"] + mem["grads"] + mem["optimizer"] + max(mem["setup"], step)
 
 
-def available_memory(device: str = "cpu") -> tuple[int, str]:
-    """(bytes free, where that figure comes from): the GPU's free memory for --device gpu;
-    else /proc/meminfo's MemAvailable (or physical memory), capped by a cgroup limit."""
-    if device == "gpu":
-        import cupy
-
-        return int(cupy.cuda.runtime.memGetInfo()[0]), "free on this GPU"
-    free, source = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free, source = int(line.split()[1]) * 1024, "MemAvailable"
-    except OSError:
-        pass
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit) as f1, open(usage) as f2:
-                room = int(f1.read().strip()) - int(f2.read().strip())
-        except (OSError, ValueError):  # no such cgroup file, or "max"
-            continue
-        if room < free:
-            free, source = room, "the cgroup's memory limit"
-    return free, source
-
-
-def check_memory(cfg, mcfg, grid) -> None:
-    """Refuse a layout whose estimated memory exceeds what this node (or GPU) has free.
-
-    Collective over grid.world (a split by node and GPU, one all-reduce): the ranks that
-    share the memory add up their needs. Raises on the ranks of a node that does not fit;
-    call it through refmp.training.trainer.agreed so that every rank stops.
-    """
-    from mpi4py import MPI
-
-    mem = estimate_memory(cfg, mcfg, grid.sizes, grid.coords)
-    need = need_bytes(mem)
-    device = 0
-    if cfg.device == "gpu":  # refmp.runtime.device.use_gpu chose this rank's GPU
-        import cupy
-
-        device = cupy.cuda.Device().id
-    node = grid.world.mpi.Split_type(MPI.COMM_TYPE_SHARED)
-    share = node.Split(device, node.Get_rank())
-    try:
-        total, n = share.allreduce(need), share.Get_size()
-    finally:
-        share.Free()
-        node.Free()
-    free, source = available_memory(cfg.device)
-    if total > free:
-        parts = ", ".join(f"{k} {size(mem[k])}" for k in ("params", "grads", "optimizer"))
-        where = "GPU" if cfg.device == "gpu" else "node"
-        raise ConfigError(
-            f"not enough memory: rank {grid.rank} needs about {size(need)} ({parts}, peak "
-            f"activations {size(mem['activations'] + mem['workspace'])}, the full model at set-up "
-            f"{size(mem['setup'])}); the {n} rank(s) on this {where} need {size(total)}, "
-            f"but {size(free)} is available ({source}). Use a smaller --block-size or "
-            f"--batch-size, more --microbatches, or more ranks (an estimate: docs/faults.md)")
-
-
 def size(n: float) -> str:
     """Bytes for people: 3 significant digits and a decimal unit (30.8 TB)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
@@ -252,3 +192,46 @@ def size(n: float) -> str:
     return f"{n:.3g} PB"
 
 
+# --- a layout's memory per rank, as refmp plan reports it ----------------------------------
+
+
+def memory(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32") -> dict[str, int]:
+    """Bytes per rank, the max over the pipeline stages of stage_memory; ``stage`` says
+    which stage needs the most (params + grads + optimizer + activations)."""
+    cfg = train_config(lay, mcfg, batch, dtype)
+    sizes = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
+    blocks = split(mcfg, lay.pp * lay.virtual_stages)
+    held = [sum(len(blocks[c]) for c in stage_chunks(r, lay.pp, lay.virtual_stages))
+            for r in range(lay.pp)]
+    # the first stage keeps the most micro-batches in flight and the embeddings, the last the
+    # head; a middle one can only exceed them by holding more blocks
+    mems = [stage_memory(cfg, mcfg, sizes, r) for r in sorted({0, lay.pp - 1,
+                                                                held.index(max(held))})]
+    return max(mems, key=total)
+
+
+def stage_memory(cfg: TrainConfig, mcfg: GPTConfig, sizes: dict, r: int) -> dict[str, int]:
+    """estimate_memory of the rank at pipeline coordinate r (its tp, dp, cp and ep peers
+    hold the same amounts). With mixed precision the engine keeps the compute copy in c
+    bytes, gradients in g, and masters plus two moments in 3 w per owned element
+    (refmp.cost.zero.memory_per_rank with compute=c, grad=g: linear in the bytes, so a
+    rescaling of the estimate's one-precision figures), and its float caches in c bytes."""
+    m = estimate_memory(cfg, mcfg, sizes, {"pp": r, "dp": 0, "cp": 0, "tp": 0, "ep": 0})
+    w = 8 if cfg.dtype == "float64" else 4
+    if cfg.mixed_precision != "none":
+        c, g = 2, (4 if cfg.grad_dtype == "fp32" else 2)
+        m["params"], m["grads"] = m["params"] * c // w, m["grads"] * g // w
+        m["optimizer"] = m["optimizer"] * 3 // 2 if cfg.optimizer == "adamw" else m["optimizer"]
+        # the caches' floats take c bytes, their int64 ids and targets stay 8: the estimate at
+        # both one-precision widths (4 A + I, 8 A + I) separates the two
+        other = estimate_memory(replace(cfg, dtype="float64" if w == 4 else "float32"), mcfg,
+                                sizes, {"pp": r, "dp": 0, "cp": 0, "tp": 0, "ep": 0})
+        for k in ("activations", "workspace"):
+            e4, e8 = (m[k], other[k]) if w == 4 else (other[k], m[k])
+            m[k] = c * (e8 - e4) // 4 + 2 * e4 - e8
+    m["stage"] = r
+    return m
+
+
+def total(m: dict) -> int:
+    return m["params"] + m["grads"] + m["optimizer"] + m["activations"]
