@@ -14,9 +14,8 @@ without model parallelism (DeepSpeed) rows, with the table's own micro-batch siz
 Run: python benchmarks/plan_megatron.py
 """
 
-from refmp.cost.layout import Layout
 from refmp.cost.machines import MACHINES
-from refmp.cost.model import MEGATRON_2021, Impl, predict
+from refmp.cost.model import MEGATRON_2021, Impl, Layout, predict
 from refmp.nn.params import GPTConfig
 
 # params (B), heads, hidden, layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU, % of peak

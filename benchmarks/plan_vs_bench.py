@@ -25,9 +25,8 @@ import sys
 
 from refmp.cli.bench import PRESETS
 from refmp.cli.plan import cpu_machine
-from refmp.cost.layout import Layout
 from refmp.cost.machines import Machine
-from refmp.cost.model import predict
+from refmp.cost.model import Layout, predict
 from refmp.nn.params import GPTConfig
 
 # name: (tp, pp, dp, cp, micro-batches); 4 ranks each

@@ -16,9 +16,9 @@ from mpi_helpers import REPO, Mismatches, collective, mpiexec
 from refmp.cli import plan as plan_cli
 from refmp.cost import model
 from refmp.cost import search as plan_search
-from refmp.cost.layout import Layout, train_config
 from refmp.cost.machines import MACHINES
 from refmp.cost.memory import memory, stage_memory, total
+from refmp.cost.model import Layout, train_config
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn.params import GPTConfig
 from refmp.runtime import cpu

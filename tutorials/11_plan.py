@@ -23,10 +23,9 @@ from dataclasses import replace
 
 from mpi4py import MPI
 
-from refmp.cost.layout import Layout, train_config
 from refmp.cost.machines import MACHINES
 from refmp.cost.memory import memory, stage_memory, total
-from refmp.cost.model import predict
+from refmp.cost.model import Layout, predict, train_config
 from refmp.cost.search import search, table
 from refmp.nn.params import GPTConfig
 from refmp.training.trainer import Trainer

@@ -1,13 +1,10 @@
 """``refmp bench``: time training steps and report ms/step, tokens/s, FLOP/s, MFU and bytes.
 
 It takes every layout flag of ``refmp train`` (--dp --tp --pp --cp --ep, --zero, the pipeline,
-cp and MoE options: refmp.cli.flags makes them for both commands) on a model from a preset.
+cp and MoE options: refmp.cli.train makes them for both commands) on a model from a preset.
 
-Model FLOPs per step are refmp.cost.flops' (6 N tokens for the products of the N active
-parameters, 12 L T C tokens for attention: Chowdhery et al. 2022, appendix B). With
---recompute the FLOPs executed exceed the model's: the extra forward work is reported
-apart (``recompute_gflops``, ``hardware_gflops``: Narayanan et al. 2021, eq. 3), and MFU
-stays model FLOPs over peak.
+Model FLOPs per step, and with --recompute the hardware FLOPs beyond them (reported apart:
+``recompute_gflops``, ``hardware_gflops``; MFU stays model FLOPs over peak): refmp.cost.flops.
 
 With --mixed-precision bf16 or fp16 the products still run in fp32 on the CPU (BLAS has no
 bf16 kernel; refmp.runtime.precision), on operands rounded to the compute dtype: the peak is the
@@ -33,10 +30,10 @@ from dataclasses import fields
 
 import numpy as np
 
-from refmp.cli.flags import add_layout_args, add_moe_args
-from refmp.config import ParallelConfig
+from refmp.cli.train import add_layout_args, add_moe_args
+from refmp.config import ParallelConfig, flag_name
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
-from refmp.runtime import backend
+from refmp.runtime.device import measure_peak
 from refmp.training.datasets import Dataset
 
 PRESETS = {
@@ -54,6 +51,7 @@ def add_parser(sub) -> None:
     add_bench_args(p)  # the model preset and the timing; the rest is train's own flags
     add_moe_args(p)
     add_layout_args(p)
+    p.set_defaults(run=run_bench)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +59,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="small: 4 layers, n_embd 256, 8 heads, block 128, batch 8, vocab 256, "
                         "float32 (default)")
     for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "vocab"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+        p.add_argument(flag_name(name), type=int, default=None,
                        help="override the preset")
     p.add_argument("--dtype", choices=["float32", "float64"], default=None)
     p.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
@@ -71,7 +69,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-# the MoE flags bench takes from train's own (refmp.cli.flags.add_moe_args)
+# the MoE flags bench takes from train's own (refmp.cli.train.add_moe_args)
 MOE = ("n_expert", "top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
@@ -81,23 +79,6 @@ def ledger_by_axis(entries: dict[tuple[str, str], list[int]]) -> dict[str, dict[
     for (op, axis), (b, c) in sorted(entries.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         out.setdefault(axis, {})[op] = {"bytes": b, "count": c}
     return out
-
-
-def measure_peak(dtype: str, n: int = 1024, reps: int = 5) -> float:
-    """FLOP/s of this process's best n x n matrix product (median of reps)."""
-    xp = backend.xp
-    rng = np.random.default_rng(0)
-    a = backend.from_host(rng.standard_normal((n, n)).astype(dtype))
-    b = backend.from_host(rng.standard_normal((n, n)).astype(dtype))
-    a @ b  # warm-up (thread pools, caches)
-    times = []
-    for _ in range(reps):
-        backend.sync()
-        t0 = time.perf_counter()
-        xp.matmul(a, b)
-        backend.sync()
-        times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / float(np.median(times))
 
 
 def run_bench(args) -> dict:

@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
     c.add_argument("src", metavar="SRC", help="a checkpoint directory or a .safetensors file")
     c.add_argument("out", metavar="OUT", nargs="?", help="the file or directory to write")
     c.add_argument("--info", action="store_true", help="print what SRC holds; write nothing")
+    c.set_defaults(run=run_convert)
 
 
 def run_convert(args: argparse.Namespace) -> None:

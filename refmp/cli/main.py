@@ -72,26 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
     write_pid(launcher_rank())  # a testing hook (REFMP_TEST_PID_DIR), off by default
     try:
-        if args.command == "train":
-            from refmp.cli.train import run_train
-
-            run_train(args, (sys.argv[1:] if argv is None else argv)[1:])
-        elif args.command == "bench":
-            from refmp.cli.bench import run_bench
-
-            run_bench(args)
-        elif args.command == "convert":
-            from refmp.cli.convert import run_convert
-
-            run_convert(args)
-        elif args.command == "plan":
-            from refmp.cli.plan import run_plan
-
-            run_plan(args)
-        elif args.command == "schedule":
-            from refmp.cli.schedule import run_schedule
-
-            run_schedule(args)
+        if args.command == "train":  # --layout auto reads which flags were given
+            args.run(args, (sys.argv[1:] if argv is None else argv)[1:])
+        else:
+            args.run(args)
     except (ConfigError, TrainingError) as e:  # raised on every rank: said once, rank 0
         if launcher_rank() == 0:
             sys.stderr.write(f"refmp {args.command}: error: {e}\n")

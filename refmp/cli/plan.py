@@ -15,16 +15,15 @@ from dataclasses import fields, replace
 
 import numpy as np
 
-from refmp.cli.bench import measure_peak
-from refmp.cli.flags import flag_name
-from refmp.config import TrainConfig
-from refmp.cost.layout import SEARCHED, Layout, parallel_fields
+from refmp.config import TrainConfig, flag_name
 from refmp.cost.machines import MACHINES, MODELS, Machine
 from refmp.cost.memory import size
+from refmp.cost.model import SEARCHED, Layout, parallel_fields
 from refmp.cost.search import search, table
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig
 from refmp.runtime import cpu
+from refmp.runtime.device import measure_peak
 from refmp.training.checks import available_memory
 
 
@@ -34,6 +33,7 @@ def add_parser(sub) -> None:
                                    "a model on a machine, and print the fastest that fit "
                                    "(a pure computation, no MPI: docs/plan.md).")
     add_plan_args(p)
+    p.set_defaults(run=run_plan)
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +50,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                  "intra_node_gbs", "inter_node_gbs", "intra_latency_us", "inter_latency_us"):
         g.add_argument(flag_name(name), type=float, default=None, help="override the machine's")
     g = p.add_argument_group("layout (each fixes that choice; the rest is searched)")
-    for f in fields(Layout):  # refmp.config's searched fields (refmp.cost.layout)
+    for f in fields(Layout):  # refmp.config's searched fields (refmp.cost.model)
         m, plan = f.metadata, f.metadata["plan"]
         if m["kind"] is bool:
             g.add_argument(flag_name(f.name), choices=["on", "off"], nargs="?", const="on",
@@ -83,9 +83,9 @@ def machine_of(args) -> Machine:
 
 
 def cpu_machine(ranks: int, links: tuple[float, float] | None = None) -> Machine:
-    """This host: fp32 GEMM peak measured now (refmp.cli.bench.measure_peak), memory free now, and
-    MPI's links: ``links`` (GB/s, us) as measure_links found them, else shared-memory MPI taken
-    as 5 GB/s and 2 us (assumed: ``refmp plan`` runs without MPI).
+    """This host: fp32 GEMM peak measured now (refmp.runtime.device.measure_peak), memory
+    free now, and MPI's links: ``links`` (GB/s, us) as measure_links found them, else
+    shared-memory MPI taken as 5 GB/s and 2 us (assumed: ``refmp plan`` runs without MPI).
 
     The peak is this process's, with its refmp.runtime.cpu.threads() threads; a rank gets its share
     of the cores, cores / ranks of them (under mpiexec refmp gives each rank that many
@@ -162,7 +162,7 @@ def plan_train(cfg: TrainConfig, given: set[str], comm) -> tuple[TrainConfig, di
     plan with --machine cpu), as the TrainConfig to run and the planner's row.
 
     ``given``: the TrainConfig fields set on the command line; the searched layout fields
-    among them (refmp.cost.layout.SEARCHED) are fixed choices, and --stage-layers is
+    among them (refmp.cost.model.SEARCHED) are fixed choices, and --stage-layers is
     refused. Rank 0 plans (the cpu machine measures this host's GEMM peak, so ranks could
     disagree) and broadcasts the row, or the reason nothing fits: a ConfigError on every
     rank. The cpu machine's links are measured on ``comm`` first (measure_links).

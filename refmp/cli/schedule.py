@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
     s.add_argument("--virtual-stages", type=int, default=1, help="for interleaved (1)")
     s.add_argument("--png", default=None, metavar="PATH.png", help="draw the timeline")
     s.add_argument("--trace", default=None, metavar="PATH.json", help="Chrome trace JSON")
+    s.set_defaults(run=run_schedule)
 
 
 def run_schedule(args) -> dict:

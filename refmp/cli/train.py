@@ -1,6 +1,7 @@
-"""``refmp train``: its flags, the TrainConfig they make (with ``--layout auto``, the
-planner's layout), and the run as a command: progress, the JSON log, checkpoints, --save,
---trace and the summary.
+"""``refmp train``: its flags (the layout's, which ``refmp bench`` takes too, made from
+refmp.config.ParallelConfig's fields: help, group, type, choices and default are the field's),
+the TrainConfig they make (with ``--layout auto``, the planner's layout), and the run as a
+command: progress, the JSON log, checkpoints, --save, --trace and the summary.
 
 The step itself lives in refmp.training.trainer (Trainer); this module only drives it and reports.
 """
@@ -16,8 +17,8 @@ from dataclasses import asdict, fields
 
 import numpy as np
 
-from refmp.cli.flags import add_layout_args, add_moe_args, flag_name
-from refmp.cost.layout import SEARCHED
+from refmp.config import PIPELINE, ParallelConfig, flag_name
+from refmp.cost.model import SEARCHED
 from refmp.distributed.faults import inject_fault
 from refmp.errors import ConfigError, TrainingError
 from refmp.training.trainer import TrainConfig, Trainer
@@ -28,6 +29,44 @@ def add_parser(sub) -> None:
                        description="Train a GPT-2 style model. Launch with mpiexec for several "
                                    "ranks, e.g. `mpiexec -n 2 refmp train --dp 2`.")
     add_train_args(p)
+    p.set_defaults(run=run_train)
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """How the ranks split the work: the ParallelConfig fields, each in its help group, and
+    --trace with the pipeline's."""
+    groups = {}
+    for f in fields(ParallelConfig):
+        m = f.metadata
+        g = groups.get(m["group"])
+        if g is None:
+            g = groups[m["group"]] = p.add_argument_group(m["group"])
+        if m["kind"] is bool:
+            g.add_argument(flag_name(f.name), action="store_true", help=m["help"])
+        else:
+            g.add_argument(flag_name(f.name), type=m["kind"], default=f.default,
+                           choices=m["choices"], metavar=m["metavar"], help=m["help"])
+    groups[PIPELINE].add_argument("--trace", default=None, metavar="PATH.json",
+                                  help="write the last step's measured timeline as Chrome "
+                                       "trace JSON")
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    """MoE flags (train and bench). All but --n-expert default to None, so an explicit flag
+    is visible: it wins over an --init file's metadata; None means GPTConfig's default."""
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--n-expert", type=int, default=0, help="experts per MoE layer (0: dense)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="experts per token (default 2, or the --init file's)")
+    g.add_argument("--moe-every", type=int, default=None,
+                   help="block i is MoE if i %% N == 0 (default 1, or the --init file's routers)")
+    g.add_argument("--capacity-factor", type=float, default=None,
+                   help="slots per expert: ceil(CF*K*T/E) per sequence; 0: no limit "
+                        "(default 1.25, or the --init file's)")
+    g.add_argument("--aux-loss-coef", type=float, default=None,
+                   help="load-balancing loss weight alpha (default 0.01, or the --init file's)")
+    g.add_argument("--z-loss-coef", type=float, default=None,
+                   help="router z-loss weight (default 0.001, or the --init file's)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -19,9 +19,12 @@ import math
 from dataclasses import replace
 
 from refmp.config import TrainConfig
-from refmp.cost.layout import Layout, split, train_config
-from refmp.nn.params import GPTConfig
-from refmp.parallel.placement import stage_chunks
+from refmp.cost.model import Layout, split, train_config
+from refmp.cost.zero import memory_per_rank, unit_sizes
+from refmp.nn.params import GPTConfig, param_shapes
+from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
+from refmp.parallel.pipeline.schedules import schedule
+from refmp.parallel.placement import padded_vocab, stage_chunks
 
 
 def block_cache_elements(b: int, Tl: int, T: int, C: int, NH: int, tp: int = 1, sp: bool = False,
@@ -82,8 +85,6 @@ def head_cache_bytes(b: int, Tl: int, C: int, V: int, tp: int = 1, sp: bool = Fa
     """The head's cache (tests/test_tensor_parallel.py's model_activation_bytes, less the
     embedding's): ln_f's input, output and rstd on s positions, Vl columns of the logits and
     the log-sum-exp, the int64 targets (with tp, a bool mask of those my shard owns)."""
-    from refmp.parallel.placement import padded_vocab
-
     s, BT = (Tl // tp if sp else Tl), b * Tl
     Vl = padded_vocab(V, tp) // tp
     return w * (2 * b * s * C + b * s + BT * Vl + BT) + 8 * BT + (BT if tp > 1 else 0)
@@ -129,11 +130,6 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     plus the largest unit, gathered whole while it runs). ``setup``: the full model, which
     every rank builds (or reads from --init) before it keeps its slices.
     """
-    from refmp.cost.zero import memory_per_rank, unit_sizes
-    from refmp.nn.gpt import param_shapes
-    from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
-    from refmp.parallel.pipeline.schedules import schedule
-
     w = 8 if cfg.dtype == "float64" else 4
     pp, dp, cp, tp, ep = (sizes[a] for a in ("pp", "dp", "cp", "tp", "ep"))
     T = cfg.block_size or mcfg.block_size
@@ -190,9 +186,6 @@ def size(n: float) -> str:
             return f"{n:.3g} {unit}"
         n /= 1000
     return f"{n:.3g} PB"
-
-
-# --- a layout's memory per rank, as refmp plan reports it ----------------------------------
 
 
 def memory(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32") -> dict[str, int]:

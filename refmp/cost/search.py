@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from refmp.cost.layout import Layout, train_config
 from refmp.cost.machines import Machine
 from refmp.cost.memory import memory, need_bytes, size, total
-from refmp.cost.model import predict
+from refmp.cost.model import Layout, predict, train_config
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig
 from refmp.parallel.layout import check_layout
