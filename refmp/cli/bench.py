@@ -21,7 +21,6 @@ seen from one rank (with --pp, other stages' sends and receives may differ).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -48,25 +47,21 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="time training steps: ms/step, tokens/s, FLOP/s, MFU",
                        description="Time training steps of a model and report ms/step, "
                                    "tokens/s, model FLOP/s and MFU against a measured peak.")
-    add_bench_args(p)  # the model preset and the timing; the rest is train's own flags
-    add_moe_args(p)
-    add_layout_args(p)
-    p.set_defaults(run=run_bench)
-
-
-def add_bench_args(p: argparse.ArgumentParser) -> None:
+    # the model preset and the timing; the rest is train's own flags
     p.add_argument("--preset", choices=sorted(PRESETS), default="small",
                    help="small: 4 layers, n_embd 256, 8 heads, block 128, batch 8, vocab 256, "
                         "float32 (default)")
     for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "vocab"):
-        p.add_argument(flag_name(name), type=int, default=None,
-                       help="override the preset")
+        p.add_argument(flag_name(name), type=int, default=None, help="override the preset")
     p.add_argument("--dtype", choices=["float32", "float64"], default=None)
     p.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
                    help="cpu (NumPy) or gpu (CuPy); default $REFMP_DEVICE or cpu")
     p.add_argument("--steps", type=int, default=20, help="timed steps (20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_moe_args(p)
+    add_layout_args(p)
+    p.set_defaults(run=run_bench)
 
 
 # the MoE flags bench takes from train's own (refmp.cli.train.add_moe_args)

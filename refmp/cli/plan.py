@@ -1,9 +1,6 @@
-"""``refmp plan``: predict memory per rank and step time of every layout of a model on a
-machine and print the fastest that fit (refmp.cost: a pure computation, no MPI; docs/plan.md),
-and ``refmp train --layout auto``: the planner on this host's measured machine.
-
-With ``--machine cpu`` the machine is this host, measured when the command runs: its GEMM
-peak, its free memory and (under MPI) its links.
+"""``refmp plan``: memory per rank and step time of every layout of a model on a machine, the
+fastest that fit (refmp.cost: a pure computation; docs/plan.md); ``refmp train --layout auto``:
+the plan for this host (--machine cpu: its GEMM peak, free memory and MPI links, measured).
 """
 
 from __future__ import annotations

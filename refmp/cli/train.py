@@ -69,7 +69,7 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
                    help="router z-loss weight (default 0.001, or the --init file's)")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--n-layer", type=int, default=2, help="transformer blocks (default 2)")
     g.add_argument("--n-head", type=int, default=None,
@@ -81,10 +81,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
                    help="cpu (NumPy) or gpu (CuPy, one GPU per rank); default $REFMP_DEVICE or cpu")
     add_moe_args(p)
-
-
-def add_train_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, metavar="PATH",
                    help="token file: .npy (1-D ints), .bin (uint16, nanoGPT) or any other file "
