@@ -89,9 +89,9 @@ def test_memory_is_the_measured_ledger_on_four_ranks(grid, zero, recompute, mp, 
                  n_head=max(2, tp))  # whole heads on each tp rank
     mcfg, sizes, r = tr.model.cfg, tr.grid.sizes, tr.grid.coords["pp"]
     got = tr.memory()
-    mine = stage_memory(train_config(lay, mcfg, batch), mcfg, sizes, r)
+    predicted = stage_memory(train_config(lay, mcfg, batch), mcfg, sizes, r)
     bad = Mismatches()
-    bad.check(np.testing.assert_equal, [mine[k] for k in STATE], [got[k] for k in STATE],
+    bad.check(np.testing.assert_equal, [predicted[k] for k in STATE], [got[k] for k in STATE],
               err_msg=f"{lay} rank {tr.grid.rank}")
     # the cp traffic the plan times is the ledger's (ring sends, or Ulysses' all-to-alls)
     Ls = sum(len(ch) for ch in tr.runner.stage.chunks.values())

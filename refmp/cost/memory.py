@@ -102,16 +102,16 @@ def held_peak(actions, chunk_bytes: dict, shared: dict | None = None) -> int:
     once while any of them is alive."""
     split = any(a.kind == "W" for a in actions)
     shared = shared or {}
-    held = peak = 0
+    live = peak = 0  # bytes of the caches alive now
     alive = dict.fromkeys(chunk_bytes, 0)  # caches of each chunk alive now
     for a in actions:
         if a.kind == "F":
-            held += chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
+            live += chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
             alive[a.chunk] += 1
         elif a.kind == ("W" if split else "B"):
             alive[a.chunk] -= 1
-            held -= chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
-        peak = max(peak, held)
+            live -= chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
+        peak = max(peak, live)
     return peak
 
 
@@ -137,9 +137,9 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     S, r = pp * v, coords["pp"]
     blocks = partition(mcfg.n_layer, S, piece_costs(C, T, V), parse_stage_layers(cfg.stage_layers))
     chunks = {c: blocks[c] for c in stage_chunks(r, pp, v)}
-    mine = [i for c in chunks.values() for i in c]
+    stage_blocks = [i for c in chunks.values() for i in c]
     ep_rank = (coords["dp"] * cp + coords["cp"]) % ep  # refmp.distributed.grid: ep carved from dp x cp
-    units = unit_sizes(mcfg, tp, mine, 0 in chunks, S - 1 in chunks, ep, ep_rank)
+    units = unit_sizes(mcfg, tp, stage_blocks, 0 in chunks, S - 1 in chunks, ep, ep_rank)
     dense = {u: n for u, n in units.items() if not u.endswith(".experts")}
     expert = {u: n for u, n in units.items() if u.endswith(".experts")}
     mem = memory_per_rank(dense, dp * cp, cfg.zero, w)
@@ -194,12 +194,12 @@ def memory(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32") -> 
     cfg = train_config(lay, mcfg, batch, dtype)
     sizes = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
     blocks = split(mcfg, lay.pp * lay.virtual_stages)
-    held = [sum(len(blocks[c]) for c in stage_chunks(r, lay.pp, lay.virtual_stages))
-            for r in range(lay.pp)]
+    n_blocks = [sum(len(blocks[c]) for c in stage_chunks(r, lay.pp, lay.virtual_stages))
+                for r in range(lay.pp)]  # per stage
     # the first stage keeps the most micro-batches in flight and the embeddings, the last the
     # head; a middle one can only exceed them by holding more blocks
-    mems = [stage_memory(cfg, mcfg, sizes, r) for r in sorted({0, lay.pp - 1,
-                                                                held.index(max(held))})]
+    mems = [stage_memory(cfg, mcfg, sizes, r)
+            for r in sorted({0, lay.pp - 1, n_blocks.index(max(n_blocks))})]
     return max(mems, key=total)
 
 

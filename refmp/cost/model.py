@@ -196,9 +196,9 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     act = bd * Tl * C * c  # one (b, Tl, C) activation, over the step's micro-batches
     stages = []
     for r in range(pp):
-        mine = [i for ch in stage_chunks(r, pp, v) for i in blocks[ch]]
+        stage_blocks = [i for ch in stage_chunks(r, pp, v) for i in blocks[ch]]
         first, last = r == 0, r == pp - 1
-        Ls, n_moe = len(mine), sum(mcfg.is_moe(i) for i in mine)
+        Ls, n_moe = len(stage_blocks), sum(mcfg.is_moe(i) for i in stage_blocks)
         fwd = (Ls - n_moe) * f_block + n_moe * f_moe  # the stage's blocks, one micro-batch
         # selective: refmp recomputes q k^T for the softmax (flops.recompute_flops_per_step)
         again = {"none": 0.0, "selective": Ls * scores, "full": fwd}[lay.recompute]
@@ -230,7 +230,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         if impl.pp_scatter_gather and pp > 1 and tp > 1:
             t_pp = (collective("send", x / tp, calls, pp, *link(span))
                     + collective("allgather", x, calls, tp, *link(tp)))
-        units = units_of(mcfg, tp, tuple(mine), first, last)
+        units = units_of(mcfg, tp, tuple(stage_blocks), first, last)
         g = comm_per_step(dict(units), dp * cp, lay.zero, M, c, first, last, c)
         n = dp * cp
         t_dp = sum(collective(op, x, 1 if lay.zero < 2 else M * len(units), n, *link(tp * n))
