@@ -75,9 +75,9 @@ def test_memory_is_the_measured_ledger_on_four_ranks(grid, zero, recompute, mp, 
                                                     interleaved, algo):
     """Every rank's ledger is its stage's prediction, and the plan's figure is the largest.
 
-    Two corners once off by one array, now in the estimate: with cp the embedding's
-    positions are one array every micro-batch shares (interleaving keeps two in flight), and
-    with one head per rank ring attention's output is a view of its running output y."""
+    Two corners the estimate counts exactly: with cp the embedding's positions are one array
+    every micro-batch shares (interleaving keeps two in flight), and with one head per rank
+    ring attention's output is a view of its running output y."""
     tp, pp, dp, cp = grid
     v = 2 if interleaved and pp > 1 else 1
     lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, sequence_parallel=sp and tp > 1,
