@@ -5,16 +5,17 @@ mixed precision. The shapes, model-parallel sizes, GPUs, batches and achieved TF
 those of NVIDIA/Megatron-LM's README at commit 50a4b5fa02 (8 April 2021,
 images/cases_april2021.png, the same table); tp = min(8, model-parallel size), pp the rest.
 
-Two columns: the plan as refmp would run each layout (plan.Impl()), and as Megatron-LM 2021
-ran it (plan.MEGATRON_2021: dropout, the data-parallel all-reduce after the backward pass,
-the scatter/gather boundary optimization). Micro-batch size 1 (the table does not say), the
-faster of 1F1B and interleaved (2 chunks) where the layers divide.
+Two columns: the plan as refmp would run each layout (refmp.cost.model.Impl()), and as
+Megatron-LM 2021 ran it (MEGATRON_2021: dropout, the data-parallel all-reduce after the
+backward pass, the scatter/gather boundary optimization). Micro-batch size 1 (the table does
+not say), the faster of 1F1B and interleaved (2 chunks) where the layers divide.
 Then Table 2 of the same paper: PTD-P (tp x pp x dp) rows as Megatron-LM 2021, and ZeRO-3
 without model parallelism (DeepSpeed) rows, with the table's own micro-batch sizes.
 Run: python benchmarks/plan_megatron.py
 """
 
-from refmp.cost import model as plan
+from refmp.cost.machines import MACHINES
+from refmp.cost.model import MEGATRON_2021, Impl, Layout, predict
 from refmp.nn.params import GPTConfig
 
 # params (B), heads, hidden, layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU, % of peak
@@ -29,7 +30,7 @@ ROWS = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44), (3.6, 32, 3072, 30, 2, 1, 6
         (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52)]
 
 
-def best(row, impl: plan.Impl) -> tuple[dict, str]:
+def best(row, impl: Impl) -> tuple[dict, str]:
     """The faster schedule's prediction for one row, and its name."""
     P, nh, C, L, tp, pp, n, B, *_ = row
     mcfg = GPTConfig(n_layer=L, n_embd=C, n_head=nh, vocab_size=51200, block_size=2048)
@@ -37,10 +38,10 @@ def best(row, impl: plan.Impl) -> tuple[dict, str]:
     for sched, v in [("1f1b", 1), ("interleaved", 2)]:
         if (pp == 1 and v > 1) or L % (pp * v):
             continue
-        lay = plan.Layout(tp=tp, pp=pp, dp=n // (tp * pp), recompute="full",
-                          mixed_precision="bf16", microbatch_size=1, schedule=sched,
-                          virtual_stages=v)
-        p = plan.predict(lay, mcfg, B, plan.MACHINES["dgx-a100"], impl)
+        lay = Layout(tp=tp, pp=pp, dp=n // (tp * pp), recompute="full",
+                     mixed_precision="bf16", microbatch_size=1, schedule=sched,
+                     virtual_stages=v)
+        p = predict(lay, mcfg, B, MACHINES["dgx-a100"], impl)
         if out is None or p["step_seconds"] < out[0]["step_seconds"]:
             out = (p, sched)
     return out
@@ -58,10 +59,10 @@ ZERO3 = [(*GPT175, 1, 1, 384, 1536, 4, 144), (*GPT175, 1, 1, 768, 1536, 2, 88),
          (*GPT175, 1, 1, 1536, 1536, 1, 44), (*GPT530, 1, 1, 640, 2560, 4, 138),
          (*GPT530, 1, 1, 1120, 2240, 2, 98), (*GPT530, 1, 1, 2240, 2240, 1, 48)]
 # ZeRO-3 (DeepSpeed) on Megatron's model: dropout; stage 3's gathers and reductions exposed
-DEEPSPEED_ZERO3 = plan.Impl(dropout=True, dp_overlap=False)
+DEEPSPEED_ZERO3 = Impl(dropout=True, dp_overlap=False)
 
 
-def table2_row(row, impl: plan.Impl) -> tuple[dict, str]:
+def table2_row(row, impl: Impl) -> tuple[dict, str]:
     """Table 2's row: the given micro-batch size; ZeRO-3 rows (tp = pp = 1) at stage 3."""
     P, nh, C, L, tp, pp, n, B, b, _ = row
     mcfg = GPTConfig(n_layer=L, n_embd=C, n_head=nh, vocab_size=51200, block_size=2048)
@@ -69,10 +70,10 @@ def table2_row(row, impl: plan.Impl) -> tuple[dict, str]:
     for sched, v in [("1f1b", 1), ("interleaved", 2)]:
         if (pp == 1 and v > 1) or L % (pp * v) or (v > 1 and B // (dp * b) % pp):
             continue
-        lay = plan.Layout(tp=tp, pp=pp, dp=dp, zero=3 if pp * tp == 1 else 0, recompute="full",
-                          mixed_precision="bf16", microbatch_size=b, schedule=sched,
-                          virtual_stages=v)
-        p = plan.predict(lay, mcfg, B, plan.MACHINES["dgx-a100"], impl)
+        lay = Layout(tp=tp, pp=pp, dp=dp, zero=3 if pp * tp == 1 else 0, recompute="full",
+                     mixed_precision="bf16", microbatch_size=b, schedule=sched,
+                     virtual_stages=v)
+        p = predict(lay, mcfg, B, MACHINES["dgx-a100"], impl)
         if out is None or p["step_seconds"] < out[0]["step_seconds"]:
             out = (p, sched)
     return out
@@ -84,8 +85,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in ROWS:
         P, _, _, _, tp, pp, n, B, paper, pct = row
-        own = best(row, plan.Impl())[0]["tflops_per_gpu"]
-        p, sched = best(row, plan.MEGATRON_2021)
+        own = best(row, Impl())[0]["tflops_per_gpu"]
+        p, sched = best(row, MEGATRON_2021)
         got = p["tflops_per_gpu"]
         print(f"| {P} | {tp} | {pp} | {n // (tp * pp)} | {n} | {B} | {sched} | {paper} ({pct}%) "
               f"| {own:.0f} | {got:.0f} | {100 * (got / paper - 1):+.0f}% |")
@@ -93,7 +94,7 @@ def main() -> None:
     print("| scheme | params (B) | tp | pp | dp | GPUs | batch | b | schedule | paper TFLOP/s "
           "| plan TFLOP/s | plan vs paper |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for scheme, rows, impl in [("PTD", PTD, plan.MEGATRON_2021),
+    for scheme, rows, impl in [("PTD", PTD, MEGATRON_2021),
                                ("ZeRO-3", ZERO3, DEEPSPEED_ZERO3)]:
         for row in rows:
             P, _, _, _, tp, pp, n, B, b, paper = row

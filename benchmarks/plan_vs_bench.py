@@ -1,8 +1,9 @@
 """Does the plan rank layouts as this machine runs them? Predicted (refmp plan, --machine cpu)
 against measured (refmp bench) step times of 4-rank layouts, and their Spearman correlation.
 
-For each layout: the plan's step_seconds on this host (plan.cpu_machine: its measured fp32
-GEMM peak per core, and MPI's bandwidth and latency measured on 4 ranks by plan.measure_links,
+For each layout: the plan's step_seconds on this host (refmp.cli.plan.cpu_machine: its
+measured fp32 GEMM peak per core, and MPI's bandwidth and latency measured on 4 ranks by
+measure_links,
 or with --assumed-links 5 GB/s and 2 us), and the median ms_per_step
 of ``mpiexec -n 4 python -m refmp bench --preset P <layout> --json`` over --rounds rounds.
 The rounds interleave the layouts (each round runs every layout once, in a rotated order), so
@@ -23,7 +24,9 @@ import subprocess
 import sys
 
 from refmp.cli.bench import PRESETS
-from refmp.cost import model as plan
+from refmp.cli.plan import cpu_machine
+from refmp.cost.machines import Machine
+from refmp.cost.model import Layout, predict
 from refmp.nn.params import GPTConfig
 
 # name: (tp, pp, dp, cp, micro-batches); 4 ranks each
@@ -54,17 +57,17 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (va * vb) ** 0.5 if va and vb else float("nan")
 
 
-def predicted(name: str, spec: dict, mach: plan.Machine) -> float:
+def predicted(name: str, spec: dict, mach: Machine) -> float:
     tp, pp, dp, cp, M = LAYOUTS[name]
     mcfg = GPTConfig(n_layer=spec["n_layer"], n_embd=spec["n_embd"], n_head=spec["n_head"],
                      vocab_size=spec["vocab"], block_size=spec["block_size"])
     B = spec["batch_size"]
-    lay = plan.Layout(tp=tp, pp=pp, dp=dp, cp=cp, mixed_precision="none",
-                      microbatch_size=B // (dp * M))
-    return plan.predict(lay, mcfg, B, mach)["step_seconds"]
+    lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, mixed_precision="none",
+                 microbatch_size=B // (dp * M))
+    return predict(lay, mcfg, B, mach)["step_seconds"]
 
 
-PROBE = ("import json; from mpi4py import MPI; from refmp.cost.model import measure_links; "
+PROBE = ("import json; from mpi4py import MPI; from refmp.cli.plan import measure_links; "
          "r = measure_links(MPI.COMM_WORLD); MPI.COMM_WORLD.rank or print(json.dumps(r))")
 
 
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"unknown layout(s) {', '.join(bad)}: choose from {', '.join(LAYOUTS)}")
     spec = PRESETS[args.preset]
     links = None if args.assumed_links else tuple(json.loads(mpiexec(["-c", PROBE])))
-    mach = plan.cpu_machine(4, links)
+    mach = cpu_machine(4, links)
     plan_ms = {n: 1e3 * predicted(n, spec, mach) for n in names}
     runs: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):  # each round every layout once, the order rotated

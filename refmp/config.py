@@ -1,21 +1,128 @@
-"""What a run is asked to do (TrainConfig, the fields behind ``refmp train``'s flags), the
-learning-rate schedule, and the check that every value makes sense before anything is built
-(the same answer on every rank: a pure function of the configuration).
+"""What a run is asked to do: its layout (ParallelConfig: how the ranks split the work) and
+the rest (TrainConfig, the fields behind ``refmp train``'s flags), the learning-rate schedule,
+and the checks that every value makes sense before anything is built (the same answer on
+every rank: pure functions of the configuration).
+
+Each layout field carries its flag in ``dataclasses.field(metadata=...)``: help (an argparse
+format: ``%(default)s`` is the field's default), group, type, choices and, for the fields
+``refmp plan`` searches, ``plan``. refmp.cli makes the layout flags of ``refmp train``,
+``bench`` and ``plan`` from them; refmp.cost.model the planner's Layout.
 
 refmp.training.trainer runs the step; refmp.parallel.layout checks the layout;
-refmp.distributed.faults the output paths; refmp.cost.memory the memory the layout will need.
+refmp.distributed.faults the output paths; refmp.training.checks the memory it will need.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from refmp.errors import ConfigError
 
+# the help groups of the layout flags
+LAYOUT = "layout"
+PRECISION = "mixed precision (Micikevicius et al. 2018)"
+PIPELINE = "pipeline (with --pp > 1; see docs/pipeline.md)"
+CONTEXT = "context parallelism (--cp)"
+
+
+def flag_name(name: str) -> str:
+    """A field's flag: ``cp_algo`` -> ``--cp-algo``."""
+    return "--" + name.replace("_", "-")
+
+
+def flag(default, help: str, group: str = LAYOUT, kind: type | None = None,
+         choices: tuple | None = None, metavar: str | None = None, plan: dict | None = None):
+    """A layout field with its flag: ``kind`` the flag's type (default: the default's; a bool
+    is a switch); ``plan`` None where ``refmp plan`` does not search the field, else that
+    command's ``choices`` and ``help`` where they differ from the field's."""
+    return field(default=default, metadata={"help": help, "group": group, "kind": kind or type(default),
+                                            "choices": choices, "metavar": metavar, "plan": plan})
+
 
 @dataclass
-class TrainConfig:
+class ParallelConfig:
+    """How the ranks split the work: the axes, ZeRO, recomputation, mixed precision, the
+    pipeline and the context-parallel options; the fields ``refmp plan`` searches first."""
+    tp: int = flag(1, "tensor-parallel ranks (%(default)s)", plan={})
+    pp: int = flag(1, "pipeline stages (%(default)s)", plan={})
+    dp: int | None = flag(None, "data-parallel ranks (default: world size / (pp*cp*tp))", kind=int, plan={})
+    cp: int = flag(1, "context-parallel ranks (%(default)s)", plan={})
+    ep: int = flag(1, "expert-parallel ranks, carved from the dp x cp ranks (%(default)s)", plan={})
+    zero: int = flag(0, "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters (0: "
+                        "plain data parallel)", choices=(0, 1, 2, 3), plan={})
+    sequence_parallel: bool = flag(False, "with --tp: shard LayerNorms and residuals along the sequence",
+                                   plan={})
+    recompute: str = flag("none", "activation recomputation (Korthikanti et al. 2022): full keeps each "
+                                  "block's input and recomputes its forward in backward; selective "
+                                  "recomputes attention's softmax; same results, bitwise (%(default)s)",
+                          choices=("none", "selective", "full"), plan={})
+    mixed_precision: str = flag("none", "compute copy of the weights, activations and gradients in bf16 or "
+                                        "fp16, fp32 master weights and optimizer state (--dtype); on the "
+                                        "CPU products run in fp32 on the rounded operands (%(default)s)",
+                                PRECISION, choices=("none", "bf16", "fp16"), plan={})
+    microbatches: int = flag(1, "micro-batches per step: pipeline micro-batches, or gradient accumulation "
+                                "without --pp (%(default)s)", plan={})
+    schedule: str = flag("1f1b", "pipeline schedule (default %(default)s)", PIPELINE,
+                         choices=("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
+                         plan={"choices": ("1f1b", "gpipe", "interleaved", "zb-h1")})
+    virtual_stages: int = flag(1, "model chunks per rank, for --schedule interleaved (%(default)s)",
+                               PIPELINE, plan={})
+    stage_layers: str | None = flag(None, "blocks per stage, e.g. 2,1,1 (default: balanced by a cost "
+                                          "model)", PIPELINE, kind=str, metavar="N,N,...")
+    cp_algo: str = flag("ring", "ring: K/V blocks around the ring; ulysses: all-to-all to heads "
+                                "(%(default)s)", CONTEXT, choices=("ring", "ulysses"),
+                        plan={"help": "with --cp > 1 (default: both searched)"})
+    cp_balance: str = flag("zigzag", "zigzag: rank r holds chunks r and 2cp-1-r of 2cp, equal causal "
+                                     "work (default); contiguous: chunk r of cp", CONTEXT,
+                           choices=("zigzag", "contiguous"))
+    bucket_mb: float = flag(25.0, "data parallel: gradient all-reduce bucket size in MB, overlapped with "
+                                  "backward (0: one all-reduce after backward; default %(default)g)")
+    grad_dtype: str = flag("compute", "with --mixed-precision: accumulate and reduce gradients in the "
+                                      "compute dtype or in fp32 (%(default)s)", PRECISION,
+                           choices=("compute", "fp32"))
+    loss_scale_init: float = flag(65536.0, "fp16: initial dynamic loss scale (%(default)g)", PRECISION)
+    loss_scale_window: int = flag(1000, "fp16: double the loss scale after this many steps without "
+                                        "overflow; an overflow skips the step and halves it (%(default)s)",
+                                  PRECISION)
+
+    def layout(self, sizes: dict[str, int] | None = None) -> dict:
+        """The layout's fields, the axis sizes as a grid resolved them (``sizes``: dp filled
+        in), as one dict (the JSON of refmp bench and of a checkpoint's manifest)."""
+        return {**{f.name: getattr(self, f.name) for f in fields(ParallelConfig)}, **(sizes or {})}
+
+
+def check_sizes(world_size: int, pp: int = 1, dp: int | None = None, cp: int = 1, tp: int = 1,
+                ep: int = 1) -> dict[str, int]:
+    """Validate the layout's axis sizes and return them (dp filled in when None)."""
+    for name, v in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
+        if v < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {v}")
+    if dp is None:
+        other = pp * cp * tp
+        if world_size % other:
+            raise ConfigError(
+                f"pp*cp*tp = {pp}*{cp}*{tp} = {other} does not divide the world size {world_size}"
+            )
+        dp = world_size // other
+    if dp < 1:
+        raise ConfigError(f"--dp must be at least 1, got {dp}")
+    if pp * dp * cp * tp != world_size:
+        raise ConfigError(
+            f"layout pp*dp*cp*tp = {pp}*{dp}*{cp}*{tp} = {pp * dp * cp * tp} does not match the "
+            f"{world_size} MPI processes; launch with `mpiexec -n {pp * dp * cp * tp}` "
+            f"or change the sizes"
+        )
+    if (dp * cp) % ep:
+        raise ConfigError(f"--ep ({ep}) must divide dp * cp ({dp} * {cp}): experts are carved "
+                          f"from the data- and context-parallel ranks")
+    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
+
+
+@dataclass
+class TrainConfig(ParallelConfig):
+    """A run: its layout (the ParallelConfig fields), the model, the data, the optimization,
+    the device and the files."""
     n_layer: int = 2
     n_head: int | None = None  # None: 4, or what an --init file's metadata says
     n_embd: int = 64
@@ -45,27 +152,8 @@ class TrainConfig:
     data: str | None = None
     shuffle: bool = False
     digits: int = 3
-    dp: int | None = None
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    cp_algo: str = "ring"  # context parallelism: ring or ulysses
-    cp_balance: str = "zigzag"  # which chunks a cp rank holds: zigzag or contiguous
-    ep: int = 1
-    microbatches: int = 1  # pipeline micro-batches, or gradient accumulation without pp
     device: str = "cpu"  # cpu (NumPy) or gpu (CuPy)
-    bucket_mb: float = 25.0  # data parallel: all-reduce bucket size (0: one, after backward)
-    zero: int = 0  # ZeRO stage: 0 (plain data parallel), 1, 2 or 3
-    schedule: str = "1f1b"  # pipeline schedule (refmp.parallel.pipeline.schedules)
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
-    stage_layers: str | None = None  # "2,1,1": blocks per pipeline stage (default: balanced)
     trace: str | None = None  # write the last step's pipeline timeline (Chrome trace JSON)
-    sequence_parallel: bool = False  # with --tp: shard LayerNorm/residual regions along T
-    recompute: str = "none"  # activation recomputation: none, selective or full
-    mixed_precision: str = "none"  # none, bf16 or fp16: compute copy, activations, gradients
-    grad_dtype: str = "compute"  # with mixed precision: gradients in the compute dtype or fp32
-    loss_scale_init: float = 65536.0  # fp16: the initial dynamic loss scale (2^16)
-    loss_scale_window: int = 1000  # fp16: double the scale after this many good steps
     init: str | None = None
     save: str | None = None
     log_json: str | None = None
@@ -74,6 +162,12 @@ class TrainConfig:
     save_every: int = 0  # a checkpoint every N steps (0: only at the end)
     keep: int = 0  # keep the last K checkpoints (0: all)
     resume: str | None = None  # continue from the latest complete checkpoint in this directory
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """This run's layout."""
+        return ParallelConfig(**self.layout())
+
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -106,7 +200,7 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"--lr-schedule must be cosine or constant, got {cfg.lr_schedule!r}")
     for name in ("batch_size", "steps"):
         if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+            raise ConfigError(f"{flag_name(name)} must be at least 1")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"--lr must be positive and finite, got {cfg.lr}")
     if cfg.warmup_steps < 0:
@@ -120,20 +214,15 @@ def check_config(cfg: TrainConfig) -> None:
                  "z_loss_coef"):
         x = getattr(cfg, name)
         if x is not None and not _in(x, 0, math.inf):
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 and finite, got {x}")
+            raise ConfigError(f"{flag_name(name)} must be >= 0 and finite, got {x}")
     if cfg.block_size is not None and cfg.block_size < 1:
         raise ConfigError(f"--block-size must be at least 1, got {cfg.block_size}")
     if cfg.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {cfg.seed}")
-    if cfg.cp_algo not in ("ring", "ulysses"):
-        raise ConfigError(f"--cp-algo must be ring or ulysses, got {cfg.cp_algo!r}")
-    if cfg.cp_balance not in ("zigzag", "contiguous"):
-        raise ConfigError(f"--cp-balance must be zigzag or contiguous, got {cfg.cp_balance!r}")
-    if cfg.mixed_precision not in ("none", "bf16", "fp16"):
-        raise ConfigError(f"--mixed-precision must be none, bf16 or fp16, got "
-                          f"{cfg.mixed_precision!r}")
-    if cfg.grad_dtype not in ("compute", "fp32"):
-        raise ConfigError(f"--grad-dtype must be compute or fp32, got {cfg.grad_dtype!r}")
+    for f in fields(ParallelConfig):  # the layout's choices (the flags' choices, without a parser)
+        if (choices := f.metadata["choices"]) and getattr(cfg, f.name) not in choices:
+            raise ConfigError(f"{flag_name(f.name)} must be {', '.join(map(str, choices[:-1]))} or "
+                              f"{choices[-1]}, got {getattr(cfg, f.name)!r}")
     if cfg.grad_dtype != "compute" and cfg.mixed_precision == "none":
         raise ConfigError("--grad-dtype fp32 needs --mixed-precision bf16 or fp16")
     if cfg.mixed_precision == "bf16" and cfg.device == "gpu":

@@ -5,7 +5,7 @@ import json
 import pytest
 from mpi_helpers import refmp
 
-from refmp.cli.bench import active_params
+from refmp.cost.flops import active_params
 from refmp.nn.params import GPTConfig
 
 pytestmark = pytest.mark.cli
@@ -72,7 +72,7 @@ def test_moe_flops_count_active_parameters():
 def test_composed_layout_and_recompute_flops():
     """pp 2 x cp 2 with full recomputation: obeyed, and the recomputed forward is counted as
     hardware FLOPs beyond the model's (2 N_blocks + 4 L T C per token)."""
-    from refmp.cli.bench import recompute_flops_per_step
+    from refmp.cost.flops import recompute_flops_per_step
 
     out = bench_json(4, ["--pp", "2", "--cp", "2", "--microbatches", "2", "--recompute", "full"])
     lay = out["layout"]

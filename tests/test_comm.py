@@ -5,8 +5,9 @@ import pytest
 from mpi4py import MPI
 from mpi_helpers import collective
 
+from refmp.config import check_sizes
 from refmp.distributed.comm import Comm
-from refmp.distributed.grid import ProcessGrid, check_sizes
+from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
 
 pytestmark = pytest.mark.mpi

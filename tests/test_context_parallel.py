@@ -18,6 +18,7 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refmp
 from parity import assert_same_run, serial_config
 
+from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import comm_per_step, unit_sizes
 from refmp.distributed.comm import Comm
 from refmp.distributed.grid import ProcessGrid
@@ -29,7 +30,6 @@ from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.data.accumulate import activation_bytes
 from refmp.parallel.placement import place
-from refmp.parallel.tensor.linear import comm_bytes_per_step
 from refmp.training.datasets import AdditionTask, Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -111,7 +111,7 @@ def want_per_step(par: Trainer) -> dict:
     Attention over cp moves the NH/tp heads of this rank's L layers; the dense gradients are
     reduced ONCE over grid.group("dp", "cp") (label "dp+cp", or "cp" when dp = 1), as
     refmp.cost.zero says for the ZeRO stage, and never over dp or cp alone; tp (with
-    pp = 1 only) moves what refmp.parallel.tensor.linear.comm_bytes_per_step says, with s = Tl.
+    pp = 1 only) moves what refmp.cost.tensor.comm_bytes_per_step says, with s = Tl.
     """
     cfg, run, s, w, M = par.cfg, par.runner, par.grid.sizes, 8, par.cfg.microbatches
     cp, tp, dp, C = s["cp"], s["tp"], s["dp"], run.mcfg.n_embd

@@ -14,8 +14,8 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, refmp
 from parity import assert_same_run
 
+from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
-from refmp.parallel.tensor.linear import comm_bytes_per_step
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 

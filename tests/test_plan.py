@@ -13,8 +13,12 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import REPO, Mismatches, collective, mpiexec
 
-from refmp.cost import model as plan
+from refmp.cli import plan as plan_cli
+from refmp.cost import model
 from refmp.cost import search as plan_search
+from refmp.cost.machines import MACHINES
+from refmp.cost.memory import memory, stage_memory, total
+from refmp.cost.model import Layout, train_config
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn.params import GPTConfig
 from refmp.runtime import cpu
@@ -26,10 +30,10 @@ SMALL = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=13)
 STATE = ("params", "grads", "optimizer", "activations")
 
 
-def trained(lay: plan.Layout, batch: int, grid=None, dtype: str = "float32", **kw) -> Trainer:
+def trained(lay: Layout, batch: int, grid=None, dtype: str = "float32", **kw) -> Trainer:
     """One step of this layout, on the addition task (the plan's TrainConfig, as it runs)."""
     mcfg = replace(SMALL, **kw)
-    cfg = replace(plan.train_config(lay, mcfg, batch, dtype, stage_layers=False), steps=2,
+    cfg = replace(train_config(lay, mcfg, batch, dtype, stage_layers=False), steps=2,
                   progress=False)
     tr = Trainer(cfg, grid=grid)
     tr.step()
@@ -42,9 +46,9 @@ def trained(lay: plan.Layout, batch: int, grid=None, dtype: str = "float32", **k
        dtype=st.sampled_from(["float32", "float64"]))
 def test_memory_is_the_measured_ledger_on_one_rank(recompute, mp, b, dtype):
     """params, grads, optimizer and activations: the plan's figure is Trainer.memory()."""
-    lay = plan.Layout(recompute=recompute, mixed_precision=mp, microbatch_size=b)
+    lay = Layout(recompute=recompute, mixed_precision=mp, microbatch_size=b)
     tr = trained(lay, 4, ProcessGrid(MPI.COMM_SELF), dtype)
-    got, want = tr.memory(), plan.memory(lay, tr.model.cfg, 4, dtype)
+    got, want = tr.memory(), memory(lay, tr.model.cfg, 4, dtype)
     assert {k: want[k] for k in STATE} == {k: got[k] for k in STATE}
 
 
@@ -71,38 +75,38 @@ def test_memory_is_the_measured_ledger_on_four_ranks(grid, zero, recompute, mp, 
                                                     interleaved, algo):
     """Every rank's ledger is its stage's prediction, and the plan's figure is the largest.
 
-    Two corners once off by one array, now in the estimate: with cp the embedding's
-    positions are one array every micro-batch shares (interleaving keeps two in flight), and
-    with one head per rank ring attention's output is a view of its running output y."""
+    Two corners the estimate counts exactly: with cp the embedding's positions are one array
+    every micro-batch shares (interleaving keeps two in flight), and with one head per rank
+    ring attention's output is a view of its running output y."""
     tp, pp, dp, cp = grid
     v = 2 if interleaved and pp > 1 else 1
-    lay = plan.Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, sequence_parallel=sp and tp > 1,
-                      recompute=recompute, mixed_precision=mp, microbatch_size=b,
-                      schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v,
-                      cp_algo=algo if cp > 1 and max(2, tp) // tp % cp == 0 else "ring")
+    lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, sequence_parallel=sp and tp > 1,
+                 recompute=recompute, mixed_precision=mp, microbatch_size=b,
+                 schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v,
+                 cp_algo=algo if cp > 1 and max(2, tp) // tp % cp == 0 else "ring")
     batch = dp * b * (pp if v > 1 else 1)  # interleaving needs the micro-batches in pp's
     tr = trained(lay, batch, n_layer=pp * v if pp * v > 2 else 2, block_size=16,
                  n_head=max(2, tp))  # whole heads on each tp rank
     mcfg, sizes, r = tr.model.cfg, tr.grid.sizes, tr.grid.coords["pp"]
     got = tr.memory()
-    mine = plan.stage_memory(plan.train_config(lay, mcfg, batch), mcfg, sizes, r)
+    predicted = stage_memory(train_config(lay, mcfg, batch), mcfg, sizes, r)
     bad = Mismatches()
-    bad.check(np.testing.assert_equal, [mine[k] for k in STATE], [got[k] for k in STATE],
+    bad.check(np.testing.assert_equal, [predicted[k] for k in STATE], [got[k] for k in STATE],
               err_msg=f"{lay} rank {tr.grid.rank}")
     # the cp traffic the plan times is the ledger's (ring sends, or Ulysses' all-to-alls)
     Ls = sum(len(ch) for ch in tr.runner.stage.chunks.values())
-    op, nbytes, calls = plan.cp_ledger(lay, batch // dp, 16 // cp, mcfg.n_embd, Ls,
-                                       batch // (dp * b), 2 if mp != "none" else 4)
+    op, nbytes, calls = model.cp_ledger(lay, batch // dp, 16 // cp, mcfg.n_embd, Ls,
+                                        batch // (dp * b), 2 if mp != "none" else 4)
     led = tr.grid.ledger.entries.get((op, "cp"), [0, 0])
     bad.check(np.testing.assert_equal, list(led), [nbytes, calls],
               err_msg=f"{lay} rank {tr.grid.rank}: cp ledger")
     most = max(MPI.COMM_WORLD.allgather(sum(got[k] for k in STATE)))
-    bad.check(np.testing.assert_equal, plan.total(plan.memory(lay, mcfg, batch)), most,
+    bad.check(np.testing.assert_equal, total(memory(lay, mcfg, batch)), most,
               err_msg=f"{lay}: the plan's max over ranks")
     bad.assert_none()
 
 
-MACHINE = plan.MACHINES["dgx-a100"]
+MACHINE = MACHINES["dgx-a100"]
 GPT2 = GPTConfig(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, block_size=1024)
 
 
@@ -136,24 +140,24 @@ def test_ulysses_is_timed_by_its_all_to_alls_and_the_ring_hides_behind_attention
     the four-rank test holds to the measured ledger) on one ring of cp ranks; the ring's
     sends minus the attention core they travel behind, so a long sequence hides them."""
     mcfg = GPTConfig(n_layer=4, n_embd=1024, n_head=16, vocab_size=50257, block_size=8192)
-    uly = plan.Layout(cp=4, dp=2, cp_algo="ulysses", recompute="selective")
-    got = plan.predict(uly, mcfg, 16, MACHINE)["seconds"]["cp"]
+    uly = Layout(cp=4, dp=2, cp_algo="ulysses", recompute="selective")
+    got = model.predict(uly, mcfg, 16, MACHINE)["seconds"]["cp"]
     bd, Tl, M = 8, 2048, 8
     nbytes = 4 * 2 * mcfg.n_layer * bd * Tl * mcfg.n_embd * 2  # qkv 3 C + y C, both ways
-    assert plan.cp_ledger(uly, bd, Tl, mcfg.n_embd, 4, M, 2) == ("alltoall", nbytes, 4 * 4 * M)
+    assert model.cp_ledger(uly, bd, Tl, mcfg.n_embd, 4, M, 2) == ("alltoall", nbytes, 4 * 4 * M)
     want = 3 / 4 * nbytes / 300e9 + 4 * 4 * M * 3 * 5e-6  # (n-1)/n X / bw + (n-1) lat a call
     assert got == pytest.approx(want)
-    ring = plan.predict(replace(uly, cp_algo="ring"), mcfg, 16, MACHINE)["seconds"]["cp"]
+    ring = model.predict(replace(uly, cp_algo="ring"), mcfg, 16, MACHINE)["seconds"]["cp"]
     assert ring == 0.0 < got  # 8k tokens: the core's (2048 x 8192) products cover the sends
-    full = plan.cp_ledger(replace(uly, recompute="full"), bd, Tl, mcfg.n_embd, 4, M, 2)
+    full = model.cp_ledger(replace(uly, recompute="full"), bd, Tl, mcfg.n_embd, 4, M, 2)
     assert full[1:] == (nbytes * 3 // 2, 6 * 4 * M)  # the recomputed forward's two again
 
 
 def test_more_gpus_per_tp_group_cost_inter_node_bandwidth():
     """tp across nodes (16 > 8 GPUs per node) is slower than inside one: the tp term grows."""
     wide = GPTConfig(n_layer=4, n_embd=2048, n_head=16, vocab_size=50257, block_size=1024)
-    inside = plan.predict(plan.Layout(tp=8, dp=4), wide, 64, MACHINE)
-    across = plan.predict(plan.Layout(tp=16, dp=2), wide, 64, MACHINE)
+    inside = model.predict(Layout(tp=8, dp=4), wide, 64, MACHINE)
+    across = model.predict(Layout(tp=16, dp=2), wide, 64, MACHINE)
     assert across["seconds"]["tp"] > 5 * inside["seconds"]["tp"]
 
 
@@ -162,18 +166,27 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+def test_the_cost_model_is_pure():
+    """Importing the search and the step-time model loads neither MPI nor the trainer."""
+    code = ("import sys, refmp.cost.search, refmp.cost.model; assert 'mpi4py' not in "
+            "sys.modules and not any(m.startswith('refmp.training') for m in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
 def test_time_shared_cores_make_the_bubble_free_and_ranks_share_the_peak():
     """More ranks than cores: a waiting rank's core runs another rank, so a pipeline's bubble
     costs nothing; and each rank gets its share of the measured peak."""
     mcfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=256)
-    lay = plan.Layout(pp=4)
-    own = plan.predict(lay, mcfg, 8, MACHINE)
-    shared = plan.predict(lay, mcfg, 8, replace(MACHINE, time_shared=True))
+    lay = Layout(pp=4)
+    own = model.predict(lay, mcfg, 8, MACHINE)
+    shared = model.predict(lay, mcfg, 8, replace(MACHINE, time_shared=True))
     assert own["seconds"]["bubble"] > 0 and shared["seconds"]["bubble"] == 0
     assert shared["step_seconds"] == pytest.approx(own["step_seconds"] - own["seconds"]["bubble"])
     cores = cpu.cores()
-    assert plan.cpu_machine(cores).time_shared is False
-    assert plan.cpu_machine(2 * cores).time_shared is True
+    assert plan_cli.cpu_machine(cores).time_shared is False
+    assert plan_cli.cpu_machine(2 * cores).time_shared is True
 
 
 def test_cli_prints_one_table():
@@ -263,22 +276,20 @@ def test_train_layout_auto_refuses_what_cannot_fit_on_every_rank():
 def test_train_flags_given_are_the_searchs_fixed_choices():
     """given_flags tells a flag given (even at its default, or abbreviated) from a default;
     --microbatches fixes M, so b = B / (dp M); --stage-layers is refused."""
-    from refmp.cli.main import add_train_args, given_flags
+    from refmp.cli.train import add_train_args, given_flags
     from refmp.errors import ConfigError
     from refmp.training.trainer import TrainConfig
 
     given = given_flags(add_train_args, ["--tp", "1", "--seq", "--steps", "3", "--layout", "auto"])
     assert given == {"tp", "sequence_parallel", "steps", "layout"}
-    fits, _ = plan_search.search(SMALL, 8, 4, plan.MACHINES["dgx-a100"],
-                                 {"microbatches": 2, "tp": 1}, top=4)
+    fits, _ = plan_search.search(SMALL, 8, 4, MACHINES["dgx-a100"], {"microbatches": 2, "tp": 1}, top=4)
     assert fits and all(8 // (r["dp"] * r["microbatch_size"]) == 2 and r["tp"] == 1
                         for r in fits)
     with pytest.raises(ConfigError, match="--stage-layers"):
-        plan_search.plan_train(TrainConfig(stage_layers="1,1"), {"stage_layers"},
-                               MPI.COMM_SELF)
-    cfg, best = plan_search.plan_train(TrainConfig(n_layer=2, n_head=2, n_embd=8, batch_size=8,
-                                                   recompute="full"), {"recompute"},
-                                       MPI.COMM_SELF)
+        plan_cli.plan_train(TrainConfig(stage_layers="1,1"), {"stage_layers"}, MPI.COMM_SELF)
+    cfg, best = plan_cli.plan_train(TrainConfig(n_layer=2, n_head=2, n_embd=8, batch_size=8,
+                                                recompute="full"), {"recompute"},
+                                    MPI.COMM_SELF)
     assert (cfg.recompute, best["recompute"], cfg.dp, cfg.tp) == ("full", "full", 1, 1)
 
 
@@ -305,7 +316,7 @@ def test_plan_vs_bench_runs_end_to_end_and_ranks_by_hand():
 
 def test_elementwise_bytes_by_hand():
     """b 1, Tl = T = 4, C 8, NH 2, bf16: n = a = 32, h = 128, S = 32 (docstring's counts)."""
-    eb = plan.elementwise_bytes
+    eb = model.elementwise_bytes
     fwd, bwd = 2 * (10 * 32 + 2 * 128 + 2 * 32 + 2 * 32), 2 * (14 * 32 + 3 * 128 + 2 * 32 + 3 * 32)
     assert eb(1, 4, 4, 8, 2, 1, False, "none", False, 2) == fwd + bwd
     assert eb(1, 4, 4, 8, 2, 1, False, "full", False, 2) == 2 * fwd + bwd
@@ -322,5 +333,5 @@ def test_megatron_2021_table_within_ten_percent():
     import plan_megatron
 
     for row in plan_megatron.ROWS[:-1]:
-        got = plan_megatron.best(row, plan.MEGATRON_2021)[0]["tflops_per_gpu"]
+        got = plan_megatron.best(row, model.MEGATRON_2021)[0]["tflops_per_gpu"]
         assert abs(got / row[8] - 1) < 0.10, (row[0], got, row[8])

@@ -5,7 +5,7 @@ shard: the column/row linears, one block (refmp.nn.gpt.block_forward run through
 refmp.parallel.ops.ParallelOps, whole and split for zero bubble), the vocab-parallel ends.
 Level 3: whole training steps (AdamW, clipping, ZeRO, micro-batches, MoE) through the engine
 against the serial run (tests/parity.py), tp x dp. Plus the ledger's bytes against the
-analytic formula (refmp.parallel.tensor.linear.comm_bytes_per_step), and the activation memory of
+analytic formula (refmp.cost.tensor.comm_bytes_per_step), and the activation memory of
 one block and of the whole model with and without SP against the table of
 docs/tensor_parallel.md.
 """
@@ -18,6 +18,7 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 from parity import assert_same_run
 
+from refmp.cost.tensor import comm_bytes_per_step
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import layers as L
@@ -310,7 +311,7 @@ def test_ledger_bytes_and_activations_equal_formula(n_layer, heads_per, hs, t_pe
                 "allreduce": ((4 * L_ + 2) * act + 3 * b * s * w, (4 * L_ + 2 + 3) * M)}
     got = {op: (led.bytes(op, "tp") // cfg.steps, led.count(op, "tp") // cfg.steps)
            for op in want}
-    formula = tpl.comm_bytes_per_step(b, s, h, L_, sp, w, n_repl)
+    formula = comm_bytes_per_step(b, s, h, L_, sp, w, n_repl)
     n_params = sum(int(p.size) for p in run.params.values())  # my shards, wte padded
     dense = (led.bytes("allreduce", "dp"), led.count("allreduce", "dp"))
     NH = cfg.n_head

@@ -42,7 +42,7 @@ def free(*trainers):
 def expected_ledger(cfg, run, b, T, C) -> dict:
     """(bytes, calls) per step on tp for this stage, and the bytes it sends on pp.
 
-    Per micro-batch, refmp.parallel.tensor.linear.comm_bytes_per_step restricted to what this stage
+    Per micro-batch, refmp.cost.tensor.comm_bytes_per_step restricted to what this stage
     holds: L_r blocks, the embedding if first (its g), the head and loss if last (its f and
     the cross-entropy's three (b, s) sums). With SP the all-reduces become reduce-scatters and
     all-gathers (6 per block: 2 gathers, 2 re-gathers, 2 of g's backward; the embedding's

@@ -17,9 +17,9 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
+from refmp.cost.tensor import comm_bytes_per_step
 from refmp.distributed.grid import ProcessGrid
 from refmp.parallel.placement import padded_vocab, place, tp_shard
-from refmp.parallel.tensor.linear import comm_bytes_per_step
 from refmp.training.datasets import AdditionTask
 from refmp.training.trainer import TrainConfig, Trainer
 

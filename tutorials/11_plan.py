@@ -7,7 +7,7 @@ Run:  mpiexec -n 2 python tutorials/11_plan.py            (any number of ranks w
 It prints
   1. the planner's five fastest layouts of GPT-2 small on 64 A100s (refmp.cost.search.search:
      every layout check_layout accepts, timed by refmp.cost.model.predict, sized by
-     refmp.cost.model.memory), and why the best beats the runner-up;
+     refmp.cost.memory.memory), and why the best beats the runner-up;
   2. GPT-2 large on 64 A100s, bf16, full recomputation: the step time of each (tp, pp) split,
      term by term (GEMMs, elementwise kernels, the tp all-reduces, the pipeline's bubble and
      boundaries, the exposed dp reduction): where each layout loses its time; with --plot,
@@ -23,21 +23,23 @@ from dataclasses import replace
 
 from mpi4py import MPI
 
-from refmp.cost import model as plan
-from refmp.cost import search as plan_search
+from refmp.cost.machines import MACHINES
+from refmp.cost.memory import memory, stage_memory, total
+from refmp.cost.model import Layout, predict, train_config
+from refmp.cost.search import search, table
 from refmp.nn.params import GPTConfig
 from refmp.training.trainer import Trainer
 
 world = MPI.COMM_WORLD
 rank, n = world.Get_rank(), world.Get_size()
 say = print if rank == 0 else (lambda *a, **k: None)
-A100 = plan.MACHINES["dgx-a100"]
+A100 = MACHINES["dgx-a100"]
 
 # --- 1. the search --------------------------------------------------------------------------
 gpt2 = GPTConfig(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, block_size=1024)
-fits, bad = plan_search.search(gpt2, 512, 64, A100, top=5)
+fits, bad = search(gpt2, 512, 64, A100, top=5)
 say("1. GPT-2 small, batch 512, on 64 x dgx-a100:")
-say(plan_search.table(fits, bad))
+say(table(fits, bad))
 
 # --- 2. step time against the layout --------------------------------------------------------
 large = GPTConfig(n_layer=36, n_embd=1280, n_head=20, vocab_size=50257, block_size=1024)
@@ -46,9 +48,9 @@ terms = ("compute", "elementwise", "tp", "bubble", "pp", "dp", "optimizer")
 say(f"{'tp x pp':>8} " + " ".join(f"{t:>9}" for t in terms) + f" {'step':>9} {'GB/rank':>8}")
 rows = []
 for tp, pp in [(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]:
-    lay = plan.Layout(tp=tp, pp=pp, dp=64 // (tp * pp), recompute="full", microbatch_size=1)
-    p = plan.predict(lay, large, 512, A100)
-    gb = plan.total(plan.memory(lay, large, 512)) / 1e9
+    lay = Layout(tp=tp, pp=pp, dp=64 // (tp * pp), recompute="full", microbatch_size=1)
+    p = predict(lay, large, 512, A100)
+    gb = total(memory(lay, large, 512)) / 1e9
     rows.append((f"{tp}x{pp}", p))
     say(f"{tp:>3} x {pp:<2} " + " ".join(f"{1e3 * p['seconds'][t]:>9.1f}" for t in terms)
         + f" {1e3 * p['step_seconds']:>9.1f} {gb:>8.1f}")
@@ -74,19 +76,18 @@ if "--plot" in sys.argv and rank == 0:
 
 # --- 3. the prediction against the measured ledger ------------------------------------------
 small = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=13)
-layouts = [plan.Layout(dp=n, mixed_precision="none", zero=1 if n > 1 else 0)]
+layouts = [Layout(dp=n, mixed_precision="none", zero=1 if n > 1 else 0)]
 if n % 2 == 0:
-    layouts.append(plan.Layout(pp=2, dp=n // 2, mixed_precision="bf16", recompute="selective"))
+    layouts.append(Layout(pp=2, dp=n // 2, mixed_precision="bf16", recompute="selective"))
 say(f"\n3. measured on {n} rank(s) against the plan (bytes of the rank at pp coordinate r)")
 wrong = 0
 for lay in layouts:
-    cfg = replace(plan.train_config(lay, small, 4 * n, stage_layers=False), steps=1,
-                  progress=False)
+    cfg = replace(train_config(lay, small, 4 * n, stage_layers=False), steps=1, progress=False)
     tr = Trainer(cfg)
     tr.step()
     mcfg, r = tr.model.cfg, tr.grid.coords["pp"]
     got = tr.memory()
-    want = plan.stage_memory(plan.train_config(lay, mcfg, 4 * n), mcfg, tr.grid.sizes, r)
+    want = stage_memory(train_config(lay, mcfg, 4 * n), mcfg, tr.grid.sizes, r)
     keys = ("params", "grads", "optimizer", "activations")
     same = all(got[k] == want[k] for k in keys)
     wrong += not same

@@ -118,9 +118,7 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
     scale = {"loss_scale": parts.scaler.state()} if parts.scaler is not None else {}
     manifest = {
         "format": FORMAT, "version": 1, "step": step, "dtype": cfg.dtype,
-        "layout": {**parts.grid.sizes, "world": world.size, "zero": cfg.zero,
-                   "sequence_parallel": cfg.sequence_parallel,
-                   "virtual_stages": cfg.virtual_stages, "stage_layers": cfg.stage_layers},
+        "layout": {**cfg.layout(parts.grid.sizes), "world": world.size},
         "optimizer": {"kind": opt["kind"], "t": opt["t"], **scale, "moments": sorted(moments)},
         "data": progress["data"], "lr": progress["lr"],
         "rng": "none: after initialization a step draws no random numbers",

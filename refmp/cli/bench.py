@@ -1,20 +1,10 @@
 """``refmp bench``: time training steps and report ms/step, tokens/s, FLOP/s, MFU and bytes.
 
 It takes every layout flag of ``refmp train`` (--dp --tp --pp --cp --ep, --zero, the pipeline,
-cp and MoE options; cli.py registers them once for both commands) on a model from a preset.
+cp and MoE options: refmp.cli.train makes them for both commands) on a model from a preset.
 
-Model FLOPs per step (the work a dense implementation must do, as in Chowdhery et al. 2022,
-appendix B): 6 * N * tokens for the matrix products of N parameters (forward 2, backward 4),
-where N leaves out wpe (a lookup, no product) but keeps wte (it is the LM head's matrix),
-plus 12 * L * T * C * tokens for attention's q k^T and att v (refmp computes the full T x T
-products, masked, so this is work done, not an upper bound). For a mixture of experts N is
-the active parameters: each expert's weights count top_k / n_expert (a token visits top_k
-of the n_expert experts), the router counts in full; tokens dropped at capacity are still
-counted, so this is the routed model's work, not what a layer with drops did.
-
-With --recompute the FLOPs executed exceed the model's: the extra forward work is reported
-apart (``recompute_gflops``, ``hardware_gflops``: Narayanan et al. 2021, eq. 3), and MFU
-stays model FLOPs over peak.
+Model FLOPs per step, and with --recompute the hardware FLOPs beyond them (reported apart:
+``recompute_gflops``, ``hardware_gflops``; MFU stays model FLOPs over peak): refmp.cost.flops.
 
 With --mixed-precision bf16 or fp16 the products still run in fp32 on the CPU (BLAS has no
 bf16 kernel; refmp.runtime.precision), on operands rounded to the compute dtype: the peak is the
@@ -31,17 +21,18 @@ seen from one rank (with --pp, other stages' sends and receives may differ).
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
 import time
 from collections import defaultdict
+from dataclasses import fields
 
 import numpy as np
 
-from refmp.nn.params import GPTConfig, param_shapes
-from refmp.runtime import backend
+from refmp.cli.train import add_layout_args, add_moe_args
+from refmp.config import ParallelConfig, flag_name
+from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
+from refmp.runtime.device import measure_peak
 from refmp.training.datasets import Dataset
 
 PRESETS = {
@@ -52,54 +43,29 @@ PRESETS = {
 }
 
 
-def add_bench_args(p: argparse.ArgumentParser) -> None:
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="time training steps: ms/step, tokens/s, FLOP/s, MFU",
+                       description="Time training steps of a model and report ms/step, "
+                                   "tokens/s, model FLOP/s and MFU against a measured peak.")
+    # the model preset and the timing; the rest is train's own flags
     p.add_argument("--preset", choices=sorted(PRESETS), default="small",
                    help="small: 4 layers, n_embd 256, 8 heads, block 128, batch 8, vocab 256, "
                         "float32 (default)")
     for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "vocab"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                       help="override the preset")
+        p.add_argument(flag_name(name), type=int, default=None, help="override the preset")
     p.add_argument("--dtype", choices=["float32", "float64"], default=None)
     p.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
                    help="cpu (NumPy) or gpu (CuPy); default $REFMP_DEVICE or cpu")
     p.add_argument("--steps", type=int, default=20, help="timed steps (20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_moe_args(p)
+    add_layout_args(p)
+    p.set_defaults(run=run_bench)
 
 
-# TrainConfig fields that bench takes from train's own flags, as given (cli.add_layout_args,
-# cli.add_moe_args)
-LAYOUT = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "microbatches", "bucket_mb",
-          "schedule", "virtual_stages", "stage_layers", "cp_algo", "cp_balance", "recompute",
-          "mixed_precision", "grad_dtype", "loss_scale_init", "loss_scale_window")
+# the MoE flags bench takes from train's own (refmp.cli.train.add_moe_args)
 MOE = ("n_expert", "top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
-
-
-def active_params(cfg: GPTConfig) -> float:
-    """N of the FLOP count: parameters in matrix products per token, wpe left out, each
-    expert's counted top_k / n_expert (see the module docstring)."""
-    n = 0.0
-    for name, shape in param_shapes(cfg).items():
-        if name == "wpe.weight":
-            continue  # a lookup, no product
-        share = cfg.top_k / cfg.n_expert if ".mlp.experts." in name else 1.0
-        n += share * math.prod(shape)
-    return n
-
-
-def model_flops_per_step(n_params: float, n_layer: int, T: int, C: int, tokens: int) -> float:
-    """6 N tokens + 12 L T C tokens (see the module docstring)."""
-    return 6.0 * n_params * tokens + 12.0 * n_layer * T * C * tokens
-
-
-def recompute_flops_per_step(mode: str, n_block_params: float, n_layer: int, T: int, C: int,
-                             tokens: int) -> float:
-    """The FLOPs recomputation adds (hardware FLOPs, Narayanan et al. 2021 eq. 3, beyond the
-    model's): full runs every block's forward again, 2 N_blocks tokens + 4 L T C tokens;
-    selective recomputes the softmax's scores q k^T, 2 L T C tokens."""
-    if mode == "full":
-        return 2.0 * n_block_params * tokens + 4.0 * n_layer * T * C * tokens
-    return 2.0 * n_layer * T * C * tokens if mode == "selective" else 0.0
 
 
 def ledger_by_axis(entries: dict[tuple[str, str], list[int]]) -> dict[str, dict[str, dict]]:
@@ -108,23 +74,6 @@ def ledger_by_axis(entries: dict[tuple[str, str], list[int]]) -> dict[str, dict[
     for (op, axis), (b, c) in sorted(entries.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         out.setdefault(axis, {})[op] = {"bytes": b, "count": c}
     return out
-
-
-def measure_peak(dtype: str, n: int = 1024, reps: int = 5) -> float:
-    """FLOP/s of this process's best n x n matrix product (median of reps)."""
-    xp = backend.xp
-    rng = np.random.default_rng(0)
-    a = backend.from_host(rng.standard_normal((n, n)).astype(dtype))
-    b = backend.from_host(rng.standard_normal((n, n)).astype(dtype))
-    a @ b  # warm-up (thread pools, caches)
-    times = []
-    for _ in range(reps):
-        backend.sync()
-        t0 = time.perf_counter()
-        xp.matmul(a, b)
-        backend.sync()
-        times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / float(np.median(times))
 
 
 def run_bench(args) -> dict:
@@ -141,7 +90,8 @@ def run_bench(args) -> dict:
                       block_size=spec["block_size"], batch_size=spec["batch_size"],
                       steps=args.warmup + args.steps, dtype=spec["dtype"], device=args.device,
                       lr_schedule="constant", lr=1e-4, progress=False, trace=args.trace,
-                      **{k: getattr(args, k) for k in LAYOUT + MOE})
+                      **{k: getattr(args, k) for k in MOE},
+                      **{f.name: getattr(args, f.name) for f in fields(ParallelConfig)})
     rng = np.random.default_rng(1)
     n_tok = (spec["batch_size"] * (args.warmup + args.steps) + 1) * spec["block_size"] + 1
     ds = Dataset(rng.integers(0, spec["vocab"], n_tok), spec["vocab"], "random tokens")
@@ -172,13 +122,12 @@ def run_bench(args) -> dict:
     flops = model_flops_per_step(n_active, m.n_layer, tr.T, m.n_embd, tokens)
     n_blocks = n_active - m.vocab_size * m.n_embd - 2 * m.n_embd  # less wte (the head), ln_f
     extra = recompute_flops_per_step(cfg.recompute, n_blocks, m.n_layer, tr.T, m.n_embd, tokens)
-    layout = {**tr.grid.sizes, **{k: getattr(cfg, k) for k in LAYOUT if k not in tr.grid.sizes}}
     out = {
         "ms_per_step": 1e3 * sec, "tokens_per_s": tokens / sec, "gflops": flops / sec / 1e9,
         "mfu": flops / sec / peak, "peak_gflops": peak / 1e9, "params": tr.model.num_params(),
         "active_params": n_active, "world_size": world.size, "steps": args.steps,
         "model": {**spec, **({k: getattr(m, k) for k in MOE} if m.n_expert else {})},
-        "layout": layout,
+        "layout": cfg.layout(tr.grid.sizes),
         "device": tr.device_info,
         "ms_per_step_min": 1e3 * min(times), "ms_per_step_max": 1e3 * max(times),
         "ledger": ledger_by_axis(sent),  # rank 0's, summed over the timed steps

@@ -1,4 +1,4 @@
-"""The pipeline's command-line pieces: train flags and ``refmp schedule`` (no MPI needed).
+"""``refmp schedule``: a pipeline schedule simulated (no MPI needed).
 
     refmp schedule --pp 4 --microbatches 8 --schedule 1f1b [--png out.png] [--trace out.json]
 
@@ -8,25 +8,11 @@ peak number of micro-batches whose activations each rank holds.
 
 from __future__ import annotations
 
-import argparse
-
 from refmp.errors import ConfigError
 from refmp.parallel.pipeline.schedules import SCHEDULES
 
 
-def add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("pipeline (with --pp > 1; see docs/pipeline.md)")
-    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                   help="pipeline schedule (default 1f1b)")
-    g.add_argument("--virtual-stages", type=int, default=1,
-                   help="model chunks per rank, for --schedule interleaved (1)")
-    g.add_argument("--stage-layers", default=None, metavar="N,N,...",
-                   help="blocks per stage, e.g. 2,1,1 (default: balanced by a cost model)")
-    g.add_argument("--trace", default=None, metavar="PATH.json",
-                   help="write the last step's measured timeline as Chrome trace JSON")
-
-
-def add_schedule_parser(sub) -> None:
+def add_parser(sub) -> None:
     s = sub.add_parser("schedule", help="simulate a pipeline schedule: timeline and bubble",
                        description="Run a pipeline schedule's action lists without MPI: prove "
                                    "they complete, print the timeline and the bubble fraction.")
@@ -36,6 +22,7 @@ def add_schedule_parser(sub) -> None:
     s.add_argument("--virtual-stages", type=int, default=1, help="for interleaved (1)")
     s.add_argument("--png", default=None, metavar="PATH.png", help="draw the timeline")
     s.add_argument("--trace", default=None, metavar="PATH.json", help="Chrome trace JSON")
+    s.set_defaults(run=run_schedule)
 
 
 def run_schedule(args) -> dict:

@@ -1,21 +1,176 @@
-"""``refmp train`` as a command: progress, the JSON log, checkpoints, --save, --trace and
-the summary.
+"""``refmp train``: its flags (the layout's, which ``refmp bench`` takes too, made from
+refmp.config.ParallelConfig's fields: help, group, type, choices and default are the field's),
+the TrainConfig they make (with ``--layout auto``, the planner's layout), and the run as a
+command: progress, the JSON log, checkpoints, --save, --trace and the summary.
 
 The step itself lives in refmp.training.trainer (Trainer); this module only drives it and reports.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import numpy as np
 
+from refmp.config import PIPELINE, ParallelConfig, flag_name
+from refmp.cost.model import SEARCHED
 from refmp.distributed.faults import inject_fault
 from refmp.errors import ConfigError, TrainingError
 from refmp.training.trainer import TrainConfig, Trainer
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a GPT on any layout",
+                       description="Train a GPT-2 style model. Launch with mpiexec for several "
+                                   "ranks, e.g. `mpiexec -n 2 refmp train --dp 2`.")
+    add_train_args(p)
+    p.set_defaults(run=run_train)
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """How the ranks split the work: the ParallelConfig fields, each in its help group, and
+    --trace with the pipeline's."""
+    groups = {}
+    for f in fields(ParallelConfig):
+        m = f.metadata
+        g = groups.get(m["group"])
+        if g is None:
+            g = groups[m["group"]] = p.add_argument_group(m["group"])
+        if m["kind"] is bool:
+            g.add_argument(flag_name(f.name), action="store_true", help=m["help"])
+        else:
+            g.add_argument(flag_name(f.name), type=m["kind"], default=f.default,
+                           choices=m["choices"], metavar=m["metavar"], help=m["help"])
+    groups[PIPELINE].add_argument("--trace", default=None, metavar="PATH.json",
+                                  help="write the last step's measured timeline as Chrome "
+                                       "trace JSON")
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    """MoE flags (train and bench). All but --n-expert default to None, so an explicit flag
+    is visible: it wins over an --init file's metadata; None means GPTConfig's default."""
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--n-expert", type=int, default=0, help="experts per MoE layer (0: dense)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="experts per token (default 2, or the --init file's)")
+    g.add_argument("--moe-every", type=int, default=None,
+                   help="block i is MoE if i %% N == 0 (default 1, or the --init file's routers)")
+    g.add_argument("--capacity-factor", type=float, default=None,
+                   help="slots per expert: ceil(CF*K*T/E) per sequence; 0: no limit "
+                        "(default 1.25, or the --init file's)")
+    g.add_argument("--aux-loss-coef", type=float, default=None,
+                   help="load-balancing loss weight alpha (default 0.01, or the --init file's)")
+    g.add_argument("--z-loss-coef", type=float, default=None,
+                   help="router z-loss weight (default 0.001, or the --init file's)")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--n-layer", type=int, default=2, help="transformer blocks (default 2)")
+    g.add_argument("--n-head", type=int, default=None,
+                   help="attention heads (default 4, or the --init file's)")
+    g.add_argument("--n-embd", type=int, default=64, help="channels C (default 64)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="sequence length T (default: one addition problem, 13; 64 for --data)")
+    g.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    g.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
+                   help="cpu (NumPy) or gpu (CuPy, one GPU per rank); default $REFMP_DEVICE or cpu")
+    add_moe_args(p)
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, metavar="PATH",
+                   help="token file: .npy (1-D ints), .bin (uint16, nanoGPT) or any other file "
+                        "as bytes (vocab 256). Default: the built-in addition task")
+    g.add_argument("--digits", type=int, default=3, help="addition task: digits per operand (3)")
+    g.add_argument("--shuffle", action="store_true", help="seeded shuffle of the windows")
+    g.add_argument("--seed", type=int, default=0, help="weights, data and shuffle seed (0)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--batch-size", type=int, default=128, help="global batch, sequences/step (128)")
+    g.add_argument("--steps", type=int, default=1500, help="training steps (1500)")
+    g.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
+    g.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
+                   help="cosine: linear warm-up then decay to --min-lr-ratio * lr")
+    g.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warm-up steps, at most --steps (default 100)")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.1,
+                   help="decoupled (AdamW) or L2 (SGD), on matrices only (0.1)")
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.99)
+    g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (0)")
+    g.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: off; default 1.0)")
+    add_layout_args(p)
+    g = p.add_argument_group("automatic layout (docs/plan.md)")
+    g.add_argument("--layout", choices=["auto"], default=None,
+                   help="auto: ask refmp plan (--machine cpu: this host's GEMM peak, free "
+                        "memory and MPI links, measured) for the fastest layout of this model "
+                        "that fits the MPI world size, print it (rank 0) and train with it. "
+                        f"Layout flags given with it ({' '.join(map(flag_name, SEARCHED))}) "
+                        "are fixed choices of the search; --stage-layers is refused. Nothing "
+                        "fits: exit 2")
+    g = p.add_argument_group("files")
+    g.add_argument("--init", default=None, metavar="PATH.safetensors",
+                   help="start from these weights; the model shape is read from them")
+    g.add_argument("--save", default=None, metavar="PATH.safetensors",
+                   help="write the trained model (full, GPT-2 names) once at the end")
+    g.add_argument("--log-json", default=None, metavar="PATH",
+                   help="one JSON object per step, then a summary object")
+    g = p.add_argument_group("checkpoints (docs/checkpoints.md)")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write sharded checkpoints DIR/step-NNNNNNNN/ (one file per rank and a "
+                        "manifest) at the end, and every --save-every steps")
+    g.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="a checkpoint every N steps (0: only at the end)")
+    g.add_argument("--keep", type=int, default=0, metavar="K",
+                   help="keep only the last K checkpoints in --checkpoint-dir (0: all)")
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from the latest complete checkpoint in DIR, saved by any "
+                        "layout; --steps is the total, counting the steps before")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Rules between flags as given (TrainConfig cannot tell a default from a choice)."""
+    if getattr(args, "warmup_steps", None) is not None and args.warmup_steps > args.steps \
+            and args.lr_schedule == "cosine":  # the constant schedule has no warm-up
+        raise ConfigError(f"--warmup-steps {args.warmup_steps} is more than --steps "
+                          f"{args.steps}: the learning rate would never reach --lr")
+
+
+def given_flags(add_args, argv: list[str]) -> set[str]:
+    """The destinations of the flags on this command line (not their defaults): ``argv``
+    parsed again by a parser of the same flags whose defaults are all left unset."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_args(p)
+    for a in p._actions:  # argparse's own list of the flags just added
+        a.default = argparse.SUPPRESS
+    return set(vars(p.parse_known_args(argv)[0]))
+
+
+def run_train(args: argparse.Namespace, argv: list[str]) -> dict:
+    """The TrainConfig of the flags, or with --layout auto the planner's (the layout flags
+    given, ``argv`` after ``train``, kept fixed), then the run."""
+    check_flags(args)
+    names = {f.name for f in fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items()
+             if k in names and not (k == "warmup_steps" and v is None)}
+    cfg = TrainConfig(**given)
+    if args.layout == "auto":  # the planner's layout, the flags given kept fixed
+        from mpi4py import MPI
+
+        from refmp.cli.plan import describe_train, plan_train
+
+        cfg, best = plan_train(cfg, given_flags(add_train_args, argv), MPI.COMM_WORLD)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(describe_train(best, MPI.COMM_WORLD.Get_size()), flush=True)
+    return run(cfg)
 
 
 def run(cfg: TrainConfig) -> dict:

@@ -1,6 +1,7 @@
-"""The memory check before the first step: an estimate of what a rank will hold, against
-what its node has free (refmp.distributed.faults says how a refused run ends; docs/faults.md how close
-the estimate is).
+"""What a rank will hold: an estimate of its bytes from the shapes alone (estimate_memory:
+refmp.training.checks compares it with what the node has free before the first step,
+docs/faults.md says how close it is), and the planner's figure for a layout (memory: the
+stage that needs the most).
 
 Shapes: B global batch, b = B/(dp M) rows of one micro-batch on a rank, M micro-batches,
 T sequence, Tl = T/cp tokens per rank, s = Tl/tp with sequence parallelism (else Tl),
@@ -15,9 +16,15 @@ over the rank's own schedule, micro-batch by micro-batch.
 from __future__ import annotations
 
 import math
-import os
+from dataclasses import replace
 
-from refmp.errors import ConfigError
+from refmp.config import TrainConfig
+from refmp.cost.model import Layout, split, train_config
+from refmp.cost.zero import memory_per_rank, unit_sizes
+from refmp.nn.params import GPTConfig, param_shapes
+from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
+from refmp.parallel.pipeline.schedules import schedule
+from refmp.parallel.placement import padded_vocab, stage_chunks
 
 
 def block_cache_elements(b: int, Tl: int, T: int, C: int, NH: int, tp: int = 1, sp: bool = False,
@@ -78,8 +85,6 @@ def head_cache_bytes(b: int, Tl: int, C: int, V: int, tp: int = 1, sp: bool = Fa
     """The head's cache (tests/test_tensor_parallel.py's model_activation_bytes, less the
     embedding's): ln_f's input, output and rstd on s positions, Vl columns of the logits and
     the log-sum-exp, the int64 targets (with tp, a bool mask of those my shard owns)."""
-    from refmp.parallel.placement import padded_vocab
-
     s, BT = (Tl // tp if sp else Tl), b * Tl
     Vl = padded_vocab(V, tp) // tp
     return w * (2 * b * s * C + b * s + BT * Vl + BT) + 8 * BT + (BT if tp > 1 else 0)
@@ -97,16 +102,16 @@ def held_peak(actions, chunk_bytes: dict, shared: dict | None = None) -> int:
     once while any of them is alive."""
     split = any(a.kind == "W" for a in actions)
     shared = shared or {}
-    held = peak = 0
+    live = peak = 0  # bytes of the caches alive now
     alive = dict.fromkeys(chunk_bytes, 0)  # caches of each chunk alive now
     for a in actions:
         if a.kind == "F":
-            held += chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
+            live += chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
             alive[a.chunk] += 1
         elif a.kind == ("W" if split else "B"):
             alive[a.chunk] -= 1
-            held -= chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
-        peak = max(peak, held)
+            live -= chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
+        peak = max(peak, live)
     return peak
 
 
@@ -125,12 +130,6 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     plus the largest unit, gathered whole while it runs). ``setup``: the full model, which
     every rank builds (or reads from --init) before it keeps its slices.
     """
-    from refmp.cost.zero import memory_per_rank, unit_sizes
-    from refmp.nn.gpt import param_shapes
-    from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
-    from refmp.parallel.pipeline.schedules import schedule
-    from refmp.parallel.placement import stage_chunks
-
     w = 8 if cfg.dtype == "float64" else 4
     pp, dp, cp, tp, ep = (sizes[a] for a in ("pp", "dp", "cp", "tp", "ep"))
     T = cfg.block_size or mcfg.block_size
@@ -138,9 +137,9 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     S, r = pp * v, coords["pp"]
     blocks = partition(mcfg.n_layer, S, piece_costs(C, T, V), parse_stage_layers(cfg.stage_layers))
     chunks = {c: blocks[c] for c in stage_chunks(r, pp, v)}
-    mine = [i for c in chunks.values() for i in c]
+    stage_blocks = [i for c in chunks.values() for i in c]
     ep_rank = (coords["dp"] * cp + coords["cp"]) % ep  # refmp.distributed.grid: ep carved from dp x cp
-    units = unit_sizes(mcfg, tp, mine, 0 in chunks, S - 1 in chunks, ep, ep_rank)
+    units = unit_sizes(mcfg, tp, stage_blocks, 0 in chunks, S - 1 in chunks, ep, ep_rank)
     dense = {u: n for u, n in units.items() if not u.endswith(".experts")}
     expert = {u: n for u, n in units.items() if u.endswith(".experts")}
     mem = memory_per_rank(dense, dp * cp, cfg.zero, w)
@@ -180,69 +179,6 @@ def need_bytes(mem: dict) -> int:
     return mem["params"] + mem["grads"] + mem["optimizer"] + max(mem["setup"], step)
 
 
-def available_memory(device: str = "cpu") -> tuple[int, str]:
-    """(bytes free, where that figure comes from): the GPU's free memory for --device gpu;
-    else /proc/meminfo's MemAvailable (or physical memory), capped by a cgroup limit."""
-    if device == "gpu":
-        import cupy
-
-        return int(cupy.cuda.runtime.memGetInfo()[0]), "free on this GPU"
-    free, source = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free, source = int(line.split()[1]) * 1024, "MemAvailable"
-    except OSError:
-        pass
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit) as f1, open(usage) as f2:
-                room = int(f1.read().strip()) - int(f2.read().strip())
-        except (OSError, ValueError):  # no such cgroup file, or "max"
-            continue
-        if room < free:
-            free, source = room, "the cgroup's memory limit"
-    return free, source
-
-
-def check_memory(cfg, mcfg, grid) -> None:
-    """Refuse a layout whose estimated memory exceeds what this node (or GPU) has free.
-
-    Collective over grid.world (a split by node and GPU, one all-reduce): the ranks that
-    share the memory add up their needs. Raises on the ranks of a node that does not fit;
-    call it through refmp.distributed.faults.agreed so that every rank stops.
-    """
-    from mpi4py import MPI
-
-    mem = estimate_memory(cfg, mcfg, grid.sizes, grid.coords)
-    need = need_bytes(mem)
-    device = 0
-    if cfg.device == "gpu":  # refmp.runtime.device.use_gpu chose this rank's GPU
-        import cupy
-
-        device = cupy.cuda.Device().id
-    node = grid.world.mpi.Split_type(MPI.COMM_TYPE_SHARED)
-    share = node.Split(device, node.Get_rank())
-    try:
-        total, n = share.allreduce(need), share.Get_size()
-    finally:
-        share.Free()
-        node.Free()
-    free, source = available_memory(cfg.device)
-    if total > free:
-        parts = ", ".join(f"{k} {size(mem[k])}" for k in ("params", "grads", "optimizer"))
-        where = "GPU" if cfg.device == "gpu" else "node"
-        raise ConfigError(
-            f"not enough memory: rank {grid.rank} needs about {size(need)} ({parts}, peak "
-            f"activations {size(mem['activations'] + mem['workspace'])}, the full model at set-up "
-            f"{size(mem['setup'])}); the {n} rank(s) on this {where} need {size(total)}, "
-            f"but {size(free)} is available ({source}). Use a smaller --block-size or "
-            f"--batch-size, more --microbatches, or more ranks (an estimate: docs/faults.md)")
-
-
 def size(n: float) -> str:
     """Bytes for people: 3 significant digits and a decimal unit (30.8 TB)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
@@ -252,3 +188,43 @@ def size(n: float) -> str:
     return f"{n:.3g} PB"
 
 
+def memory(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32") -> dict[str, int]:
+    """Bytes per rank, the max over the pipeline stages of stage_memory; ``stage`` says
+    which stage needs the most (params + grads + optimizer + activations)."""
+    cfg = train_config(lay, mcfg, batch, dtype)
+    sizes = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
+    blocks = split(mcfg, lay.pp * lay.virtual_stages)
+    n_blocks = [sum(len(blocks[c]) for c in stage_chunks(r, lay.pp, lay.virtual_stages))
+                for r in range(lay.pp)]  # per stage
+    # the first stage keeps the most micro-batches in flight and the embeddings, the last the
+    # head; a middle one can only exceed them by holding more blocks
+    mems = [stage_memory(cfg, mcfg, sizes, r)
+            for r in sorted({0, lay.pp - 1, n_blocks.index(max(n_blocks))})]
+    return max(mems, key=total)
+
+
+def stage_memory(cfg: TrainConfig, mcfg: GPTConfig, sizes: dict, r: int) -> dict[str, int]:
+    """estimate_memory of the rank at pipeline coordinate r (its tp, dp, cp and ep peers
+    hold the same amounts). With mixed precision the engine keeps the compute copy in c
+    bytes, gradients in g, and masters plus two moments in 3 w per owned element
+    (refmp.cost.zero.memory_per_rank with compute=c, grad=g: linear in the bytes, so a
+    rescaling of the estimate's one-precision figures), and its float caches in c bytes."""
+    m = estimate_memory(cfg, mcfg, sizes, {"pp": r, "dp": 0, "cp": 0, "tp": 0, "ep": 0})
+    w = 8 if cfg.dtype == "float64" else 4
+    if cfg.mixed_precision != "none":
+        c, g = 2, (4 if cfg.grad_dtype == "fp32" else 2)
+        m["params"], m["grads"] = m["params"] * c // w, m["grads"] * g // w
+        m["optimizer"] = m["optimizer"] * 3 // 2 if cfg.optimizer == "adamw" else m["optimizer"]
+        # the caches' floats take c bytes, their int64 ids and targets stay 8: the estimate at
+        # both one-precision widths (4 A + I, 8 A + I) separates the two
+        other = estimate_memory(replace(cfg, dtype="float64" if w == 4 else "float32"), mcfg,
+                                sizes, {"pp": r, "dp": 0, "cp": 0, "tp": 0, "ep": 0})
+        for k in ("activations", "workspace"):
+            e4, e8 = (m[k], other[k]) if w == 4 else (other[k], m[k])
+            m[k] = c * (e8 - e4) // 4 + 2 * e4 - e8
+    m["stage"] = r
+    return m
+
+
+def total(m: dict) -> int:
+    return m["params"] + m["grads"] + m["optimizer"] + m["activations"]

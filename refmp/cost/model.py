@@ -1,16 +1,13 @@
-"""``refmp plan``'s cost model: memory per rank and step time of a layout (the search:
-refmp.cost.search).
+"""``refmp plan``'s cost model: the planner's layout (Layout: the ParallelConfig fields it
+searches, with a micro-batch as its rows b where a run counts M = B / (dp b)), and the seconds
+of one step of a layout, by term (the search: refmp.cost.search; the memory:
+refmp.cost.memory.memory).
 
 A pure computation (no MPI): the formulas the tests hold refmp's ledgers against, and a
-machine description. Shapes: B global batch, b rows of a micro-batch, M micro-batches,
-T sequence, Tl = T/cp, C channels, NH heads, V vocabulary, L blocks (Ls of a stage);
-w bytes per element (c: the compute copy's, g: the gradients'); pp, dp, cp, tp, ep sizes;
-G GPUs per node. docs/plan.md writes the cost model out, term by term.
-
-Memory per rank (exact: it is refmp.cost.memory.estimate_memory, which tests/test_plan.py
-holds to Trainer.memory()): params, grads, optimizer, activations, the max over pipeline
-stages. With mixed precision the state follows zero_cost.memory_per_rank's c, g and 3 w
-bytes (the engine's buffers), and the float caches take c bytes.
+machine description (refmp.cost.machines). Shapes: B global batch, b rows of a micro-batch,
+M micro-batches, T sequence, Tl = T/cp, C channels, NH heads, V vocabulary, L blocks (Ls of
+a stage); w bytes per element (c: the compute copy's, g: the gradients'); pp, dp, cp, tp, ep
+sizes; G GPUs per node. docs/plan.md writes the cost model out, term by term.
 
 Time per step (seconds), per stage: busy = GEMMs + elementwise + tp + cp + ep + pp comm;
 the pipeline runs at its slowest stage over (1 - bubble) (the simulator's bubble of the
@@ -28,125 +25,43 @@ MEGATRON_2021 for the published comparison).
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, replace
+from dataclasses import Field, dataclass, field, fields, make_dataclass
 from functools import cache
 
-from refmp.cli.bench import active_params, model_flops_per_step, recompute_flops_per_step
-from refmp.cost.memory import estimate_memory
+from refmp.config import ParallelConfig, TrainConfig
+from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
+from refmp.cost.machines import Machine
+from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import comm_per_step, unit_sizes
 from refmp.nn.params import GPTConfig
 from refmp.parallel.pipeline.partition import partition, piece_costs
 from refmp.parallel.pipeline.simulate import simulate_schedule
 from refmp.parallel.placement import stage_chunks
-from refmp.parallel.tensor.linear import comm_bytes_per_step
-from refmp.training.trainer import TrainConfig
 
-MODELS = {  # (n_layer, n_embd, n_head, vocab, block_size): GPT-2 (Radford 2019), GPT-3 (Brown 2020)
-    "gpt2": (12, 768, 12, 50257, 1024), "gpt2-medium": (24, 1024, 16, 50257, 1024),
-    "gpt2-large": (36, 1280, 20, 50257, 1024), "gpt2-xl": (48, 1600, 25, 50257, 1024),
-    "gpt3-175b": (96, 12288, 96, 50257, 2048),
-}
+SEARCHED = tuple(f.name for f in fields(ParallelConfig) if f.metadata["plan"] is not None)
+# a plan's defaults where they are not a run's: dp a number, and bf16 (a GPU plan runs in
+# mixed precision, as Narayanan et al. 2021 and Korthikanti et al. 2022 do)
+PLAN_DEFAULTS = {"dp": 1, "mixed_precision": "bf16"}
 
 
-@dataclass(frozen=True)
-class Machine:
-    """One accelerator's peak and memory, and the links (GB/s per GPU, one direction)."""
-    name: str
-    gpus_per_node: int
-    gpu_memory_gb: float
-    peak_tflops: float  # dense bf16 (fp32 for cpu)
-    hbm_gbs: float  # memory bandwidth, for the roofline and elementwise work
-    gemm_efficiency: float  # e: a large GEMM's share of peak (cuBLAS, measured by vendors)
-    intra_node_gbs: float
-    inter_node_gbs: float
-    intra_latency_us: float = 5.0
-    inter_latency_us: float = 10.0
-    sms: int = 0  # streaming multiprocessors: a GEMM's output tiles run sms at a time
-    tile: int = 128  # cuBLAS's output tile (tile x tile) for large bf16 products
-    # more ranks than cores (a CPU): a rank that waits sleeps and its core runs another rank,
-    # so a pipeline's bubble costs no time (refmp.distributed.comm's waits; the step is the busy time)
-    time_shared: bool = False
+def _planned(f: Field) -> tuple:
+    if f.name == "microbatches":
+        return "microbatch_size", "int", field(default=1, metadata=f.metadata)
+    return f.name, f.type, field(default=PLAN_DEFAULTS.get(f.name, f.default), metadata=f.metadata)
 
 
-MACHINES = {  # NVIDIA's data sheets: A100 SXM 312 TFLOP/s bf16, 2.0 TB/s, NVLink 600 GB/s
-    # both ways, one 200 Gb/s HDR NIC per GPU; H100 SXM 989 TFLOP/s, 3.35 TB/s, NVLink 900
-    # GB/s, 400 Gb/s NDR. e = 0.7: cuBLAS's large bf16 GEMMs reach about 70% of peak.
-    "dgx-a100": Machine("dgx-a100", 8, 80, 312, 2039, 0.7, 300, 25, sms=108),
-    "dgx-h100": Machine("dgx-h100", 8, 80, 989, 3350, 0.7, 450, 50, sms=132),
-}
+Layout = make_dataclass(
+    "Layout", [_planned(f) for f in fields(ParallelConfig) if f.name in SEARCHED], frozen=True,
+    namespace={"__module__": __name__, "__doc__": "One choice of every axis and option the "
+               "planner searches (``--json``'s keys); microbatch_size is b, rows per "
+               "micro-batch on a dp rank, so M = B / (dp b)."})
 
 
-def cpu_machine(ranks: int, links: tuple[float, float] | None = None) -> Machine:
-    """This host: fp32 GEMM peak measured now (refmp.cli.bench.measure_peak), memory free now, and
-    MPI's links: ``links`` (GB/s, us) as measure_links found them, else shared-memory MPI taken
-    as 5 GB/s and 2 us (assumed: ``refmp plan`` runs without MPI).
-
-    The peak is this process's, with its refmp.runtime.cpu.threads() threads; a rank gets its share
-    of the cores, cores / ranks of them (under mpiexec refmp gives each rank that many
-    threads, at least one: 4 ranks on 2 cores get half a core each).
-    """
-    from refmp.cli.bench import measure_peak
-    from refmp.cost.memory import available_memory
-    from refmp.runtime import cpu
-
-    cores = cpu.cores()
-    per_core = measure_peak("float32", 512, 3) / 1e12 / max(1, min(cpu.threads(), cores))
-    peak = per_core * cores / ranks
-    free = available_memory("cpu")[0] / 1e9
-    gbs, us = links or (5.0, 2.0)
-    return Machine("cpu", ranks, free / ranks, peak, 10, 1.0, gbs, gbs, us, us,
-                   time_shared=ranks > cores)
-
-
-def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, float]:
-    """(GB/s, us) of ``comm``'s (an mpi4py communicator) links as collective() models them
-    (collective: every rank calls it): an 8-byte all-reduce takes 2 (n-1) latencies, an
-    nbytes one 2 (n-1)/n nbytes / bw more; medians of reps, the slowest rank's. Timed through
-    refmp.distributed.comm.Comm, which waits the way training does (Test and sleep: with more ranks than
-    cores, a wait includes being scheduled again)."""
-    import numpy as np
-    from mpi4py import MPI
-
-    from refmp.distributed.comm import Comm
-
-    n = comm.Get_size()
-    if n == 1:
-        return 5.0, 2.0
-    ours = Comm(comm)
-
-    def seconds(a) -> float:
-        times = []
-        for _ in range(reps + 1):  # the first is a warm-up
-            comm.Barrier()
-            t0 = time.perf_counter()
-            ours.allreduce(a)
-            times.append(time.perf_counter() - t0)
-        return comm.allreduce(float(np.median(times[1:])), op=MPI.MAX)
-
-    small, big = seconds(np.zeros(1)), seconds(np.zeros(nbytes // 8))
-    lat = small / (2 * (n - 1))
-    bw = 2 * (n - 1) / n * nbytes / max(big - small, 1e-9)
-    return bw / 1e9, lat * 1e6
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One choice of every axis and option (``--json``'s keys); microbatch_size is b, rows
-    per micro-batch on a dp rank, so M = B / (dp b)."""
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    mixed_precision: str = "bf16"
-    microbatch_size: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    cp_algo: str = "ring"  # with cp > 1: ring attention or Ulysses' all-to-all
+def parallel_fields(lay: dict, batch: int) -> dict:
+    """The ParallelConfig fields of a planned layout (a Layout's fields, or a row of the
+    search): the searched ones, with M = B / (dp b) micro-batches."""
+    chosen = {k: lay[k] for k in SEARCHED if k != "microbatches"}
+    return {**chosen, "microbatches": batch // (lay["dp"] * lay["microbatch_size"])}
 
 
 @cache
@@ -165,54 +80,8 @@ def train_config(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32
     return TrainConfig(stage_layers=",".join(str(len(c)) for c in chunks) if chunks else None,
                        n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_embd=mcfg.n_embd,
                        block_size=mcfg.block_size, batch_size=batch, dtype=dtype,
-                       tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, zero=lay.zero,
-                       sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
-                       mixed_precision=lay.mixed_precision, schedule=lay.schedule,
-                       virtual_stages=lay.virtual_stages, cp_algo=lay.cp_algo,
-                       microbatches=batch // (lay.dp * lay.microbatch_size), n_expert=mcfg.n_expert,
+                       **parallel_fields(vars(lay), batch), n_expert=mcfg.n_expert,
                        top_k=mcfg.top_k if mcfg.n_expert else None)
-
-
-def memory(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32") -> dict[str, int]:
-    """Bytes per rank, the max over the pipeline stages of stage_memory; ``stage`` says
-    which stage needs the most (params + grads + optimizer + activations)."""
-    cfg = train_config(lay, mcfg, batch, dtype)
-    sizes = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
-    blocks = split(mcfg, lay.pp * lay.virtual_stages)
-    held = [sum(len(blocks[c]) for c in stage_chunks(r, lay.pp, lay.virtual_stages))
-            for r in range(lay.pp)]
-    # the first stage keeps the most micro-batches in flight and the embeddings, the last the
-    # head; a middle one can only exceed them by holding more blocks
-    mems = [stage_memory(cfg, mcfg, sizes, r) for r in sorted({0, lay.pp - 1,
-                                                                held.index(max(held))})]
-    return max(mems, key=total)
-
-
-def stage_memory(cfg: TrainConfig, mcfg: GPTConfig, sizes: dict, r: int) -> dict[str, int]:
-    """refmp.cost.memory.estimate_memory of the rank at pipeline coordinate r (its tp, dp,
-    cp and ep peers hold the same amounts). With mixed precision the engine keeps the
-    compute copy in c bytes, gradients in g, and masters plus two moments in 3 w per owned
-    element (zero_cost.memory_per_rank with compute=c, grad=g: linear in the bytes, so a
-    rescaling of the estimate's one-precision figures), and its float caches in c bytes."""
-    m = estimate_memory(cfg, mcfg, sizes, {"pp": r, "dp": 0, "cp": 0, "tp": 0, "ep": 0})
-    w = 8 if cfg.dtype == "float64" else 4
-    if cfg.mixed_precision != "none":
-        c, g = 2, (4 if cfg.grad_dtype == "fp32" else 2)
-        m["params"], m["grads"] = m["params"] * c // w, m["grads"] * g // w
-        m["optimizer"] = m["optimizer"] * 3 // 2 if cfg.optimizer == "adamw" else m["optimizer"]
-        # the caches' floats take c bytes, their int64 ids and targets stay 8: the estimate at
-        # both one-precision widths (4 A + I, 8 A + I) separates the two
-        other = estimate_memory(replace(cfg, dtype="float64" if w == 4 else "float32"), mcfg,
-                                sizes, {"pp": r, "dp": 0, "cp": 0, "tp": 0, "ep": 0})
-        for k in ("activations", "workspace"):
-            e4, e8 = (m[k], other[k]) if w == 4 else (other[k], m[k])
-            m[k] = c * (e8 - e4) // 4 + 2 * e4 - e8
-    m["stage"] = r
-    return m
-
-
-def total(m: dict) -> int:
-    return m["params"] + m["grads"] + m["optimizer"] + m["activations"]
 
 
 def collective(op: str, nbytes: float, calls: int, n: int, bw: float, lat: float) -> float:
@@ -327,11 +196,11 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     act = bd * Tl * C * c  # one (b, Tl, C) activation, over the step's micro-batches
     stages = []
     for r in range(pp):
-        mine = [i for ch in stage_chunks(r, pp, v) for i in blocks[ch]]
+        stage_blocks = [i for ch in stage_chunks(r, pp, v) for i in blocks[ch]]
         first, last = r == 0, r == pp - 1
-        Ls, n_moe = len(mine), sum(mcfg.is_moe(i) for i in mine)
+        Ls, n_moe = len(stage_blocks), sum(mcfg.is_moe(i) for i in stage_blocks)
         fwd = (Ls - n_moe) * f_block + n_moe * f_moe  # the stage's blocks, one micro-batch
-        # selective: refmp recomputes q k^T for the softmax (bench.recompute_flops_per_step)
+        # selective: refmp recomputes q k^T for the softmax (flops.recompute_flops_per_step)
         again = {"none": 0.0, "selective": Ls * scores, "full": fwd}[lay.recompute]
         comp = M * (3 * fwd + again + (3 * head if last else 0))
         t_elem = M * (Ls * elem + (head_elem if last else 0))
@@ -361,7 +230,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         if impl.pp_scatter_gather and pp > 1 and tp > 1:
             t_pp = (collective("send", x / tp, calls, pp, *link(span))
                     + collective("allgather", x, calls, tp, *link(tp)))
-        units = units_of(mcfg, tp, tuple(mine), first, last)
+        units = units_of(mcfg, tp, tuple(stage_blocks), first, last)
         g = comm_per_step(dict(units), dp * cp, lay.zero, M, c, first, last, c)
         n = dp * cp
         t_dp = sum(collective(op, x, 1 if lay.zero < 2 else M * len(units), n, *link(tp * n))

@@ -1,24 +1,15 @@
-"""``refmp plan``'s search: every layout the fixed flags allow, checked, timed, sized and
-ranked (refmp.cost.model has the cost model), the table and the command's flags (docs/plan.md).
+"""``refmp plan``'s search: every layout the fixed choices allow, checked, timed, sized and
+ranked (refmp.cost.model times a layout, refmp.cost.memory sizes it), and the table the
+command prints (docs/plan.md; the command itself: refmp.cli.plan).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields
 
-from refmp.cost.memory import need_bytes, size
-from refmp.cost.model import (
-    MACHINES,
-    MODELS,
-    Layout,
-    Machine,
-    cpu_machine,
-    measure_links,
-    memory,
-    predict,
-    total,
-    train_config,
-)
+from refmp.cost.machines import Machine
+from refmp.cost.memory import memory, need_bytes, size, total
+from refmp.cost.model import Layout, predict, train_config
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig
 from refmp.parallel.layout import check_layout
@@ -123,12 +114,8 @@ def row(lay: Layout, mem: dict | None, pred: dict | None, reason: str | None) ->
     return r
 
 
-KEYS = ("tp", "pp", "dp", "cp", "ep", "zero", "sequence_parallel", "recompute",
-        "mixed_precision", "microbatch_size", "schedule", "virtual_stages", "cp_algo")
-
-
 def describe(r: dict) -> str:
-    return " ".join(f"{k}={r[k]}" for k in KEYS)
+    return " ".join(f"{f.name}={r[f.name]}" for f in fields(Layout))
 
 
 def why(best: dict, second: dict) -> str:
@@ -166,142 +153,3 @@ def table(fits: list[dict], bad: list[dict]) -> str:
         for r in [r for r in bad if "step_seconds" in r][:3]:
             lines.append(f"  {describe(r)}: {r['reason']}")
     return "\n".join(lines)
-
-
-def add_plan_args(p) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--preset", choices=sorted(MODELS), default=None,
-                   help="a published shape (default gpt2 when no --n-layer is given)")
-    for name in ("n_layer", "n_embd", "n_head", "vocab", "block_size", "n_expert", "top_k"):
-        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                       help="override the preset")
-    g.add_argument("--global-batch", type=int, default=512, help="sequences per step (512)")
-    g = p.add_argument_group("machine")
-    g.add_argument("--machine", choices=sorted(MACHINES) + ["cpu"], default="dgx-a100")
-    g.add_argument("--gpus", type=int, default=None, help="ranks in all (default one node)")
-    for name in ("gpus_per_node", "gpu_memory_gb", "peak_tflops", "hbm_gbs", "gemm_efficiency",
-                 "intra_node_gbs", "inter_node_gbs", "intra_latency_us", "inter_latency_us"):
-        g.add_argument(f"--{name.replace('_', '-')}", type=float, default=None,
-                       help="override the machine's")
-    g = p.add_argument_group("layout (each fixes that choice; the rest is searched)")
-    for name in ("tp", "pp", "dp", "cp", "ep", "microbatch_size", "virtual_stages"):
-        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None)
-    g.add_argument("--sequence-parallel", choices=["on", "off"], nargs="?", const="on",
-                   default=None, help="on (the flag alone) or off")
-    g.add_argument("--recompute", choices=["none", "selective", "full"], default=None)
-    g.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default=None)
-    g.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb-h1"], default=None)
-    g.add_argument("--cp-algo", choices=["ring", "ulysses"], default=None,
-                   help="with --cp > 1 (default: both searched)")
-    p.add_argument("--top", type=int, default=10, help="layouts printed (10)")
-    p.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')
-
-
-def model_of(args) -> GPTConfig:
-    L, C, NH, V, T = MODELS[args.preset or "gpt2"]
-    given = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head,
-             "vocab_size": args.vocab, "block_size": args.block_size}
-    m = dict(n_layer=L, n_embd=C, n_head=NH, vocab_size=V, block_size=T)
-    m.update({k: v for k, v in given.items() if v is not None})
-    if args.n_expert:
-        m.update(n_expert=args.n_expert, top_k=args.top_k or 2)
-    return GPTConfig(**m)
-
-
-def machine_of(args) -> Machine:
-    mach = cpu_machine(args.gpus or 1) if args.machine == "cpu" else MACHINES[args.machine]
-    over = {k: v for k, v in vars(args).items() if k in Machine.__dataclass_fields__
-            and k != "name" and v is not None}
-    if "gpus_per_node" in over:
-        over["gpus_per_node"] = int(over["gpus_per_node"])
-    return replace(mach, **over)
-
-
-def run_plan(args) -> dict:
-    import json
-
-    mcfg, mach = model_of(args), machine_of(args)
-    gpus = args.gpus or mach.gpus_per_node
-    fixed = {k: getattr(args, k) for k in KEYS if getattr(args, k, None) is not None}
-    if "sequence_parallel" in fixed:
-        fixed["sequence_parallel"] = fixed["sequence_parallel"] == "on"
-    fits, bad = search(mcfg, args.global_batch, gpus, mach, fixed, args.top)
-    if args.json:
-        print(json.dumps({"layouts": fits, "infeasible": bad[:args.top]}, indent=1))
-    else:
-        print(f"{mcfg.n_layer} layers, C {mcfg.n_embd}, {mcfg.n_head} heads, V {mcfg.vocab_size}, "
-              f"T {mcfg.block_size}, batch {args.global_batch} on {gpus} x {mach.name} "
-              f"({mach.peak_tflops:g} TFLOP/s, {mach.gpu_memory_gb:g} GB, "
-              f"{mach.gpus_per_node} per node)")
-        print(table(fits, bad))
-    if not fits:
-        raise ConfigError("no layout fits: " + (bad[0]["reason"] if bad else "no candidates"))
-    return {"layouts": fits}
-
-
-# refmp train's flags that --layout auto keeps as fixed choices of the search (TrainConfig
-# field: the planner's key), and the one it cannot honour
-TRAIN_FIXED = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "zero": "zero",
-               "sequence_parallel": "sequence_parallel", "recompute": "recompute",
-               "mixed_precision": "mixed_precision", "schedule": "schedule",
-               "virtual_stages": "virtual_stages", "cp_algo": "cp_algo",
-               "microbatches": "microbatches"}
-TRAIN_REFUSED = {"stage_layers": "--stage-layers fixes the blocks of each stage, which "
-                                 "--layout auto chooses: give --pp instead (the planner splits "
-                                 "the blocks as the engine does by default)"}
-
-
-def plan_train(cfg, given: set[str], comm) -> tuple:
-    """``refmp train --layout auto``: the fastest layout that fits ``comm``'s ranks (refmp
-    plan with --machine cpu), as the TrainConfig to run and the planner's row.
-
-    ``given``: the TrainConfig fields set on the command line; the layout flags among them
-    are fixed choices of the search (TRAIN_FIXED), and --stage-layers is refused. Rank 0
-    plans (the cpu machine measures this host's GEMM peak, so ranks could disagree) and
-    broadcasts the row, or the reason nothing fits: a ConfigError on every rank. The cpu
-    machine's links are measured on ``comm`` first (plan.measure_links).
-    """
-    from refmp.training.trainer import build_dataset, model_config
-
-    refused = [TRAIN_REFUSED[k] for k in sorted(given) if k in TRAIN_REFUSED]
-    if refused:  # a pure function of the flags: the same on every rank
-        raise ConfigError(refused[0])
-    fixed = {TRAIN_FIXED[k]: getattr(cfg, k) for k in given if k in TRAIN_FIXED}
-    links = measure_links(comm)  # every rank: MPI's bandwidth and latency on this host
-    best, err = None, None
-    if comm.Get_rank() == 0:
-        try:
-            mcfg = model_config(cfg, build_dataset(cfg))
-            n = comm.Get_size()
-            fits, bad = search(mcfg, cfg.batch_size, n, cpu_machine(n, links), fixed, 1,
-                               cfg.dtype)
-            if not fits:
-                what = "; ".join(f"{k}={v}" for k, v in sorted(fixed.items())) or "no flags"
-                raise ConfigError(f"--layout auto: no layout fits {n} rank(s) ({what} fixed): "
-                                  + (bad[0]["reason"] if bad else "no candidates"))
-            best = fits[0]
-        except ConfigError as e:
-            err = str(e)
-    best, err = comm.bcast((best, err), root=0)
-    if err is not None:
-        raise ConfigError(err)
-    chosen = {k: best[k] for k in ("tp", "pp", "dp", "cp", "ep", "zero", "sequence_parallel",
-                                   "recompute", "mixed_precision", "schedule",
-                                   "virtual_stages", "cp_algo")}
-    chosen["microbatches"] = cfg.batch_size // (best["dp"] * best["microbatch_size"])
-    return replace(cfg, **chosen), {**best, "microbatches": chosen["microbatches"]}
-
-
-def describe_train(best: dict, ranks: int) -> str:
-    """The line refmp train --layout auto prints: the layout as train flags, the prediction."""
-    flags = (f"--tp {best['tp']} --pp {best['pp']} --dp {best['dp']} --cp {best['cp']} "
-             f"--ep {best['ep']} --zero {best['zero']}"
-             + (" --sequence-parallel" if best["sequence_parallel"] else "")
-             + f" --recompute {best['recompute']} --mixed-precision {best['mixed_precision']}"
-             f" --microbatches {best['microbatches']} --schedule {best['schedule']}"
-             f" --virtual-stages {best['virtual_stages']}"
-             + (f" --cp-algo {best['cp_algo']}" if best["cp"] > 1 else ""))
-    mem = sum(best["memory_bytes"].values())
-    return (f"refmp train: --layout auto on {ranks} ranks (refmp plan --machine cpu) chose "
-            f"{flags}: predicted {1e3 * best['step_seconds']:.3g} ms/step, {size(mem)} per rank")

@@ -23,38 +23,11 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from refmp.config import check_sizes
 from refmp.distributed.comm import Comm
 from refmp.distributed.ledger import Ledger
-from refmp.errors import ConfigError
 
 AXES = ("pp", "dp", "cp", "tp")  # slowest to fastest
-
-
-def check_sizes(world_size: int, pp: int = 1, dp: int | None = None, cp: int = 1, tp: int = 1,
-                 ep: int = 1) -> dict[str, int]:
-    """Validate the layout and return the axis sizes (dp filled in when None)."""
-    for name, v in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
-        if v < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {v}")
-    if dp is None:
-        other = pp * cp * tp
-        if world_size % other:
-            raise ConfigError(
-                f"pp*cp*tp = {pp}*{cp}*{tp} = {other} does not divide the world size {world_size}"
-            )
-        dp = world_size // other
-    if dp < 1:
-        raise ConfigError(f"--dp must be at least 1, got {dp}")
-    if pp * dp * cp * tp != world_size:
-        raise ConfigError(
-            f"layout pp*dp*cp*tp = {pp}*{dp}*{cp}*{tp} = {pp * dp * cp * tp} does not match the "
-            f"{world_size} MPI processes; launch with `mpiexec -n {pp * dp * cp * tp}` "
-            f"or change the sizes"
-        )
-    if (dp * cp) % ep:
-        raise ConfigError(f"--ep ({ep}) must divide dp * cp ({dp} * {cp}): experts are carved "
-                          f"from the data- and context-parallel ranks")
-    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
 
 
 class ProcessGrid:

@@ -7,7 +7,7 @@ composes with every other; what is left are the arithmetic rules of each split.
 
 from __future__ import annotations
 
-from refmp.distributed.grid import check_sizes
+from refmp.config import check_sizes
 from refmp.errors import ConfigError
 from refmp.parallel.context.chunks import ALGOS, ChunkLayout
 from refmp.parallel.pipeline.partition import check_pipeline, parse_stage_layers

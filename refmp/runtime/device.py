@@ -7,13 +7,17 @@
   ``MPIX_Query_cuda_support()`` from the MPI library (Open MPI and MPICH export it), else
   unknown, which means "stage through the host". All ranks then agree (a MIN-reduction): one
   rank that cannot pass device memory makes everyone stage.
+* The peak: the FLOP/s of this process's best matrix product, on the device it computes on
+  (measure_peak: refmp bench's MFU, refmp plan's cpu machine).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import time
 
+import numpy as np
 from mpi4py import MPI
 
 from refmp.errors import ConfigError
@@ -91,3 +95,20 @@ def detect_cuda_aware(env: dict | None = None) -> tuple[bool | None, str]:
 def agree_cuda_aware(world, answer: bool | None) -> bool:
     """True only if every rank's MPI can take device memory (``world`` is a refmp Comm)."""
     return world.allreduce_scalar(1.0 if answer else 0.0, op="min") == 1.0
+
+
+def measure_peak(dtype: str, n: int = 1024, reps: int = 5) -> float:
+    """FLOP/s of this process's best n x n matrix product (median of reps)."""
+    xp = backend.xp
+    rng = np.random.default_rng(0)
+    a = backend.from_host(rng.standard_normal((n, n)).astype(dtype))
+    b = backend.from_host(rng.standard_normal((n, n)).astype(dtype))
+    a @ b  # warm-up (thread pools, caches)
+    times = []
+    for _ in range(reps):
+        backend.sync()
+        t0 = time.perf_counter()
+        xp.matmul(a, b)
+        backend.sync()
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / float(np.median(times))

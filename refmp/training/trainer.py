@@ -24,13 +24,13 @@ import numpy as np
 
 from refmp.checkpoint.sharded import Checkpointed, Pieces, load, save
 from refmp.config import TrainConfig, check_config, lr_at
-from refmp.cost.memory import check_memory
 from refmp.distributed.comm import Comm
 from refmp.distributed.faults import agreed, check_finite, check_outputs
 from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
 from refmp.nn import GPT, GPTConfig
 from refmp.runtime import backend
+from refmp.training.checks import check_memory
 from refmp.training.datasets import AdditionTask, Dataset, get_batch, load_tokens, shuffle_perm
 from refmp.training.optim import SGD, AdamW, LossScaler, clip_grads
 

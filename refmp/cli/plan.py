@@ -1,0 +1,205 @@
+"""``refmp plan``: memory per rank and step time of every layout of a model on a machine, the
+fastest that fit (refmp.cost: a pure computation; docs/plan.md); ``refmp train --layout auto``:
+the plan for this host (--machine cpu: its GEMM peak, free memory and MPI links, measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import fields, replace
+
+import numpy as np
+
+from refmp.config import TrainConfig, flag_name
+from refmp.cost.machines import MACHINES, MODELS, Machine
+from refmp.cost.memory import size
+from refmp.cost.model import SEARCHED, Layout, parallel_fields
+from refmp.cost.search import search, table
+from refmp.errors import ConfigError
+from refmp.nn.params import GPTConfig
+from refmp.runtime import cpu
+from refmp.runtime.device import measure_peak
+from refmp.training.checks import available_memory
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="predict memory and step time of layouts; search the best",
+                       description="Predict memory per rank and step time of every layout of "
+                                   "a model on a machine, and print the fastest that fit "
+                                   "(a pure computation, no MPI: docs/plan.md).")
+    add_plan_args(p)
+    p.set_defaults(run=run_plan)
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", choices=sorted(MODELS), default=None,
+                   help="a published shape (default gpt2 when no --n-layer is given)")
+    for name in ("n_layer", "n_embd", "n_head", "vocab", "block_size", "n_expert", "top_k"):
+        g.add_argument(flag_name(name), type=int, default=None, help="override the preset")
+    g.add_argument("--global-batch", type=int, default=512, help="sequences per step (512)")
+    g = p.add_argument_group("machine")
+    g.add_argument("--machine", choices=sorted(MACHINES) + ["cpu"], default="dgx-a100")
+    g.add_argument("--gpus", type=int, default=None, help="ranks in all (default one node)")
+    for name in ("gpus_per_node", "gpu_memory_gb", "peak_tflops", "hbm_gbs", "gemm_efficiency",
+                 "intra_node_gbs", "inter_node_gbs", "intra_latency_us", "inter_latency_us"):
+        g.add_argument(flag_name(name), type=float, default=None, help="override the machine's")
+    g = p.add_argument_group("layout (each fixes that choice; the rest is searched)")
+    for f in fields(Layout):  # refmp.config's searched fields (refmp.cost.model)
+        m, plan = f.metadata, f.metadata["plan"]
+        if m["kind"] is bool:
+            g.add_argument(flag_name(f.name), choices=["on", "off"], nargs="?", const="on",
+                           default=None, help="on (the flag alone) or off")
+        else:
+            g.add_argument(flag_name(f.name), type=m["kind"], default=None,
+                           choices=plan.get("choices", m["choices"]), help=plan.get("help"))
+    p.add_argument("--top", type=int, default=10, help="layouts printed (10)")
+    p.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')
+
+
+def model_of(args) -> GPTConfig:
+    L, C, NH, V, T = MODELS[args.preset or "gpt2"]
+    given = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head,
+             "vocab_size": args.vocab, "block_size": args.block_size}
+    m = dict(n_layer=L, n_embd=C, n_head=NH, vocab_size=V, block_size=T)
+    m.update({k: v for k, v in given.items() if v is not None})
+    if args.n_expert:
+        m.update(n_expert=args.n_expert, top_k=args.top_k or 2)
+    return GPTConfig(**m)
+
+
+def machine_of(args) -> Machine:
+    mach = cpu_machine(args.gpus or 1) if args.machine == "cpu" else MACHINES[args.machine]
+    over = {k: v for k, v in vars(args).items() if k in Machine.__dataclass_fields__
+            and k != "name" and v is not None}
+    if "gpus_per_node" in over:
+        over["gpus_per_node"] = int(over["gpus_per_node"])
+    return replace(mach, **over)
+
+
+def cpu_machine(ranks: int, links: tuple[float, float] | None = None) -> Machine:
+    """This host: fp32 GEMM peak measured now (refmp.runtime.device.measure_peak), memory
+    free now, and MPI's links: ``links`` (GB/s, us) as measure_links found them, else
+    shared-memory MPI taken as 5 GB/s and 2 us (assumed: ``refmp plan`` runs without MPI).
+
+    The peak is this process's, with its refmp.runtime.cpu.threads() threads; a rank gets its share
+    of the cores, cores / ranks of them (under mpiexec refmp gives each rank that many
+    threads, at least one: 4 ranks on 2 cores get half a core each).
+    """
+    cores = cpu.cores()
+    per_core = measure_peak("float32", 512, 3) / 1e12 / max(1, min(cpu.threads(), cores))
+    peak = per_core * cores / ranks
+    free = available_memory("cpu")[0] / 1e9
+    gbs, us = links or (5.0, 2.0)
+    return Machine("cpu", ranks, free / ranks, peak, 10, 1.0, gbs, gbs, us, us,
+                   time_shared=ranks > cores)
+
+
+def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, float]:
+    """(GB/s, us) of ``comm``'s (an mpi4py communicator) links as collective() models them
+    (collective: every rank calls it): an 8-byte all-reduce takes 2 (n-1) latencies, an
+    nbytes one 2 (n-1)/n nbytes / bw more; medians of reps, the slowest rank's. Timed through
+    refmp.distributed.comm.Comm, which waits the way training does (Test and sleep: with more ranks than
+    cores, a wait includes being scheduled again)."""
+    from mpi4py import MPI
+
+    from refmp.distributed.comm import Comm
+
+    n = comm.Get_size()
+    if n == 1:
+        return 5.0, 2.0
+    ours = Comm(comm)
+
+    def seconds(a) -> float:
+        times = []
+        for _ in range(reps + 1):  # the first is a warm-up
+            comm.Barrier()
+            t0 = time.perf_counter()
+            ours.allreduce(a)
+            times.append(time.perf_counter() - t0)
+        return comm.allreduce(float(np.median(times[1:])), op=MPI.MAX)
+
+    small, big = seconds(np.zeros(1)), seconds(np.zeros(nbytes // 8))
+    lat = small / (2 * (n - 1))
+    bw = 2 * (n - 1) / n * nbytes / max(big - small, 1e-9)
+    return bw / 1e9, lat * 1e6
+
+
+def run_plan(args: argparse.Namespace) -> dict:
+    mcfg, mach = model_of(args), machine_of(args)
+    gpus = args.gpus or mach.gpus_per_node
+    fixed = {f.name: getattr(args, f.name) for f in fields(Layout)
+             if getattr(args, f.name) is not None}
+    if "sequence_parallel" in fixed:
+        fixed["sequence_parallel"] = fixed["sequence_parallel"] == "on"
+    fits, bad = search(mcfg, args.global_batch, gpus, mach, fixed, args.top)
+    if args.json:
+        print(json.dumps({"layouts": fits, "infeasible": bad[:args.top]}, indent=1))
+    else:
+        print(f"{mcfg.n_layer} layers, C {mcfg.n_embd}, {mcfg.n_head} heads, V {mcfg.vocab_size}, "
+              f"T {mcfg.block_size}, batch {args.global_batch} on {gpus} x {mach.name} "
+              f"({mach.peak_tflops:g} TFLOP/s, {mach.gpu_memory_gb:g} GB, "
+              f"{mach.gpus_per_node} per node)")
+        print(table(fits, bad))
+    if not fits:
+        raise ConfigError("no layout fits: " + (bad[0]["reason"] if bad else "no candidates"))
+    return {"layouts": fits}
+
+
+# the train flag --layout auto cannot honour (the layout flags given are fixed choices)
+TRAIN_REFUSED = {"stage_layers": "--stage-layers fixes the blocks of each stage, which "
+                                 "--layout auto chooses: give --pp instead (the planner splits "
+                                 "the blocks as the engine does by default)"}
+
+
+def plan_train(cfg: TrainConfig, given: set[str], comm) -> tuple[TrainConfig, dict]:
+    """``refmp train --layout auto``: the fastest layout that fits ``comm``'s ranks (refmp
+    plan with --machine cpu), as the TrainConfig to run and the planner's row.
+
+    ``given``: the TrainConfig fields set on the command line; the searched layout fields
+    among them (refmp.cost.model.SEARCHED) are fixed choices, and --stage-layers is
+    refused. Rank 0 plans (the cpu machine measures this host's GEMM peak, so ranks could
+    disagree) and broadcasts the row, or the reason nothing fits: a ConfigError on every
+    rank. The cpu machine's links are measured on ``comm`` first (measure_links).
+    """
+    from refmp.training.trainer import build_dataset, model_config
+
+    refused = [TRAIN_REFUSED[k] for k in sorted(given) if k in TRAIN_REFUSED]
+    if refused:  # a pure function of the flags: the same on every rank
+        raise ConfigError(refused[0])
+    fixed = {k: getattr(cfg, k) for k in given if k in SEARCHED}
+    links = measure_links(comm)  # every rank: MPI's bandwidth and latency on this host
+    best, err = None, None
+    if comm.Get_rank() == 0:
+        try:
+            mcfg = model_config(cfg, build_dataset(cfg))
+            n = comm.Get_size()
+            fits, bad = search(mcfg, cfg.batch_size, n, cpu_machine(n, links), fixed, 1,
+                               cfg.dtype)
+            if not fits:
+                what = "; ".join(f"{k}={v}" for k, v in sorted(fixed.items())) or "no flags"
+                raise ConfigError(f"--layout auto: no layout fits {n} rank(s) ({what} fixed): "
+                                  + (bad[0]["reason"] if bad else "no candidates"))
+            best = fits[0]
+        except ConfigError as e:
+            err = str(e)
+    best, err = comm.bcast((best, err), root=0)
+    if err is not None:
+        raise ConfigError(err)
+    chosen = parallel_fields(best, cfg.batch_size)
+    return replace(cfg, **chosen), {**best, "microbatches": chosen["microbatches"]}
+
+
+def describe_train(best: dict, ranks: int) -> str:
+    """The line refmp train --layout auto prints: the layout as train flags, the prediction."""
+    flags = ""
+    for k in SEARCHED:  # a switch when on; cp_algo only with cp
+        if isinstance(best[k], bool):
+            flags += f" {flag_name(k)}" * best[k]
+        elif k != "cp_algo" or best["cp"] > 1:
+            flags += f" {flag_name(k)} {best[k]}"
+    mem = sum(best["memory_bytes"].values())
+    return (f"refmp train: --layout auto on {ranks} ranks (refmp plan --machine cpu) chose "
+            f"{flags.strip()}: predicted {1e3 * best['step_seconds']:.3g} ms/step, {size(mem)} per rank")

@@ -1,0 +1,47 @@
+"""Model FLOPs per step: the work a dense implementation must do (Chowdhery et al. 2022,
+appendix B), and what recomputation adds.
+
+6 * N * tokens for the matrix products of N parameters (forward 2, backward 4), where N
+leaves out wpe (a lookup, no product) but keeps wte (it is the LM head's matrix), plus
+12 * L * T * C * tokens for attention's q k^T and att v (refmp computes the full T x T
+products, masked, so this is work done, not an upper bound). For a mixture of experts N is
+the active parameters: each expert's weights count top_k / n_expert (a token visits top_k
+of the n_expert experts), the router counts in full; tokens dropped at capacity are still
+counted, so this is the routed model's work, not what a layer with drops did.
+
+Recomputation executes more than the model's FLOPs: the extra forward work is counted apart
+(hardware FLOPs, Narayanan et al. 2021, eq. 3); MFU stays model FLOPs over peak.
+"""
+
+from __future__ import annotations
+
+import math
+
+from refmp.nn.params import GPTConfig, param_shapes
+
+
+def active_params(cfg: GPTConfig) -> float:
+    """N of the FLOP count: parameters in matrix products per token, wpe left out, each
+    expert's counted top_k / n_expert (see the module docstring)."""
+    n = 0.0
+    for name, shape in param_shapes(cfg).items():
+        if name == "wpe.weight":
+            continue  # a lookup, no product
+        share = cfg.top_k / cfg.n_expert if ".mlp.experts." in name else 1.0
+        n += share * math.prod(shape)
+    return n
+
+
+def model_flops_per_step(n_params: float, n_layer: int, T: int, C: int, tokens: int) -> float:
+    """6 N tokens + 12 L T C tokens (see the module docstring)."""
+    return 6.0 * n_params * tokens + 12.0 * n_layer * T * C * tokens
+
+
+def recompute_flops_per_step(mode: str, n_block_params: float, n_layer: int, T: int, C: int,
+                             tokens: int) -> float:
+    """The FLOPs recomputation adds (hardware FLOPs, Narayanan et al. 2021 eq. 3, beyond the
+    model's): full runs every block's forward again, 2 N_blocks tokens + 4 L T C tokens;
+    selective recomputes the softmax's scores q k^T, 2 L T C tokens."""
+    if mode == "full":
+        return 2.0 * n_block_params * tokens + 4.0 * n_layer * T * C * tokens
+    return 2.0 * n_layer * T * C * tokens if mode == "selective" else 0.0

@@ -1,0 +1,43 @@
+"""What ``refmp plan`` plans for: published model shapes, and machines (one accelerator's
+peak and memory, and the links between accelerators).
+
+``refmp plan --machine cpu`` measures this host instead (refmp.cli.plan.cpu_machine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODELS = {  # (n_layer, n_embd, n_head, vocab, block_size): GPT-2 (Radford 2019), GPT-3 (Brown 2020)
+    "gpt2": (12, 768, 12, 50257, 1024), "gpt2-medium": (24, 1024, 16, 50257, 1024),
+    "gpt2-large": (36, 1280, 20, 50257, 1024), "gpt2-xl": (48, 1600, 25, 50257, 1024),
+    "gpt3-175b": (96, 12288, 96, 50257, 2048),
+}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One accelerator's peak and memory, and the links (GB/s per GPU, one direction)."""
+    name: str
+    gpus_per_node: int
+    gpu_memory_gb: float
+    peak_tflops: float  # dense bf16 (fp32 for cpu)
+    hbm_gbs: float  # memory bandwidth, for the roofline and elementwise work
+    gemm_efficiency: float  # e: a large GEMM's share of peak (cuBLAS, measured by vendors)
+    intra_node_gbs: float
+    inter_node_gbs: float
+    intra_latency_us: float = 5.0
+    inter_latency_us: float = 10.0
+    sms: int = 0  # streaming multiprocessors: a GEMM's output tiles run sms at a time
+    tile: int = 128  # cuBLAS's output tile (tile x tile) for large bf16 products
+    # more ranks than cores (a CPU): a rank that waits sleeps and its core runs another rank,
+    # so a pipeline's bubble costs no time (refmp.distributed.comm's waits; the step is the busy time)
+    time_shared: bool = False
+
+
+MACHINES = {  # NVIDIA's data sheets: A100 SXM 312 TFLOP/s bf16, 2.0 TB/s, NVLink 600 GB/s
+    # both ways, one 200 Gb/s HDR NIC per GPU; H100 SXM 989 TFLOP/s, 3.35 TB/s, NVLink 900
+    # GB/s, 400 Gb/s NDR. e = 0.7: cuBLAS's large bf16 GEMMs reach about 70% of peak.
+    "dgx-a100": Machine("dgx-a100", 8, 80, 312, 2039, 0.7, 300, 25, sms=108),
+    "dgx-h100": Machine("dgx-h100", 8, 80, 989, 3350, 0.7, 450, 50, sms=132),
+}
