@@ -37,6 +37,17 @@ def to_gpt2(path: str, out: str) -> str:
     (the --save format). Returns the checkpoint read."""
     from refmp.checkpoint.weights import save_model
 
+    ckpt, mcfg, params = read_params(path)
+    try:
+        save_model(out, params, mcfg)
+    except OSError as e:
+        raise _oserror("cannot write", out, e) from e
+    return ckpt
+
+
+def read_params(path: str):
+    """(the checkpoint read, its GPTConfig, its whole parameters by GPT-2 name) of the
+    checkpoint at (or latest in) ``path``, saved by any layout."""
     ckpt = find(path)
     man = read_manifest(ckpt)
     shapes = man["tensors"]
@@ -46,12 +57,7 @@ def to_gpt2(path: str, out: str) -> str:
         if not s.all():
             raise ConfigError(f"checkpoint manifest {man['path']}: no file holds "
                               f"{int((~s).sum())} elements of {k}")
-    params = {k: v.reshape(shapes[k]) for k, v in full["param"].items()}
-    try:
-        save_model(out, params, model_config(man))
-    except OSError as e:
-        raise _oserror("cannot write", out, e) from e
-    return ckpt
+    return ckpt, model_config(man), {k: v.reshape(shapes[k]) for k, v in full["param"].items()}
 
 
 def from_gpt2(path: str, root: str) -> str:

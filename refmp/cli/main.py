@@ -1,6 +1,5 @@
-"""The ``refmp`` command: ``refmp train``, ``bench``, ``schedule``, ``convert`` and
-``plan`` (also
-``python -m refmp``).
+"""The ``refmp`` command: ``refmp train``, ``bench``, ``schedule``, ``convert``, ``plan``
+and ``generate`` (also ``python -m refmp``).
 
 Run it under MPI for more than one rank: ``mpiexec -n 2 refmp train --dp 2``.
 How a run ends when something goes wrong (refmp.distributed.faults, docs/faults.md): bad input prints
@@ -202,6 +201,9 @@ def make_parser() -> argparse.ArgumentParser:
     from refmp.cli.schedule import add_schedule_parser
 
     add_schedule_parser(sub)
+    from refmp.cli.generate import add_generate_parser
+
+    add_generate_parser(sub)
     pl = sub.add_parser("plan", help="predict memory and step time of layouts; search the best",
                         description="Predict memory per rank and step time of every layout of "
                                     "a model on a machine, and print the fastest that fit "
@@ -311,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
             from refmp.cost.search import run_plan
 
             run_plan(args)
+        elif args.command == "generate":
+            from refmp.cli.generate import run_generate
+
+            run_generate(args)
         elif args.command == "schedule":
             from refmp.cli.schedule import run_schedule
 

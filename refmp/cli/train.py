@@ -83,7 +83,7 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.save:
         full = tr.runner.full_params()  # collective where the model is split; rank 0 gets it
         if rank0:
-            save_model(cfg.save, full, tr.model.cfg)
+            save_model(cfg.save, full, tr.model.cfg, tr.ds.vocab)
         tr.grid.world.barrier()
     summary = {
         "summary": True, "steps": cfg.steps, "start_step": start, "final_loss": rec.get("loss"),
