@@ -167,7 +167,9 @@ class Decoder:
         x_last = x[:, -1:, :]  # (B, 1, C)
         if prefill and cp.size > 1:  # the prompt's last token lives on one cp rank
             root = next(r for r in range(cp.size) if t - 1 in layout.positions(r))
-            x_last = cp.bcast(np.ascontiguousarray(x[:, list(held).index(t - 1)][:, None]), root)
+            x_last = (np.ascontiguousarray(x[:, list(held).index(t - 1)][:, None])
+                      if cp.rank == root else np.empty_like(x_last))
+            x_last = cp.bcast(x_last, root)
         return self._logits(x_last)
 
     def _embed(self, ids, positions):
