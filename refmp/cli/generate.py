@@ -93,7 +93,6 @@ def check_fits(args: argparse.Namespace, mcfg, sizes: dict, prompts: list) -> No
 
 def run_generate(args: argparse.Namespace) -> dict | None:
     """The command (collective over the world); the summary on world rank 0."""
-    from mpi4py import MPI
 
     from refmp.distributed.grid import ProcessGrid
     from refmp.inference.decoder import Decoder
@@ -106,8 +105,6 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     world, sampler = grid.world, Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     mcfg, params, tok = agreed(world, lambda: load_weights(args.init, args.checkpoint))
     if args.requests is not None:
-        from refmp.inference.scheduler import run_requests
-
         return run_requests(args, grid, mcfg, params, tok, sampler)
     prompts = agreed(world, lambda: read_prompts(args.prompts, args.prompt, tok,
                                                  mcfg.vocab_size))
@@ -162,3 +159,46 @@ def report(args, tokens, logits, tok, summary: dict) -> None:
     print(f"{summary['tokens_per_s']:,.0f} new tokens/s (prefill {summary['prefill_s']:.3f} s, "
           f"decode {summary['decode_s']:.3f} s); KV cache bytes per rank "
           f"{summary['kv_cache_bytes']}", flush=True)
+
+
+def run_requests(args, grid, mcfg, params: dict, tok, sampler) -> dict | None:
+    """``--requests``: continuous batching; request i is served by dp rank i mod dp."""
+    from refmp.inference.decoder import Decoder
+    from refmp.inference.scheduler import Request, serve
+    from refmp.inference.sources import read_requests
+    from refmp.training.trainer import agreed
+
+    world, s = grid.world, grid.sizes
+    reqs = agreed(world, lambda: read_requests(args.requests, tok, mcfg.vocab_size))
+    check_fits(args, mcfg, s, [r["prompt"] for r in reqs])
+    if s["cp"] > 1 or s["ep"] > 1:
+        raise ConfigError("--requests (continuous batching) runs on tp, pp and dp; the cp and "
+                          "ep ranks would have to decode the same requests in step")
+    if args.max_batch < 1:
+        raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}")
+    dec = Decoder(mcfg, {k: v.astype(args.dtype) for k, v in params.items()}, grid)
+    ids = list(range(grid.coords["dp"], len(reqs), s["dp"]))
+    mine = [Request(reqs[i]["prompt"], reqs[i]["max_new_tokens"], reqs[i]["arrival"])
+            for i in ids]
+    out = serve(dec, mine, sampler, args.max_batch, args.kv_block_size, ids)
+    holder = dec.last and grid.coords["tp"] == 0
+    got = world.allgather_obj((ids, out.tokens) if holder else None)
+    kv = world.allgather_obj(out.kv_cache_bytes)
+    seconds = world.allreduce_metrics([out.seconds], op="max")[0]
+    if world.rank != 0:
+        return None
+    tokens = dict(zip(*(sum((list(g[k]) for g in got if g is not None), []) for k in (0, 1)),
+                      strict=True))
+    rows = [tokens[i] for i in range(len(reqs))]
+    n_new = sum(r["max_new_tokens"] for r in reqs)
+    summary = {"tokens_per_s": n_new / seconds, "seconds": seconds, "kv_cache_bytes": kv,
+               "layout": s, "requests": len(reqs),
+               "new_tokens": [t[len(r["prompt"]):].tolist() for t, r in zip(rows, reqs,
+                                                                              strict=True)]}
+    if tok is not None:
+        summary["texts"] = [tok.decode(t) for t in summary["new_tokens"]]
+    if args.save_tokens:  # requests of different lengths: an object array
+        np.save(args.save_tokens, np.array(rows, dtype=object), allow_pickle=True)
+    print(json.dumps(summary) if args.json else "\n".join(
+        f"[{i}] {t}" for i, t in enumerate(summary.get("texts", summary["new_tokens"]))))
+    return summary

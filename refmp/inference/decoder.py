@@ -94,6 +94,25 @@ class CachedAttention:
         return y.transpose(0, 2, 1, 3).reshape(B, 1, n_head * hs), None  # (B, 1, C/tp)
 
 
+class DecodeOps(ParallelOps):
+    """ParallelOps whose linears run one row at a time when ``row_by_row`` is set: a row's
+    product is then the same BLAS call whatever rows share its batch (continuous batching's
+    bitwise promise; BLAS may round a row of a larger product by its place in a tile)."""
+
+    row_by_row = False
+
+    def column(self, x, w, b):
+        return self._rows(super().column, x, w, b)
+
+    def row(self, x, w, b):
+        return self._rows(super().row, x, w, b)
+
+    def _rows(self, linear, x, w, b):
+        if not self.row_by_row or x.shape[0] == 1:
+            return linear(x, w, b)
+        return np.concatenate([linear(x[i : i + 1], w, b)[0] for i in range(len(x))]), None
+
+
 class Decoder:
     """This rank's share of the model (its stage's blocks, its tp shard, its experts) and the
     calls that run it on cached tokens. ``params``: the full model (host arrays, GPT-2 names);
@@ -111,7 +130,7 @@ class Decoder:
         self.params = {k: tp_shard(k, params[k], self.tp.rank, self.tp.size) for k in names}
         self.dtype = params["wte.weight"].dtype
         self.nh = mcfg.n_head // self.tp.size  # heads here
-        self.ops = ParallelOps(mcfg.n_head, mcfg.vocab_size, self.tp, attn=CachedAttention(self))
+        self.ops = DecodeOps(mcfg.n_head, mcfg.vocab_size, self.tp, attn=CachedAttention(self))
         # experts: every token to its top-k (no capacity limit), sharded over ep if split
         dispatch = ExpertDispatch(self.ep, mcfg.n_expert) if self.ep.size > 1 else None
         no_drop = dataclasses.replace(mcfg, capacity_factor=0.0)
@@ -141,7 +160,7 @@ class Decoder:
         """
         B, t = len(slots), (1 if not prefill else np.shape(positions)[-1])
         self.mode, self.slots = ("prefill" if prefill else "decode"), slots
-        cp, P = self.cp, self.pp.size
+        cp = self.cp
         self.ring, held = None, np.asarray(positions)
         if prefill and cp.size > 1:  # my chunks of every prompt (ChunkLayout), ring attention
             layout = ChunkLayout(t, cp.size, self.cp_balance)
@@ -182,6 +201,8 @@ class Decoder:
         """The full logits (B, V) of x_last (B, 1, C): ln_f, the tied head, and with tp the
         all-gather of the vocabulary shards."""
         p = {k: self.params[k] for k in ("ln_f.weight", "ln_f.bias", "wte.weight")}
+        if self.ops.row_by_row and len(x_last) > 1:
+            return np.concatenate([self._logits(x_last[i : i + 1]) for i in range(len(x_last))])
         if self.tp.size == 1:
             return gpt.head_forward(p, x_last)[0][:, 0]  # (B, V)
         mine = vocab.logits_forward(p, x_last, self.tp, self.mcfg.vocab_size)[0][:, 0]  # (B, Vl)
