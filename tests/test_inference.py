@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import refmp
+from mpi_helpers import mpiexec, refmp
 
 from refmp.checkpoint.weights import save_model
 from refmp.cli.main import main
@@ -167,3 +167,10 @@ def test_matches_hugging_face_generate(weights, tmp_path):
     np.testing.assert_array_equal(got.tokens, out.sequences.numpy())
     hf_logits = torch.stack(out.logits, dim=1).numpy()
     np.testing.assert_allclose(got.logits, hf_logits, rtol=0, atol=1e-10)
+
+
+@pytest.mark.tutorial
+def test_tutorial_12_inference():
+    r = mpiexec(4, ["python", "tutorials/12_inference.py"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: the split cache decodes like the serial model" in r.stdout
