@@ -10,6 +10,7 @@ import pytest
 from mpi4py import MPI
 from mpi_helpers import mpiexec, refmp
 
+from refmp.checkpoint.convert import from_gpt2
 from refmp.checkpoint.weights import save_model
 from refmp.cli.main import main
 from refmp.distributed.grid import ProcessGrid
@@ -122,6 +123,10 @@ def test_generate_command(weights, tmp_path, capsys):
     assert out["tokens_per_s"] > 0 and out["kv_cache_bytes"] == [2 * 2 * 2 * 12 * 32 * 8]
     assert main([*args, "--no-kv-cache"]) == 0
     assert "'123+456=' -> " in capsys.readouterr().out
+    from_gpt2(path, str(tmp_path / "ck"))  # a 1-rank sharded checkpoint of the same weights
+    flags = ["--checkpoint", str(tmp_path / "ck"), *args[3:], "--json"]
+    assert main(["generate", *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["texts"] == out["texts"]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -7,6 +7,7 @@ assembled from the slices the files hold (refmp.checkpoint.sharded.assemble), as
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -37,17 +38,17 @@ def to_gpt2(path: str, out: str) -> str:
     (the --save format). Returns the checkpoint read."""
     from refmp.checkpoint.weights import save_model
 
-    ckpt, mcfg, params = read_params(path)
+    man, params = read_params(path)
     try:
-        save_model(out, params, mcfg)
+        save_model(out, params, model_config(man), man.get("vocab"))
     except OSError as e:
         raise _oserror("cannot write", out, e) from e
-    return ckpt
+    return man["dir"]
 
 
-def read_params(path: str):
-    """(the checkpoint read, its GPTConfig, its whole parameters by GPT-2 name) of the
-    checkpoint at (or latest in) ``path``, saved by any layout."""
+def read_params(path: str) -> tuple[dict, dict]:
+    """(the manifest, the whole parameters by GPT-2 name) of the checkpoint at (or latest
+    in) ``path``, saved by any layout."""
     ckpt = find(path)
     man = read_manifest(ckpt)
     shapes = man["tensors"]
@@ -57,15 +58,16 @@ def read_params(path: str):
         if not s.all():
             raise ConfigError(f"checkpoint manifest {man['path']}: no file holds "
                               f"{int((~s).sum())} elements of {k}")
-    return ckpt, model_config(man), {k: v.reshape(shapes[k]) for k, v in full["param"].items()}
+    return man, {k: v.reshape(shapes[k]) for k, v in full["param"].items()}
 
 
 def from_gpt2(path: str, root: str) -> str:
     """A 1-rank checkpoint (weights only, step 0) in ``root`` from a GPT-2-named safetensors
     file: what --resume then reads into any layout, as --init would."""
-    from refmp.checkpoint.weights import read_model
+    from refmp.checkpoint.weights import read_model, read_shapes
 
     mcfg, params = read_model(path)
+    vocab = read_shapes(path)[1].get("vocab")  # the tokenizer the file names, if any
     final, tmp = os.path.join(root, step_name(0)), os.path.join(root, f".{step_name(0)}.tmp")
     try:
         os.makedirs(root, exist_ok=True)
@@ -81,6 +83,7 @@ def from_gpt2(path: str, root: str) -> str:
             "layout": {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1, "world": 1, "zero": 0},
             "optimizer": {"kind": None, "t": 0, "moments": []}, "source": path,
             "model": asdict(mcfg), "config": None,
+            "vocab": None if vocab is None else json.loads(vocab),
             "tensors": {k: list(s) for k, s in param_shapes(mcfg).items()},
             "files": {rank_file(0): {"rank": 0, "coords": {}, **entry}},
         })

@@ -181,7 +181,7 @@ def save(tr, root: str, keep: int = 0) -> str:
                  "epoch": step * B // n_windows, "shuffle": cfg.shuffle, "seed": cfg.seed},
         "lr": {"schedule": cfg.lr_schedule, "steps": cfg.steps, "next": lr_at(cfg, step)},
         "rng": "none: after initialization a step draws no random numbers",
-        "model": asdict(mcfg), "config": asdict(cfg),
+        "model": asdict(mcfg), "config": asdict(cfg), "vocab": tr.ds.vocab,
         "tensors": {k: list(s) for k, s in param_shapes(mcfg).items()},
         "files": {rank_file(f["rank"]): f for f in files},
     }

@@ -47,9 +47,11 @@ def load_weights(init: str | None, checkpoint: str | None):
         raise ConfigError("give the weights: --init PATH or --checkpoint DIR (one of them)")
     if checkpoint is not None:
         from refmp.checkpoint.convert import read_params
+        from refmp.checkpoint.sharded import model_config
 
-        _, mcfg, params = read_params(checkpoint)
-        return mcfg, params, None
+        man, params = read_params(checkpoint)
+        mcfg, vocab = model_config(man), man.get("vocab")
+        return mcfg, params, tokenizer(vocab, mcfg.vocab_size)
     path, n_head = init, None
     if os.path.isdir(init):  # a Hugging Face model directory: config.json + model.safetensors
         path, n_head = os.path.join(init, "model.safetensors"), hf_heads(init)
@@ -62,10 +64,15 @@ def load_weights(init: str | None, checkpoint: str | None):
             raise ConfigError(f"--init {init}: config.json says n_positions {positions}, "
                               f"wpe.weight has {mcfg.block_size} rows")
     vocab = json.loads(meta["vocab"]) if "vocab" in meta else None
-    if vocab is None and mcfg.vocab_size == 256:
+    return mcfg, params, tokenizer(vocab, mcfg.vocab_size)
+
+
+def tokenizer(vocab: str | None, V: int) -> Tokenizer | None:
+    """The tokenizer a file names (its characters, or "bytes"); bytes for a vocabulary of
+    256 that names none; None (ids only) otherwise."""
+    if vocab is None and V == 256:
         vocab = "bytes"
-    tok = None if vocab is None else Tokenizer(None if vocab == "bytes" else vocab)
-    return mcfg, params, tok
+    return None if vocab is None else Tokenizer(None if vocab == "bytes" else vocab)
 
 
 def hf_heads(d: str) -> int:
