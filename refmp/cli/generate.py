@@ -200,5 +200,5 @@ def run_requests(args, grid, mcfg, params: dict, tok, sampler) -> dict | None:
     if args.save_tokens:  # requests of different lengths: an object array
         np.save(args.save_tokens, np.array(rows, dtype=object), allow_pickle=True)
     print(json.dumps(summary) if args.json else "\n".join(
-        f"[{i}] {t}" for i, t in enumerate(summary.get("texts", summary["new_tokens"]))))
+        f"[{i}] {t!r}" for i, t in enumerate(summary.get("texts", summary["new_tokens"]))))
     return summary
