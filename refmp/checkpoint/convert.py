@@ -8,6 +8,7 @@ reader does.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -38,6 +39,17 @@ def to_gpt2(path: str, out: str) -> str:
     (the --save format). Returns the checkpoint read."""
     from refmp.checkpoint.weights import save_model
 
+    man, params = read_params(path)
+    try:
+        save_model(out, params, model_config(man), man.get("vocab"))
+    except OSError as e:
+        raise file_error("cannot write", out, e) from e
+    return man["dir"]
+
+
+def read_params(path: str) -> tuple[dict, dict]:
+    """(the manifest, the whole parameters by GPT-2 name) of the checkpoint at (or latest
+    in) ``path``, saved by any layout."""
     ckpt = find(path)
     man = read_manifest(ckpt)
     shapes = man["tensors"]
@@ -47,20 +59,16 @@ def to_gpt2(path: str, out: str) -> str:
         if not s.all():
             raise ConfigError(f"checkpoint manifest {man['path']}: no file holds "
                               f"{int((~s).sum())} elements of {k}")
-    params = {k: v.reshape(shapes[k]) for k, v in full["param"].items()}
-    try:
-        save_model(out, params, model_config(man))
-    except OSError as e:
-        raise file_error("cannot write", out, e) from e
-    return ckpt
+    return man, {k: v.reshape(shapes[k]) for k, v in full["param"].items()}
 
 
 def from_gpt2(path: str, root: str) -> str:
     """A 1-rank checkpoint (weights only, step 0) in ``root`` from a GPT-2-named safetensors
     file: what --resume then reads into any layout, as --init would."""
-    from refmp.checkpoint.weights import read_model
+    from refmp.checkpoint.weights import read_model, read_shapes
 
     mcfg, params = read_model(path)
+    vocab = read_shapes(path)[1].get("vocab")  # the tokenizer the file names, if any
     final, tmp = os.path.join(root, step_name(0)), os.path.join(root, f".{step_name(0)}.tmp")
     try:
         os.makedirs(root, exist_ok=True)
@@ -76,6 +84,7 @@ def from_gpt2(path: str, root: str) -> str:
             "layout": {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1, "world": 1, "zero": 0},
             "optimizer": {"kind": None, "t": 0, "moments": []}, "source": path,
             "model": asdict(mcfg), "config": None,
+            "vocab": None if vocab is None else json.loads(vocab),
             "tensors": {k: list(s) for k, s in param_shapes(mcfg).items()},
             "files": {rank_file(0): {"rank": 0, "coords": {}, **entry}},
         })

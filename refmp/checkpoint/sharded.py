@@ -76,6 +76,7 @@ class Checkpointed:
     optimizer: Stateful
     scaler: Stateful | None
     progress: Stateful
+    vocab: str | None = None  # the tokenizer (refmp.training.datasets.Dataset.vocab)
 
 
 def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
@@ -122,7 +123,7 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
         "optimizer": {"kind": opt["kind"], "t": opt["t"], **scale, "moments": sorted(moments)},
         "data": progress["data"], "lr": progress["lr"],
         "rng": "none: after initialization a step draws no random numbers",
-        "model": asdict(parts.model), "config": asdict(cfg),
+        "model": asdict(parts.model), "config": asdict(cfg), "vocab": parts.vocab,
         "tensors": {k: list(s) for k, s in param_shapes(parts.model).items()},
         "files": {rank_file(f["rank"]): f for f in files},
     }

@@ -24,12 +24,15 @@ from refmp.runtime import backend
 MOE_META = ("top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
-def save_model(path: str, params: dict, cfg: GPTConfig) -> None:
-    """Write full (unsharded) parameters, GPT-2 names, to ``path``, atomically."""
+def save_model(path: str, params: dict, cfg: GPTConfig, vocab: str | None = None) -> None:
+    """Write full (unsharded) parameters, GPT-2 names, to ``path``, atomically. ``vocab``:
+    the data's tokenizer for ``refmp generate`` (its characters, or "bytes"), if it has one."""
     from safetensors.numpy import save_file
 
     tensors = {k: np.ascontiguousarray(backend.to_host(v)) for k, v in params.items()}
     meta = {"format": "refmp", "n_head": str(cfg.n_head)}
+    if vocab is not None:
+        meta["vocab"] = json.dumps(vocab)
     if cfg.n_expert:  # the MoE settings the tensors do not say
         meta.update({k: str(getattr(cfg, k)) for k in MOE_META})
     tmp = f"{path}.tmp{os.getpid()}"

@@ -1,6 +1,6 @@
-"""The ``refmp`` command: ``refmp train``, ``bench``, ``schedule``, ``plan`` and ``convert``
-(also ``python -m refmp``), each in its own module of refmp.cli; this one holds the parser's
-root, the exit codes and the rank-0 printing.
+"""The ``refmp`` command: ``refmp train``, ``bench``, ``schedule``, ``plan``, ``convert`` and
+``generate`` (also ``python -m refmp``), each in its own module of refmp.cli; this one holds
+the parser's root, the exit codes and the rank-0 printing.
 
 Run it under MPI for more than one rank: ``mpiexec -n 2 refmp train --dp 2``.
 How a run ends when something goes wrong (refmp.distributed.faults, docs/faults.md): bad input prints
@@ -40,11 +40,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from refmp.cli import bench, convert, plan, schedule, train
+    from refmp.cli import bench, convert, generate, plan, schedule, train
 
     p = Parser(prog="refmp", description="refmp: GPT-2 in NumPy, split across MPI ranks.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for command in (train, bench, schedule, plan, convert):
+    for command in (train, bench, schedule, plan, convert, generate):
         command.add_parser(sub)
     return p
 

@@ -32,11 +32,13 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run_train)
 
 
-def add_layout_args(p: argparse.ArgumentParser) -> None:
-    """How the ranks split the work: the ParallelConfig fields, each in its help group, and
-    --trace with the pipeline's."""
+def add_layout_args(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """How the ranks split the work: the ParallelConfig fields (or those named in ``only``),
+    each in its help group, and with them all --trace with the pipeline's."""
     groups = {}
     for f in fields(ParallelConfig):
+        if only is not None and f.name not in only:
+            continue
         m = f.metadata
         g = groups.get(m["group"])
         if g is None:
@@ -46,6 +48,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
         else:
             g.add_argument(flag_name(f.name), type=m["kind"], default=f.default,
                            choices=m["choices"], metavar=m["metavar"], help=m["help"])
+    if only is not None:
+        return
     groups[PIPELINE].add_argument("--trace", default=None, metavar="PATH.json",
                                   help="write the last step's measured timeline as Chrome "
                                        "trace JSON")
@@ -239,7 +243,7 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.save:
         full = tr.runner.full_params()  # collective where the model is split; rank 0 gets it
         if rank0:
-            save_model(cfg.save, full, tr.model.cfg)
+            save_model(cfg.save, full, tr.model.cfg, tr.ds.vocab)
         tr.grid.world.barrier()
     summary = {
         "summary": True, "steps": cfg.steps, "start_step": start, "final_loss": rec.get("loss"),

@@ -29,6 +29,7 @@ class Dataset:
     vocab_size: int
     name: str
     task: AdditionTask | None = field(default=None, repr=False)
+    vocab: str | None = None  # the characters of the ids, or "bytes" (None: not text)
 
     def n_windows(self, T: int) -> int:
         return (len(self.tokens) - 1) // T
@@ -110,7 +111,7 @@ class AdditionTask:
 
     def dataset(self) -> Dataset:
         return Dataset(self.encode(self.train_pairs).reshape(-1), len(ADD_CHARS),
-                       f"addition ({self.digits}-digit)", task=self)
+                       f"addition ({self.digits}-digit)", task=self, vocab=ADD_CHARS)
 
     def score(self, model, pairs: np.ndarray | None = None, batch: int = 500) -> tuple[int, int]:
         """(correct, total) exact-match answers by greedy decoding on held-out problems."""
@@ -152,7 +153,8 @@ def load_tokens(path: str) -> Dataset:
             tokens = np.fromfile(path, dtype=np.uint16).astype(np.int64)
         else:
             tokens = np.frombuffer(open(path, "rb").read(), dtype=np.uint8).astype(np.int64)
-            return _checked(Dataset(tokens, 256, f"text {os.path.basename(path)}"), path)
+            return _checked(Dataset(tokens, 256, f"text {os.path.basename(path)}",
+                                    vocab="bytes"), path)
     except ConfigError:
         raise
     except (OSError, ValueError) as e:

@@ -245,7 +245,7 @@ class Trainer:
         """What a checkpoint saves and restores of this run: the runner's pieces, the
         optimizer, fp16's loss scaler, and this Trainer's progress."""
         return Checkpointed(self.grid, self.cfg, self.model.cfg, self.runner, self.opt,
-                            self.scaler, progress=self)
+                            self.scaler, progress=self, vocab=self.ds.vocab)
 
     def save_checkpoint(self, root: str, keep: int = 0) -> str:
         """Write this step's state as ``root/step-{N:08d}`` (collective)."""

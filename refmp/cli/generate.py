@@ -1,0 +1,202 @@
+"""``refmp generate``: decode new tokens after prompts, from trained or downloaded weights, on
+any layout (docs/inference.md).
+
+Every rank reads the weights and the prompts, checks that the layout fits them (the same
+answer everywhere: bad input is one message and exit 2 on every rank), keeps its share of
+the model (refmp.inference.decoder), and decodes its dp rows; world rank 0 gathers the tokens
+and the logits that chose them, writes and prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from refmp.cli.train import add_layout_args
+from refmp.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="decode from a model with a KV cache, on any layout",
+                       description="Generate tokens after prompts with a KV cache split like "
+                                   "the model (tp heads, pp layers, cp tokens); e.g. `refmp "
+                                   "generate --init model.safetensors --prompt 123+456=`.")
+    w = g.add_argument_group("weights and prompts")
+    w.add_argument("--init", default=None, metavar="PATH",
+                   help="a GPT-2-named safetensors file (refmp train --save), or a Hugging "
+                        "Face model directory (config.json and model.safetensors)")
+    w.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="a sharded checkpoint (refmp train --checkpoint-dir), any layout")
+    w.add_argument("--prompts", default=None, metavar="PATH.npy",
+                   help="token ids, an integer array (B, T0)")
+    w.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="a prompt as text (repeatable; equal lengths), in the weights' "
+                        "tokenizer: the addition task's characters or bytes")
+    w.add_argument("--requests", default=None, metavar="PATH.jsonl",
+                   help="continuous batching: one request a line, {\"prompt\": ids or text, "
+                        "\"max_new_tokens\": N, \"arrival\": step}")
+    d = g.add_argument_group("decoding")
+    d.add_argument("--max-new-tokens", type=int, default=16, help="new tokens per prompt (16)")
+    d.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    d.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: all)")
+    d.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    d.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    d.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    d.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                   help="recompute the whole sequence for every token (the baseline)")
+    d.add_argument("--kv-block-size", type=int, default=None, metavar="N",
+                   help="a paged cache of N-token blocks (PagedAttention); default contiguous")
+    d.add_argument("--max-batch", type=int, default=8,
+                   help="continuous batching: requests decoded together (8)")
+    add_layout_args(g, only=("tp", "pp", "dp", "cp", "ep", "cp_balance"))
+    o = g.add_argument_group("output")
+    o.add_argument("--save-tokens", default=None, metavar="PATH.npy", help="tokens (B, T0+N)")
+    o.add_argument("--save-logits", default=None, metavar="PATH.npy",
+                   help="the logits that chose each new token (B, N, V)")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(run=run_generate)
+
+
+def check_fits(args: argparse.Namespace, mcfg, sizes: dict, prompts: list) -> None:
+    """Refuse what this layout cannot split, or these prompts cannot do (pure)."""
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.kv_block_size is not None and args.kv_block_size < 1:
+        raise ConfigError(f"--kv-block-size must be at least 1, got {args.kv_block_size}")
+    if mcfg.n_head % sizes["tp"]:
+        raise ConfigError(f"--tp {sizes['tp']} must divide the model's {mcfg.n_head} heads")
+    if mcfg.n_layer < sizes["pp"]:
+        raise ConfigError(f"--pp {sizes['pp']} stages but the model has {mcfg.n_layer} layers")
+    if sizes["ep"] > 1 and (mcfg.n_expert == 0 or mcfg.n_expert % sizes["ep"]):
+        raise ConfigError(f"--ep {sizes['ep']} must divide the model's {mcfg.n_expert} experts")
+    if len(prompts) < sizes["dp"]:
+        raise ConfigError(f"--dp {sizes['dp']} ranks but {len(prompts)} prompts: each dp rank "
+                          f"decodes at least one")
+    for p in prompts:
+        if len(p) > mcfg.block_size:
+            raise ConfigError(f"a prompt of {len(p)} tokens is longer than the model's "
+                              f"{mcfg.block_size} positions")
+    if sizes["cp"] > 1:
+        if not args.kv_cache:
+            raise ConfigError("--no-kv-cache recomputes sequences of every length; it runs "
+                              "without --cp")
+        chunks = 2 * sizes["cp"] if args.cp_balance == "zigzag" else sizes["cp"]
+        if any(len(p) % chunks for p in prompts):
+            raise ConfigError(f"--cp {sizes['cp']} ({args.cp_balance}) cuts each prompt into "
+                              f"{chunks} equal chunks; the prompt lengths are "
+                              f"{sorted({len(p) for p in prompts})}")
+
+
+def run_generate(args: argparse.Namespace) -> dict | None:
+    """The command (collective over the world); the summary on world rank 0."""
+
+    from refmp.distributed.grid import ProcessGrid
+    from refmp.inference.decoder import Decoder
+    from refmp.inference.generate import generate
+    from refmp.inference.sampling import Sampler
+    from refmp.inference.sources import load_weights, read_prompts
+    from refmp.training.trainer import agreed
+
+    grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    world, sampler = grid.world, Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    mcfg, params, tok = agreed(world, lambda: load_weights(args.init, args.checkpoint))
+    if args.requests is not None:
+        return run_requests(args, grid, mcfg, params, tok, sampler)
+    prompts = agreed(world, lambda: read_prompts(args.prompts, args.prompt, tok,
+                                                 mcfg.vocab_size))
+    check_fits(args, mcfg, grid.sizes, prompts)
+    if len({len(p) for p in prompts}) > 1:
+        raise ConfigError(f"prompts of different lengths {sorted({len(p) for p in prompts})}: "
+                          f"give them as --requests PATH.jsonl (continuous batching)")
+    if len(prompts[0]) + args.max_new_tokens - 1 > mcfg.block_size:
+        raise ConfigError(f"{len(prompts[0])} prompt tokens and --max-new-tokens "
+                          f"{args.max_new_tokens} need {len(prompts[0]) + args.max_new_tokens - 1}"
+                          f" positions; the model has {mcfg.block_size}")
+    dec = Decoder(mcfg, {k: v.astype(args.dtype) for k, v in params.items()}, grid,
+                  args.cp_balance)
+    ids = np.array_split(np.arange(len(prompts)), grid.sizes["dp"])[grid.coords["dp"]]
+    res = generate(dec, np.array(prompts, dtype=np.int64)[ids], args.max_new_tokens, sampler,
+                   ids, args.kv_cache, args.kv_block_size)
+    holder = dec.last and grid.coords["tp"] == 0 and grid.coords["cp"] == 0
+    got = world.allgather_obj((ids, res.tokens, res.logits) if holder else None)
+    kv = world.allgather_obj(res.kv_cache_bytes)
+    prefill_s, decode_s = world.allreduce_metrics([res.prefill_s, res.decode_s], op="max")
+    if world.rank != 0:
+        return None
+    parts = sorted((g for g in got if g is not None), key=lambda g: g[0][0])
+    tokens = np.concatenate([g[1] for g in parts])
+    logits = np.concatenate([g[2] for g in parts])
+    summary = {"tokens_per_s": tokens.shape[0] * args.max_new_tokens / (prefill_s + decode_s),
+               "prefill_s": prefill_s, "decode_s": decode_s, "kv_cache_bytes": kv,
+               "layout": grid.sizes, "kv_cache": args.kv_cache,
+               "new_tokens": tokens[:, -args.max_new_tokens:].tolist()}
+    report(args, tokens, logits, tok, summary)
+    return summary
+
+
+def report(args, tokens, logits, tok, summary: dict) -> None:
+    """Write --save-tokens / --save-logits; print the JSON object, or each prompt and its
+    continuation (decoded for a text tokenizer)."""
+    if args.save_tokens:
+        np.save(args.save_tokens, tokens)
+    if args.save_logits:
+        np.save(args.save_logits, logits)
+    if tok is not None:
+        summary["texts"] = [tok.decode(t) for t in summary["new_tokens"]]
+    if args.json:
+        print(json.dumps(summary), flush=True)
+        return
+    for j, row in enumerate(tokens):
+        prompt, new = row[: -len(summary["new_tokens"][j])], summary["new_tokens"][j]
+        if tok is not None:
+            print(f"[{j}] {tok.decode(prompt)!r} -> {summary['texts'][j]!r}")
+        else:
+            print(f"[{j}] {' '.join(map(str, prompt))} -> {' '.join(map(str, new))}")
+    print(f"{summary['tokens_per_s']:,.0f} new tokens/s (prefill {summary['prefill_s']:.3f} s, "
+          f"decode {summary['decode_s']:.3f} s); KV cache bytes per rank "
+          f"{summary['kv_cache_bytes']}", flush=True)
+
+
+def run_requests(args, grid, mcfg, params: dict, tok, sampler) -> dict | None:
+    """``--requests``: continuous batching; request i is served by dp rank i mod dp."""
+    from refmp.inference.decoder import Decoder
+    from refmp.inference.scheduler import Request, serve
+    from refmp.inference.sources import read_requests
+    from refmp.training.trainer import agreed
+
+    world, s = grid.world, grid.sizes
+    reqs = agreed(world, lambda: read_requests(args.requests, tok, mcfg.vocab_size))
+    check_fits(args, mcfg, s, [r["prompt"] for r in reqs])
+    if s["cp"] > 1 or s["ep"] > 1:
+        raise ConfigError("--requests (continuous batching) runs on tp, pp and dp; the cp and "
+                          "ep ranks would have to decode the same requests in step")
+    if args.max_batch < 1:
+        raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}")
+    dec = Decoder(mcfg, {k: v.astype(args.dtype) for k, v in params.items()}, grid)
+    ids = list(range(grid.coords["dp"], len(reqs), s["dp"]))
+    mine = [Request(reqs[i]["prompt"], reqs[i]["max_new_tokens"], reqs[i]["arrival"])
+            for i in ids]
+    out = serve(dec, mine, sampler, args.max_batch, args.kv_block_size, ids)
+    holder = dec.last and grid.coords["tp"] == 0
+    got = world.allgather_obj((ids, out.tokens) if holder else None)
+    kv = world.allgather_obj(out.kv_cache_bytes)
+    seconds = world.allreduce_metrics([out.seconds], op="max")[0]
+    if world.rank != 0:
+        return None
+    tokens = dict(zip(*(sum((list(g[k]) for g in got if g is not None), []) for k in (0, 1)),
+                      strict=True))
+    rows = [tokens[i] for i in range(len(reqs))]
+    n_new = sum(r["max_new_tokens"] for r in reqs)
+    summary = {"tokens_per_s": n_new / seconds, "seconds": seconds, "kv_cache_bytes": kv,
+               "layout": s, "requests": len(reqs),
+               "new_tokens": [t[len(r["prompt"]):].tolist() for t, r in zip(rows, reqs,
+                                                                              strict=True)]}
+    if tok is not None:
+        summary["texts"] = [tok.decode(t) for t in summary["new_tokens"]]
+    if args.save_tokens:  # requests of different lengths: an object array
+        np.save(args.save_tokens, np.array(rows, dtype=object), allow_pickle=True)
+    print(json.dumps(summary) if args.json else "\n".join(
+        f"[{i}] {t!r}" for i, t in enumerate(summary.get("texts", summary["new_tokens"]))))
+    return summary

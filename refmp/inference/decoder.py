@@ -1,0 +1,240 @@
+"""The decoder: prefill and KV-cached decode steps of GPT-2 on any layout, pp x dp x cp x tp
+with experts, through the same block (refmp.nn.gpt.block_forward) and Ops as training.
+
+Shapes: B rows (requests) on this rank, T0 prompt tokens, t tokens of one call (T0 in the
+prefill, 1 in a decode step), Tl = T0/cp prompt tokens per cp rank, C channels, NH = n_head/tp
+heads here, HS head size, V vocabulary, Vl = Vp/tp vocabulary rows here.
+
+A call runs this pipeline stage's blocks on t new tokens per row. The only piece that differs
+from training is the attention core, :class:`CachedAttention`, handed to ParallelOps as its
+``attn``: it appends the new keys and values to the cache and attends over everything cached.
+Each axis splits what it splits in training, and the cache with it:
+
+* tp: the linears are column/row parallel (Megatron); a rank keeps the k, v of its NH/tp heads;
+  the logits (B, Vl) of the last position are all-gathered into (B, V) to pick the token;
+* pp: a stage keeps its layers' cache; activations (B, t, C) go stage to stage, the last
+  stage picks the token and sends its id to the first (B int64);
+* dp: each dp rank decodes its own rows (refmp.parallel.data: whole requests);
+* ep: the MoE MLP sends each token to its experts by all-to-all (refmp.parallel.expert);
+  without a capacity limit: a token's output must not depend on the tokens beside it;
+* cp: the prompt is sharded (ChunkLayout, zig-zag or contiguous) and prefilled by ring
+  attention; decoded token j is appended on cp rank j mod cp (round robin), every cp rank
+  computes the new token's q and its partial attention over the keys it holds, and the
+  partial results merge by log-sum-exp (refmp.nn.blockwise.attention_merge, as ring
+  attention merges its blocks): one all-gather of (B, NH, 1, HS + 1) per layer.
+
+Messages of one decode step, B rows on a dp rank, w bytes per element, L blocks on the stage
+(``decode_step_bytes``; tests/test_inference.py holds the ledger to it):
+
+    tp: allreduce (2 L + [first stage]) B C w,  allgather [last stage] B Vp w
+    cp: allgather L cp B NH (HS + 1) w
+    pp: send/recv B C w to/from the neighbouring stages, and the token ids, B 8 bytes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from refmp.distributed.comm import wait
+from refmp.nn import blockwise as BW
+from refmp.nn import gpt
+from refmp.nn import layers as L
+from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.ring import RingAttention
+from refmp.parallel.expert import ExpertDispatch
+from refmp.parallel.ops import ParallelOps
+from refmp.parallel.pipeline.partition import partition, piece_costs
+from refmp.parallel.placement import holds, padded_vocab, tp_shard
+from refmp.parallel.tensor import vocab
+
+TAG_ACT, TAG_TOKEN = 21, 22
+
+
+class CachedAttention:
+    """The attention core of one decoder call, on the layer ``decoder.layer`` (ParallelOps'
+    ``attn``: ``forward(qkv, n_head)`` like refmp.nn.layers.attention_forward)."""
+
+    def __init__(self, decoder: Decoder):
+        self.dec = decoder
+
+    def forward(self, qkv, n_head: int):
+        dec = self.dec
+        B, t, C3 = qkv.shape
+        hs = C3 // 3 // n_head
+        if dec.mode == "prefill":
+            if dec.ring is None:  # the serial core on the whole prompt, as training runs it
+                out, (_, k, v, _, _) = L.attention_forward(qkv, n_head)  # k, v (B, NH, t, HS)
+            else:  # ring attention over the cp ranks' chunks; kv (2, B, NH, Tl, HS)
+                out, (_, kv, _, _, _) = dec.ring.forward(qkv, n_head)
+                k, v = kv[0], kv[1]
+            for b, slot in enumerate(dec.slots):
+                dec.cache.append(dec.layer, slot, k[b], v[b])
+            return out, None
+        q, k, v = qkv.reshape(B, 1, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # (B, NH, 1, HS)
+        y = np.zeros((B, n_head, 1, hs), qkv.dtype)
+        lse = np.full((B, n_head, 1), -np.inf, qkv.dtype)
+        for b, slot in enumerate(dec.slots):
+            if slot < 0:  # a free slot of a continuous batch: nothing to attend over
+                continue
+            own = bool(dec.owns[b])
+            if own:  # this rank keeps the new token's k, v (round robin over cp)
+                dec.cache.append(dec.layer, slot, k[b], v[b])
+            kc, vc = dec.cache.view(dec.layer, slot, extra=int(own))  # (NH, n, HS)
+            y[b], lse[b] = BW.attention_block_forward(q[b : b + 1], kc[None], vc[None],
+                                                      1.0 / math.sqrt(hs))
+        if dec.cp.size > 1:  # merge the cp ranks' partial attentions, in rank order
+            got = dec.cp.allgather(np.concatenate([y, lse[..., None]], axis=-1))
+            got = got.reshape(dec.cp.size, B, n_head, 1, hs + 1)
+            y, lse = got[0, ..., :hs], got[0, ..., hs]
+            for r in range(1, dec.cp.size):
+                y, lse = BW.attention_merge(y, lse, got[r, ..., :hs], got[r, ..., hs])
+        return y.transpose(0, 2, 1, 3).reshape(B, 1, n_head * hs), None  # (B, 1, C/tp)
+
+
+class DecodeOps(ParallelOps):
+    """ParallelOps whose linears run one row at a time when ``row_by_row`` is set: a row's
+    product is then the same BLAS call whatever rows share its batch (continuous batching's
+    bitwise promise; BLAS may round a row of a larger product by its place in a tile)."""
+
+    row_by_row = False
+
+    def column(self, x, w, b):
+        return self._rows(super().column, x, w, b)
+
+    def row(self, x, w, b):
+        return self._rows(super().row, x, w, b)
+
+    def _rows(self, linear, x, w, b):
+        if not self.row_by_row or x.shape[0] == 1:
+            return linear(x, w, b)
+        return np.concatenate([linear(x[i : i + 1], w, b)[0] for i in range(len(x))]), None
+
+
+class Decoder:
+    """This rank's share of the model (its stage's blocks, its tp shard, its experts) and the
+    calls that run it on cached tokens. ``params``: the full model (host arrays, GPT-2 names);
+    ``grid``: a refmp.distributed.grid.ProcessGrid."""
+
+    def __init__(self, mcfg, params: dict, grid, cp_balance: str = "zigzag"):
+        self.mcfg, self.grid, self.cp_balance = mcfg, grid, cp_balance
+        self.tp, self.pp, self.cp, self.ep = (grid.comm[a] for a in ("tp", "pp", "cp", "ep"))
+        P, r = self.pp.size, self.pp.rank
+        costs = piece_costs(mcfg.n_embd, mcfg.block_size, mcfg.vocab_size)
+        self.blocks = partition(mcfg.n_layer, P, costs)[r]  # chunk r on pp rank r
+        self.first, self.last = r == 0, r == P - 1
+        names = [k for k in params if holds(k, set(self.blocks), self.first, self.last,
+                                            self.ep.rank, mcfg.n_expert, self.ep.size)]
+        self.params = {k: tp_shard(k, params[k], self.tp.rank, self.tp.size) for k in names}
+        self.dtype = params["wte.weight"].dtype
+        self.nh = mcfg.n_head // self.tp.size  # heads here
+        self.ops = DecodeOps(mcfg.n_head, mcfg.vocab_size, self.tp, attn=CachedAttention(self))
+        # experts: every token to its top-k (no capacity limit), sharded over ep if split
+        dispatch = ExpertDispatch(self.ep, mcfg.n_expert) if self.ep.size > 1 else None
+        no_drop = dataclasses.replace(mcfg, capacity_factor=0.0)
+        self.moe = no_drop.moe_context(None, dispatch) if mcfg.n_expert else None
+        self.cache = None
+        self.mode, self.slots, self.owns, self.layer, self.ring = "decode", [], None, 0, None
+
+    def kv_tokens(self, T0: int, n_decoded: int) -> int:
+        """Tokens of one row this rank's cache holds: its Tl of the prompt and its share of
+        the n_decoded tokens run back through the model (round robin over cp)."""
+        cp, r = self.cp.size, self.cp.rank
+        return T0 // cp + len(range(r, n_decoded, cp))
+
+    def owner(self, j: int) -> int:
+        """The cp rank that keeps decoded token j (its position T0 + j)."""
+        return j % self.cp.size
+
+    # --- one call: this stage's blocks on t new tokens of each row -------------------------
+
+    def forward(self, ids, slots: list[int], positions, prefill: bool, decoded=None):
+        """Run this stage on the rows ``slots`` (-1: a free slot, skipped by attention).
+
+        ``ids`` (B, t) token ids (first stage; None elsewhere); ``positions`` their global
+        positions, (t,) or (B, t); ``decoded`` (B,) in a decode step: the index j of each
+        row's new token (it decides the cp rank that keeps it). Returns the full logits (B, V)
+        of each row's last position on the last stage, None elsewhere.
+        """
+        B, t = len(slots), (1 if not prefill else np.shape(positions)[-1])
+        self.mode, self.slots = ("prefill" if prefill else "decode"), slots
+        cp = self.cp
+        self.ring, held = None, np.asarray(positions)
+        if prefill and cp.size > 1:  # my chunks of every prompt (ChunkLayout), ring attention
+            layout = ChunkLayout(t, cp.size, self.cp_balance)
+            self.ring = RingAttention(cp, layout)
+            held = layout.positions(cp.rank)
+        if not prefill:
+            self.owns = np.array([self.owner(j) == cp.rank for j in decoded])
+        t_here = len(held) if prefill else 1
+        if self.first:
+            x = self._embed(ids if not prefill or cp.size == 1 else ids[:, held], held)
+        else:
+            x = self.pp.recv((B, t_here, self.mcfg.n_embd), self.dtype, self.pp.rank - 1, TAG_ACT)
+        for i in self.blocks:
+            self.layer = i
+            p = gpt.block_params(self.params, i)
+            x, _ = gpt.block_forward(p, x, self.ops, self.moe if self.mcfg.is_moe(i) else None)
+        for b, slot in enumerate(slots):
+            if slot >= 0:
+                self.cache.advance(slot, t_here if prefill else int(self.owns[b]))
+        if not self.last:
+            wait(self.pp.send(np.ascontiguousarray(x), self.pp.rank + 1, TAG_ACT))
+            return None
+        x_last = x[:, -1:, :]  # (B, 1, C)
+        if prefill and cp.size > 1:  # the prompt's last token lives on one cp rank
+            root = next(r for r in range(cp.size) if t - 1 in layout.positions(r))
+            x_last = (np.ascontiguousarray(x[:, list(held).index(t - 1)][:, None])
+                      if cp.rank == root else np.empty_like(x_last))
+            x_last = cp.bcast(x_last, root)
+        return self._logits(x_last)
+
+    def _embed(self, ids, positions):
+        p = {"wte.weight": self.params["wte.weight"], "wpe.weight": self.params["wpe.weight"]}
+        if self.tp.size == 1:
+            return gpt.embed_forward(p, ids, positions=positions)[0]  # (B, t, C)
+        return vocab.embed_forward(p, ids, self.tp, False, positions)[0]
+
+    def _logits(self, x_last):
+        """The full logits (B, V) of x_last (B, 1, C): ln_f, the tied head, and with tp the
+        all-gather of the vocabulary shards."""
+        p = {k: self.params[k] for k in ("ln_f.weight", "ln_f.bias", "wte.weight")}
+        if self.ops.row_by_row and len(x_last) > 1:
+            return np.concatenate([self._logits(x_last[i : i + 1]) for i in range(len(x_last))])
+        if self.tp.size == 1:
+            return gpt.head_forward(p, x_last)[0][:, 0]  # (B, V)
+        mine = vocab.logits_forward(p, x_last, self.tp, self.mcfg.vocab_size)[0][:, 0]  # (B, Vl)
+        every = self.tp.allgather(np.ascontiguousarray(mine.T))  # (Vp, B)
+        return np.ascontiguousarray(every.T[:, : self.mcfg.vocab_size])  # (B, V)
+
+    # --- the pipeline's token hand-back ---------------------------------------------------
+
+    def token_to_first(self, tokens, B: int):
+        """The last stage's token ids (B,) to the first stage (returned there; None between)."""
+        if self.pp.size == 1:
+            return tokens
+        if self.last:
+            wait(self.pp.send(np.ascontiguousarray(tokens, dtype=np.int64), 0, TAG_TOKEN))
+            return None
+        if self.first:
+            return self.pp.recv((B,), np.int64, self.pp.size - 1, TAG_TOKEN)
+        return None
+
+
+def decode_step_bytes(B: int, C: int, V: int, n_head: int, blocks: int, first: bool, last: bool,
+                      tp: int, cp: int, pp: int, itemsize: int) -> dict[str, int]:
+    """Ledger bytes of one decode step on one rank, by "op@axis" (the module docstring)."""
+    out = {}
+    if tp > 1:
+        out["allreduce@tp"] = (2 * blocks + first) * B * C * itemsize
+        if last:
+            out["allgather@tp"] = B * padded_vocab(V, tp) * itemsize
+    if cp > 1:
+        hs = C // n_head
+        out["allgather@cp"] = blocks * cp * B * (n_head // tp) * (hs + 1) * itemsize
+    if pp > 1:
+        out["send@pp"] = (0 if last else B * C * itemsize) + (B * 8 if last else 0)
+        out["recv@pp"] = (0 if first else B * C * itemsize) + (B * 8 if first else 0)
+    return {k: v for k, v in out.items() if v}

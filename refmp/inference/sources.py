@@ -1,0 +1,149 @@
+"""What ``refmp generate`` reads: the weights (a GPT-2-named safetensors file, a Hugging Face
+model directory, or a sharded checkpoint of any layout), the tokenizer they were trained
+with, and the prompts (token ids, text, or a request file for continuous batching).
+
+Tokenizers: the characters ``refmp train --save`` records in the file's metadata (``vocab``:
+the built-in addition task's ``0123456789+=\\n``), or raw bytes (``"bytes"``: a text file
+trained on, or any model of vocabulary 256 without metadata).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from refmp.errors import ConfigError
+
+
+class Tokenizer:
+    """Text <-> ids by a character list (id i is ``chars[i]``), or by raw bytes (None)."""
+
+    def __init__(self, chars: str | None):
+        self.chars = chars
+
+    def encode(self, text: str) -> list[int]:
+        if self.chars is None:
+            return list(text.encode())
+        bad = sorted({c for c in text if c not in self.chars})
+        if bad:
+            raise ConfigError(f"--prompt {text!r}: {', '.join(map(repr, bad))} not in the "
+                              f"model's vocabulary {self.chars!r}")
+        return [self.chars.index(c) for c in text]
+
+    def decode(self, ids) -> str:
+        if self.chars is None:
+            return bytes(int(i) for i in ids).decode(errors="replace")
+        return "".join(self.chars[int(i)] if int(i) < len(self.chars) else "?" for i in ids)
+
+
+def load_weights(init: str | None, checkpoint: str | None):
+    """(GPTConfig, full parameters as host arrays, Tokenizer or None) from ``--init`` (a
+    file or a Hugging Face directory) or ``--checkpoint``."""
+    from refmp.checkpoint.weights import read_model, read_tensors
+
+    if (init is None) == (checkpoint is None):
+        raise ConfigError("give the weights: --init PATH or --checkpoint DIR (one of them)")
+    if checkpoint is not None:
+        from refmp.checkpoint.convert import read_params
+        from refmp.checkpoint.sharded import model_config
+
+        man, params = read_params(checkpoint)
+        mcfg, vocab = model_config(man), man.get("vocab")
+        return mcfg, params, tokenizer(vocab, mcfg.vocab_size)
+    path, n_head = init, None
+    if os.path.isdir(init):  # a Hugging Face model directory: config.json + model.safetensors
+        path, n_head = os.path.join(init, "model.safetensors"), hf_heads(init)
+    mcfg, params = read_model(path, n_head)
+    meta = read_tensors(path)[1] if os.path.isfile(path) else {}
+    if n_head is not None:
+        with open(os.path.join(init, "config.json")) as f:
+            positions = json.load(f).get("n_positions", mcfg.block_size)
+        if positions != mcfg.block_size:
+            raise ConfigError(f"--init {init}: config.json says n_positions {positions}, "
+                              f"wpe.weight has {mcfg.block_size} rows")
+    vocab = json.loads(meta["vocab"]) if "vocab" in meta else None
+    return mcfg, params, tokenizer(vocab, mcfg.vocab_size)
+
+
+def tokenizer(vocab: str | None, V: int) -> Tokenizer | None:
+    """The tokenizer a file names (its characters, or "bytes"); bytes for a vocabulary of
+    256 that names none; None (ids only) otherwise."""
+    if vocab is None and V == 256:
+        vocab = "bytes"
+    return None if vocab is None else Tokenizer(None if vocab == "bytes" else vocab)
+
+
+def hf_heads(d: str) -> int:
+    """n_head from a Hugging Face GPT-2 directory's config.json (GELU: its tanh form)."""
+    path = os.path.join(d, "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--init {d}: no readable config.json ({e})") from e
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(f"--init {d}: activation_function {act!r}; refmp's GPT-2 uses the "
+                          f"tanh GELU (gelu_new)")
+    return int(cfg["n_head"])
+
+
+def read_prompts(path: str | None, texts: list[str] | None, tok: Tokenizer | None, V: int):
+    """The prompts as a list of id lists, from ``--prompts PATH.npy`` (B, T0) or ``--prompt``."""
+    if (path is None) == (not texts):
+        raise ConfigError("give the prompts: --prompts PATH.npy or --prompt TEXT (not both)")
+    if path is not None:
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--prompts {path}: cannot read it ({e})") from e
+        if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer) or arr.shape[1] < 1:
+            raise ConfigError(f"--prompts {path}: expected a (B, T0) integer array, got "
+                              f"{arr.ndim}-D {arr.dtype}")
+        rows = [list(map(int, r)) for r in arr]
+    else:
+        if tok is None:
+            raise ConfigError("--prompt TEXT needs a tokenizer the weights name (refmp train "
+                              "--save records it); give token ids with --prompts PATH.npy")
+        rows = [tok.encode(t) for t in texts]
+    for r in rows:
+        if not r:
+            raise ConfigError("an empty prompt: every prompt needs at least one token")
+        if min(r) < 0 or max(r) >= V:
+            raise ConfigError(f"prompt token ids must be in [0, {V}), got {min(r)}..{max(r)}")
+    return rows
+
+
+def read_requests(path: str, tok: Tokenizer | None, V: int) -> list[dict]:
+    """``--requests PATH.jsonl``: one request a line, {"prompt": ids or text,
+    "max_new_tokens": N, "arrival": step (default 0)}."""
+    out = []
+    try:
+        with open(path) as f:
+            lines = [x for x in f.read().splitlines() if x.strip()]
+    except OSError as e:
+        raise ConfigError(f"--requests {path}: cannot read it ({e})") from e
+    for n, line in enumerate(lines, 1):
+        try:
+            r = json.loads(line)
+            p = r["prompt"]
+            ids = read_prompts(None, [p], tok, V)[0] if isinstance(p, str) else \
+                read_prompts_ids(p, V)
+            out.append({"prompt": ids, "max_new_tokens": int(r["max_new_tokens"]),
+                        "arrival": int(r.get("arrival", 0))})
+        except ConfigError as e:
+            raise ConfigError(f"--requests {path} line {n}: {e}") from e
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"--requests {path} line {n}: {e!r}") from e
+    if not out:
+        raise ConfigError(f"--requests {path}: no request in it")
+    return out
+
+
+def read_prompts_ids(ids, V: int) -> list[int]:
+    ids = [int(i) for i in ids]
+    if not ids or min(ids) < 0 or max(ids) >= V:
+        raise ConfigError(f"a request's prompt must be token ids in [0, {V}), got {ids}")
+    return ids

@@ -1,0 +1,181 @@
+"""KV-cached decoding, serial: equal to the uncached forward (float64, logits to 1e-12), the
+paged cache bitwise the contiguous one, continuous batching bitwise one request at a time,
+sampling reproducible; ``refmp generate`` end to end, and its refusals (exit 2).
+(Split layouts: tests/test_inference_parallel.py.)"""
+
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import mpiexec, refmp
+
+from refmp.checkpoint.convert import from_gpt2
+from refmp.checkpoint.weights import save_model
+from refmp.cli.main import main
+from refmp.distributed.grid import ProcessGrid
+from refmp.inference.decoder import Decoder
+from refmp.inference.generate import generate
+from refmp.inference.sampling import Sampler
+from refmp.inference.scheduler import Request, serve
+from refmp.nn.gpt import GPT, GPTConfig
+from refmp.training.datasets import ADD_CHARS
+
+
+def model(n_expert: int = 0, V: int = 19) -> GPT:
+    cfg = GPTConfig(vocab_size=V, block_size=16, n_layer=2, n_head=4, n_embd=32,
+                    n_expert=n_expert, capacity_factor=0.0)  # decoding drops no token
+    return GPT.create(cfg, 5, "float64")
+
+
+def decoder(m: GPT) -> Decoder:
+    return Decoder(m.cfg, m.params, ProcessGrid(MPI.COMM_SELF))
+
+
+PROMPTS = np.random.default_rng(1).integers(0, 19, (3, 6))
+SAMPLED = Sampler(temperature=0.8, top_k=5, top_p=0.9, seed=7)
+
+
+@pytest.mark.parametrize("n_expert", [0, 4])
+def test_cached_decoding_equals_the_uncached_forward(n_expert):
+    m = model(n_expert)
+    got = generate(decoder(m), PROMPTS, 7, Sampler())
+    full, _ = m.forward(got.tokens[:, :-1])  # every position at once, no cache
+    np.testing.assert_allclose(got.logits, full[:, 5:], rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(got.tokens, m.generate(PROMPTS, 7))
+    again = generate(decoder(m), PROMPTS, 7, Sampler(), use_cache=False)
+    np.testing.assert_array_equal(again.tokens, got.tokens)
+    assert got.kv_cache_bytes == 2 * 2 * 3 * (6 + 6) * 32 * 8  # 2 L B (T0 + N - 1) C w
+
+
+def test_paged_cache_is_bitwise_the_contiguous_one():
+    m = model()
+    flat = generate(decoder(m), PROMPTS, 7, Sampler())
+    for bs in (1, 4, 5):
+        paged = generate(decoder(m), PROMPTS, 7, Sampler(), block_size=bs)
+        np.testing.assert_array_equal(paged.logits, flat.logits)
+        np.testing.assert_array_equal(paged.tokens, flat.tokens)
+
+
+REQUESTS = [Request([1, 2, 3], 5, 0), Request([4, 5, 6, 7, 8], 2, 0), Request([9], 6, 1),
+            Request([3, 3, 2, 1], 4, 2), Request([7, 7], 3, 2), Request([11] * 6, 1, 5)]
+
+
+@pytest.mark.parametrize("block_size", [None, 2])
+def test_continuous_batching_equals_one_request_at_a_time(block_size):
+    m = model()
+    dec = decoder(m)
+    both = serve(dec, REQUESTS, SAMPLED, 3, block_size)
+    if block_size:  # a request's blocks: at most one not full
+        assert all(dec.cache.waste(s) < block_size for s in range(3))
+    assert max(len(ids) for _, kind, ids in both.trace if kind == "decode") == 3
+    for i, r in enumerate(REQUESTS):
+        alone = serve(decoder(m), [r._replace(arrival=0)], SAMPLED, 3, block_size, ids=[i])
+        np.testing.assert_array_equal(both.tokens[i], alone.tokens[0])
+        np.testing.assert_array_equal(both.logits[i], alone.logits[0])
+        assert len(both.tokens[i]) == len(r.prompt) + r.max_new_tokens
+
+
+def test_paged_blocks_waste_at_most_one_block_per_request():
+    m = model()
+    dec = decoder(m)
+    generate(dec, PROMPTS, 4, Sampler(), block_size=4)  # 6 + 3 = 9 tokens: 3 blocks
+    assert [len(t) for t in dec.cache.table] == [3, 3, 3]
+    assert [dec.cache.waste(s) for s in range(3)] == [3, 3, 3]
+    dec.cache.free(1)
+    assert len(dec.cache.pool) == 3 and dec.cache.table[1] == []
+
+
+def test_sampling_is_reproducible_and_greedy_at_its_limits():
+    logits = np.random.default_rng(0).standard_normal((4, 19))
+    a, b = SAMPLED.pick(logits, [0, 1, 2, 3], 3), SAMPLED.pick(logits, [0, 1, 2, 3], 3)
+    np.testing.assert_array_equal(a, b)
+    for s in (Sampler(temperature=1.0, top_k=1), Sampler(temperature=1.0, top_p=1e-9)):
+        np.testing.assert_array_equal(s.pick(logits, range(4), 0), logits.argmax(axis=-1))
+    draws = {int(Sampler(1.0, seed=k).pick(logits[:1], [0], 0)[0]) for k in range(40)}
+    assert len(draws) > 3  # it samples
+
+
+# --- refmp generate ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    """A model of the addition task's vocabulary, saved as refmp train --save writes it."""
+    m = GPT.create(GPTConfig(len(ADD_CHARS), 16, 2, 4, 32), 3, "float64")
+    path = tmp_path_factory.mktemp("gen") / "m.safetensors"
+    save_model(str(path), m.params, m.cfg, ADD_CHARS)
+    return str(path), m
+
+
+def test_generate_command(weights, tmp_path, capsys):
+    path, m = weights
+    toks, lg = tmp_path / "t.npy", tmp_path / "l.npy"
+    args = ["generate", "--init", path, "--prompt", "123+456=", "--prompt", "999+001=",
+            "--max-new-tokens", "5", "--dtype", "float64"]
+    assert main([*args, "--save-tokens", str(toks), "--save-logits", str(lg), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    prompts = np.array([[ADD_CHARS.index(c) for c in p] for p in ("123+456=", "999+001=")])
+    want = m.generate(prompts, 5)
+    np.testing.assert_array_equal(np.load(toks), want)
+    assert np.load(lg).shape == (2, 5, len(ADD_CHARS))
+    assert out["texts"] == ["".join(ADD_CHARS[i] for i in r[8:]) for r in want]
+    assert out["tokens_per_s"] > 0 and out["kv_cache_bytes"] == [2 * 2 * 2 * 12 * 32 * 8]
+    assert main([*args, "--no-kv-cache"]) == 0
+    assert "'123+456=' -> " in capsys.readouterr().out
+    from_gpt2(path, str(tmp_path / "ck"))  # a 1-rank sharded checkpoint of the same weights
+    flags = ["--checkpoint", str(tmp_path / "ck"), *args[3:], "--json"]
+    assert main(["generate", *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["texts"] == out["texts"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt", "12a+3="], "'a' not in the model's vocabulary"),
+    (["--prompt", "1" * 17], "longer than the model's 16 positions"),
+    (["--prompt", "1+1=", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--prompt", "1+1=", "--max-new-tokens", "14"], "need 17 positions"),
+    (["--prompt", "1+1=", "--prompt", "12+1="], "different lengths"),
+])
+def test_bad_input_is_one_message_and_exit_2(weights, flags, message, capsys):
+    assert main(["generate", "--init", weights[0], *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("error:") == 1
+
+
+def test_generate_under_mpi_tp2_and_a_layout_that_does_not_fit(weights, tmp_path):
+    path, m = weights
+    r = refmp(2, ["generate", "--init", path, "--tp", "2", "--prompt", "123+456=",
+                  "--max-new-tokens", "4", "--dtype", "float64", "--json"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    want = m.generate(np.array([[ADD_CHARS.index(c) for c in "123+456="]]), 4)
+    assert out["new_tokens"] == want[:, 8:].tolist() and len(out["kv_cache_bytes"]) == 2
+    r = refmp(3, ["generate", "--init", path, "--pp", "3", "--prompt", "1+1="])
+    assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr
+    assert "--pp 3 stages but the model has 2 layers" in r.stderr
+
+
+def test_matches_hugging_face_generate(weights, tmp_path):
+    """Tokens and logits equal transformers' greedy generate with its cache (same weights)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _, m = weights
+    cfg = transformers.GPT2Config(vocab_size=m.cfg.vocab_size, n_positions=16, n_embd=32,
+                                  n_layer=2, n_head=4)
+    hf = transformers.GPT2LMHeadModel(cfg).double().eval()
+    state = {f"transformer.{k}": torch.from_numpy(v.copy()) for k, v in m.params.items()}
+    hf.load_state_dict(state, strict=False)
+    prompt = torch.tensor([[1, 2, 3, 10, 4, 5, 6, 11]])
+    out = hf.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True,
+                      output_logits=True, return_dict_in_generate=True)
+    got = generate(decoder(m), prompt.numpy(), 6, Sampler())
+    np.testing.assert_array_equal(got.tokens, out.sequences.numpy())
+    hf_logits = torch.stack(out.logits, dim=1).numpy()
+    np.testing.assert_allclose(got.logits, hf_logits, rtol=0, atol=1e-10)
+
+
+@pytest.mark.tutorial
+def test_tutorial_12_inference():
+    r = mpiexec(4, ["python", "tutorials/12_inference.py"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: the split cache decodes like the serial model" in r.stdout
