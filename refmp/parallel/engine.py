@@ -22,11 +22,11 @@ every tp rank saw a part of, and the tied wte's sum between the pipeline's two e
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
 
+from refmp.config import ParallelConfig
 from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import wait
 from refmp.nn import gpt
@@ -61,16 +61,13 @@ from refmp.runtime import backend
 from refmp.runtime.arrays import global_grad_norm
 from refmp.runtime.precision import mixed_dtypes
 
-if TYPE_CHECKING:
-    from refmp.config import TrainConfig
-
 TIED_TAG = 32767  # MPI guarantees tags up to 32767; the executor's stay below (2 m n_chunks)
 
 
 # --- the build steps -------------------------------------------------------------------------
 
 
-def context_parallel(grid, layout: TrainConfig, T: int, keep_scores: bool):
+def context_parallel(grid, layout: ParallelConfig, T: int, keep_scores: bool):
     """(the attention core over cp, or None; the global positions (Tl,) of each cp rank's
     tokens, in cp rank order). Without cp: no core, and one rank holding 0..T-1."""
     cp = grid.sizes["cp"]
@@ -92,7 +89,7 @@ def take_params(model: gpt.GPT, chunks: dict[int, range], first: bool, last: boo
     return local
 
 
-def build_sharder(local: dict, grid, layout: TrainConfig) -> Sharder:
+def build_sharder(local: dict, grid, layout: ParallelConfig) -> Sharder:
     """The Sharder over ``local``: its units (placement.units_of), each over the group its
     gradient is summed over (placement's "reduce": dp x cp, or edp for experts)."""
     dense, edp = grid.group("dp", "cp"), grid.comm["edp"]
@@ -125,10 +122,10 @@ def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list
 
 class Engine:
     """The runner (refmp.training.trainer.Runner) for any layout: ``model`` holds the full initial
-    weights (layout-independent), which the engine slices and then frees; ``layout`` is read
-    for its layout fields only; ``T`` is the block size the run trains on."""
+    weights (layout-independent), which the engine slices and then frees; ``layout`` how the
+    ranks split the work; ``T`` is the block size the run trains on."""
 
-    def __init__(self, model: gpt.GPT, grid, layout: TrainConfig, T: int):
+    def __init__(self, model: gpt.GPT, grid, layout: ParallelConfig, T: int):
         mc = self.mcfg = model.cfg
         self.grid, self.tp, self.pp, self.ep = grid, grid.comm["tp"], grid.comm["pp"], grid.comm["ep"]
         self.sp, self.microbatches = layout.sequence_parallel, layout.microbatches
