@@ -2,8 +2,9 @@
 
 Level 2/3 parity (float64, 3 AdamW steps with clipping: loss, every gradient and every weight
 equal to the serial run, tests/parity.py) over layouts drawn by hypothesis on 8 ranks, the
-layouts the first version refused, and one 16-rank 4D run with experts; then the ledger and
-the memory of a composed layout against the single-axis formulas, scaled by the other axes.
+layouts where two axes meet in one piece (COMPOSED), and one 16-rank 4D run with experts;
+then the ledger and the memory of a composed layout against the single-axis formulas, scaled
+by the other axes.
 """
 
 import numpy as np
@@ -69,8 +70,8 @@ def test_any_layout_of_8_ranks_equals_serial(layout):
     assert_same_run(config(**kw), data(V))
 
 
-# the layouts the runners of the first version refused (issue 11, "Why"), on 4 ranks
-REFUSED_BEFORE = [
+# layouts where two axes meet in one piece (cp with pp, ZeRO-2 or accumulation; ...), on 4 ranks
+COMPOSED = [
     dict(pp=2, cp=2, microbatches=2),
     dict(cp=2, dp=2, zero=2),
     dict(cp=2, dp=2, microbatches=2),
@@ -89,7 +90,7 @@ REFUSED_BEFORE = [
 @pytest.mark.parallel(nprocs=4)
 @collective
 def test_layouts_refused_before_now_equal_serial():
-    for kw in REFUSED_BEFORE:
+    for kw in COMPOSED:
         assert_same_run(config(**kw), data())
 
 
