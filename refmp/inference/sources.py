@@ -47,7 +47,7 @@ def load_weights(init: str | None, checkpoint: str | None):
         raise ConfigError("give the weights: --init PATH or --checkpoint DIR (one of them)")
     if checkpoint is not None:
         from refmp.checkpoint.convert import read_params
-        from refmp.checkpoint.sharded import model_config
+        from refmp.checkpoint.format import model_config
 
         man, params = read_params(checkpoint)
         mcfg, vocab = model_config(man), man.get("vocab")
