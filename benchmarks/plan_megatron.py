@@ -15,7 +15,7 @@ Run: python benchmarks/plan_megatron.py
 """
 
 from refmp.cost.machines import MACHINES
-from refmp.cost.model import MEGATRON_2021, Impl, Layout, predict
+from refmp.cost.model import DEEPSPEED_ZERO3, MEGATRON_2021, Impl, Layout, predict
 from refmp.nn.params import GPTConfig
 
 # params (B), heads, hidden, layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU, % of peak
@@ -58,8 +58,6 @@ PTD = [(*GPT175, 8, 12, 384, 1536, 1, 153), (*GPT175, 8, 12, 768, 1536, 1, 149),
 ZERO3 = [(*GPT175, 1, 1, 384, 1536, 4, 144), (*GPT175, 1, 1, 768, 1536, 2, 88),
          (*GPT175, 1, 1, 1536, 1536, 1, 44), (*GPT530, 1, 1, 640, 2560, 4, 138),
          (*GPT530, 1, 1, 1120, 2240, 2, 98), (*GPT530, 1, 1, 2240, 2240, 1, 48)]
-# ZeRO-3 (DeepSpeed) on Megatron's model: dropout; stage 3's gathers and reductions exposed
-DEEPSPEED_ZERO3 = Impl(dropout=True, dp_overlap=False)
 
 
 def table2_row(row, impl: Impl) -> tuple[dict, str]:
