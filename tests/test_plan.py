@@ -383,3 +383,44 @@ def test_deepspeed_zero3_table_within_ten_percent():
     for row in plan_megatron.ZERO3:
         got = plan_megatron.table2_row(row, model.DEEPSPEED_ZERO3)[0]["tflops_per_gpu"]
         assert abs(got / row[-1] - 1) < 0.10, (row[0], row[6], got, row[-1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(n_layer=st.integers(2, 9), chunks=st.integers(1, 4), block=st.integers(1, 50),
+       head=st.integers(0, 400), embed=st.integers(0, 400))
+def test_stage_layers_auto_minimizes_the_slowest_stage(n_layer, chunks, block, head, embed):
+    """balanced_split on measured costs (the embeddings with the first stage, the head and
+    its loss with the last) reaches the smallest possible slowest stage: every split tried."""
+    from itertools import combinations
+
+    from refmp.parallel.pipeline.partition import balanced_split, chunk_cost
+
+    chunks = min(chunks, n_layer)
+    costs = {"block": (block, 10), "head": (head, 2), "embed": (embed, 5)}
+
+    def slowest(counts):
+        return max(chunk_cost(n, c == 0, c == len(counts) - 1, costs)[0]
+                   for c, n in enumerate(counts))
+
+    every = [[b - a for a, b in zip((0, *cut), (*cut, n_layer), strict=True)]
+             for cut in combinations(range(1, n_layer), chunks - 1)]
+    got = balanced_split(n_layer, chunks, costs)
+    assert sum(got) == n_layer and min(got) >= 1 and len(got) == chunks
+    assert slowest(got) == min(slowest(s) for s in every)
+
+
+def test_stage_layers_auto_measures_the_pieces_here():
+    """measured_costs times a block, the head with its loss and the embeddings (positive
+    nanoseconds, piece_costs' parameters); auto_stage_layers splits on rank 0's timings."""
+    from refmp.errors import ConfigError
+    from refmp.parallel.pipeline import partition as P
+
+    mcfg = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=512)
+    costs = P.measured_costs(mcfg, 2, reps=1)
+    params = P.piece_costs(16, 8, 512)
+    assert {k: v[1] for k, v in costs.items()} == {k: v[1] for k, v in params.items()}
+    assert all(v[0] > 0 for v in costs.values())
+    split = P.auto_stage_layers(mcfg, 2, 2, "float32", MPI.COMM_SELF)
+    assert sum(map(int, split.split(","))) == 4
+    with pytest.raises(ConfigError, match="auto"):
+        P.parse_stage_layers("auto")

@@ -201,6 +201,21 @@ def plan_train(cfg: TrainConfig, given: set[str], comm) -> tuple[TrainConfig, di
     return replace(cfg, **chosen), {**best, "microbatches": chosen["microbatches"]}
 
 
+def stage_layers_auto(cfg: TrainConfig, comm, dataset=None) -> TrainConfig:
+    """``--stage-layers auto``: the counts refmp.parallel.pipeline.partition.auto_stage_layers
+    measures on this host for a micro-batch of this run (other configs pass unchanged)."""
+    if cfg.stage_layers != "auto":
+        return cfg
+    from refmp.parallel.pipeline.partition import auto_stage_layers
+    from refmp.training.trainer import build_dataset, model_config
+
+    mcfg = model_config(cfg, dataset or build_dataset(cfg))
+    dp = cfg.dp or max(1, comm.Get_size() // (cfg.tp * cfg.pp * cfg.cp))  # None: the rest
+    rows = max(1, cfg.batch_size // (dp * cfg.microbatches))
+    return replace(cfg, stage_layers=auto_stage_layers(mcfg, cfg.pp * cfg.virtual_stages, rows,
+                                                       cfg.dtype, comm))
+
+
 def describe_train(best: dict, ranks: int) -> str:
     """The line refmp train --layout auto prints: the layout as train flags, the prediction."""
     flags = ""
