@@ -10,12 +10,16 @@ Megatron-LM 2021 ran it (MEGATRON_2021: dropout, the data-parallel all-reduce af
 backward pass, the scatter/gather boundary optimization). Micro-batch size 1 (the table does
 not say), the faster of 1F1B and interleaved (2 chunks) where the layers divide.
 Then Table 2 of the same paper: PTD-P (tp x pp x dp) rows as Megatron-LM 2021, and ZeRO-3
-without model parallelism (DeepSpeed) rows, with the table's own micro-batch sizes.
-Run: python benchmarks/plan_megatron.py
+without model parallelism rows as DeepSpeed ran them (DEEPSPEED_ZERO3), with the table's own
+micro-batch sizes.
+Run: python benchmarks/plan_megatron.py (--terms: each implementation term's effect)
 """
 
-from refmp.cost.machines import MACHINES
-from refmp.cost.model import MEGATRON_2021, Impl, Layout, predict
+import sys
+from dataclasses import replace
+
+from refmp.cost.machines import MACHINES, Machine
+from refmp.cost.model import DEEPSPEED_ZERO3, MEGATRON_2021, Impl, Layout, predict
 from refmp.nn.params import GPTConfig
 
 # params (B), heads, hidden, layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU, % of peak
@@ -58,11 +62,9 @@ PTD = [(*GPT175, 8, 12, 384, 1536, 1, 153), (*GPT175, 8, 12, 768, 1536, 1, 149),
 ZERO3 = [(*GPT175, 1, 1, 384, 1536, 4, 144), (*GPT175, 1, 1, 768, 1536, 2, 88),
          (*GPT175, 1, 1, 1536, 1536, 1, 44), (*GPT530, 1, 1, 640, 2560, 4, 138),
          (*GPT530, 1, 1, 1120, 2240, 2, 98), (*GPT530, 1, 1, 2240, 2240, 1, 48)]
-# ZeRO-3 (DeepSpeed) on Megatron's model: dropout; stage 3's gathers and reductions exposed
-DEEPSPEED_ZERO3 = Impl(dropout=True, dp_overlap=False)
 
 
-def table2_row(row, impl: Impl) -> tuple[dict, str]:
+def table2_row(row, impl: Impl, mach: Machine = MACHINES["dgx-a100"]) -> tuple[dict, str]:
     """Table 2's row: the given micro-batch size; ZeRO-3 rows (tp = pp = 1) at stage 3."""
     P, nh, C, L, tp, pp, n, B, b, _ = row
     mcfg = GPTConfig(n_layer=L, n_embd=C, n_head=nh, vocab_size=51200, block_size=2048)
@@ -73,10 +75,37 @@ def table2_row(row, impl: Impl) -> tuple[dict, str]:
         lay = Layout(tp=tp, pp=pp, dp=dp, zero=3 if pp * tp == 1 else 0, recompute="full",
                      mixed_precision="bf16", microbatch_size=b, schedule=sched,
                      virtual_stages=v)
-        p = predict(lay, mcfg, B, MACHINES["dgx-a100"], impl)
+        p = predict(lay, mcfg, B, mach, impl)
         if out is None or p["step_seconds"] < out[0]["step_seconds"]:
             out = (p, sched)
     return out
+
+
+# each implementation term added in turn (docs/plan.md): Table 1 from refmp's own to
+# MEGATRON_2021, Table 2's ZeRO-3 rows from every gather exposed to DEEPSPEED_ZERO3
+TERMS_1 = [("refmp", Impl()), ("+ dropout", Impl(dropout=True)),
+           ("+ dp after backward", Impl(dropout=True, dp_overlap=False)),
+           ("+ scatter/gather", MEGATRON_2021)]
+EXPOSED = Impl(dropout=True, dp_overlap=False)
+TERMS_2 = [("exposed", EXPOSED, MACHINES["dgx-a100"]),
+           ("+ prefetch", DEEPSPEED_ZERO3, replace(MACHINES["dgx-a100"], comm_sms=0)),
+           ("+ SMs held by NCCL", DEEPSPEED_ZERO3, MACHINES["dgx-a100"])]
+
+
+def terms() -> None:
+    """Each term's effect: TFLOP/s per GPU by row, as each term is added."""
+    print("| Table 1 row (B) | paper | " + " | ".join(n for n, _ in TERMS_1) + " |")
+    print("| --- " * (2 + len(TERMS_1)) + "|")
+    for row in ROWS[:-1]:
+        got = [best(row, impl)[0]["tflops_per_gpu"] for _, impl in TERMS_1]
+        print(f"| {row[0]} | {row[8]} | " + " | ".join(f"{g:.0f}" for g in got) + " |")
+    print("\n| Table 2 ZeRO-3 row (B, GPUs, b) | paper | "
+          + " | ".join(n for n, *_ in TERMS_2) + " |")
+    print("| --- " * (2 + len(TERMS_2)) + "|")
+    for row in ZERO3:
+        got = [table2_row(row, impl, mach)[0]["tflops_per_gpu"] for _, impl, mach in TERMS_2]
+        print(f"| {row[0]}, {row[6]}, {row[8]} | {row[-1]} | "
+              + " | ".join(f"{g:.0f}" for g in got) + " |")
 
 
 def main() -> None:
@@ -105,4 +134,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    terms() if "--terms" in sys.argv else main()

@@ -68,8 +68,10 @@ class ParallelConfig:
                          plan={"choices": ("1f1b", "gpipe", "interleaved", "zb-h1")})
     virtual_stages: int = flag(1, "model chunks per rank, for --schedule interleaved (%(default)s)",
                                PIPELINE, plan={})
-    stage_layers: str | None = flag(None, "blocks per stage, e.g. 2,1,1 (default: balanced by a cost "
-                                          "model)", PIPELINE, kind=str, metavar="N,N,...")
+    stage_layers: str | None = flag(None, "blocks per stage, e.g. 2,1,1, or auto: balanced by the "
+                                          "blocks', embeddings' and head's times measured here "
+                                          "(default: balanced by a FLOP model)", PIPELINE, kind=str,
+                                    metavar="N,N,...")
     cp_algo: str = flag("ring", "ring: K/V blocks around the ring; ulysses: all-to-all to heads "
                                 "(%(default)s)", CONTEXT, choices=("ring", "ulysses"),
                         plan={"help": "with --cp > 1 (default: both searched)"})

@@ -95,6 +95,12 @@ def run_bench(args) -> dict:
     rng = np.random.default_rng(1)
     n_tok = (spec["batch_size"] * (args.warmup + args.steps) + 1) * spec["block_size"] + 1
     ds = Dataset(rng.integers(0, spec["vocab"], n_tok), spec["vocab"], "random tokens")
+    if cfg.stage_layers == "auto":  # measured here, the same split on every rank
+        from mpi4py import MPI
+
+        from refmp.cli.plan import stage_layers_auto
+
+        cfg = stage_layers_auto(cfg, MPI.COMM_WORLD, ds)
     tr = Trainer(cfg, dataset=ds)
     world, ledger = tr.grid.world, tr.grid.ledger
     for _ in range(args.warmup):

@@ -15,7 +15,7 @@ import numpy as np
 from refmp.config import TrainConfig, flag_name
 from refmp.cost.machines import MACHINES, MODELS, Machine
 from refmp.cost.memory import size
-from refmp.cost.model import SEARCHED, Layout, parallel_fields
+from refmp.cost.model import IMPLS, SEARCHED, Layout, parallel_fields
 from refmp.cost.search import search, table
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig
@@ -55,6 +55,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         else:
             g.add_argument(flag_name(f.name), type=m["kind"], default=None,
                            choices=plan.get("choices", m["choices"]), help=plan.get("help"))
+    p.add_argument("--impl", choices=sorted(IMPLS), default="refmp",
+                   help="the implementation the step time models (refmp.cost.model.IMPLS; "
+                        "docs/plan.md): refmp's own (default), Megatron-LM as Narayanan et al. "
+                        "2021 ran it, or DeepSpeed's ZeRO-3; it fixes the choices it has no "
+                        "other of (megatron-2021: --zero 0; deepspeed-zero3: --zero 3 --pp 1)")
     p.add_argument("--top", type=int, default=10, help="layouts printed (10)")
     p.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')
 
@@ -134,14 +139,18 @@ def run_plan(args: argparse.Namespace) -> dict:
              if getattr(args, f.name) is not None}
     if "sequence_parallel" in fixed:
         fixed["sequence_parallel"] = fixed["sequence_parallel"] == "on"
-    fits, bad = search(mcfg, args.global_batch, gpus, mach, fixed, args.top)
+    impl = IMPLS[args.impl]
+    for k, v in impl.fixed:
+        if fixed.setdefault(k, v) != v:
+            raise ConfigError(f"--impl {args.impl} runs {flag_name(k)} {v} only, not {fixed[k]}")
+    fits, bad = search(mcfg, args.global_batch, gpus, mach, fixed, args.top, impl=impl)
     if args.json:
         print(json.dumps({"layouts": fits, "infeasible": bad[:args.top]}, indent=1))
     else:
         print(f"{mcfg.n_layer} layers, C {mcfg.n_embd}, {mcfg.n_head} heads, V {mcfg.vocab_size}, "
               f"T {mcfg.block_size}, batch {args.global_batch} on {gpus} x {mach.name} "
               f"({mach.peak_tflops:g} TFLOP/s, {mach.gpu_memory_gb:g} GB, "
-              f"{mach.gpus_per_node} per node)")
+              f"{mach.gpus_per_node} per node), timed as {args.impl} runs it")
         print(table(fits, bad))
     if not fits:
         raise ConfigError("no layout fits: " + (bad[0]["reason"] if bad else "no candidates"))
@@ -190,6 +199,21 @@ def plan_train(cfg: TrainConfig, given: set[str], comm) -> tuple[TrainConfig, di
         raise ConfigError(err)
     chosen = parallel_fields(best, cfg.batch_size)
     return replace(cfg, **chosen), {**best, "microbatches": chosen["microbatches"]}
+
+
+def stage_layers_auto(cfg: TrainConfig, comm, dataset=None) -> TrainConfig:
+    """``--stage-layers auto``: the counts refmp.parallel.pipeline.partition.auto_stage_layers
+    measures on this host for a micro-batch of this run (other configs pass unchanged)."""
+    if cfg.stage_layers != "auto":
+        return cfg
+    from refmp.parallel.pipeline.partition import auto_stage_layers
+    from refmp.training.trainer import build_dataset, model_config
+
+    mcfg = model_config(cfg, dataset or build_dataset(cfg))
+    dp = cfg.dp or max(1, comm.Get_size() // (cfg.tp * cfg.pp * cfg.cp))  # None: the rest
+    rows = max(1, cfg.batch_size // (dp * cfg.microbatches))
+    return replace(cfg, stage_layers=auto_stage_layers(mcfg, cfg.pp * cfg.virtual_stages, rows,
+                                                       cfg.dtype, comm))
 
 
 def describe_train(best: dict, ranks: int) -> str:

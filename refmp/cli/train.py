@@ -174,6 +174,12 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict:
         cfg, best = plan_train(cfg, given_flags(add_train_args, argv), MPI.COMM_WORLD)
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(describe_train(best, MPI.COMM_WORLD.Get_size()), flush=True)
+    if cfg.stage_layers == "auto":  # measured here, the same split on every rank
+        from mpi4py import MPI
+
+        from refmp.cli.plan import stage_layers_auto
+
+        cfg = stage_layers_auto(cfg, MPI.COMM_WORLD)
     return run(cfg)
 
 

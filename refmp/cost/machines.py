@@ -30,6 +30,7 @@ class Machine:
     inter_latency_us: float = 10.0
     sms: int = 0  # streaming multiprocessors: a GEMM's output tiles run sms at a time
     tile: int = 128  # cuBLAS's output tile (tile x tile) for large bf16 products
+    comm_sms: int = 0  # SMs a collective's kernels hold (NCCL: one thread block a channel)
     # more ranks than cores (a CPU): a rank that waits sleeps and its core runs another rank,
     # so a pipeline's bubble costs no time (refmp.distributed.comm's waits; the step is the busy time)
     time_shared: bool = False
@@ -38,6 +39,7 @@ class Machine:
 MACHINES = {  # NVIDIA's data sheets: A100 SXM 312 TFLOP/s bf16, 2.0 TB/s, NVLink 600 GB/s
     # both ways, one 200 Gb/s HDR NIC per GPU; H100 SXM 989 TFLOP/s, 3.35 TB/s, NVLink 900
     # GB/s, 400 Gb/s NDR. e = 0.7: cuBLAS's large bf16 GEMMs reach about 70% of peak.
-    "dgx-a100": Machine("dgx-a100", 8, 80, 312, 2039, 0.7, 300, 25, sms=108),
-    "dgx-h100": Machine("dgx-h100", 8, 80, 989, 3350, 0.7, 450, 50, sms=132),
+    # comm_sms 24: assumed, within NCCL's 16-32 channels on these machines.
+    "dgx-a100": Machine("dgx-a100", 8, 80, 312, 2039, 0.7, 300, 25, sms=108, comm_sms=24),
+    "dgx-h100": Machine("dgx-h100", 8, 80, 989, 3350, 0.7, 450, 50, sms=132, comm_sms=24),
 }

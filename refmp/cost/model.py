@@ -26,13 +26,13 @@ MEGATRON_2021 for the published comparison).
 from __future__ import annotations
 
 from dataclasses import Field, dataclass, field, fields, make_dataclass
-from functools import cache
+from functools import cache, partial
 
 from refmp.config import ParallelConfig, TrainConfig
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
 from refmp.cost.machines import Machine
 from refmp.cost.tensor import comm_bytes_per_step
-from refmp.cost.zero import comm_per_step, unit_sizes
+from refmp.cost.zero import LINEARS, comm_per_step, prefetched, unit_sizes
 from refmp.nn.params import GPTConfig
 from refmp.parallel.pipeline.partition import partition, piece_costs
 from refmp.parallel.pipeline.simulate import simulate_schedule
@@ -155,11 +155,20 @@ class Impl:
     dp_overlap: bool = True  # ZeRO 0 / 2 reductions overlap the last micro-batch's backward
     pp_scatter_gather: bool = False  # a boundary message goes 1/tp per rank over the network,
     # then an all-gather over NVLink (Narayanan et al. 2021, sec. 4.1)
+    zero3_prefetch: bool = False  # stage 3 as DeepSpeed runs it (refmp.cost.zero.prefetched)
+    fixed: tuple = ()  # (field, value): the layout choices the implementation has no other of
 
 
 # Megatron-LM as Narayanan et al. 2021 ran it: dropout 0.1 (Megatron's default), the data-
-# parallel all-reduce after the backward pass, and the scatter/gather boundary optimization
-MEGATRON_2021 = Impl(dropout=True, dp_overlap=False, pp_scatter_gather=True)
+# parallel all-reduce after the backward pass, the scatter/gather boundary optimization, and
+# no ZeRO (its distributed optimizer came later)
+MEGATRON_2021 = Impl(dropout=True, dp_overlap=False, pp_scatter_gather=True,
+                     fixed=(("zero", 0),))
+# DeepSpeed's ZeRO-3 on Megatron's model (Narayanan et al. 2021, Table 2): dropout, and each
+# weight gathered for every use with the next one prefetched (zero.prefetched); no pipeline
+DEEPSPEED_ZERO3 = Impl(dropout=True, dp_overlap=False, zero3_prefetch=True,
+                       fixed=(("zero", 3), ("pp", 1)))
+IMPLS = {"refmp": Impl(), "megatron-2021": MEGATRON_2021, "deepspeed-zero3": DEEPSPEED_ZERO3}
 
 
 def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
@@ -237,6 +246,17 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
                    for op, x in g.items())
         if impl.dp_overlap and lay.zero in (0, 2):  # behind the last micro-batch's backward
             t_dp = max(0.0, t_dp - (2 * fwd + again + Ls * elem))
+        if impl.zero3_prefetch and lay.zero == 3 and n > 1:  # exposed beyond the compute
+            span = tp * n
+            hop = link(span)[1] if span <= G else (
+                ((G - 1) * mach.intra_latency_us + mach.inter_latency_us) * 1e-6 / G)
+
+            ring = partial(ring_pass, n=n, c=c, bw=link(span)[0], hop=hop)
+            block_t = [3 * f + {"none": 0.0, "selective": scores, "full": f}[lay.recompute]
+                       + elem for f in (f_moe if mcfg.is_moe(i) else f_block for i in stage_blocks)]
+            slow = mach.sms / (mach.sms - mach.comm_sms) if mach.sms else 1.0
+            t_dp = prefetched(zero3_uses(units, stage_blocks, block_t, 3 * head + head_elem,
+                                         full, ring) * M, slow) - comp - t_elem
         owned = sum(units.values()) / (n if lay.zero else 1)
         # AdamW: reads masters, two moments and the gradient, writes them and the compute
         # copy, and the clipping norm reads the gradient again (w = 4; c = g)
@@ -256,6 +276,32 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     return {"step_seconds": step, "tokens_per_s": tokens / step, "seconds": t,
             "tflops_per_gpu": hw / step / gpus / 1e12,
             "mfu": flops / step / gpus / (mach.peak_tflops * 1e12)}
+
+
+def ring_pass(elements: float, n: int, c: int, bw: float, hop: float) -> float:
+    """Seconds of one all-gather or reduce-scatter of a weight on a ring of n ranks."""
+    return (n - 1) / n * c * elements / bw + (n - 1) * hop
+
+
+def zero3_uses(units: dict, blocks: list, block_t: list, head_t: float, full: bool,
+               ring) -> list[tuple[float, float, float]]:
+    """One micro-batch's weight uses, in order, as zero.prefetched takes them: the
+    embeddings, each block's four linears, the head (forward and backward), then each block
+    in reverse, its forward again (full recomputation) and its linears' backward. A block's
+    seconds ``block_t`` are split over its uses by FLOPs (forward 1, again 1, backward 2),
+    and over its linears by size; ``ring(elements)``: one gather or reduce-scatter."""
+    fwd, bwd, w = [], [], 3 + full
+    for i, t in zip(blocks, block_t, strict=True):
+        parts = [(x / 12 * t / w, ring(x / 12 * units[f"h.{i}"])) for x in LINEARS]
+        again = [(c, g, 0.0) for c, g in parts] if full else []
+        bwd = again + [(2 * c, g, g) for c, g in parts[::-1]] + bwd
+        fwd += [(c, g, 0.0) for c, g in parts]
+    first, last = "wpe" in units, "ln_f" in units
+    emb = units.get("wte", 0) * first + units.get("wpe", 0)
+    head = units.get("wte", 0) + units.get("ln_f", 0)
+    return ([(0.0, ring(emb), 0.0)] * first + fwd
+            + [(head_t, 2 * ring(head), ring(head))] * last + bwd
+            + [(0.0, 0.0, ring(units.get("wpe", 0)))] * first)
 
 
 @cache

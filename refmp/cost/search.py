@@ -9,7 +9,7 @@ from dataclasses import fields
 
 from refmp.cost.machines import Machine
 from refmp.cost.memory import memory, need_bytes, size, total
-from refmp.cost.model import Layout, predict, train_config
+from refmp.cost.model import Impl, Layout, predict, train_config
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig
 from refmp.parallel.layout import check_layout
@@ -59,13 +59,15 @@ def schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
 
 
 def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | None = None,
-           top: int = 10, dtype: str = "float32") -> tuple[list[dict], list[dict]]:
-    """(feasible rows, best first, at most ``top``; infeasible rows, each with its reason).
+           top: int = 10, dtype: str = "float32",
+           impl: Impl | None = None) -> tuple[list[dict], list[dict]]:
+    """(feasible rows, best first, at most ``top``; infeasible rows, each with its reason),
+    timed as ``impl`` runs them (its own fixed choices are the caller's to add to ``fixed``).
 
     Every candidate is checked by refmp.parallel.layout.check_layout, then timed; memory is
     computed in order of predicted time until ``top`` fit (a faster layout that does not fit
     is reported with what does not fit)."""
-    ok, bad, fixed = [], [], fixed or {}
+    ok, bad, fixed, impl = [], [], fixed or {}, impl or Impl()
     for lay in candidates(mcfg, batch, gpus, mach, fixed):
         if lay.microbatch_size == 0:
             bad.append(row(lay, None, None, f"the batch {batch} is not a multiple of dp * "
@@ -80,14 +82,14 @@ def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | 
         except ConfigError as e:
             bad.append(row(lay, None, None, str(e)))
             continue
-        ok.append((predict(lay, mcfg, batch, mach)["step_seconds"], lay))
+        ok.append((predict(lay, mcfg, batch, mach, impl)["step_seconds"], lay))
     ok.sort(key=lambda x: x[0])
     fits, cap = [], mach.gpu_memory_gb * 1e9
     for _, lay in ok:
         mem = memory(lay, mcfg, batch, dtype)
         # refmp on this host also holds the full model at set-up (its own check, need_bytes)
         need = need_bytes(mem) if mach.name == "cpu" else total(mem) + mem["workspace"]
-        r = row(lay, mem, predict(lay, mcfg, batch, mach), None)
+        r = row(lay, mem, predict(lay, mcfg, batch, mach, impl), None)
         if need > cap:
             r["reason"] = (f"needs {size(need)} per rank on stage {mem['stage']} (params "
                            f"{size(mem['params'])}, grads {size(mem['grads'])}, optimizer "

@@ -116,3 +116,33 @@ def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int =
                 + 2 * pad.get("ln_f", 0))
     return {"allreduce": 0, "reduce_scatter": M * itemsize * n_pad,
             "allgather": M * w * gathered}
+
+
+LINEARS = (3, 1, 4, 4)  # a block's weights in C^2 / tp: qkv, the projection, fc, fc2
+
+
+def prefetched(uses: list[tuple[float, float, float]], slowdown: float) -> float:
+    """Seconds of ZeRO-3 as DeepSpeed runs it: the weights' uses in order, each (compute,
+    gather, reduce) seconds, on a compute stream and one communication stream.
+
+    A weight is gathered for every use (the forward, the recomputed forward, the backward;
+    DeepSpeed releases it after each) and its gradient reduce-scattered after the backward's.
+    The gather of use i+1 is issued when use i starts computing (DeepSpeed's prefetch goes
+    at least one weight ahead; its 5e7-element bucket holds no more than one of a large
+    model's), and use i computes once its own gather is done and use i-1 has. While the
+    communication stream is busy the compute runs ``slowdown`` times slower (the collective's
+    kernels hold some of the GPU's SMs)."""
+    comm, comp = uses[0][1], 0.0
+    ready = comm  # when the gather of the current use is done
+    for i, (c, _, reduce) in enumerate(uses):
+        start = max(comp, ready)
+        if i + 1 < len(uses):
+            comm = max(comm, start) + uses[i + 1][1]
+            ready_next = comm
+        beside = max(0.0, min(comm - start, c * slowdown))  # compute time beside the stream
+        comp = start + beside + c - beside / slowdown
+        if reduce:
+            comm = max(comm, comp) + reduce
+        if i + 1 < len(uses):
+            ready = ready_next
+    return max(comp, comm)

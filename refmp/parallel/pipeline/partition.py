@@ -11,7 +11,11 @@ Cost of a piece, per token, forward (the backward is twice that, so the ratio is
   block: 24 C^2 (four linears: 2 * 12 C^2) + 4 T C (q k^T and att v, full T x T as refmp does)
   head:  2 V C (logits = x wte^T)        embed: 0 (a lookup)
 The split minimizes the most expensive chunk (the pipeline runs at its slowest stage's pace),
-ties broken by the parameters a chunk holds. ``--stage-layers 2,1,1`` overrides it.
+ties broken by the parameters a chunk holds. ``--stage-layers 2,1,1`` overrides it;
+``--stage-layers auto`` splits by the pieces' forward and backward times measured on this
+host (measured_costs: the embeddings and the head with its loss timed as pieces, as
+Megatron-LM's --account-for-embedding-in-pipeline-split and
+--account-for-loss-in-pipeline-split count them as layers).
 """
 
 from __future__ import annotations
@@ -29,6 +33,56 @@ def piece_costs(n_embd: int, block_size: int, vocab_size: int) -> dict[str, tupl
         "head": (2 * V * C, 2 * C),  # ln_f; wte is counted with the embeddings
         "embed": (0, V * C + T * C),
     }
+
+
+def measured_costs(mcfg, rows: int, dtype: str = "float32", reps: int = 3) -> dict:
+    """piece_costs with measured nanoseconds for FLOPs: the forward and backward of one
+    block, of the embeddings and of the head with its loss, on ``rows`` sequences here (the
+    median of ``reps``, after a warm-up). MoE blocks are timed as dense ones."""
+    import time
+    from dataclasses import replace
+
+    import numpy as np
+
+    from refmp.nn import gpt
+    from refmp.nn.params import init_params
+
+    one = replace(mcfg, n_layer=1, n_expert=0, top_k=0) if mcfg.n_expert else replace(mcfg, n_layer=1)
+    p, ops = init_params(one, 0, dtype), gpt.Ops(one.n_head)
+    idx = np.random.default_rng(0).integers(one.vocab_size, size=(rows, one.block_size))
+    x = gpt.embed_forward(p, idx)[0]  # (B, T, C)
+
+    def embed():
+        gpt.embed_backward(*gpt.embed_forward(p, idx))
+
+    def block():
+        y, cache = gpt.block_forward(gpt.block_params(p, 0), x, ops)
+        gpt.block_backward(y, cache, ops)
+
+    def head():
+        gpt.head_backward(1.0, gpt.head_forward(p, x, idx)[1])
+
+    def ns(piece) -> int:
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter_ns()
+            piece()
+            times.append(time.perf_counter_ns() - t0)
+        return int(np.median(times[1:]))
+
+    params = piece_costs(one.n_embd, one.block_size, one.vocab_size)
+    return {k: (ns(f), params[k][1]) for k, f in (("block", block), ("head", head),
+                                                    ("embed", embed))}
+
+
+def auto_stage_layers(mcfg, chunks: int, rows: int, dtype: str, comm) -> str:
+    """``--stage-layers auto`` as counts ("3,2,3"): rank 0 of ``comm`` (an mpi4py
+    communicator) measures the pieces (measured_costs) and splits; every rank gets its
+    split, so that timings that differ between ranks cannot make them disagree."""
+    split = None
+    if comm.Get_rank() == 0:
+        split = balanced_split(mcfg.n_layer, chunks, measured_costs(mcfg, rows, dtype))
+    return ",".join(map(str, comm.bcast(split, root=0)))
 
 
 def chunk_cost(n_blocks: int, first: bool, last: bool, costs: dict) -> tuple[int, int]:
@@ -62,9 +116,13 @@ def balanced_split(n_layer: int, chunks: int, costs: dict) -> list[int]:
 
 
 def parse_stage_layers(text: str | None) -> list[int] | None:
-    """``"2,1,1"`` -> [2, 1, 1] (None stays None); refuses anything but positive integers."""
+    """``"2,1,1"`` -> [2, 1, 1] (None stays None); refuses anything but positive integers
+    (``auto`` is made counts by auto_stage_layers before the run is built)."""
     if text is None or text == "":
         return None
+    if text == "auto":
+        raise ConfigError("--stage-layers auto is measured by refmp train and refmp bench; "
+                          "give counts like 2,1,1 here")
     try:
         out = [int(t) for t in text.split(",")]
     except ValueError:
