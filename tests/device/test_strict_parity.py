@@ -18,7 +18,7 @@ from device import strict
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 from parity import assert_same_run
-from test_engine import REFUSED_BEFORE
+from test_engine import COMPOSED
 
 from refmp.distributed.grid import ProcessGrid
 from refmp.runtime import backend
@@ -33,7 +33,7 @@ XP = os.environ.get("REFMP_TEST_XP", "strict")
 # already take on the device, and one of each strategy besides
 SAME_PATHS = [dict(cp=2, dp=2, zero=2), dict(cp=2, dp=2, microbatches=2),
               dict(tp=2, pp=2, zero=1, microbatches=2)]
-LAYOUTS = [kw for kw in REFUSED_BEFORE if kw not in SAME_PATHS] + [
+LAYOUTS = [kw for kw in COMPOSED if kw not in SAME_PATHS] + [
     dict(dp=4),
     dict(tp=4, sequence_parallel=True, recompute="full"),
     dict(cp=4, cp_algo="ring", recompute="selective"),
