@@ -44,10 +44,11 @@ from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
 from refmp.parallel.ops import ParallelOps
 from refmp.parallel.pipeline.executor import Executor
-from refmp.parallel.pipeline.schedules import schedule
+from refmp.parallel.pipeline.schedules import V_SHAPED, chunks_per_rank, schedule
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.placement import (
+    chunk_rank,
     counts_in_norm,
     gather_experts,
     gather_tp,
@@ -138,9 +139,10 @@ class Engine:
                           else backend.from_host(cp_positions[grid.coords["cp"]]))
         self.ops = ParallelOps(mc.n_head, mc.vocab_size, self.tp, self.sp, attn, self.positions,
                                keep_scores)
-        self.schedule_name, self.v = layout.schedule, layout.virtual_stages
-        self.n_chunks = self.pp.size * self.v
-        chunks = rank_chunks(mc, T, self.pp.rank, self.pp.size, self.v, layout.stage_layers)
+        self.schedule_name, self.v = layout.schedule, chunks_per_rank(layout.schedule, layout.virtual_stages)
+        self.n_chunks, self.v_shape = self.pp.size * self.v, layout.schedule in V_SHAPED
+        chunks = rank_chunks(mc, T, self.pp.rank, self.pp.size, self.v, layout.stage_layers,
+                             self.v_shape)
         self.first, self.last = 0 in chunks, self.n_chunks - 1 in chunks
         local = take_params(model, chunks, self.first, self.last, grid)
         self.sharder = build_sharder(local, grid, layout)
@@ -148,7 +150,7 @@ class Engine:
                            moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
                            self.tp.size if self.sp else 1, layout.recompute == "full")
         self.executor = Executor(self.stage, self.pp, self.sharder.compute,  # activations' dtype
-                                 on_forward=self._measure)
+                                 on_forward=self._measure, v_shape=self.v_shape)
         self.actions = schedule(self.schedule_name, self.pp.size, self.microbatches, self.pp.rank,
                                 self.v)
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
@@ -224,8 +226,9 @@ class Engine:
 
     def _reduce_tied_embedding(self) -> None:
         """wte's copies on the first stage (embedding) and the last (head) add each other's
-        share: the same flat layout at both ends, and a + b == b + a exactly."""
-        if self.pp.size == 1 or not (self.first or self.last) or "wte" not in self.sharder.units:
+        share: the same flat layout at both ends, and a + b == b + a exactly. (With pp = 1, or
+        in a V, both ends are on one rank and its one copy already holds both shares.)"""
+        if self.first == self.last or "wte" not in self.sharder.units:
             return
         here = self.sharder.owned_grad("wte")
         other = self.pp.size - 1 if self.first else 0
@@ -270,7 +273,7 @@ class Engine:
         """Greedy decoding through the pipeline (collective over pp, tp, ep): the last stage
         picks the token and broadcasts it, every stage appends it. Whole prompts: serial
         attention, no SP; ZeRO-3 gathers the weights once for the call."""
-        sharder, xp, pp = self.sharder, backend.array_module(idx), self.pp.size
+        sharder, xp = self.sharder, backend.array_module(idx)
         full = {u: sharder.weights(u) for u in sharder.units}  # views, or gathered (ZeRO-3)
         ops, T = self.ops.for_decoding(), self.mcfg.block_size
         for _ in range(n):
@@ -278,18 +281,22 @@ class Engine:
             shape = (ctx.shape[0], ctx.shape[1], self.mcfg.n_embd)
             x, reqs = None, []
             for c in sorted(self.stage.chunks):
-                x = ctx if c == 0 else self.pp.recv(shape, self.executor.dtype, (c - 1) % pp, tag=c)
+                x = ctx if c == 0 else self.pp.recv(shape, self.executor.dtype,
+                                                    self._rank_of(c - 1), tag=c)
                 x, _ = self.stage.forward(c, x, ops=ops, weights=full.__getitem__)
                 if c < self.n_chunks - 1:
-                    reqs.append(self.pp.send(x, (c + 1) % pp, tag=c + 1))
+                    reqs.append(self.pp.send(x, self._rank_of(c + 1), tag=c + 1))
             nxt = xp.empty((ctx.shape[0],), dtype=idx.dtype)  # (n,)
             if self.last:
                 nxt[...] = ops.next_token(xp.ascontiguousarray(x[:, -1, :]))
-            self.pp.bcast(nxt, root=pp - 1)
+            self.pp.bcast(nxt, root=self._rank_of(self.n_chunks - 1))
             for req in reqs:
                 wait(req)
             idx = xp.concatenate([idx, nxt[:, None]], axis=1)
         return idx
+
+    def _rank_of(self, c: int) -> int:
+        return chunk_rank(c, self.pp.size, self.v_shape)
 
     def piece_index(self) -> dict:
         """For every owned piece (``params``' names): the global flat index of each of its
