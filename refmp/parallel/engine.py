@@ -153,6 +153,9 @@ class Engine:
                                  on_forward=self._measure, v_shape=self.v_shape)
         self.actions = schedule(self.schedule_name, self.pp.size, self.microbatches, self.pp.rank,
                                 self.v)
+        self.delayed = self.schedule_name == "2bw"  # the step computes on W(t-1)
+        if self.delayed:
+            self.sharder.keep_previous()
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
                                 if k in local and "tp" in place(k, self.sp).reduce}
@@ -196,7 +199,11 @@ class Engine:
         if self.positions is not None:
             x, y = x[:, self.positions], y[:, self.positions]  # (b, Tl) my tokens
         xs, ys = zip(*split_microbatches(x, y, self.microbatches), strict=True)
+        self.sharder.on_previous = self.delayed
         ce = self.executor.step(self.actions, list(xs), list(ys), denom, dloss)
+        self.sharder.on_previous = False
+        if self.delayed:  # W(t) is the next step's W(t-1); the update makes W(t+1)
+            self.sharder.keep_previous()
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:

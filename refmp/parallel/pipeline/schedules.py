@@ -183,7 +183,7 @@ def dualpipev(pp: int, m: int, rank: int) -> list[Action]:
     return v.out
 
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "2bw")
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V (placement.chunk_rank)
 
 
@@ -197,5 +197,5 @@ def schedule(name: str, pp: int, m: int, rank: int, v: int = 1) -> list[Action]:
     if name == "interleaved":
         return interleaved(pp, m, rank, v)
     fn = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-v": zb_v,
-          "dualpipev": dualpipev}[name]
+          "dualpipev": dualpipev, "2bw": one_f_one_b}[name]
     return fn(pp, m, rank)
