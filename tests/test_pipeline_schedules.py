@@ -187,7 +187,7 @@ def test_docs_timelines_are_what_refmp_prints(capsys):
 
     page = (pathlib.Path(__file__).parent.parent / "docs" / "pipeline.md").read_text()
     blocks = re.findall(r"<!-- schedule: (.*?) -->\n```text\n(.*?)```\n", page, re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 7
     for args, shown in blocks:
         assert main(["schedule", *args.split()]) == 0
         assert capsys.readouterr().out == shown, f"docs/pipeline.md drifted for {args}"

@@ -50,3 +50,22 @@ def test_the_chunks_sit_in_a_v_and_dualpipev_splits_only_some_backwards():
     # the bottom of the V: rank 1 of 2 runs chunk 1, turns, runs chunk 2 on the same rank
     assert [str(a) for a in schedule("zb-v", 2, 3, 1)][:6] == ["F0.1", "F0.2", "F1.1", "F1.2",
                                                                "B0.2", "W0.2"]
+
+
+def test_schedule_json_and_the_weight_versions_of_2bw(capsys):
+    import json
+
+    from refmp.cli.main import main
+
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zb-v", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["bubble"] == pytest.approx(got["formula"]) == pytest.approx(3 / 51)
+    assert got["peak_held"] == [8] * 4 and got["weight_versions"] == [1] * 4
+    # 2bw: two batches, no flush between them; batch 2 (micro-batches 3-5) computes on W(1)
+    assert main(["schedule", "--pp", "2", "--microbatches", "3", "--schedule", "2bw"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 | .... F0@0 B0@0 B0@0 F1@0" in out and "F3@1 B3@1" in out
+    assert "bubble 0.1429 simulated, 0.1429 formula" in out  # (p-1)/(2m+p-1): one fill
+    assert main(["schedule", "--pp", "2", "--microbatches", "3", "--schedule", "2bw",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weight_versions"] == [2, 2]

@@ -107,6 +107,7 @@ def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
         "naive": (p - 1) / p,
         "gpipe": (p - 1) / (m + p - 1),
         "1f1b": (p - 1) / (m + p - 1),
+        "2bw": (p - 1) / (m + p - 1),  # one batch as a step runs it; no flush between batches
         "interleaved": (p - 1) / (v * m + p - 1),
         "zb-h1": (p - 1) / (3 * m + p - 1),
         "zb-v": (p - 1) / (6 * m + p - 1),  # m >= 2p - 1
