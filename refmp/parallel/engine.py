@@ -22,6 +22,7 @@ every tp rank saw a part of, and the tied wte's sum between the pipeline's two e
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -153,9 +154,7 @@ class Engine:
                                  on_forward=self._measure, v_shape=self.v_shape)
         self.actions = schedule(self.schedule_name, self.pp.size, self.microbatches, self.pp.rank,
                                 self.v)
-        self.delayed = self.schedule_name == "2bw"  # the step computes on W(t-1)
-        if self.delayed:
-            self.sharder.keep_previous()
+        self.delayed = self.schedule_name == "2bw"  # 2BW: each step computes on W(t-1)
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
                                 if k in local and "tp" in place(k, self.sp).reduce}
@@ -199,11 +198,7 @@ class Engine:
         if self.positions is not None:
             x, y = x[:, self.positions], y[:, self.positions]  # (b, Tl) my tokens
         xs, ys = zip(*split_microbatches(x, y, self.microbatches), strict=True)
-        self.sharder.on_previous = self.delayed
-        ce = self.executor.step(self.actions, list(xs), list(ys), denom, dloss)
-        self.sharder.on_previous = False
-        if self.delayed:  # W(t) is the next step's W(t-1); the update makes W(t+1)
-            self.sharder.keep_previous()
+        ce = self.executor.step(self.actions, list(xs), list(ys), denom, dloss, self.delayed)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:
@@ -233,8 +228,7 @@ class Engine:
 
     def _reduce_tied_embedding(self) -> None:
         """wte's copies on the first stage (embedding) and the last (head) add each other's
-        share: the same flat layout at both ends, and a + b == b + a exactly. (With pp = 1, or
-        in a V, both ends are on one rank and its one copy already holds both shares.)"""
+        share (the same flat layout at both ends, a + b == b + a exactly); pp 1 or a V: one rank."""
         if self.first == self.last or "wte" not in self.sharder.units:
             return
         here = self.sharder.owned_grad("wte")
@@ -281,6 +275,7 @@ class Engine:
         picks the token and broadcasts it, every stage appends it. Whole prompts: serial
         attention, no SP; ZeRO-3 gathers the weights once for the call."""
         sharder, xp = self.sharder, backend.array_module(idx)
+        rank_of = partial(chunk_rank, pp=self.pp.size, v_shape=self.v_shape)
         full = {u: sharder.weights(u) for u in sharder.units}  # views, or gathered (ZeRO-3)
         ops, T = self.ops.for_decoding(), self.mcfg.block_size
         for _ in range(n):
@@ -288,22 +283,18 @@ class Engine:
             shape = (ctx.shape[0], ctx.shape[1], self.mcfg.n_embd)
             x, reqs = None, []
             for c in sorted(self.stage.chunks):
-                x = ctx if c == 0 else self.pp.recv(shape, self.executor.dtype,
-                                                    self._rank_of(c - 1), tag=c)
+                x = ctx if c == 0 else self.pp.recv(shape, self.executor.dtype, rank_of(c - 1), tag=c)
                 x, _ = self.stage.forward(c, x, ops=ops, weights=full.__getitem__)
                 if c < self.n_chunks - 1:
-                    reqs.append(self.pp.send(x, self._rank_of(c + 1), tag=c + 1))
+                    reqs.append(self.pp.send(x, rank_of(c + 1), tag=c + 1))
             nxt = xp.empty((ctx.shape[0],), dtype=idx.dtype)  # (n,)
             if self.last:
                 nxt[...] = ops.next_token(xp.ascontiguousarray(x[:, -1, :]))
-            self.pp.bcast(nxt, root=self._rank_of(self.n_chunks - 1))
+            self.pp.bcast(nxt, root=rank_of(self.n_chunks - 1))
             for req in reqs:
                 wait(req)
             idx = xp.concatenate([idx, nxt[:, None]], axis=1)
         return idx
-
-    def _rank_of(self, c: int) -> int:
-        return chunk_rank(c, self.pp.size, self.v_shape)
 
     def piece_index(self) -> dict:
         """For every owned piece (``params``' names): the global flat index of each of its

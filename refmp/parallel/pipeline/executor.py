@@ -72,13 +72,18 @@ class Executor:
         self.events.append(Event(self.comm.rank, kind, mb, chunk, t0, time.perf_counter()))
 
     def step(self, actions: list[Action], xs: list, ys: list, denom: int,
-             dloss: float = 1.0) -> float:
+             dloss: float = 1.0, delayed: bool = False) -> float:
         """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets;
         ``dloss`` the gradient of each loss share (the loss scale with fp16, else 1).
+        ``delayed`` (2BW): every action computes on the Sharder's previous weight version
+        W(t-1) (W(-1) = W(0)); after the last, W(t) becomes the next step's previous one.
 
         Returns this rank's loss share (non-zero on the rank holding the last chunk).
         """
         stage, n_chunks = self.stage, self.stage.n_chunks
+        if delayed and not stage.sharder.previous:
+            stage.sharder.keep_previous()  # W(-1) = W(0)
+        stage.sharder.on_previous = delayed
         split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}  # B's whose W is listed
         caches, todos, pending = {}, {}, []
         loss, caches_held = 0.0, 0
@@ -119,5 +124,8 @@ class Executor:
         t0 = time.perf_counter()
         wait_all([req for req, _ in pending])  # the buffers stayed alive in `pending` until here
         self._event("send", -1, -1, t0)
+        stage.sharder.on_previous = False
+        if delayed:  # the update makes W(t+1) of W(t)
+            stage.sharder.keep_previous()
         assert not caches and not todos, "a micro-batch's cache was left over"
         return loss
