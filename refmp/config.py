@@ -64,7 +64,8 @@ class ParallelConfig:
     microbatches: int = flag(1, "micro-batches per step: pipeline micro-batches, or gradient accumulation "
                                 "without --pp (%(default)s)", plan={})
     schedule: str = flag("1f1b", "pipeline schedule (default %(default)s)", PIPELINE,
-                         choices=("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
+                         choices=("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev",
+                                  "2bw"),
                          plan={"choices": ("1f1b", "gpipe", "interleaved", "zb-h1")})
     virtual_stages: int = flag(1, "model chunks per rank, for --schedule interleaved (%(default)s)",
                                PIPELINE, plan={})

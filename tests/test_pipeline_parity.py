@@ -20,6 +20,7 @@ from parity import assert_same_run
 from refmp.cost.zero import comm_per_step, memory_per_rank, padded, unit_sizes
 from refmp.nn import gpt
 from refmp.parallel.engine import TIED_TAG
+from refmp.parallel.pipeline.schedules import chunks_per_rank
 from refmp.parallel.pipeline.simulate import simulate_schedule
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig
@@ -90,7 +91,7 @@ def check_pipeline_run(cfg: TrainConfig, ds: Dataset) -> None:
     # the padded 1/(dp cp) at ZeRO 1-3; the same flat layout at both ends: Engine.reduce_grads)
     n = n_zero if cfg.zero else 1
     tied = [((P - 1) if run.first else 0, TIED_TAG, padded(m.vocab_size * C, n) // n * 8)]
-    tied = tied if P > 1 and (run.first or run.last) else []
+    tied = tied if run.first != run.last else []  # pp 1, or a V: both ends on one rank
     zero = comm_per_step(sizes, n_zero, cfg.zero, cfg.microbatches, 8, run.first, run.last)
     for s, (ledger, sends) in enumerate(zip(watch.ledgers, watch.sends, strict=True), 1):
         acts = [x for x in sends if x[1] != TIED_TAG]
@@ -112,7 +113,8 @@ def check_pipeline_run(cfg: TrainConfig, ds: Dataset) -> None:
 
 @pytest.mark.parallel(nprocs=[2, 4])
 @settings(max_examples=3, phases=[Phase.explicit, Phase.generate])  # no shrinking: fail fast
-@given(schedule=st.sampled_from(["naive", "gpipe", "1f1b", "interleaved", "zb-h1"]),
+@given(schedule=st.sampled_from(["naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
+                                 "dualpipev"]),
        layout=st.sampled_from(["pp", "pp2 x dp", "pp2 x cp"]), k=st.integers(1, 2),
        rows=st.integers(1, 2), extra_layers=st.integers(0, 1), explicit=st.booleans(),
        zero=st.integers(0, 3), V=st.integers(3, 11), T=st.integers(2, 5),
@@ -133,6 +135,10 @@ def check_pipeline_run(cfg: TrainConfig, ds: Dataset) -> None:
          explicit=False, zero=3, V=6, T=4, clip=0.05, seed=13)
 @example(schedule="zb-h1", layout="pp1", k=2, rows=1, extra_layers=0, explicit=False,
          zero=2, V=6, T=3, clip=0.05, seed=12)
+@example(schedule="zb-v", layout="pp", k=2, rows=1, extra_layers=1, explicit=True,
+         zero=1, V=5, T=3, clip=0.05, seed=14)
+@example(schedule="dualpipev", layout="pp2 x dp", k=2, rows=1, extra_layers=0, explicit=False,
+         zero=3, V=6, T=3, clip=0.05, seed=15)
 @collective
 def test_pipeline_training_equals_serial(schedule, layout, k, rows, extra_layers, explicit,
                                          zero, V, T, clip, seed):
@@ -143,9 +149,10 @@ def test_pipeline_training_equals_serial(schedule, layout, k, rows, extra_layers
     v = 2 if schedule == "interleaved" and pp > 1 else 1
     schedule = schedule if v == 2 or schedule != "interleaved" else "1f1b"
     M = k * pp if schedule == "interleaved" else k + (pp > 1)  # 1 to 3 micro-batches
-    n_layer = pp * v + extra_layers
-    split = [1] * (pp * v)
-    split[seed % (pp * v)] += extra_layers
+    chunks = pp * chunks_per_rank(schedule, v)  # the V schedules: 2 per rank
+    n_layer = chunks + extra_layers
+    split = [1] * chunks
+    split[seed % chunks] += extra_layers
     cfg = TrainConfig(n_layer=n_layer, n_head=2, n_embd=4, block_size=T,
                       batch_size=(size // pp // cp) * M * rows, steps=3, lr=0.01, warmup_steps=1,
                       grad_clip=clip, dtype="float64", seed=seed, pp=pp, cp=cp, zero=zero,

@@ -26,7 +26,7 @@ pp, M = world.size, 4
 say = print if world.rank == 0 else (lambda *a, **k: None)
 
 # --- 1. schedules are data ------------------------------------------------------------------
-for name in ("gpipe", "1f1b", "zb-h1"):
+for name in ("gpipe", "1f1b", "zb-h1", "zb-v"):  # zb-v: two chunks per rank, in a V
     say(f"\n{name}: rank 0's actions: " + " ".join(map(str, schedule(name, pp, M, 0))))
     tl = simulate_schedule(name, pp, M)  # raises if the lists could deadlock
     say(tl.ascii())
@@ -37,7 +37,7 @@ for name in ("gpipe", "1f1b", "zb-h1"):
 # Every layout runs on the one engine (refmp.parallel.engine): the serial run below is a
 # one-stage pipeline (pp = 1, one micro-batch), the others cut the blocks into pp stages.
 ds = AdditionTask(digits=3, seed=0, n_train=500, n_test=10).dataset()
-base = TrainConfig(n_layer=pp, n_head=2, n_embd=16, batch_size=8, steps=3, grad_clip=0.5,
+base = TrainConfig(n_layer=2 * pp, n_head=2, n_embd=16, batch_size=8, steps=3, grad_clip=0.5,
                    dtype="float64", progress=False)
 serial = Trainer(base, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)  # every rank runs it
 for _ in range(base.steps):
@@ -45,7 +45,7 @@ for _ in range(base.steps):
 want = serial.runner.full_params()  # the whole model (rank 0 of COMM_SELF: every rank)
 
 worst_all = 0.0
-for name in ("naive", "gpipe", "1f1b", "zb-h1"):
+for name in ("naive", "gpipe", "1f1b", "zb-h1", "zb-v", "dualpipev"):
     cfg = dataclasses.replace(base, pp=pp, microbatches=M, schedule=name)
     pipe = Trainer(cfg, grid=ProcessGrid(world, pp=pp), dataset=ds)
     losses = [pipe.step()["loss"] for _ in range(cfg.steps)]

@@ -3,10 +3,14 @@
     refmp schedule --pp 4 --microbatches 8 --schedule 1f1b [--png out.png] [--trace out.json]
 
 prints each rank's simulated timeline, the simulated bubble against the formula, and the
-peak number of micro-batches whose activations each rank holds.
+peak number of micro-batches whose activations each rank holds (``--json``: those as JSON).
+2bw is drawn over two batches without a flush between them, each micro-batch labelled with
+the weight version it computes on (F5@1: on W(1)).
 """
 
 from __future__ import annotations
+
+import json
 
 from refmp.errors import ConfigError
 from refmp.parallel.pipeline.schedules import SCHEDULES
@@ -22,21 +26,34 @@ def add_parser(sub) -> None:
     s.add_argument("--virtual-stages", type=int, default=1, help="for interleaved (1)")
     s.add_argument("--png", default=None, metavar="PATH.png", help="draw the timeline")
     s.add_argument("--trace", default=None, metavar="PATH.json", help="Chrome trace JSON")
+    s.add_argument("--json", action="store_true", help="print the figures as JSON only")
     s.set_defaults(run=run_schedule)
 
 
 def run_schedule(args) -> dict:
     from refmp.parallel.pipeline.partition import check_pipeline
+    from refmp.parallel.pipeline.schedules import chunks_per_rank
     from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
 
     P, M, V = args.pp, args.microbatches, args.virtual_stages
     if P < 1:
         raise ConfigError(f"--pp must be at least 1, got {P}")
-    check_pipeline(P * V, P, M, args.schedule, V, None, M)
+    check_pipeline(P * chunks_per_rank(args.schedule, V), P, M, args.schedule, V, None, M)
     tl = simulate_schedule(args.schedule, P, M, V)
     formula = bubble_formula(args.schedule, P, M, V)
+    versions = 2 if args.schedule == "2bw" else 1  # weight versions held per rank
+    if args.schedule == "2bw":  # batches 1 and 2 without a flush: batch t computes on W(t-1)
+        tl = simulate_schedule("1f1b", P, 2 * M)
+        tl.name, tl.versions = "2bw", {i: i // M for i in range(2 * M)}
+        formula = bubble_formula("1f1b", P, 2 * M)
+    figures = {"schedule": args.schedule, "pp": P, "microbatches": M, "bubble": tl.bubble(),
+               "formula": formula, "peak_held": tl.peak_held, "weight_versions": [versions] * P}
+    if args.json:
+        print(json.dumps(figures))
+        return figures
     print(f"refmp schedule: {args.schedule}, pp {P}, {M} micro-batches"
           + (f", {V} virtual stages" if V > 1 else "")
+          + (", two batches" if versions == 2 else "")
           + " (F = B = W = 1 step; an unsplit backward is B + W = 2)")
     print(tl.ascii())
     print(f"completes in {tl.makespan:g} steps; bubble {tl.bubble():.4f} simulated, "
@@ -48,4 +65,4 @@ def run_schedule(args) -> dict:
     if args.png:
         tl.png(args.png)
         print(f"wrote {args.png}")
-    return {"bubble": tl.bubble(), "formula": formula, "peak_held": tl.peak_held}
+    return figures

@@ -23,7 +23,7 @@ from refmp.cost.model import Layout, split, train_config
 from refmp.cost.zero import memory_per_rank, unit_sizes
 from refmp.nn.params import GPTConfig, param_shapes
 from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
-from refmp.parallel.pipeline.schedules import schedule
+from refmp.parallel.pipeline.schedules import V_SHAPED, chunks_per_rank, schedule
 from refmp.parallel.placement import padded_vocab, stage_chunks
 
 
@@ -100,7 +100,7 @@ def held_peak(actions, chunk_bytes: dict, shared: dict | None = None) -> int:
     micro-batch, B frees it (W does, when the schedule splits backward). ``shared``: bytes
     that every micro-batch's cache of chunk c references (one array, not one each), counted
     once while any of them is alive."""
-    split = any(a.kind == "W" for a in actions)
+    split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}  # B's whose W is listed
     shared = shared or {}
     live = peak = 0  # bytes of the caches alive now
     alive = dict.fromkeys(chunk_bytes, 0)  # caches of each chunk alive now
@@ -108,7 +108,7 @@ def held_peak(actions, chunk_bytes: dict, shared: dict | None = None) -> int:
         if a.kind == "F":
             live += chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
             alive[a.chunk] += 1
-        elif a.kind == ("W" if split else "B"):
+        elif a.kind == "W" or (a.kind == "B" and (a.mb, a.chunk) not in split):
             alive[a.chunk] -= 1
             live -= chunk_bytes[a.chunk] + (shared.get(a.chunk, 0) if not alive[a.chunk] else 0)
         peak = max(peak, live)
@@ -133,10 +133,11 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     w = 8 if cfg.dtype == "float64" else 4
     pp, dp, cp, tp, ep = (sizes[a] for a in ("pp", "dp", "cp", "tp", "ep"))
     T = cfg.block_size or mcfg.block_size
-    C, NH, V, M, v = mcfg.n_embd, mcfg.n_head, mcfg.vocab_size, cfg.microbatches, cfg.virtual_stages
+    C, NH, V, M = mcfg.n_embd, mcfg.n_head, mcfg.vocab_size, cfg.microbatches
+    v = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
     S, r = pp * v, coords["pp"]
     blocks = partition(mcfg.n_layer, S, piece_costs(C, T, V), parse_stage_layers(cfg.stage_layers))
-    chunks = {c: blocks[c] for c in stage_chunks(r, pp, v)}
+    chunks = {c: blocks[c] for c in stage_chunks(r, pp, v, cfg.schedule in V_SHAPED)}
     stage_blocks = [i for c in chunks.values() for i in c]
     ep_rank = (coords["dp"] * cp + coords["cp"]) % ep  # refmp.distributed.grid: ep carved from dp x cp
     units = unit_sizes(mcfg, tp, stage_blocks, 0 in chunks, S - 1 in chunks, ep, ep_rank)

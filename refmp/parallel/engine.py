@@ -22,6 +22,7 @@ every tp rank saw a part of, and the tied wte's sum between the pipeline's two e
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
@@ -44,10 +45,11 @@ from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
 from refmp.parallel.ops import ParallelOps
 from refmp.parallel.pipeline.executor import Executor
-from refmp.parallel.pipeline.schedules import schedule
+from refmp.parallel.pipeline.schedules import V_SHAPED, chunks_per_rank, schedule
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.placement import (
+    chunk_rank,
     counts_in_norm,
     gather_experts,
     gather_tp,
@@ -135,9 +137,10 @@ class Engine:
                           else backend.from_host(cp_positions[grid.coords["cp"]]))
         self.ops = ParallelOps(mc.n_head, mc.vocab_size, self.tp, self.sp, attn, self.positions,
                                keep_scores)
-        self.schedule_name, self.v = layout.schedule, layout.virtual_stages
-        self.n_chunks = self.pp.size * self.v
-        chunks = rank_chunks(mc, T, self.pp.rank, self.pp.size, self.v, layout.stage_layers)
+        self.schedule_name, self.v = layout.schedule, chunks_per_rank(layout.schedule, layout.virtual_stages)
+        self.n_chunks, self.v_shape = self.pp.size * self.v, layout.schedule in V_SHAPED
+        chunks = rank_chunks(mc, T, self.pp.rank, self.pp.size, self.v, layout.stage_layers,
+                             self.v_shape)
         self.first, self.last = 0 in chunks, self.n_chunks - 1 in chunks
         local = take_params(model, chunks, self.first, self.last, grid)
         self.sharder = build_sharder(local, grid, layout)
@@ -145,9 +148,10 @@ class Engine:
                            moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
                            self.tp.size if self.sp else 1, layout.recompute == "full")
         self.executor = Executor(self.stage, self.pp, self.sharder.compute,  # activations' dtype
-                                 on_forward=self._measure)
+                                 on_forward=self._measure, v_shape=self.v_shape)
         self.actions = schedule(self.schedule_name, self.pp.size, self.microbatches, self.pp.rank,
                                 self.v)
+        self.delayed = self.schedule_name == "2bw"  # 2BW: each step computes on W(t-1)
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
                                 if k in local and "tp" in place(k, self.sp).reduce}
@@ -191,7 +195,7 @@ class Engine:
         if self.positions is not None:
             x, y = x[:, self.positions], y[:, self.positions]  # (b, Tl) my tokens
         xs, ys = zip(*split_microbatches(x, y, self.microbatches), strict=True)
-        ce = self.executor.step(self.actions, list(xs), list(ys), denom, dloss)
+        ce = self.executor.step(self.actions, list(xs), list(ys), denom, dloss, self.delayed)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:
@@ -221,8 +225,8 @@ class Engine:
 
     def _reduce_tied_embedding(self) -> None:
         """wte's copies on the first stage (embedding) and the last (head) add each other's
-        share: the same flat layout at both ends, and a + b == b + a exactly."""
-        if self.pp.size == 1 or not (self.first or self.last) or "wte" not in self.sharder.units:
+        share (the same flat layout at both ends, a + b == b + a exactly); pp 1 or a V: one rank."""
+        if self.first == self.last or "wte" not in self.sharder.units:
             return
         here = self.sharder.owned_grad("wte")
         other = self.pp.size - 1 if self.first else 0
@@ -267,7 +271,8 @@ class Engine:
         """Greedy decoding through the pipeline (collective over pp, tp, ep): the last stage
         picks the token and broadcasts it, every stage appends it. Whole prompts: serial
         attention, no SP; ZeRO-3 gathers the weights once for the call."""
-        sharder, xp, pp = self.sharder, backend.array_module(idx), self.pp.size
+        sharder, xp = self.sharder, backend.array_module(idx)
+        rank_of = partial(chunk_rank, pp=self.pp.size, v_shape=self.v_shape)
         full = {u: sharder.weights(u) for u in sharder.units}  # views, or gathered (ZeRO-3)
         ops, T = self.ops.for_decoding(), self.mcfg.block_size
         for _ in range(n):
@@ -275,14 +280,14 @@ class Engine:
             shape = (ctx.shape[0], ctx.shape[1], self.mcfg.n_embd)
             x, reqs = None, []
             for c in sorted(self.stage.chunks):
-                x = ctx if c == 0 else self.pp.recv(shape, self.executor.dtype, (c - 1) % pp, tag=c)
+                x = ctx if c == 0 else self.pp.recv(shape, self.executor.dtype, rank_of(c - 1), tag=c)
                 x, _ = self.stage.forward(c, x, ops=ops, weights=full.__getitem__)
                 if c < self.n_chunks - 1:
-                    reqs.append(self.pp.send(x, (c + 1) % pp, tag=c + 1))
+                    reqs.append(self.pp.send(x, rank_of(c + 1), tag=c + 1))
             nxt = xp.empty((ctx.shape[0],), dtype=idx.dtype)  # (n,)
             if self.last:
                 nxt[...] = ops.next_token(xp.ascontiguousarray(x[:, -1, :]))
-            self.pp.bcast(nxt, root=pp - 1)
+            self.pp.bcast(nxt, root=rank_of(self.n_chunks - 1))
             for req in reqs:
                 wait(req)
             idx = xp.concatenate([idx, nxt[:, None]], axis=1)

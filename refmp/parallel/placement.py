@@ -73,19 +73,25 @@ def padded_vocab(V: int, tp: int) -> int:
 # --- who holds what: the ownership rules (the engine, the memory estimate and the planner) ---
 
 
-def stage_chunks(pp_rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """The model chunks pipeline rank ``pp_rank`` runs: chunk c of S = pp v on rank c % pp
-    (with v > 1, Narayanan et al. 2021's interleaving)."""
-    return list(range(pp_rank, pp * virtual_stages, pp))
+def chunk_rank(c: int, pp: int, v_shape: bool = False) -> int:
+    """The pipeline rank of chunk c: c % pp (with v > 1, Narayanan et al. 2021's
+    interleaving), or in a V (ZB-V, DualPipeV: 2 pp chunks) rank c going down and rank
+    2 pp - 1 - c coming back, so the turn and both ends of the tied wte stay on one rank."""
+    return (c if c < pp else 2 * pp - 1 - c) if v_shape else c % pp
+
+
+def stage_chunks(pp_rank: int, pp: int, virtual_stages: int = 1, v_shape: bool = False) -> list[int]:
+    """The model chunks pipeline rank ``pp_rank`` runs (chunk_rank), in model order."""
+    return [c for c in range(pp * virtual_stages) if chunk_rank(c, pp, v_shape) == pp_rank]
 
 
 def rank_chunks(mcfg, T: int, pp_rank: int, pp: int, virtual_stages: int = 1,
-                stage_layers: str | None = None) -> dict[int, range]:
+                stage_layers: str | None = None, v_shape: bool = False) -> dict[int, range]:
     """The model chunks of pipeline rank ``pp_rank`` (stage_chunks), each with its blocks:
     the balanced partition of the layers over S = pp v chunks, or ``--stage-layers``'."""
     blocks = partition(mcfg.n_layer, pp * virtual_stages,
                        piece_costs(mcfg.n_embd, T, mcfg.vocab_size), parse_stage_layers(stage_layers))
-    return {c: blocks[c] for c in stage_chunks(pp_rank, pp, virtual_stages)}
+    return {c: blocks[c] for c in stage_chunks(pp_rank, pp, virtual_stages, v_shape)}
 
 
 def expert_owner(e: int, n_expert: int, ep: int) -> int:

@@ -134,6 +134,8 @@ class Sharder:
             self.grads.update(unit.pieces(self.gbuf[u][unit.lo : unit.hi] if stage < 2 else self.gbuf[u]))
         self.decay = {k for k in self.params
                       if any(len(unit.shapes.get(k, ())) >= 2 for unit in self.units.values())}
+        self.previous: dict = {}  # 2BW: each unit's weight version W(t-1) (keep_previous)
+        self.on_previous = False  # whether weights() hands out that version
         self._open: list = []  # stage 0: [units, flat, request] of started all-reduces
         self._ready: dict[str, list[str]] = {}  # stage 0: complete units not yet started, by group
 
@@ -152,17 +154,28 @@ class Sharder:
 
     def resident(self) -> list:
         """The parameter buffers kept between uses (caches reference them; not activations)."""
-        return list(self.pbuf.values()) if self.stage < 3 else []
+        return list(self.pbuf.values()) + list(self.previous.values()) if self.stage < 3 else []
 
     # --- what the model computes with ---------------------------------------------------------
 
     def weights(self, u: str) -> dict:
         """Unit u's parameters (full local shapes): views of the resident buffer, or, at
-        stage 3, of an all-gather made now (S -> Pp), alive only while the caller keeps it."""
-        unit = self.units[u]
+        stage 3, of an all-gather made now (S -> Pp), alive only while the caller keeps it; of
+        W(t-1) while ``on_previous``."""
+        unit, buf = self.units[u], (self.previous if self.on_previous else self.pbuf)[u]
         if self.stage < 3 or self.groups[u].size == 1:
-            return unit.views(self.pbuf[u])
-        return unit.views(self.groups[u].allgather(self.pbuf[u]))
+            return unit.views(buf)
+        return unit.views(self.groups[u].allgather(buf))
+
+    def keep_previous(self) -> None:
+        """PipeDream-2BW's second weight version (Narayanan et al. 2021): after a step's
+        backward, before its update, W(t) is kept as the version the next step computes on.
+        The first call makes the buffers: W(-1) = W(0)."""
+        for u, buf in self.pbuf.items():
+            if u in self.previous:
+                self.previous[u][...] = buf
+            else:
+                self.previous[u] = buf.copy()
 
     def full_local(self, grads: bool = False) -> dict:
         """Every local parameter (or its gradient) whole: the owned slices all-gathered over
@@ -287,7 +300,8 @@ class Sharder:
 
     def memory(self) -> dict[str, int]:
         """Bytes of the parameter (compute copy), gradient and fp32 master buffers this rank
-        keeps between steps."""
+        keeps between steps (``versions``: 2BW's W(t-1))."""
         return {"params": sum(int(b.nbytes) for b in self.pbuf.values()),
+                "versions": sum(int(b.nbytes) for b in self.previous.values()),
                 "grads": sum(int(b.nbytes) for b in self.gbuf.values()),
                 "masters": sum(int(b.nbytes) for b in self.master.values())}

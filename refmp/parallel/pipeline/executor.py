@@ -1,15 +1,17 @@
 """Interpret a rank's action list over MPI: one training step of a pipeline schedule.
 
 Shapes: b_i rows of micro-batch i, T time, C channels; pp ranks, S chunks (chunk c on rank
-c % pp). T is the tokens of a sequence this rank holds (T/cp with context parallelism);
-with sequence parallelism a boundary carries (b_i, T/tp, C) (Korthikanti et al. 2022, sec.
-4.2: the block's output is already sharded along T), so SP divides these bytes by tp.
+placement.chunk_rank(c): c % pp, or in a V). T is the tokens of a sequence this rank holds
+(T/cp with context parallelism); with sequence parallelism a boundary carries (b_i, T/tp, C)
+(Korthikanti et al. 2022, sec. 4.2: the block's output is already sharded along T), so SP
+divides these bytes by tp.
 
 Communication (on grid.comm["pp"]), implied by the chunk graph (schedules.py):
-  after F(i, c), c < S-1: send the output (b_i, T, C) to rank (c+1) % pp   (an activation)
-  before F(i, c), c > 0:  receive chunk c's input from rank (c-1) % pp
-  after B(i, c), c > 0:   send the input gradient (b_i, T, C) to rank (c-1) % pp
-  before B(i, c), c < S-1: receive the output gradient from rank (c+1) % pp
+  after F(i, c), c < S-1: send the output (b_i, T, C) to chunk c+1's rank   (an activation)
+  before F(i, c), c > 0:  receive chunk c's input from chunk c-1's rank
+  after B(i, c), c > 0:   send the input gradient (b_i, T, C) to chunk c-1's rank
+  before B(i, c), c < S-1: receive the output gradient from chunk c+1's rank
+(in a V the turn, chunk pp-1 to pp, is a message a rank sends itself).
 Sends are nonblocking (finished at the end of the step), so a rank blocks only in a receive,
 and only on the message its next action needs: the simulator proved such lists complete.
 Receives sleep between tests (Comm.recv). Each receive makes a new array that belongs to one
@@ -28,6 +30,7 @@ from refmp.distributed.waiting import wait_all
 from refmp.parallel.pipeline.schedules import Action
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Event
+from refmp.parallel.placement import chunk_rank
 
 
 def tag(mb: int, chunk: int, n_chunks: int, grad: bool) -> int:
@@ -39,17 +42,19 @@ class Executor:
     """Runs action lists for one Stage over the pp communicator, timing every action.
 
     ``dtype``: the activations' (what crosses a stage boundary); ``on_forward``, if given, is
-    called with the live caches after each forward (the engine measures their bytes)."""
+    called with the live caches after each forward (the engine measures their bytes);
+    ``v_shape``: the chunks are placed in a V (ZB-V, DualPipeV)."""
 
     def __init__(self, stage: Stage, comm: Comm, dtype,
-                 on_forward: Callable[[dict], None] | None = None):
+                 on_forward: Callable[[dict], None] | None = None, v_shape: bool = False):
         self.stage, self.comm, self.dtype, self.on_forward = stage, comm, dtype, on_forward
+        self.v_shape = v_shape
         self.events: list[Event] = []  # the last step's timeline on this rank
         self.peak_held = 0  # most micro-batch caches held at once in the last step
 
     def _send(self, x, shape, mb: int, chunk: int, grad: bool, pending: list) -> None:
         t0 = time.perf_counter()
-        dest = chunk % self.comm.size
+        dest = chunk_rank(chunk, self.comm.size, self.v_shape)
         if x.shape != shape or x.dtype != self.dtype:  # the receiver expects exactly this
             raise ValueError(f"rank {self.comm.rank}: micro-batch {mb} for chunk {chunk} is "
                              f"{x.shape} {x.dtype}, expected {shape} {self.dtype}")
@@ -58,7 +63,7 @@ class Executor:
 
     def _recv(self, shape, mb: int, chunk: int, grad: bool):
         t0 = time.perf_counter()
-        src = (chunk + (1 if grad else -1)) % self.comm.size
+        src = chunk_rank(chunk + (1 if grad else -1), self.comm.size, self.v_shape)
         x = self.comm.recv(shape, self.dtype, src, tag(mb, chunk, self.stage.n_chunks, grad))
         self._event("recv", mb, chunk, t0)
         return x  # a fresh array, owned by micro-batch mb alone
@@ -67,14 +72,19 @@ class Executor:
         self.events.append(Event(self.comm.rank, kind, mb, chunk, t0, time.perf_counter()))
 
     def step(self, actions: list[Action], xs: list, ys: list, denom: int,
-             dloss: float = 1.0) -> float:
+             dloss: float = 1.0, delayed: bool = False) -> float:
         """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets;
         ``dloss`` the gradient of each loss share (the loss scale with fp16, else 1).
+        ``delayed`` (2BW): every action computes on the Sharder's previous weight version
+        W(t-1) (W(-1) = W(0)); after the last, W(t) becomes the next step's previous one.
 
         Returns this rank's loss share (non-zero on the rank holding the last chunk).
         """
         stage, n_chunks = self.stage, self.stage.n_chunks
-        split = any(a.kind == "W" for a in actions)
+        if delayed and not stage.sharder.previous:
+            stage.sharder.keep_previous()  # W(-1) = W(0)
+        stage.sharder.on_previous = delayed
+        split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}  # B's whose W is listed
         caches, todos, pending = {}, {}, []
         loss, caches_held = 0.0, 0
         self.events, self.peak_held = [], 0
@@ -98,8 +108,11 @@ class Executor:
             elif a.kind == "B":
                 dout = None if c == n_chunks - 1 else self._recv(shape, i, c, grad=True)
                 t0 = time.perf_counter()
-                dx, todos[i, c] = stage.backward(c, dout, caches.pop((i, c)), split, final, dloss)
-                caches_held -= 0 if split else 1
+                dx, todo = stage.backward(c, dout, caches.pop((i, c)), (i, c) in split, final, dloss)
+                if (i, c) in split:
+                    todos[i, c] = todo
+                else:
+                    caches_held -= 1
                 self._event("B", i, c, t0)
                 if dx is not None:
                     self._send(dx, shape, i, c - 1, grad=True, pending=pending)
@@ -111,5 +124,8 @@ class Executor:
         t0 = time.perf_counter()
         wait_all([req for req, _ in pending])  # the buffers stayed alive in `pending` until here
         self._event("send", -1, -1, t0)
-        assert not caches and (not split or not todos), "a micro-batch's cache was left over"
+        stage.sharder.on_previous = False
+        if delayed:  # the update makes W(t+1) of W(t)
+            stage.sharder.keep_previous()
+        assert not caches and not todos, "a micro-batch's cache was left over"
         return loss

@@ -136,7 +136,7 @@ def check_pipeline(n_layer: int, pp: int, microbatches: int, schedule: str, virt
 
     ``rows`` is the number of sequences one pipeline (one dp rank) gets per step.
     """
-    from refmp.parallel.pipeline.schedules import SCHEDULES
+    from refmp.parallel.pipeline.schedules import SCHEDULES, chunks_per_rank
 
     if schedule not in SCHEDULES:
         raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -150,6 +150,7 @@ def check_pipeline(n_layer: int, pp: int, microbatches: int, schedule: str, virt
         raise ConfigError(f"--schedule interleaved needs --microbatches ({microbatches}) to be a "
                           f"multiple of --pp ({pp}): micro-batches go round the ranks in groups "
                           f"of pp (Narayanan et al. 2021)")
+    virtual = chunks_per_rank(schedule, virtual)  # the V-shaped schedules: 2
     chunks = pp * virtual
     if stage_layers is None and n_layer < chunks:
         raise ConfigError(f"{chunks} pipeline stages (pp {pp} x virtual {virtual}) but only "

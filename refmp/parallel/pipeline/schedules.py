@@ -6,11 +6,13 @@ An action is (kind, micro-batch, chunk):
   F  forward of the chunk on the micro-batch;
   B  backward: the gradient of the chunk's input, plus, in schedules without W actions, its
      weight gradients (the whole backward);
-  W  the weight gradients the B left out (zero-bubble schedules only; Qi et al. 2023).
+  W  the weight gradients the B left out (zero-bubble schedules only; Qi et al. 2023): a B
+     is split exactly when its W is on the list.
 Communication is implied by the chunk graph, not listed: F(i, c) needs chunk c-1's output
-for micro-batch i (sent by rank (c-1) % pp when it finishes F(i, c-1)), and B(i, c) needs
-the gradient of chunk c's output from B(i, c+1). The executor (executor.py) posts those
-sends and receives; the simulator (simulate.py) runs the same lists without MPI.
+for micro-batch i (sent by the rank of chunk c-1, placement.chunk_rank, when it finishes
+F(i, c-1)), and B(i, c) needs the gradient of chunk c's output from B(i, c+1). The executor
+(executor.py) posts those sends and receives; the simulator (simulate.py) runs the same lists
+without MPI.
 """
 
 from __future__ import annotations
@@ -100,12 +102,100 @@ def zb_h1(pp: int, m: int, rank: int) -> list[Action]:
     return out
 
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
+class VRank:
+    """A rank's two chunks in a V (rank r: chunk r going down, chunk 2 pp - 1 - r coming back)
+    and the next micro-batch of each pass on each, so a V schedule is written as its phases."""
+
+    def __init__(self, pp: int, m: int, rank: int):
+        self.m, self.chunk, self.out = m, (rank, 2 * pp - 1 - rank), []
+        self.next = {(k, half): 0 for k in "FBW" for half in (0, 1)}
+        self.deferred: list[Action] = []  # split B's whose W has not run yet, oldest first
+
+    def add(self, kind: str, half: int, split: bool = False) -> None:
+        i = self.next[kind, half]
+        self.next[kind, half] += 1
+        if i < self.m:  # ZB-V's phases assume m >= 2 pp - 1 and leave the rest out
+            self.out.append(Action(kind, i, self.chunk[half]))
+            if split:
+                self.deferred.append(Action("W", i, self.chunk[half]))
+
+    def weight(self, half: int | None = None) -> None:
+        """The oldest deferred W (of chunk ``half`` only, if given), if there is one."""
+        owed = [w for w in self.deferred if half is None or w.chunk == self.chunk[half]]
+        if owed:
+            self.deferred.remove(owed[0])
+            self.out.append(owed[0])
+
+
+def zb_v(pp: int, m: int, rank: int) -> list[Action]:
+    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", sec. 6; as
+    torch.distributed.pipelining's ScheduleZBVZeroBubble): two chunks per rank in a V, every
+    backward split. At F = B = W the steady state has no bubble; only the fill and drain of
+    the V are left, (pp - 1) steps of rank time per rank, with 1F1B's peak memory."""
+    r, v = rank, VRank(pp, m, rank)
+    for _ in range(2 * (pp - r) - 1):  # warm-up: down the V
+        v.add("F", 0)
+    for _ in range(r):
+        v.add("F", 1), v.add("F", 0)
+    for _ in range(pp - r):  # the first backwards of the second chunk, their W at once
+        v.add("F", 1), v.add("B", 1, True), v.weight()
+    while v.next["F", 1] < v.next["F", 0] or v.next["F", 0] < max(m, 2 * pp - 1):  # steady
+        if v.next["F", 0] < max(m, 2 * pp - 1):
+            v.add("F", 0)
+        v.add("B", 0, True), v.weight()
+        v.add("F", 1), v.add("B", 1, True), v.weight()
+    for _ in range(r):  # cool-down: input gradients first, the W's fill the drain
+        v.add("B", 0, True), v.add("B", 1, True)
+    for _ in range(pp - r):
+        v.add("B", 0, True), v.weight(0)
+    while v.deferred:  # the second chunk's W's, then the first's
+        v.weight(1) if any(w.chunk == v.chunk[1] for w in v.deferred) else v.weight(0)
+    return v.out
+
+
+def dualpipev(pp: int, m: int, rank: int) -> list[Action]:
+    """DualPipeV (DeepSeek's DualPipe cut in half, the DualPipe repository's dualpipev.py;
+    m >= 2 pp): two chunks per rank in a V; the steady state pairs a forward of one chunk with
+    a whole backward of the other (DualPipe overlaps each pair's compute with the other's
+    communication); zero-bubble splits only at the edges. Bubble (PP/2 - 1)(F&B + B - 3W) for
+    PP = 2 pp chunks, B a whole backward and F&B a forward and backward pair."""
+    r, v = rank, VRank(pp, m, rank)
+    for _ in range(2 * (pp - r - 1)):  # 1: forwards of the first chunk
+        v.add("F", 0)
+    for _ in range(r + 1):  # 2: both chunks
+        v.add("F", 0), v.add("F", 1)
+    for _ in range(pp - r - 1):  # 3: B and W of the second chunk, then its next forward
+        v.add("B", 1, True), v.weight(), v.add("F", 1)
+    for _ in range(m - 2 * pp + r + 1):  # 4, the steady state: F0 B1, F1 B0
+        v.add("F", 0), v.add("B", 1), v.add("F", 1), v.add("B", 0)
+    for _ in range(pp - r - 1):  # 5
+        v.add("B", 1), v.add("F", 1), v.add("B", 0)
+    split = False
+    for i in range(r + 1):  # 6: the backwards left; their second half split
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        v.add("B", 1, split)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        v.add("B", 0, split)
+    for _ in range(pp - r - 1):  # 7
+        v.weight(), v.add("B", 0, True)
+    while v.deferred:  # 8
+        v.weight()
+    return v.out
+
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "2bw")
+V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V (placement.chunk_rank)
+
+
+def chunks_per_rank(name: str, v: int = 1) -> int:
+    """v for the interleaved schedule, 2 for the V-shaped ones, else 1."""
+    return 2 if name in V_SHAPED else v
 
 
 def schedule(name: str, pp: int, m: int, rank: int, v: int = 1) -> list[Action]:
     """Rank ``rank``'s actions for one step of ``name`` with pp stages and m micro-batches."""
     if name == "interleaved":
         return interleaved(pp, m, rank, v)
-    fn = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[name]
+    fn = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-v": zb_v,
+          "dualpipev": dualpipev, "2bw": one_f_one_b}[name]
     return fn(pp, m, rank)

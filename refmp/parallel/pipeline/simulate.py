@@ -11,13 +11,16 @@ raises and names what each rank waits for.
 
 Bubble fraction = idle / (pp * makespan). With those costs (all chunks equal):
   naive (p-1)/p;  gpipe, 1f1b (p-1)/(m+p-1);  interleaved (p-1)/(v m+p-1);
-  zb-h1 (p-1)/(3m+p-1)  (Qi et al.: bubble (p-1)(F+B-W) instead of (p-1)(F+B+W)).
+  zb-h1 (p-1)/(3m+p-1)  (Qi et al.: bubble (p-1)(F+B-W) instead of (p-1)(F+B+W));
+  zb-v, dualpipev (p-1)/(6m+p-1): 2 chunks per rank, each 1/2 a stage, 6m steps of work, and
+  p-1 steps idle per rank (the fill of the V), for m >= 2p-1 (ZB-V) and m >= 2p (DualPipeV).
 """
 
 from __future__ import annotations
 
-from refmp.parallel.pipeline.schedules import Action, schedule
+from refmp.parallel.pipeline.schedules import V_SHAPED, Action, chunks_per_rank, schedule
 from refmp.parallel.pipeline.timeline import Event, Timeline
+from refmp.parallel.placement import chunk_rank
 
 
 class Deadlock(RuntimeError):
@@ -34,30 +37,32 @@ def depends_on(a: Action, chunks: int) -> list[Action]:
     return [Action("B", a.mb, a.chunk)]  # W
 
 
-def check_actions(lists: list[list[Action]], pp: int, m: int, v: int) -> bool:
-    """Every (F, B) of every micro-batch and chunk once, on its rank; returns whether split."""
-    split = any(a.kind == "W" for acts in lists for a in acts)
-    kinds = ("F", "B", "W") if split else ("F", "B")
-    want = sorted(Action(k, i, c) for k in kinds for i in range(m) for c in range(pp * v))
+def check_actions(lists: list[list[Action]], pp: int, m: int, v: int,
+                  v_shape: bool = False) -> set[tuple[int, int]]:
+    """Every F and B of every micro-batch and chunk once, on its rank, and at most one W each,
+    after its B; returns the (micro-batch, chunk) whose backward is split (a W is listed)."""
+    split = {(a.mb, a.chunk) for acts in lists for a in acts if a.kind == "W"}
+    want = sorted([Action(k, i, c) for k in "FB" for i in range(m) for c in range(pp * v)]
+                  + [Action("W", i, c) for i, c in split])
     got = sorted(a for acts in lists for a in acts)
     if got != want:
         raise ValueError("the schedule does not run every action exactly once")
     for r, acts in enumerate(lists):
-        if any(a.chunk % pp != r for a in acts):
+        if any(chunk_rank(a.chunk, pp, v_shape) != r for a in acts):
             raise ValueError(f"rank {r} is given a chunk it does not hold")
     return split
 
 
 def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str = "",
-             costs: dict[tuple[int, str], float] | None = None) -> Timeline:
+             costs: dict[tuple[int, str], float] | None = None,
+             v_shape: bool = False) -> Timeline:
     """Execute the per-rank lists in simulated time; a Timeline with events and peak memory.
 
     ``costs`` {(rank, kind): time} replaces the unit costs, e.g. a measured run's
     (Timeline.costs): the bubble the schedule itself implies for those costs, with messages
     still free (what is left of a measured bubble beyond it is communication and overhead).
     """
-    split = check_actions(lists, pp, m, v)
-    unit = {"F": 1, "B": 1 if split else 2, "W": 1}
+    split = check_actions(lists, pp, m, v, v_shape)
     chunks = pp * v
     done: dict[Action, int] = {}
     pos, free = [0] * pp, [0] * pp
@@ -72,10 +77,11 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
                 if any(d not in done for d in deps):
                     break
                 start = max([free[r]] + [done[d] for d in deps])
-                done[a] = free[r] = start + (costs[r, a.kind] if costs else unit[a.kind])
+                whole = a.kind == "B" and (a.mb, a.chunk) not in split  # B + W in one pass
+                done[a] = free[r] = start + (costs[r, a.kind] if costs else 1 + whole)
                 tl.events.append(Event(r, a.kind, a.mb, a.chunk, start, free[r]))
                 # the cache of F lives until the last pass that reads it (B, or W if split)
-                live[r] += {"F": 1, "B": 0 if split else -1, "W": -1}[a.kind]
+                live[r] += {"F": 1, "B": -whole, "W": -1}[a.kind]
                 peak[r] = max(peak[r], live[r])
                 pos[r] += 1
                 moved = True
@@ -89,7 +95,9 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
 
 def simulate_schedule(name: str, pp: int, m: int, v: int = 1,
                       costs: dict[tuple[int, str], float] | None = None) -> Timeline:
-    return simulate([schedule(name, pp, m, r, v) for r in range(pp)], pp, m, v, name, costs)
+    v = chunks_per_rank(name, v)
+    return simulate([schedule(name, pp, m, r, v) for r in range(pp)], pp, m, v, name, costs,
+                    name in V_SHAPED)
 
 
 def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
@@ -99,6 +107,9 @@ def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
         "naive": (p - 1) / p,
         "gpipe": (p - 1) / (m + p - 1),
         "1f1b": (p - 1) / (m + p - 1),
+        "2bw": (p - 1) / (m + p - 1),  # one batch as a step runs it; no flush between batches
         "interleaved": (p - 1) / (v * m + p - 1),
         "zb-h1": (p - 1) / (3 * m + p - 1),
+        "zb-v": (p - 1) / (6 * m + p - 1),  # m >= 2p - 1
+        "dualpipev": (p - 1) / (6 * m + p - 1),  # m >= 2p
     }[name]

@@ -1,0 +1,77 @@
+"""Asynchronous pipelines: PipeDream-2BW (--schedule 2bw), float64.
+
+The rule (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training", sec. 3.1):
+update t applies batch t's gradient taken at W(t-1), W(-1) = W(0), the whole optimizer step
+(clipping by the global norm, AdamW) working on that gradient and on W(t). With pp = 1 the
+flag is the serial delayed-update reference; every layout equals it, and it is not the
+synchronous run (staleness is real).
+"""
+
+from dataclasses import replace
+
+import numpy as np
+import parity
+import pytest
+from mpi4py import MPI
+from mpi_helpers import collective
+
+from refmp.distributed.grid import ProcessGrid
+from refmp.nn import gpt
+from refmp.training.datasets import Dataset, get_batch
+from refmp.training.trainer import TrainConfig, Trainer
+
+pytestmark = pytest.mark.mpi
+TIGHT = dict(rtol=1e-12, atol=1e-12)
+SMALL = dict(n_layer=4, n_head=2, n_embd=4, block_size=3, batch_size=4, lr=0.05, warmup_steps=1,
+             grad_clip=0.05, dtype="float64", seed=3, microbatches=2, progress=False)
+
+
+def data(seed: int = 0) -> Dataset:
+    return Dataset(np.random.default_rng(seed).integers(0, 7, 300), 7, "random")
+
+
+def serial(cfg: TrainConfig) -> Trainer:
+    return Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=data())
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("layout", [dict(pp=4), dict(pp=2, dp=2, zero=1), dict(pp=2, tp=2),
+                                    dict(pp=1, dp=2, tp=2, zero=1)])
+@collective
+def test_2bw_equals_the_serial_delayed_update(layout):
+    """pp 4, pp 2 x dp 2 with ZeRO-1, pp 2 x tp 2, dp 2 x tp 2: loss, norm, gradient and
+    weights after each of 4 AdamW steps with clipping that bites, against 2bw at pp 1."""
+    cfg = TrainConfig(**SMALL, steps=4, schedule="2bw", **layout)
+    plain = parity.serial_config
+    parity.serial_config = lambda c: replace(plain(c), schedule="2bw")  # the delayed reference
+    try:
+        par = parity.assert_same_run(cfg, data(), tol=TIGHT)
+    finally:
+        parity.serial_config = plain
+    # the memory report holds the second weight version: as many bytes as the parameters
+    mem = par.memory()
+    assert mem["versions"] == mem["params"] > 0
+
+
+def test_2bw_is_the_delayed_rule_and_not_the_synchronous_run():
+    """SGD without clipping: W(t+1) = W(t) - lr g_t(W(t-1)), the gradient of batch t taken
+    by the serial model at the weights of two steps back; 1F1B's run differs from step 1."""
+    cfg = TrainConfig(**{**SMALL, "grad_clip": 0.0}, steps=3, optimizer="sgd", weight_decay=0.0,
+                      lr_schedule="constant")
+    delayed, sync = serial(replace(cfg, schedule="2bw")), serial(cfg)
+    history = [delayed.runner.full_params()]  # W(0)
+    for t in range(3):
+        rec, rec_sync = delayed.step(), sync.step()
+        x, y = get_batch(delayed.ds.tokens, t, cfg.batch_size, cfg.block_size, perm=delayed.perm)
+        model = gpt.GPT(delayed.model.cfg, {k: v.copy() for k, v in history[max(t - 1, 0)].items()})
+        loss, cache = model.forward(x, y, denom=cfg.batch_size * cfg.block_size)
+        model.backward(cache)  # g_t at W(t-1)
+        np.testing.assert_allclose(rec["loss"], float(loss), **TIGHT)
+        now = delayed.runner.full_params()
+        for k, w in history[t].items():
+            np.testing.assert_allclose(now[k], w - rec["lr"] * model.grads[k], **TIGHT, err_msg=k)
+        history.append(now)
+        key = "h.0.attn.c_attn.weight"
+        same = np.array_equal(now[key], sync.runner.full_params()[key])
+        assert same == (t == 0), f"step {t}: 2BW's and the synchronous weights"  # W(-1) = W(0)
+        assert (rec["loss"] == rec_sync["loss"]) == (t == 0)  # batch 1: at W(0), not W(1)

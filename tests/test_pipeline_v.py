@@ -1,0 +1,71 @@
+"""The V-shaped schedules (ZB-V, DualPipeV) in the simulator: they complete for every (pp, m),
+their bubble is the formula's, their memory the papers', and the chunks sit in a V."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from refmp.parallel.pipeline.schedules import schedule
+from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
+from refmp.parallel.placement import stage_chunks
+
+
+@given(name=st.sampled_from(["zb-v", "dualpipev"]), pp=st.integers(1, 6), m=st.integers(1, 14))
+def test_v_schedules_complete_for_every_pp_and_micro_batch_count(name, pp, m):
+    tl = simulate_schedule(name, pp, m)  # raises Deadlock if it cannot complete
+    assert all(tl.busy(r) == 6 * m for r in range(pp))  # 2 chunks x (F + B + W) per micro-batch
+    if m >= 2 * pp:  # DualPipeV's own bound; ZB-V's formula holds from m = 2 pp - 1
+        assert tl.bubble() == pytest.approx(bubble_formula(name, pp, m), abs=1e-12)
+        assert all(tl.makespan - tl.busy(r) == pp - 1 for r in range(pp))  # only the V's fill
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 5])
+def test_zb_v_bubble_from_2pp_minus_1_and_its_memory_is_1f1b_s(pp):
+    m = 2 * pp - 1
+    tl = simulate_schedule("zb-v", pp, m)
+    assert tl.bubble() == pytest.approx(bubble_formula("zb-v", pp, m), abs=1e-12)
+    # 2 pp half-stage caches on every rank: 1F1B's pp stage caches on stage 0
+    assert tl.peak_held == [2 * pp] * pp
+    assert simulate_schedule("dualpipev", pp, 2 * pp).peak_held == [2 * pp + 1] * pp  # PP + 1
+
+
+def test_at_pp_4_and_8_micro_batches_the_v_halves_zb_h1_s_idle_time():
+    """Idle time per rank, in a whole stage's F: 1F1B 3 (p-1), ZB-H1 p-1, ZB-V and DualPipeV
+    (p-1)/2 (p-1 steps of a chunk that is half a stage)."""
+    idle = {}
+    for n in ("1f1b", "zb-h1", "zb-v", "dualpipev"):
+        tl = simulate_schedule(n, 4, 8)
+        idle[n] = (tl.makespan - tl.busy(0)) / tl.v
+    assert idle == {"1f1b": 9, "zb-h1": 3, "zb-v": 1.5, "dualpipev": 1.5}
+
+
+def test_the_chunks_sit_in_a_v_and_dualpipev_splits_only_some_backwards():
+    assert [stage_chunks(r, 4, 2, v_shape=True) for r in range(4)] == [[0, 7], [1, 6], [2, 5],
+                                                                        [3, 4]]
+    acts = schedule("dualpipev", 4, 8, 0)
+    whole = {(a.mb, a.chunk) for a in acts if a.kind == "B"} - {(a.mb, a.chunk) for a in acts
+                                                              if a.kind == "W"}
+    assert 0 < len(whole) < 16  # the steady state's backwards are whole, the edges' split
+    assert all(a.kind != "W" or (a.mb, a.chunk) not in whole for a in acts)
+    # the bottom of the V: rank 1 of 2 runs chunk 1, turns, runs chunk 2 on the same rank
+    assert [str(a) for a in schedule("zb-v", 2, 3, 1)][:6] == ["F0.1", "F0.2", "F1.1", "F1.2",
+                                                               "B0.2", "W0.2"]
+
+
+def test_schedule_json_and_the_weight_versions_of_2bw(capsys):
+    import json
+
+    from refmp.cli.main import main
+
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zb-v", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["bubble"] == pytest.approx(got["formula"]) == pytest.approx(3 / 51)
+    assert got["peak_held"] == [8] * 4 and got["weight_versions"] == [1] * 4
+    # 2bw: two batches, no flush between them; batch 2 (micro-batches 3-5) computes on W(1)
+    assert main(["schedule", "--pp", "2", "--microbatches", "3", "--schedule", "2bw"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 | .... F0@0 B0@0 B0@0 F1@0" in out and "F3@1 B3@1" in out
+    assert "bubble 0.1429 simulated, 0.1429 formula" in out  # (p-1)/(2m+p-1): one fill
+    assert main(["schedule", "--pp", "2", "--microbatches", "3", "--schedule", "2bw",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weight_versions"] == [2, 2]
