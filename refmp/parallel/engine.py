@@ -40,6 +40,7 @@ from refmp.parallel.data.accumulate import (
     split_microbatches,
     unflatten_into,
 )
+from refmp.parallel.data.compress import make_codecs
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
 from refmp.parallel.ops import ParallelOps
@@ -100,7 +101,8 @@ def build_sharder(local: dict, grid, layout: TrainConfig) -> Sharder:
     groups = {u: edp if "edp" in place(names[0], False).reduce else dense
               for u, names in units.items()}
     compute, grad_dtype = mixed_dtypes(layout)  # None, None without --mixed-precision
-    return Sharder(local, units, groups, layout.zero, layout.bucket_mb, compute, grad_dtype)
+    return Sharder(local, units, groups, layout.zero, layout.bucket_mb, compute, grad_dtype,
+                   *make_codecs(layout))
 
 
 def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list):
@@ -212,6 +214,7 @@ class Engine:
             self._master = self.sharder.master_grads(self._scale)
 
     def _reduce_data_parallel(self) -> None:
+        self._reduce_tied_embedding(before_sums=True)
         self.sharder.finish()  # dense units over dp x cp, expert units over edp
 
     def _reduce_sp_partial(self) -> None:
@@ -222,12 +225,14 @@ class Engine:
             self.tp.allreduce(flat)
             unflatten_into(flat, arrays)
 
-    def _reduce_tied_embedding(self) -> None:
+    def _reduce_tied_embedding(self, before_sums: bool = False) -> None:
         """wte's copies on the first stage (embedding) and the last (head) add each other's
-        share: the same flat layout at both ends, and a + b == b + a exactly."""
-        if self.pp.size == 1 or not (self.first or self.last) or "wte" not in self.sharder.units:
+        share: the same flat layout at both ends, and a + b == b + a exactly. PowerSGD and
+        top-k (``coding``) compress wte's whole gradient: there the ends add theirs first."""
+        if (self.pp.size == 1 or not (self.first or self.last) or "wte" not in self.sharder.units
+                or before_sums != self.sharder.coding):
             return
-        here = self.sharder.owned_grad("wte")
+        here = self.sharder.gbuf["wte"] if before_sums else self.sharder.owned_grad("wte")
         other = self.pp.size - 1 if self.first else 0
         req = self.pp.send(here, other, tag=TIED_TAG)
         there = self.pp.recv(here.shape, here.dtype, other, tag=TIED_TAG)
