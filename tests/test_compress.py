@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective
+from mpi_helpers import Mismatches, collective, mpiexec
 from parity import TOL, assert_same_run
 
 from refmp.cost.model import Layout, predict
@@ -202,3 +202,10 @@ def test_powersgd_pp_and_tp_equal_their_serial_runs():
             for k in want:
                 bad.check(np.testing.assert_allclose, got[k], want[k], **TOL, err_msg=f"{k} {s}")
         bad.assert_none(world)
+
+
+@pytest.mark.tutorial
+def test_tutorial_runs():
+    r = mpiexec(2, ["python", "tutorials/13_compression.py"], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all checks passed" in r.stdout
