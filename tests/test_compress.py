@@ -138,7 +138,8 @@ def test_topk_error_feedback_identity():
 @collective
 def test_powersgd_error_shares_sum_to_the_serial_error():
     """After the sum, sum_i e_i + g = sum_i M_i: each rank kept its share of the error (a
-    rank keeping M_i - g, or none, fails); and dp2 training equals the serial PowerSGD run."""
+    rank keeping M_i - g, or none, fails); dp2 training, and ZeRO-1 after a plain first step
+    (--compress-start 1), equal the serial PowerSGD run."""
     world = Comm(MPI.COMM_WORLD, "dp")
     unit = Unit("u", {"w": (8, 6), "b": (6,)}, 1, 0)
     codec, rng = compress.PowerSGD(2, seed=0), np.random.default_rng(world.rank)
@@ -155,6 +156,10 @@ def test_powersgd_error_shares_sum_to_the_serial_error():
     n_step = compressed_per_step(local_shapes(par.runner.mcfg), 2, "powersgd", 2, itemsize=8)
     assert par.grid.ledger.bytes("allreduce", "dp") == 3 * n_step["allreduce"]
     assert par.memory()["error_feedback"] > 0
+    late = assert_same_run(tiny(zero=1, compress_start=1), DS)  # ZeRO-1: one plain step first
+    plain = comm_per_step(unit_sizes(late.runner.mcfg), 2, 1, itemsize=8)
+    assert late.grid.ledger.bytes("allreduce", "dp") == 2 * n_step["allreduce"]
+    assert late.grid.ledger.bytes("reduce_scatter", "dp") == plain["reduce_scatter"]
 
 
 @pytest.mark.parallel(nprocs=2)
