@@ -24,6 +24,7 @@ LAYOUT = "layout"
 PRECISION = "mixed precision (Micikevicius et al. 2018)"
 PIPELINE = "pipeline (with --pp > 1; see docs/pipeline.md)"
 CONTEXT = "context parallelism (--cp)"
+COMPRESS = "communication compression (see docs/compression.md)"
 
 
 def flag_name(name: str) -> str:
@@ -88,6 +89,24 @@ class ParallelConfig:
     loss_scale_window: int = flag(1000, "fp16: double the loss scale after this many steps without "
                                         "overflow; an overflow skips the step and halves it (%(default)s)",
                                   PRECISION)
+    grad_compress: str = flag("none", "the data-parallel gradient sums compressed: bf16 on the wire, "
+                                      "powersgd (rank --compress-rank factors of each matrix) or topk "
+                                      "(the --compress-ratio largest entries) (%(default)s)", COMPRESS,
+                              choices=("none", "bf16", "powersgd", "topk"),
+                              plan={"help": "price the gradient sums compressed (default none)"})
+    compress_rank: int = flag(4, "PowerSGD's rank R: an n x m matrix travels as R (n + m) elements "
+                                 "where that is fewer (%(default)s)", COMPRESS, plan={})
+    compress_ratio: float = flag(0.01, "top-k: the fraction of each tensor sent (%(default)g)", COMPRESS,
+                                 plan={})
+    compress_start: int = flag(0, "plain sums for the first N steps, then the codec (%(default)s)",
+                               COMPRESS)
+    no_error_feedback: bool = flag(False, "PowerSGD / top-k: drop what was not sent instead of adding it "
+                                          "to the next step's gradient", COMPRESS)
+    weight_gather: str = flag("none", "ZeRO-3's weight all-gathers in block-wise int8, one scale per "
+                                      "--quant-block elements (ZeRO++ qwZ) (%(default)s)", COMPRESS,
+                              choices=("none", "int8"), plan={})
+    quant_block: int = flag(256, "--weight-gather int8: elements per scale (%(default)s)", COMPRESS,
+                            plan={})
 
     def layout(self, sizes: dict[str, int] | None = None) -> dict:
         """The layout's fields, the axis sizes as a grid resolved them (``sizes``: dp filled

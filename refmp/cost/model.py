@@ -32,7 +32,7 @@ from refmp.config import ParallelConfig, TrainConfig
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
 from refmp.cost.machines import Machine
 from refmp.cost.tensor import comm_bytes_per_step
-from refmp.cost.zero import LINEARS, comm_per_step, prefetched, unit_sizes
+from refmp.cost.zero import LINEARS, comm_per_step, compressed_per_step, local_shapes, prefetched, unit_sizes
 from refmp.nn.params import GPTConfig
 from refmp.parallel.pipeline.partition import partition, piece_costs
 from refmp.parallel.pipeline.simulate import simulate_schedule
@@ -81,6 +81,8 @@ def train_config(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32
                        n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_embd=mcfg.n_embd,
                        block_size=mcfg.block_size, batch_size=batch, dtype=dtype,
                        **parallel_fields(vars(lay), batch), n_expert=mcfg.n_expert,
+                       grad_dtype="fp32" if lay.grad_compress != "none" and lay.mixed_precision != "none"
+                       else "compute",
                        top_k=mcfg.top_k if mcfg.n_expert else None)
 
 
@@ -240,11 +242,18 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
             t_pp = (collective("send", x / tp, calls, pp, *link(span))
                     + collective("allgather", x, calls, tp, *link(tp)))
         units = units_of(mcfg, tp, tuple(stage_blocks), first, last)
-        g = comm_per_step(dict(units), dp * cp, lay.zero, M, c, first, last, c)
-        n = dp * cp
+        # --grad-compress (refmp.cost.zero's formulas): a codec takes fp32 gradients
+        n, codec = dp * cp, lay.grad_compress
+        gw = {"none": c, "bf16": 2}.get(codec, 4)
+        g = comm_per_step(dict(units), n, lay.zero, M, gw, first, last, c,
+                          lay.quant_block if lay.weight_gather == "int8" else 0)
+        if codec in ("powersgd", "topk"):  # after backward, no overlap
+            g = compressed_per_step(local_shapes(mcfg, tp, stage_blocks, first, last), n, codec,
+                                    lay.compress_rank, lay.compress_ratio, gw)
         t_dp = sum(collective(op, x, 1 if lay.zero < 2 else M * len(units), n, *link(tp * n))
                    for op, x in g.items())
-        if impl.dp_overlap and lay.zero in (0, 2):  # behind the last micro-batch's backward
+        # behind the last micro-batch's backward (PowerSGD and top-k: after it)
+        if impl.dp_overlap and lay.zero in (0, 2) and codec in ("none", "bf16"):
             t_dp = max(0.0, t_dp - (2 * fwd + again + Ls * elem))
         if impl.zero3_prefetch and lay.zero == 3 and n > 1:  # exposed beyond the compute
             span = tp * n

@@ -25,6 +25,8 @@ def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dic
         return [fixed[key]] if fixed.get(key) is not None else options
 
     gpu = mach.name != "cpu"
+    codec = {k: fixed[k] for k in ("grad_compress", "compress_rank", "compress_ratio",
+                                   "weight_gather", "quant_block") if fixed.get(k) is not None}
     for tp in pick("tp", [d for d in divisors(gpus) if d <= mach.gpus_per_node]):
         for pp in pick("pp", [d for d in divisors(gpus // tp) if d <= mcfg.n_layer]):
             cps = [(cp, algo) for cp in pick("cp", [1])
@@ -48,7 +50,7 @@ def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dic
                                         yield Layout(tp, pp, dp, cp, ep, zero, sp, rc,
                                                      fixed.get("mixed_precision")
                                                      or ("bf16" if gpu else "none"), b, sched, v,
-                                                     algo)
+                                                     algo, **codec)
 
 
 def schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:

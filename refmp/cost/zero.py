@@ -41,6 +41,12 @@ parameters on one unit, per rank:
 
 and every collective above moves c (all-gathers of weights) or g (gradient reductions)
 bytes per element instead of b: half of fp32's with 16-bit gradients.
+
+Compression (refmp.parallel.data.compress, ``compressed_per_step``): bf16 is the table above
+with g = 2; PowerSGD all-reduces g R (n_r + m) per compressed matrix and g nm per other
+tensor; top-k all-gathers n k (g + 4), k = ceil(F nm) per tensor. ``--weight-gather int8``
+makes each stage-3 gather of a unit of Pp elements n (Sb + 4 Sb / block) bytes, Sb = Pp/n
+rounded up to a block.
 """
 
 from __future__ import annotations
@@ -48,25 +54,53 @@ from __future__ import annotations
 import math
 
 from refmp.nn.gpt import GPTConfig, param_shapes
+from refmp.parallel.data.compress import compresses
 from refmp.parallel.placement import TP_SPLITS, holds, local_name, padded_vocab, unit_of
+
+
+def local_shapes(cfg: GPTConfig, tp: int = 1, blocks=None, first: bool = True,
+                 last: bool = True, ep: int = 1, ep_rank: int = 0) -> dict[str, dict]:
+    """unit -> {parameter: shape} one rank holds: its tp shards of ``blocks`` (default: all),
+    wte and wpe if ``first``, ln_f and wte if ``last``, and its E/ep experts."""
+    blocks = range(cfg.n_layer) if blocks is None else blocks
+    blocks = set(blocks)
+    shapes: dict[str, dict] = {}
+    for k, s in param_shapes(cfg).items():
+        if not holds(k, blocks, first, last, ep_rank, cfg.n_expert, ep):
+            continue
+        s, split = list(s), TP_SPLITS.get(local_name(k))
+        if split is not None:
+            s[split[0]] = (padded_vocab(s[0], tp) if k.startswith("wte") else s[split[0]]) // tp
+        shapes.setdefault(unit_of(k), {})[k] = tuple(s)
+    return shapes
 
 
 def unit_sizes(cfg: GPTConfig, tp: int = 1, blocks=None, first: bool = True,
                last: bool = True, ep: int = 1, ep_rank: int = 0) -> dict[str, int]:
-    """Elements per unit one rank holds: its tp shards of ``blocks`` (default: all), wte and
-    wpe if ``first``, ln_f and wte if ``last``, and its E/ep experts."""
-    blocks = range(cfg.n_layer) if blocks is None else blocks
-    blocks = set(blocks)
-    sizes: dict[str, int] = {}
-    for k, s in param_shapes(cfg).items():
-        if not holds(k, blocks, first, last, ep_rank, cfg.n_expert, ep):
-            continue
-        top = k.split(".")[0]
-        n = math.prod(s)
-        if TP_SPLITS.get(local_name(k)) is not None:
-            n = (padded_vocab(s[0], tp) * s[1] if top == "wte" else n) // tp
-        sizes[unit_of(k)] = sizes.get(unit_of(k), 0) + n
-    return sizes
+    """Elements per unit one rank holds (``local_shapes``' units)."""
+    return {u: sum(math.prod(s) for s in unit.values())
+            for u, unit in local_shapes(cfg, tp, blocks, first, last, ep, ep_rank).items()}
+
+
+def compressed_per_step(shapes: dict[str, dict], n: int, codec: str, rank: int = 4,
+                        ratio: float = 0.01, itemsize: int = 4) -> dict[str, int]:
+    """Ledger bytes per step of the gradient sums over a group of n under PowerSGD or top-k,
+    on ``local_shapes``' units (the module docstring; refmp.parallel.data.compress)."""
+    tensors = [s for unit in shapes.values() for s in unit.values()]
+    if n == 1:
+        return {"allreduce": 0, "allgather": 0}
+    if codec == "powersgd":
+        elems = sum(rank * (s[0] + math.prod(s[1:])) if compresses(s, rank) else math.prod(s)
+                    for s in tensors)
+        return {"allreduce": itemsize * elems, "allgather": 0}
+    kept = sum(math.ceil(ratio * math.prod(s)) for s in tensors)
+    return {"allreduce": 0, "allgather": n * kept * (itemsize + 4)}
+
+
+def int8_gather_bytes(padded_elems: int, n: int, block: int) -> int:
+    """Ledger bytes of one int8 all-gather of a unit of ``padded_elems`` (Pp) elements."""
+    blocks = -(-(padded_elems // n) // block)
+    return n * blocks * (block + 4)
 
 
 def padded(n: int, group: int) -> int:
@@ -96,10 +130,11 @@ def memory_per_rank(sizes: dict[str, int], n: int, stage: int, itemsize: int = 4
 
 def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int = 1,
                   itemsize: int = 4, first: bool = True, last: bool = True,
-                  param_itemsize: int | None = None) -> dict[str, int]:
+                  param_itemsize: int | None = None, quant_block: int = 0) -> dict[str, int]:
     """Ledger bytes per step on the ZeRO group, by operation (the list above). ``itemsize``:
     the gradients' bytes per element (reductions); ``param_itemsize``: the weights' (the
-    all-gathers; default the same: with mixed precision, the compute dtype's)."""
+    all-gathers; default the same: with mixed precision, the compute dtype's); ``quant_block``
+    (stage 3, not 0): the weights gathered in int8 blocks."""
     w = itemsize if param_itemsize is None else param_itemsize
     if n == 1:
         return {"allreduce": 0, "reduce_scatter": 0, "allgather": 0}
@@ -111,6 +146,8 @@ def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int =
         return {"allreduce": 0, "reduce_scatter": (1 if stage == 1 else M) * itemsize * n_pad,
                 "allgather": w * n_pad}
     g_wte = (1 if first else 0) + (2 if last else 0)
+    if quant_block:  # int8_gather_bytes per gather, counted in elements of 1 byte
+        pad, w = {u: int8_gather_bytes(p, n, quant_block) for u, p in pad.items()}, 1
     blocks = sum(s for u, s in pad.items() if u.startswith("h."))
     gathered = (g_wte * pad.get("wte", 0) + pad.get("wpe", 0) + 2 * blocks
                 + 2 * pad.get("ln_f", 0))

@@ -5,13 +5,8 @@ tokens per rank; pp, dp, cp, tp, ep group sizes; n_chunks = pp v model chunks (v
 stages); n prompts, t their length, when decoding.
 
 The Engine composes orthogonal pieces, none of which knows the others' axes, built in named
-steps, each deciding one thing: ``context_parallel`` (the attention core over cp and the
-positions of each cp rank's tokens; the ParallelOps split the block over tp, SP and cp),
-placement's ``rank_chunks`` (this pipeline rank's chunks), ``take_params`` (the slice of each
-parameter it holds), ``build_sharder`` (the units, and the group each is reduced over: DP /
-ZeRO 0-3), ``moe_context`` (the experts' dispatch and the ranks a sequence is split over),
-the Stage and its Executor (the schedule over pp; pp = 1 is gradient accumulation), and
-placement's ``counts_in_norm`` (the pieces this rank counts in the global gradient norm).
+steps below (docs/architecture.md): the cp core, the rank's chunks, its parameters, the
+Sharder's units and groups, the MoE context, the Stage and Executor, the norm's counts.
 
 One step: take this rank's rows (dp) and tokens (cp), run the schedule (each action runs the
 stage's chunk through the ops, gathering / reducing unit by unit through the sharder), then
@@ -41,6 +36,7 @@ from refmp.parallel.data.accumulate import (
     split_microbatches,
     unflatten_into,
 )
+from refmp.parallel.data.compress import make_codecs
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
 from refmp.parallel.ops import ParallelOps
@@ -99,7 +95,8 @@ def build_sharder(local: dict, grid, layout: ParallelConfig) -> Sharder:
     groups = {u: edp if "edp" in place(names[0], False).reduce else dense
               for u, names in units.items()}
     compute, grad_dtype = mixed_dtypes(layout)  # None, None without --mixed-precision
-    return Sharder(local, units, groups, layout.zero, layout.bucket_mb, compute, grad_dtype)
+    return Sharder(local, units, groups, layout.zero, layout.bucket_mb, compute, grad_dtype,
+                   *make_codecs(layout))
 
 
 def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list):
@@ -213,6 +210,7 @@ class Engine:
             self._master = self.sharder.master_grads(self._scale)
 
     def _reduce_data_parallel(self) -> None:
+        self._reduce_tied_embedding(before_sums=True)
         self.sharder.finish()  # dense units over dp x cp, expert units over edp
 
     def _reduce_sp_partial(self) -> None:
@@ -223,12 +221,15 @@ class Engine:
             self.tp.allreduce(flat)
             unflatten_into(flat, arrays)
 
-    def _reduce_tied_embedding(self) -> None:
+    def _reduce_tied_embedding(self, before_sums: bool = False) -> None:
         """wte's copies on the first stage (embedding) and the last (head) add each other's
-        share (the same flat layout at both ends, a + b == b + a exactly); pp 1 or a V: one rank."""
-        if self.first == self.last or "wte" not in self.sharder.units:
+        share: the same flat layout at both ends, and a + b == b + a exactly; pp 1 or a V: one
+        rank. PowerSGD and top-k (``coding``) compress wte's whole gradient: there the ends add
+        theirs first."""
+        if (self.first == self.last or "wte" not in self.sharder.units
+                or before_sums != self.sharder.coding):
             return
-        here = self.sharder.owned_grad("wte")
+        here = self.sharder.gbuf["wte"] if before_sums else self.sharder.owned_grad("wte")
         other = self.pp.size - 1 if self.first else 0
         req = self.pp.send(here, other, tag=TIED_TAG)
         there = self.pp.recv(here.shape, here.dtype, other, tag=TIED_TAG)

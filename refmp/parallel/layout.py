@@ -67,4 +67,28 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
     # the pipeline (pp = 1 is a one-stage schedule: gradient accumulation)
     check_pipeline(mcfg.n_layer, pp, M, cfg.schedule, cfg.virtual_stages,
                    parse_stage_layers(cfg.stage_layers), B // dp)
+    check_compression(cfg)
     return s
+
+
+def check_compression(cfg) -> None:
+    """Refuse a codec (refmp.parallel.data.compress) where it does not compose, with why."""
+    codec, wide = cfg.grad_compress, cfg.mixed_precision == "none" or cfg.grad_dtype == "fp32"
+    if not (cfg.compress_rank >= 1 and 0 < cfg.compress_ratio <= 1 and cfg.compress_start >= 0
+            and cfg.quant_block >= 1):
+        raise ConfigError("--compress-rank and --quant-block must be at least 1, --compress-ratio "
+                          "in (0, 1], --compress-start >= 0")
+    if codec in ("powersgd", "topk") and cfg.zero >= 2:
+        raise ConfigError(f"--grad-compress {codec} sums each unit's whole gradient, but ZeRO-"
+                          f"{cfg.zero} reduce-scatters it every micro-batch and keeps a shard: "
+                          f"use --zero 0 or 1 (or --grad-compress bf16)")
+    if codec != "none" and not wide:
+        raise ConfigError(f"--grad-compress {codec} with 16-bit gradients: bf16 would change nothing, "
+                          f"and PowerSGD's basis and top-k's errors need more bits: add --grad-dtype fp32")
+    if codec in ("bf16", "topk") and cfg.device == "gpu":
+        raise ConfigError(f"--grad-compress {codec} runs on the CPU (bf16 through ml_dtypes; top-k's "
+                          f"scatter-add in rank order): on the GPU use powersgd")
+    if cfg.weight_gather == "int8" and cfg.zero != 3:
+        raise ConfigError("--weight-gather int8 quantizes ZeRO-3's all-gathers of the weights for "
+                          "each use; other stages keep whole weights (their all-gather after the "
+                          "step is the update itself): add --zero 3")

@@ -34,6 +34,11 @@ fp32), and the optimizer's ``params`` are pieces of fp32 *masters* of the owned 
 bytes. Before the optimizer, ``master_grads`` widens the owned gradient slice to fp32 and
 undoes the loss scale (fp16); after it, ``after_step`` rounds the masters into the owned
 slice of the compute copy, and stages 1 and 2 all-gather that copy (half the bytes again).
+
+Compression (refmp.parallel.data.compress), from the codec's ``start`` step on: bf16 sends
+every reduction above in bf16; PowerSGD and top-k replace the sum of a whole unit (stages 0
+and 1, after backward, no buckets; alone on its group the codec still runs, sending nothing:
+the serial run with the same compressor); ``gather`` (ZeRO-3) all-gathers weights in int8.
 """
 
 from __future__ import annotations
@@ -109,8 +114,10 @@ class Sharder:
     reduced over ``groups[unit]``. The model computes on ``weights(unit)``."""
 
     def __init__(self, local: dict, units: dict[str, list[str]], groups: dict[str, Comm],
-                 stage: int, bucket_mb: float = 25.0, compute=None, grad_dtype=None):
+                 stage: int, bucket_mb: float = 25.0, compute=None, grad_dtype=None,
+                 codec=None, gather=None):
         self.stage, self.groups, self.bucket_bytes = stage, groups, int(bucket_mb * 2**20)
+        self.codec, self.gather, self.step = codec, gather, -1  # step: zero_grad() calls - 1
         p0 = next(iter(local.values()))
         self.xp, self.dtype = array_module(p0), p0.dtype  # dtype: the masters' (--dtype)
         self.compute = np.dtype(compute or self.dtype)  # what the model computes on
@@ -142,6 +149,18 @@ class Sharder:
     # --- what the stage means for the callers ---------------------------------------------------
 
     @property
+    def coding(self) -> bool:
+        """PowerSGD or top-k replaces this step's sums (the codec has started)."""
+        return self.codec is not None and self.codec.replaces and self.step >= self.codec.start
+
+    def _wire(self, buf):
+        """``buf`` as a plain reduction sends it: in the codec's wire dtype once it started."""
+        codec = self.codec
+        if codec is None or codec.wire is None or self.step < codec.start:
+            return buf
+        return buf.astype(codec.wire)
+
+    @property
     def releases_weights(self) -> bool:
         """Stage 3: weights are gathered for each use and freed after, so a cache names its
         weights (``detach``) and gets them back gathered again (``attach``)."""
@@ -158,14 +177,17 @@ class Sharder:
 
     # --- what the model computes with ---------------------------------------------------------
 
-    def weights(self, u: str) -> dict:
+    def weights(self, u: str, exact: bool = False) -> dict:
         """Unit u's parameters (full local shapes): views of the resident buffer, or, at
-        stage 3, of an all-gather made now (S -> Pp), alive only while the caller keeps it; of
-        W(t-1) while ``on_previous``."""
-        unit, buf = self.units[u], (self.previous if self.on_previous else self.pbuf)[u]
-        if self.stage < 3 or self.groups[u].size == 1:
+        stage 3, of an all-gather made now (S -> Pp; int8 with ``gather`` unless ``exact``),
+        alive only while the caller keeps it; of W(t-1) while ``on_previous``."""
+        unit, group = self.units[u], self.groups[u]
+        buf = (self.previous if self.on_previous else self.pbuf)[u]
+        if self.stage < 3 or group.size == 1:
             return unit.views(buf)
-        return unit.views(self.groups[u].allgather(buf))
+        if self.gather is not None and not exact:
+            return unit.views(self.gather.allgather(group, buf))
+        return unit.views(group.allgather(buf))
 
     def keep_previous(self) -> None:
         """PipeDream-2BW's second weight version (Narayanan et al. 2021): after a step's
@@ -184,7 +206,7 @@ class Sharder:
         out = {}
         for u, unit in self.units.items():
             if not grads and not self.mixed:
-                out.update({k: v.copy() for k, v in self.weights(u).items()})
+                out.update({k: v.copy() for k, v in self.weights(u, exact=True).items()})
                 continue
             # the optimizer's view: fp32 masters, and (mixed) the fp32 unscaled gradient
             flat = self.master[u] if not grads else self.mgrad.get(u, self.owned_grad(u))
@@ -206,6 +228,8 @@ class Sharder:
     # --- gradients as backward produces them ---------------------------------------------------
 
     def zero_grad(self) -> None:
+        """A step begins (the codec's ``start`` counts these)."""
+        self.step += 1
         for g in self.gbuf.values():
             g[...] = 0
 
@@ -227,8 +251,9 @@ class Sharder:
         if self.stage >= 2:
             # reduce-scatter: sum the ranks' shares (Pp) and keep my S; the full buffer goes
             work, group = self.work.pop(u), self.groups[u]
-            self.gbuf[u] += group.reduce_scatter(work) if group.size > 1 else work
-        elif self.stage == 0 and final and self.bucket_bytes > 0:
+            summed = group.reduce_scatter(self._wire(work)) if group.size > 1 else work
+            self.gbuf[u] += summed.astype(self.gdtype, copy=False)
+        elif self.stage == 0 and final and self.bucket_bytes > 0 and not self.coding:
             ready = self._ready.setdefault(self.groups[u].axis, [])
             ready.append(u)
             if sum(self.gbuf[v].nbytes for v in ready) >= self.bucket_bytes:
@@ -242,12 +267,15 @@ class Sharder:
         group = self.groups[units[0]]
         if group.size == 1:
             return  # nothing to sum
-        flat = self.xp.concatenate([self.gbuf[u] for u in units])
+        flat = self._wire(self.xp.concatenate([self.gbuf[u] for u in units]))
         self._open.append((list(units), flat, group.allreduce_start(flat)))
 
     def finish(self) -> None:
         """After the step's backward: every owned slice holds the summed gradient."""
-        if self.stage == 0:
+        if self.coding:  # stage 0 or 1: the codec sums each whole unit
+            for u, unit in self.units.items():
+                self.codec.reduce(unit, self.gbuf[u], self.groups[u])
+        elif self.stage == 0:
             if self.bucket_bytes <= 0:  # one all-reduce per group, after backward
                 for axis in dict.fromkeys(g.axis for g in self.groups.values()):
                     self._start([u for u in self.units if self.groups[u].axis == axis])
@@ -265,7 +293,8 @@ class Sharder:
         elif self.stage == 1:  # one reduce-scatter per unit per step
             for u, unit in self.units.items():
                 if self.groups[u].size > 1:
-                    self.gbuf[u][unit.lo : unit.hi] = self.groups[u].reduce_scatter(self.gbuf[u])
+                    self.gbuf[u][unit.lo : unit.hi] = self.groups[u].reduce_scatter(
+                        self._wire(self.gbuf[u]))
         # stage 2/3: reduce-scattered unit by unit during backward
 
     def owned_grad(self, u: str):
@@ -300,8 +329,9 @@ class Sharder:
 
     def memory(self) -> dict[str, int]:
         """Bytes of the parameter (compute copy), gradient and fp32 master buffers this rank
-        keeps between steps (``versions``: 2BW's W(t-1))."""
+        keeps between steps (``versions``: 2BW's W(t-1)), and the codec's error buffers."""
+        extra = {"error_feedback": self.codec.memory()} if self.codec is not None else {}
         return {"params": sum(int(b.nbytes) for b in self.pbuf.values()),
                 "versions": sum(int(b.nbytes) for b in self.previous.values()),
                 "grads": sum(int(b.nbytes) for b in self.gbuf.values()),
-                "masters": sum(int(b.nbytes) for b in self.master.values())}
+                "masters": sum(int(b.nbytes) for b in self.master.values()), **extra}

@@ -1,0 +1,216 @@
+"""Communication compression (refmp.parallel.data.compress), float64.
+
+PowerSGD over dp ranks equals the serial run with the same compressor (dp2, pp2 x dp2 against
+the serial run; dp2 x tp2 against tp2 alone), since its sums are linear in the gradient; full
+rank equals the uncompressed run; the sum of the ranks' error shares is what the serial run
+keeps. bf16 equals each rank's share rounded to bf16, then summed in bf16. Top-k's
+error-feedback identity: what each rank sent plus what it kept is what it produced, and the
+result is the sum of what was sent. Every codec's ledger bytes equal refmp.cost.zero's formula.
+"""
+
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import Mismatches, collective, mpiexec
+from parity import TOL, assert_same_run
+
+from refmp.cost.model import Layout, predict
+from refmp.cost.zero import comm_per_step, compressed_per_step, local_shapes, unit_sizes
+from refmp.distributed.comm import Comm
+from refmp.distributed.grid import ProcessGrid
+from refmp.errors import ConfigError
+from refmp.nn import GPTConfig
+from refmp.parallel.data import compress
+from refmp.parallel.data.sharder import Sharder, Unit
+from refmp.parallel.layout import check_compression
+from refmp.runtime.precision import BF16
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig, Trainer
+
+DS = Dataset(np.random.default_rng(0).integers(0, 11, 200), 11, "random")
+ALONE = SimpleNamespace(size=1)  # a group of one: the codec runs, nothing is sent
+
+
+def tiny(**kw) -> TrainConfig:
+    base = dict(n_layer=2, n_head=2, n_embd=16, block_size=4, batch_size=4, steps=3, lr=0.01,
+                warmup_steps=1, dtype="float64", seed=3, progress=False, grad_compress="powersgd",
+                compress_rank=2)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_powersgd_at_full_rank_is_the_matrix(monkeypatch):
+    """R = min(n, m): P^ spans M's columns, so g = P^ P^T M = M (compressed regardless of
+    the byte rule); R < min(n, m): g differs from M and g + e = M (error feedback)."""
+    monkeypatch.setattr(compress, "compresses", lambda shape, rank: len(shape) >= 2)
+    unit = Unit("u", {"w": (6, 4), "b": (4,)}, 1, 0)
+    grad = np.random.default_rng(1).standard_normal(28)
+    for R in (4, 2):
+        flat, codec = grad.copy(), compress.PowerSGD(R, seed=0)
+        codec.reduce(unit, flat, ALONE)
+        M, g, e = grad[:24].reshape(6, 4), flat[:24].reshape(6, 4), codec.error[("u", "w")]
+        np.testing.assert_array_equal(flat[24:], grad[24:])  # the vector is sent whole
+        np.testing.assert_allclose(g + e, M, atol=1e-14)
+        assert (np.abs(e).max() < 1e-12) == (R == 4)
+
+
+def test_refusals():
+    for kw, message in [(dict(zero=2), "ZeRO-2 reduce-scatters"),
+                        (dict(grad_compress="topk", zero=3), "keeps a shard"),
+                        (dict(grad_compress="bf16", mixed_precision="bf16"), "--grad-dtype fp32"),
+                        (dict(grad_compress="topk", device="gpu"), "runs on the CPU"),
+                        (dict(weight_gather="int8", zero=1), "add --zero 3"),
+                        (dict(compress_ratio=0.0), "--compress-ratio in")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_compression(tiny(**kw))
+
+
+def test_plan_prices_the_codecs():
+    """On a slow link the dp term shrinks with the bytes: PowerSGD and top-k below bf16
+    below the plain sum (the codecs take fp32 gradients, bf16 sends 2 bytes)."""
+    from refmp.cost.machines import MACHINES
+
+    mach = MACHINES["dgx-a100"].__class__(**{**vars(MACHINES["dgx-a100"]), "gpus_per_node": 1})
+    mcfg = GPTConfig(50257, 1024, 12, 12, 768)
+    dp = {c: predict(Layout(dp=8, mixed_precision="none", grad_compress=c), mcfg, 64,
+                     mach)["seconds"]["dp"] for c in ("none", "bf16", "powersgd", "topk")}
+    assert dp["powersgd"] < dp["bf16"] < dp["none"] and dp["topk"] < dp["bf16"]
+    shapes = {"u": {"w": (6, 4), "b": (4,)}}
+    assert compressed_per_step(shapes, 2, "powersgd", 2, itemsize=8) == \
+        {"allreduce": 8 * (2 * (6 + 4) + 4), "allgather": 0}
+    assert compressed_per_step(shapes, 2, "topk", ratio=0.1, itemsize=8)["allgather"] == \
+        2 * (3 + 1) * (8 + 4)
+
+
+@pytest.mark.parallel(nprocs=2)
+@collective
+def test_bf16_is_each_share_rounded_then_summed():
+    world = Comm(MPI.COMM_WORLD, "dp")
+    rng = np.random.default_rng(world.rank)
+    local = {"w": np.zeros((5, 3)), "b": np.zeros(3)}
+    for stage in (0, 1, 2):
+        world.ledger.reset()
+        sharder = Sharder(local, {"u": ["w", "b"]}, {"u": world}, stage,
+                          codec=compress.Codec(wire=BF16))
+        sharder.zero_grad()
+        g = {"w": rng.standard_normal((5, 3)), "b": rng.standard_normal(3)}
+        sharder.accumulate("u", g)
+        sharder.grad_ready("u", True)
+        sharder.finish()
+        flat = np.concatenate([g["w"].ravel(), g["b"]])
+        shares = MPI.COMM_WORLD.allgather(flat.astype(BF16).astype(np.float32))
+        want = (shares[0] + shares[1]).astype(BF16).astype(np.float64)  # (18,): no padding
+        unit = sharder.units["u"]
+        np.testing.assert_array_equal(sharder.owned_grad("u"), want[unit.lo : unit.hi])
+        op = "allreduce" if stage == 0 else "reduce_scatter"
+        assert world.ledger.bytes(op, "dp") == 2 * unit.padded
+
+
+@pytest.mark.parallel(nprocs=2)
+@collective
+def test_topk_error_feedback_identity():
+    """Per rank: sent + kept == produced, exactly, with sent the k largest |produced|; the
+    result is the sum of what every rank sent; the ledger is n k (8 + 4) per step."""
+    world = Comm(MPI.COMM_WORLD, "dp")
+    unit = Unit("u", {"w": (7, 5), "b": (5,)}, 1, 0)
+    codec = compress.TopK(0.2)
+    rng = np.random.default_rng(world.rank)
+    for _ in range(3):  # error feedback: produced = gradient + what was kept before
+        grad = rng.standard_normal(40)
+        produced = grad + np.concatenate([codec.error[("u", k)].ravel() for k in ("w", "b")]) \
+            if codec.error else grad.copy()
+        flat = grad.copy()
+        codec.reduce(unit, flat, world)
+        kept = np.concatenate([codec.error[("u", k)].ravel() for k in ("w", "b")])
+        sent = produced - kept
+        for lo, hi, k in ((0, 35, 7), (35, 40, 1)):  # k = ceil(0.2 nm) per tensor
+            nz = np.flatnonzero(sent[lo:hi])
+            assert len(nz) == k and np.abs(sent[lo:hi][nz]).min() >= np.abs(kept[lo:hi]).max()
+            np.testing.assert_array_equal(kept[lo:hi][nz], 0)
+        np.testing.assert_array_equal(sent + kept, produced)
+        np.testing.assert_allclose(flat, sum(MPI.COMM_WORLD.allgather(sent)), rtol=0, atol=1e-15)
+    assert world.ledger.bytes("allgather", "dp") == 3 * 2 * 8 * (8 + 4)
+
+
+@pytest.mark.parallel(nprocs=2)
+@collective
+def test_powersgd_error_shares_sum_to_the_serial_error():
+    """After the sum, sum_i e_i + g = sum_i M_i: each rank kept its share of the error (a
+    rank keeping M_i - g, or none, fails); dp2 training, and ZeRO-1 after a plain first step
+    (--compress-start 1), equal the serial PowerSGD run."""
+    world = Comm(MPI.COMM_WORLD, "dp")
+    unit = Unit("u", {"w": (8, 6), "b": (6,)}, 1, 0)
+    codec, rng = compress.PowerSGD(2, seed=0), np.random.default_rng(world.rank)
+    for _ in range(2):
+        grad = rng.standard_normal(54)
+        e = codec.error.get(("u", "w"), np.zeros((8, 6))).ravel()
+        produced = np.concatenate([grad[:48] + e, grad[48:]])
+        flat = grad.copy()
+        codec.reduce(unit, flat, world)
+        kept = np.concatenate([codec.error[("u", "w")].ravel(), np.zeros(6)])
+        total = sum(MPI.COMM_WORLD.allgather(produced)) - sum(MPI.COMM_WORLD.allgather(kept))
+        np.testing.assert_allclose(flat, total, rtol=0, atol=1e-12)
+    par = assert_same_run(tiny(), DS)
+    n_step = compressed_per_step(local_shapes(par.runner.mcfg), 2, "powersgd", 2, itemsize=8)
+    assert par.grid.ledger.bytes("allreduce", "dp") == 3 * n_step["allreduce"]
+    assert par.memory()["error_feedback"] > 0
+    late = assert_same_run(tiny(zero=1, compress_start=1), DS)  # ZeRO-1: one plain step first
+    plain = comm_per_step(unit_sizes(late.runner.mcfg), 2, 1, itemsize=8)
+    assert late.grid.ledger.bytes("allreduce", "dp") == 2 * n_step["allreduce"]
+    assert late.grid.ledger.bytes("reduce_scatter", "dp") == plain["reduce_scatter"]
+
+
+@pytest.mark.parallel(nprocs=2)
+@collective
+def test_full_rank_equals_uncompressed_and_the_ledgers():
+    """Rank 64: no matrix shrinks, the run is the plain one; each codec's dp bytes per step
+    equal the formula (bf16 2 bytes an element; top-k n k (8 + 4); int8 ZeRO-3 gathers)."""
+    bad = Mismatches()
+    plain, full = Trainer(tiny(grad_compress="none"), dataset=DS), Trainer(tiny(compress_rank=64), dataset=DS)
+    for _ in range(3):
+        plain.step(), full.step()
+    a, b = plain.runner.full_params(), full.runner.full_params()
+    if a is not None:
+        for k in a:
+            bad.check(np.testing.assert_allclose, b[k], a[k], **TOL, err_msg=k)
+    mcfg = plain.runner.mcfg
+    sizes, shapes = unit_sizes(mcfg), local_shapes(mcfg)
+    for kw, op, want in [
+            (dict(grad_compress="bf16"), "allreduce", comm_per_step(sizes, 2, 0, itemsize=2)["allreduce"]),
+            (dict(grad_compress="topk"), "allgather",
+             compressed_per_step(shapes, 2, "topk", ratio=0.01, itemsize=8)["allgather"]),
+            (dict(grad_compress="none", zero=3, weight_gather="int8", quant_block=16), "allgather",
+             comm_per_step(sizes, 2, 3, itemsize=8, quant_block=16)["allgather"])]:
+        tr = Trainer(tiny(steps=2, **kw), dataset=DS)
+        tr.step(), tr.step()
+        bad.check(np.testing.assert_equal, tr.grid.ledger.bytes(op, "dp"), 2 * want, err_msg=str(kw))
+    bad.assert_none(MPI.COMM_WORLD)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_powersgd_pp_and_tp_equal_their_serial_runs():
+    """pp2 x dp2 equals the serial PowerSGD run (the tied wte compressed whole); dp2 x tp2
+    equals tp2 on its own (PowerSGD compresses each tp shard: the serial run in dp)."""
+    assert_same_run(tiny(pp=2, dp=2, microbatches=2), DS)
+    world, bad = MPI.COMM_WORLD, Mismatches()
+    sub = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
+    ref = Trainer(tiny(tp=2), grid=ProcessGrid(sub, tp=2), dataset=DS) if world.rank < 2 else None
+    par = Trainer(tiny(tp=2, dp=2), dataset=DS)
+    for s in range(3):
+        a, b = ref.step() if ref else None, par.step()
+        want, got = ref.runner.full_params() if ref else None, par.runner.full_params()
+        if world.rank == 0:
+            bad.check(np.testing.assert_allclose, b["loss"], a["loss"], **TOL)
+            for k in want:
+                bad.check(np.testing.assert_allclose, got[k], want[k], **TOL, err_msg=f"{k} {s}")
+        bad.assert_none(world)
+
+
+@pytest.mark.tutorial
+def test_tutorial_runs():
+    r = mpiexec(2, ["python", "tutorials/13_compression.py"], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all checks passed" in r.stdout
