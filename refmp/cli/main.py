@@ -6,7 +6,10 @@ Run it under MPI for more than one rank: ``mpiexec -n 2 refmp train --dp 2``.
 How a run ends when something goes wrong (refmp.distributed.faults, docs/faults.md): bad input prints
 one message (from rank 0) and every rank exits with status 2; a non-finite loss or gradient
 norm, one message and status 3; any other exception on any rank prints that rank's traceback
-(``[rank r]`` before each line) and aborts the whole job (MPI_Abort).
+(``[rank r]`` before each line) and aborts the whole job (MPI_Abort); a rank without
+progress for --collective-timeout seconds, the watchdog's report and status 5; a SIGTERM
+(--exit-signal), a stop at the next step boundary (a checkpoint with --checkpoint-dir), one
+message and status 4.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import sys
 from dataclasses import fields
 
+from refmp.distributed.preemption import EXIT_PREEMPTED, Preempted
 from refmp.errors import ConfigError, TrainingError
 
 EXIT_BAD_INPUT = 2
@@ -128,6 +132,18 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "layout; --steps is the total, counting the steps before")
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar")
+    g = p.add_argument_group("hangs and preemption (docs/faults.md)")
+    g.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="a rank without progress this long (waiting in a call, or computing) "
+                        "makes every rank report where it is, names the stuck rank and ends "
+                        "the job, status 5 (0: off; default 300)")
+    g.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="on such a timeout, write every rank's flight recorder (its last "
+                        "2,000 calls) to DIR/rank{r}.json; read them with `refmp trace DIR`")
+    g.add_argument("--exit-signal", default="SIGTERM,SIGUSR1", metavar="SIGNALS",
+                   help="signals that stop the run at the next step boundary, with a "
+                        "checkpoint when --checkpoint-dir is given, status 4 (comma-separated; "
+                        "none: off; default SIGTERM,SIGUSR1)")
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -319,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         if launcher_rank() == 0:
             sys.stderr.write(f"refmp {args.command}: error: {e}\n")
         return EXIT_BAD_INPUT if isinstance(e, ConfigError) else EXIT_TRAINING
+    except Preempted as e:  # every rank, at the same step boundary
+        if launcher_rank() == 0:
+            sys.stderr.write(f"refmp {args.command}: {e}\n")
+        return EXIT_PREEMPTED
     except (Exception, KeyboardInterrupt):  # noqa: BLE001  one rank: it must not wait alone
         abort_job()  # this rank's traceback, then MPI_Abort ends every rank
         raise

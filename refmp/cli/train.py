@@ -14,6 +14,8 @@ from dataclasses import asdict
 import numpy as np
 
 from refmp.distributed.faults import inject_fault
+from refmp.distributed.preemption import Preempted, Preemption
+from refmp.distributed.watchdog import Watchdog
 from refmp.errors import ConfigError, TrainingError
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -25,6 +27,7 @@ def run(cfg: TrainConfig) -> dict:
     from refmp.checkpoint.weights import save_model
 
     check_flags(cfg)
+    stop = Preemption(cfg.exit_signal)  # a bad signal name is bad input, before any work
     tr = Trainer(cfg)  # with --resume: the weights, optimizer state and step of a checkpoint
     rank0 = tr.grid.rank == 0
     start = tr.step_num
@@ -44,11 +47,14 @@ def run(cfg: TrainConfig) -> dict:
               f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}", flush=True)
     if rank0 and tr.resumed:
         _print_resume(tr.resumed, cfg)
+    stop.install(tr.grid)
+    watchdog = (Watchdog(tr.grid.mpi, tr.grid.recorder, cfg.collective_timeout, cfg.trace_dir)
+                .start() if cfg.collective_timeout > 0 and tr.grid.world.size > 1 else None)
     bar = _progress(cfg.steps - start, rank0 and cfg.progress)
     t_start, rec = time.perf_counter(), {}
     while tr.step_num < cfg.steps:  # --steps is the total: a resumed run does the rest
         step = tr.step_num
-        inject_fault(tr.grid.rank, step)  # a testing hook (REFMP_FAULT_RANK), off by default
+        inject_fault(tr.grid.rank, step, tr.grid.comm["pp"])  # a testing hook, off by default
         try:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 rec = tr.step()  # a non-finite result is reported once, by the step's check
@@ -65,8 +71,12 @@ def run(cfg: TrainConfig) -> dict:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['seconds']:.0f}")
+        if (signame := stop.agreed()) is not None:  # the step boundary every rank agrees on
+            _preempted(tr, cfg, signame, log, bar)
     if bar is not None:
         bar.close()
+    if watchdog is not None:
+        watchdog.stop()
     seconds = time.perf_counter() - t_start
     if cfg.checkpoint_dir and (tr.step_num > start
                                or tr.step_num not in complete_steps(cfg.checkpoint_dir)):
@@ -102,6 +112,26 @@ def run(cfg: TrainConfig) -> dict:
     if rank0:
         _print_summary(summary, score)
     return summary
+
+
+def _preempted(tr: Trainer, cfg: TrainConfig, signame: str, log, bar) -> None:
+    """Stop at this step boundary (every rank): the checkpoint, one message, Preempted."""
+    from refmp.checkpoint.format import complete_steps
+
+    step = tr.step_num
+    if bar is not None:
+        bar.close()
+    if cfg.checkpoint_dir is None:
+        saved = "no --checkpoint-dir: nothing saved"
+    else:
+        if step not in complete_steps(cfg.checkpoint_dir):  # else --save-every just wrote it
+            tr.save_checkpoint(cfg.checkpoint_dir, cfg.keep)
+        saved = f"checkpoint of step {step} in {cfg.checkpoint_dir} (continue with --resume)"
+    message = f"stopped by {signame} after step {step} of {cfg.steps}; {saved}"
+    if log:
+        log.write(json.dumps({"preempted": signame, "step": step}) + "\n")
+        log.close()
+    raise Preempted(message)
 
 
 def _print_resume(man: dict, cfg: TrainConfig) -> None:
