@@ -1,6 +1,5 @@
-"""The ``refmp`` command: ``refmp train``, ``bench``, ``schedule``, ``convert`` and
-``plan`` (also
-``python -m refmp``).
+"""The ``refmp`` command: ``refmp train``, ``bench``, ``schedule``, ``convert``, ``plan``
+and ``trace`` (also ``python -m refmp``).
 
 Run it under MPI for more than one rank: ``mpiexec -n 2 refmp train --dp 2``.
 How a run ends when something goes wrong (refmp.distributed.faults, docs/faults.md): bad input prints
@@ -216,8 +215,10 @@ def make_parser() -> argparse.ArgumentParser:
     add_moe_args(b)
     add_layout_args(b)
     from refmp.cli.schedule import add_schedule_parser
+    from refmp.cli.trace import add_trace_parser
 
     add_schedule_parser(sub)
+    add_trace_parser(sub)
     pl = sub.add_parser("plan", help="predict memory and step time of layouts; search the best",
                         description="Predict memory per rank and step time of every layout of "
                                     "a model on a machine, and print the fastest that fit "
@@ -331,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
             from refmp.cli.schedule import run_schedule
 
             run_schedule(args)
+        elif args.command == "trace":
+            from refmp.cli.trace import run_trace
+
+            run_trace(args)
     except (ConfigError, TrainingError) as e:  # raised on every rank: said once, rank 0
         if launcher_rank() == 0:
             sys.stderr.write(f"refmp {args.command}: error: {e}\n")

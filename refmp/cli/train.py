@@ -29,6 +29,7 @@ def run(cfg: TrainConfig) -> dict:
     check_flags(cfg)
     stop = Preemption(cfg.exit_signal)  # a bad signal name is bad input, before any work
     tr = Trainer(cfg)  # with --resume: the weights, optimizer state and step of a checkpoint
+    stop.install(tr.grid)  # from here a signal waits for the next step boundary
     rank0 = tr.grid.rank == 0
     start = tr.step_num
     if start > cfg.steps:
@@ -47,7 +48,6 @@ def run(cfg: TrainConfig) -> dict:
               f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}", flush=True)
     if rank0 and tr.resumed:
         _print_resume(tr.resumed, cfg)
-    stop.install(tr.grid)
     watchdog = (Watchdog(tr.grid.mpi, tr.grid.recorder, cfg.collective_timeout, cfg.trace_dir)
                 .start() if cfg.collective_timeout > 0 and tr.grid.world.size > 1 else None)
     bar = _progress(cfg.steps - start, rank0 and cfg.progress)

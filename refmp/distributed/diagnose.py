@@ -26,7 +26,8 @@ COLLECTIVE = "collective"
 
 
 def _label(group: str) -> str:
-    return group.split("[")[0]
+    """"dp" of "dp[0,1]" and of "dp~2[0,1]" (another communicator of those ranks)."""
+    return group.split("[")[0].split("~")[0]
 
 
 def _members(group: str) -> list[int]:
@@ -83,8 +84,8 @@ def _doing(state: dict | None) -> str:
     if state is None:
         return "did not answer (no state: stuck holding the interpreter, or gone)"
     blocking = [e for e in state["entries"] if e["id"] == state.get("waiting")]
-    step = f"at step {state['step']}" + (f", micro-batch {state['microbatch']}"
-                                         if state["microbatch"] >= 0 else "")
+    step = ("outside training" if state["step"] < 0 else f"at step {state['step']}"
+            + (f", micro-batch {state['microbatch']}" if state["microbatch"] >= 0 else ""))
     if blocking:
         e = blocking[0]
         return f"waits in {_call(e)} for {state['time'] - e['t_start']:.1f} s, {step}"

@@ -69,4 +69,8 @@ class Preemption:
         if self.comm is None:
             return None
         signum = int(self.comm.allreduce_scalar(float(self.received), "max"))
-        return signal.Signals(signum).name if signum else None
+        if not signum:
+            return None
+        for s in self.signals:  # the run ends: a later signal (the launcher cleaning up after
+            signal.signal(s, signal.SIG_IGN)  # the first rank's exit) must not kill a rank
+        return signal.Signals(signum).name  # while it saves or finalizes

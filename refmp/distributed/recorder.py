@@ -57,8 +57,12 @@ class Recorder:
         self.progress = time.time()  # the last start or completion: what the watchdog watches
 
     def group(self, label: str, members: tuple[int, ...]) -> int:
-        """An id for the group of world ranks ``members`` called ``label`` ("dp", "pp+tp")."""
-        self.groups.append((label, tuple(members)))
+        """An id for the group of world ranks ``members`` called ``label`` ("dp", "pp+tp").
+
+        Another communicator of the same ranks and label gets "label~2" (and so on): every
+        rank makes its communicators in the same order, so the names agree across ranks."""
+        same = sum(1 for lab, mem in self.groups if lab.split("~")[0] == label and mem == members)
+        self.groups.append((label if not same else f"{label}~{same + 1}", tuple(members)))
         return len(self.groups) - 1
 
     def start(self, group: int, op: str, nbytes: int, dtype, peer: int = -1,
