@@ -54,6 +54,7 @@ def run(cfg: TrainConfig) -> dict:
     t_start, rec = time.perf_counter(), {}
     while tr.step_num < cfg.steps:  # --steps is the total: a resumed run does the rest
         step = tr.step_num
+        tr.grid.recorder.step = step  # the flight recorder labels each call with its step
         inject_fault(tr.grid.rank, step, tr.grid.comm["pp"])  # a testing hook, off by default
         try:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):

@@ -92,8 +92,7 @@ def _doing(state: dict | None) -> str:
     inner = state["stack"][-1] if state.get("stack") else None
     where = f", in {_where(inner)}" if inner else ""
     return (f"is not in MPI (computing, or blocked outside MPI) for "
-            f"{state['time'] - state['progress']:.1f} s since its last call (step "
-            f"{state['step']}){where}")
+            f"{state['time'] - state['progress']:.1f} s since its last call, {step}{where}")
 
 
 def findings(states: dict[int, dict], world_size: int) -> list[str]:

@@ -196,7 +196,6 @@ class Trainer:
         fp16 the loss scale the step used and whether it was skipped for an overflow)."""
         cfg, run = self.cfg, self.runner
         t0 = time.perf_counter()
-        self.grid.recorder.step = self.step_num  # the flight recorder's label of each call
         x, y = get_batch(self.ds.tokens, self.step_num, cfg.batch_size, self.T, self.rows, self.perm)
         x, y = backend.from_host(x), backend.from_host(y)
         run.zero_grad()
