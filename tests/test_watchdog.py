@@ -19,7 +19,9 @@ from mpi_helpers import REPO, mpiexec, refmp
 
 from refmp.cli.trace import read_states
 from refmp.distributed.diagnose import report
+from refmp.distributed.preemption import parse_signals
 from refmp.distributed.recorder import Recorder
+from refmp.errors import ConfigError
 
 pytestmark = pytest.mark.cli
 
@@ -118,8 +120,16 @@ def test_recorder_counts_and_report():
     assert "rank 1 is not in MPI" in text and "x.py:3 f" in text
 
 
+def test_exit_signal_names():
+    assert [s.name for s in parse_signals("SIGTERM,usr1")] == ["SIGTERM", "SIGUSR1"]
+    assert parse_signals("none") == []
+    for bad in ("SIGKILL", "SIGNOPE"):
+        with pytest.raises(ConfigError, match="--exit-signal"):
+            parse_signals(bad)
+
+
 def test_trace_reads_directories(tmp_path):
-    with pytest.raises(Exception, match="no rank"):
+    with pytest.raises(ConfigError, match="no rank"):
         read_states([str(tmp_path)])
 
 
@@ -127,7 +137,7 @@ def _sigterm_then_resume(tmp_path, n, layout):
     """Train; SIGTERM (twice: the second lands in the save) to mpiexec mid-run; resume."""
     from safetensors.numpy import load_file
 
-    run = [*SMALL, *layout, "--steps", "60", "--dtype", "float64"]
+    run = [*SMALL, *layout, "--steps", "30", "--dtype", "float64"]
     whole, resumed, ck = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "ck"
     log = tmp_path / "log.jsonl"
     cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "refmp", "train", *run,
@@ -152,12 +162,12 @@ def _sigterm_then_resume(tmp_path, n, layout):
     assert job.returncode == 4, (job.returncode, err)
     last = log.read_text().splitlines()[-1]
     step = int(last.split('"step": ')[1].rstrip("}"))
-    assert '"preempted": "SIGTERM"' in last and 5 <= step < 60
-    assert f"refmp train: stopped by SIGTERM after step {step} of 60; checkpoint of step {step}" in err
+    assert '"preempted": "SIGTERM"' in last and 5 <= step < 30
+    assert f"refmp train: stopped by SIGTERM after step {step} of 30; checkpoint of step {step}" in err
     assert (ck / f"step-{step:08d}" / "manifest.json").exists()
     assert refmp(n, ["train", *run, "--save", str(whole)], timeout=120).returncode == 0
     r = refmp(n, ["train", *run, "--resume", str(ck), "--save", str(resumed)], timeout=120)
-    assert r.returncode == 0 and f"at step {step} of 60" in r.stdout, r.stderr
+    assert r.returncode == 0 and f"at step {step} of 30" in r.stdout, r.stderr
     a, b = load_file(str(whole)), load_file(str(resumed))
     for k in a:
         np.testing.assert_array_equal(b[k], a[k], err_msg=k)

@@ -76,8 +76,6 @@ def run(cfg: TrainConfig) -> dict:
             _preempted(tr, cfg, signame, log, bar)
     if bar is not None:
         bar.close()
-    if watchdog is not None:
-        watchdog.stop()
     seconds = time.perf_counter() - t_start
     if cfg.checkpoint_dir and (tr.step_num > start
                                or tr.step_num not in complete_steps(cfg.checkpoint_dir)):
@@ -112,6 +110,8 @@ def run(cfg: TrainConfig) -> dict:
         log.close()
     if rank0:
         _print_summary(summary, score)
+    if watchdog is not None:
+        watchdog.stop()
     return summary
 
 

@@ -18,6 +18,10 @@ Three ways a run can go wrong, and what each does (docs/faults.md):
   the job (what ``python -m mpi4py`` does). A rank killed by a signal ends the job too:
   MPICH's mpiexec tears down the others when one process dies.
 
+Two more end a run on purpose: a hang, found by the watchdog (refmp.distributed.watchdog,
+status 5), and a preemption signal, agreed at a step boundary (refmp.distributed.preemption,
+status 4). :func:`inject_fault` provokes the failures the tests need.
+
 The memory check (refmp.cost.memory) compares an *estimate* of the bytes a rank will hold
 with what the node has free. It is there to refuse, in a second, what cannot fit by far (a
 ``--block-size 100000`` asks for terabytes); it does not promise that what passes fits.

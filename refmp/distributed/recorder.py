@@ -104,7 +104,7 @@ class Recorder:
     def dump(self) -> dict:
         """The ring and the counts, as JSON-ready values."""
         counts = []
-        for key, n in self.counts.items():
+        for key, n in list(self.counts.items()):  # one C call: the main thread may go on
             if isinstance(key, tuple):
                 group, op, peer, tag = key
                 counts.append({"group": self.group_name(group), "op": op, "peer": peer,
