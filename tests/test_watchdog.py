@@ -37,7 +37,8 @@ def hang_cases(tmp) -> dict:
         "pp2 x dp2 hang": (4, ["--pp", "2", "--dp", "2", "--microbatches", "2"], hang),
         "pp2 stuck receive": (2, ["--pp", "2", "--microbatches", "2"],
                               {**hang, "REFMP_FAULT_MODE": "recv"}),
-        "mismatch": (2, None, {}),
+        "mismatch": (2, ["sizes"], None),
+        "mismatch checked": (2, ["ops"], {"REFMP_CHECK_CALLS": "1"}),
     }
 
 
@@ -49,8 +50,9 @@ def hangs(tmp_path_factory):
     def one(name):
         n, flags, env = cases[name]
         t0 = time.perf_counter()
-        if flags is None:
-            r = mpiexec(n, ["python", "tests/mpi_scripts/mismatched_collective.py"], timeout=60)
+        if name.startswith("mismatch"):
+            r = mpiexec(n, ["python", "tests/mpi_scripts/mismatched_collective.py", *flags],
+                        timeout=60, env=env)
         else:
             r = refmp(n, ["train", *SMALL, "--steps", "100000", "--collective-timeout",
                           str(TIMEOUT), *flags], timeout=60, env=env)
@@ -97,6 +99,16 @@ def test_mismatched_collective_reports_both_calls(hangs):
     line = next(x for x in r.stderr.splitlines() if "mismatched calls on world[0,1] #1" in x)
     assert "allreduce 32 B float64" in line and "allreduce 8000 B float64" in line, line
     assert "not reached" not in r.stdout
+
+
+def test_mismatched_ops_refused_with_the_check(hangs):
+    """REFMP_CHECK_CALLS=1: an all-reduce against an all-gather of as many bytes (which MPICH
+    completes with wrong values) is an error on both ranks, naming both calls."""
+    r, seconds = hangs[0]["mismatch checked"]
+    assert r.returncode != 0 and seconds < 30 and "not reached" not in r.stdout
+    line = next(x for x in r.stderr.splitlines() if x.startswith("refmp.distributed.callcheck."))
+    assert "mismatched calls on world[0,1] #1: rank 0 allreduce 32 B float64 at " \
+           "mismatched_collective.py:" in line and "rank 1 allgather 32 B float64" in line, line
 
 
 def test_recorder_counts_and_report():

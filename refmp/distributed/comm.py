@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from refmp.distributed import callcheck
 from refmp.distributed.ledger import Ledger
 from refmp.distributed.recorder import Recorder
 from refmp.distributed.reductions import mpi_op, wire
@@ -42,12 +43,16 @@ class Comm:
         self.world_ranks = tuple(MPI.Group.Translate_ranks(
             mpi_comm.Get_group(), list(range(self.size)), MPI.COMM_WORLD.Get_group()))
         self.group_id = self.recorder.group(axis, self.world_ranks)
+        self.check_mpi: MPI.Comm | None = None  # REFMP_CHECK_CALLS's duplicate (callcheck)
         self.cuda_aware = False  # set for all axes by ProcessGrid.set_cuda_aware, agreed by all ranks
 
     # --- the recorder: an entry per call handed to MPI, completed when its request is -------
 
     def _record(self, op: str, nbytes: int, dtype, peer: int = -1, tag: int = -1) -> list:
-        """Start a recorder entry (``peer``: a rank of this group, -1 for a collective)."""
+        """Start a recorder entry (``peer``: a rank of this group, -1 for a collective);
+        with REFMP_CHECK_CALLS=1 a collective first checks the others make the same call."""
+        if peer < 0 and callcheck.ENABLED:
+            callcheck.check_call(self, op, nbytes, dtype)
         world_peer = self.world_ranks[peer] if peer >= 0 else -1
         return self.recorder.start(self.group_id, op, nbytes, dtype, world_peer, tag)
 

@@ -35,7 +35,7 @@ STATE, T_END = FIELDS.index("state"), FIELDS.index("t_end")
 _HERE = os.path.dirname(os.path.abspath(__file__))  # frames in this package are skipped
 
 
-def _caller():
+def caller():
     """(file, line, function) of the first frame outside refmp.distributed."""
     f = sys._getframe(2)
     while f.f_back is not None and f.f_code.co_filename.startswith(_HERE):
@@ -73,7 +73,7 @@ class Recorder:
         self.counts[key] = seq
         now = time.time()
         entry = [self.calls, group, op, seq, nbytes, dtype, peer, tag, STARTED, self.step,
-                 self.microbatch, now, 0.0, _caller()]
+                 self.microbatch, now, 0.0, caller()]
         self.calls += 1
         self.ring.append(entry)
         self.progress = now
