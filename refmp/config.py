@@ -184,6 +184,9 @@ class TrainConfig(ParallelConfig):
     save_every: int = 0  # a checkpoint every N steps (0: only at the end)
     keep: int = 0  # keep the last K checkpoints (0: all)
     resume: str | None = None  # continue from the latest complete checkpoint in this directory
+    collective_timeout: float = 300.0  # the watchdog: seconds without progress (0: off)
+    trace_dir: str | None = None  # the watchdog's report: every rank's flight recorder as JSON
+    exit_signal: str = "SIGTERM,SIGUSR1"  # preemption: stop at a step boundary ("none": off)
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -251,5 +254,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError("--mixed-precision bf16 runs on the CPU (ml_dtypes); on the GPU use fp16")
     if cfg.loss_scale_init <= 0 or cfg.loss_scale_window < 1:
         raise ConfigError("--loss-scale-init must be positive and --loss-scale-window at least 1")
+    if not _in(cfg.collective_timeout, 0, math.inf):
+        raise ConfigError(f"--collective-timeout must be >= 0 and finite, got "
+                          f"{cfg.collective_timeout}")
     if not 1 <= cfg.digits <= 6:
         raise ConfigError(f"--digits must be between 1 and 6, got {cfg.digits}")

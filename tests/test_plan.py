@@ -276,7 +276,7 @@ def test_train_layout_auto_refuses_what_cannot_fit_on_every_rank():
 def test_train_flags_given_are_the_searchs_fixed_choices():
     """given_flags tells a flag given (even at its default, or abbreviated) from a default;
     --microbatches fixes M, so b = B / (dp M); --stage-layers is refused."""
-    from refmp.cli.train import add_train_args, given_flags
+    from refmp.cli.flags import add_train_args, given_flags
     from refmp.errors import ConfigError
     from refmp.training.trainer import TrainConfig
 

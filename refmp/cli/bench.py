@@ -29,7 +29,7 @@ from dataclasses import fields
 
 import numpy as np
 
-from refmp.cli.train import add_layout_args, add_moe_args
+from refmp.cli.flags import add_layout_args, add_moe_args
 from refmp.config import ParallelConfig, flag_name
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
 from refmp.runtime.device import measure_peak

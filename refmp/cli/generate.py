@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from refmp.cli.train import add_layout_args
+from refmp.cli.flags import add_layout_args
 from refmp.errors import ConfigError
 
 

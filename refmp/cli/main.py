@@ -1,12 +1,15 @@
-"""The ``refmp`` command: ``refmp train``, ``bench``, ``schedule``, ``plan``, ``convert`` and
-``generate`` (also ``python -m refmp``), each in its own module of refmp.cli; this one holds
-the parser's root, the exit codes and the rank-0 printing.
+"""The ``refmp`` command: ``refmp train``, ``bench``, ``schedule``, ``plan``, ``convert``,
+``generate`` and ``trace`` (also ``python -m refmp``), each in its own module of refmp.cli;
+this one holds the parser's root, the exit codes and the rank-0 printing.
 
 Run it under MPI for more than one rank: ``mpiexec -n 2 refmp train --dp 2``.
-How a run ends when something goes wrong (refmp.distributed.faults, docs/faults.md): bad input prints
-one message (from rank 0) and every rank exits with status 2; a non-finite loss or gradient
+How a run ends when something goes wrong (refmp.distributed.faults, docs/faults.md): bad
+input prints one message (from rank 0) and every rank exits with status 2; a non-finite loss or gradient
 norm, one message and status 3; any other exception on any rank prints that rank's traceback
-(``[rank r]`` before each line) and aborts the whole job (MPI_Abort).
+(``[rank r]`` before each line) and aborts the whole job (MPI_Abort); a rank without
+progress for --collective-timeout seconds, the watchdog's report and status 5; a SIGTERM
+(--exit-signal), a stop at the next step boundary (a checkpoint with --checkpoint-dir), one
+message and status 4.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import os
 import sys
 
+from refmp.distributed.preemption import EXIT_PREEMPTED, Preempted
 from refmp.errors import ConfigError, TrainingError
 
 EXIT_BAD_INPUT = 2
@@ -40,11 +44,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from refmp.cli import bench, convert, generate, plan, schedule, train
+    from refmp.cli import bench, convert, generate, plan, schedule, trace, train
 
     p = Parser(prog="refmp", description="refmp: GPT-2 in NumPy, split across MPI ranks.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for command in (train, bench, schedule, plan, convert, generate):
+    for command in (train, bench, schedule, plan, convert, generate, trace):
         command.add_parser(sub)
     return p
 
@@ -80,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         if launcher_rank() == 0:
             sys.stderr.write(f"refmp {args.command}: error: {e}\n")
         return EXIT_BAD_INPUT if isinstance(e, ConfigError) else EXIT_TRAINING
+    except Preempted as e:  # every rank, at the same step boundary
+        if launcher_rank() == 0:
+            sys.stderr.write(f"refmp {args.command}: {e}\n")
+        return EXIT_PREEMPTED
     except (Exception, KeyboardInterrupt):  # noqa: BLE001  one rank: it must not wait alone
         abort_job()  # this rank's traceback, then MPI_Abort ends every rank
         raise

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, fields
 
 import numpy as np
 
-from refmp.config import PIPELINE, ParallelConfig, flag_name
-from refmp.cost.model import SEARCHED
+from refmp.cli.flags import add_train_args, check_flags, given_flags
 from refmp.distributed.faults import inject_fault
+from refmp.distributed.preemption import Preempted, Preemption
+from refmp.distributed.watchdog import Watchdog
 from refmp.errors import ConfigError, TrainingError
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -30,132 +30,6 @@ def add_parser(sub) -> None:
                                    "ranks, e.g. `mpiexec -n 2 refmp train --dp 2`.")
     add_train_args(p)
     p.set_defaults(run=run_train)
-
-
-def add_layout_args(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """How the ranks split the work: the ParallelConfig fields (or those named in ``only``),
-    each in its help group, and with them all --trace with the pipeline's."""
-    groups = {}
-    for f in fields(ParallelConfig):
-        if only is not None and f.name not in only:
-            continue
-        m = f.metadata
-        g = groups.get(m["group"])
-        if g is None:
-            g = groups[m["group"]] = p.add_argument_group(m["group"])
-        if m["kind"] is bool:
-            g.add_argument(flag_name(f.name), action="store_true", help=m["help"])
-        else:
-            g.add_argument(flag_name(f.name), type=m["kind"], default=f.default,
-                           choices=m["choices"], metavar=m["metavar"], help=m["help"])
-    if only is not None:
-        return
-    groups[PIPELINE].add_argument("--trace", default=None, metavar="PATH.json",
-                                  help="write the last step's measured timeline as Chrome "
-                                       "trace JSON")
-
-
-def add_moe_args(p: argparse.ArgumentParser) -> None:
-    """MoE flags (train and bench). All but --n-expert default to None, so an explicit flag
-    is visible: it wins over an --init file's metadata; None means GPTConfig's default."""
-    g = p.add_argument_group("mixture of experts")
-    g.add_argument("--n-expert", type=int, default=0, help="experts per MoE layer (0: dense)")
-    g.add_argument("--top-k", type=int, default=None,
-                   help="experts per token (default 2, or the --init file's)")
-    g.add_argument("--moe-every", type=int, default=None,
-                   help="block i is MoE if i %% N == 0 (default 1, or the --init file's routers)")
-    g.add_argument("--capacity-factor", type=float, default=None,
-                   help="slots per expert: ceil(CF*K*T/E) per sequence; 0: no limit "
-                        "(default 1.25, or the --init file's)")
-    g.add_argument("--aux-loss-coef", type=float, default=None,
-                   help="load-balancing loss weight alpha (default 0.01, or the --init file's)")
-    g.add_argument("--z-loss-coef", type=float, default=None,
-                   help="router z-loss weight (default 0.001, or the --init file's)")
-
-
-def add_train_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--n-layer", type=int, default=2, help="transformer blocks (default 2)")
-    g.add_argument("--n-head", type=int, default=None,
-                   help="attention heads (default 4, or the --init file's)")
-    g.add_argument("--n-embd", type=int, default=64, help="channels C (default 64)")
-    g.add_argument("--block-size", type=int, default=None,
-                   help="sequence length T (default: one addition problem, 13; 64 for --data)")
-    g.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    g.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
-                   help="cpu (NumPy) or gpu (CuPy, one GPU per rank); default $REFMP_DEVICE or cpu")
-    add_moe_args(p)
-    g = p.add_argument_group("data")
-    g.add_argument("--data", default=None, metavar="PATH",
-                   help="token file: .npy (1-D ints), .bin (uint16, nanoGPT) or any other file "
-                        "as bytes (vocab 256). Default: the built-in addition task")
-    g.add_argument("--digits", type=int, default=3, help="addition task: digits per operand (3)")
-    g.add_argument("--shuffle", action="store_true", help="seeded shuffle of the windows")
-    g.add_argument("--seed", type=int, default=0, help="weights, data and shuffle seed (0)")
-    g = p.add_argument_group("optimization")
-    g.add_argument("--batch-size", type=int, default=128, help="global batch, sequences/step (128)")
-    g.add_argument("--steps", type=int, default=1500, help="training steps (1500)")
-    g.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
-    g.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
-                   help="cosine: linear warm-up then decay to --min-lr-ratio * lr")
-    g.add_argument("--warmup-steps", type=int, default=None,
-                   help="linear warm-up steps, at most --steps (default 100)")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1)
-    g.add_argument("--weight-decay", type=float, default=0.1,
-                   help="decoupled (AdamW) or L2 (SGD), on matrices only (0.1)")
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.99)
-    g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (0)")
-    g.add_argument("--grad-clip", type=float, default=1.0,
-                   help="clip the global gradient norm to this (0: off; default 1.0)")
-    add_layout_args(p)
-    g = p.add_argument_group("automatic layout (docs/plan.md)")
-    g.add_argument("--layout", choices=["auto"], default=None,
-                   help="auto: ask refmp plan (--machine cpu: this host's GEMM peak, free "
-                        "memory and MPI links, measured) for the fastest layout of this model "
-                        "that fits the MPI world size, print it (rank 0) and train with it. "
-                        f"Layout flags given with it ({' '.join(map(flag_name, SEARCHED))}) "
-                        "are fixed choices of the search; --stage-layers is refused. Nothing "
-                        "fits: exit 2")
-    g = p.add_argument_group("files")
-    g.add_argument("--init", default=None, metavar="PATH.safetensors",
-                   help="start from these weights; the model shape is read from them")
-    g.add_argument("--save", default=None, metavar="PATH.safetensors",
-                   help="write the trained model (full, GPT-2 names) once at the end")
-    g.add_argument("--log-json", default=None, metavar="PATH",
-                   help="one JSON object per step, then a summary object")
-    g = p.add_argument_group("checkpoints (docs/checkpoints.md)")
-    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                   help="write sharded checkpoints DIR/step-NNNNNNNN/ (one file per rank and a "
-                        "manifest) at the end, and every --save-every steps")
-    g.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="a checkpoint every N steps (0: only at the end)")
-    g.add_argument("--keep", type=int, default=0, metavar="K",
-                   help="keep only the last K checkpoints in --checkpoint-dir (0: all)")
-    g.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue from the latest complete checkpoint in DIR, saved by any "
-                        "layout; --steps is the total, counting the steps before")
-    g.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
-
-
-def check_flags(args: argparse.Namespace) -> None:
-    """Rules between flags as given (TrainConfig cannot tell a default from a choice)."""
-    if getattr(args, "warmup_steps", None) is not None and args.warmup_steps > args.steps \
-            and args.lr_schedule == "cosine":  # the constant schedule has no warm-up
-        raise ConfigError(f"--warmup-steps {args.warmup_steps} is more than --steps "
-                          f"{args.steps}: the learning rate would never reach --lr")
-
-
-def given_flags(add_args, argv: list[str]) -> set[str]:
-    """The destinations of the flags on this command line (not their defaults): ``argv``
-    parsed again by a parser of the same flags whose defaults are all left unset."""
-    p = argparse.ArgumentParser(add_help=False)
-    add_args(p)
-    for a in p._actions:  # argparse's own list of the flags just added
-        a.default = argparse.SUPPRESS
-    return set(vars(p.parse_known_args(argv)[0]))
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> dict:
@@ -190,7 +64,9 @@ def run(cfg: TrainConfig) -> dict:
     from refmp.checkpoint.weights import save_model
 
     check_flags(cfg)
+    stop = Preemption(cfg.exit_signal)  # a bad signal name is bad input, before any work
     tr = Trainer(cfg)  # with --resume: the weights, optimizer state and step of a checkpoint
+    stop.install(tr.grid)  # from here a signal waits for the next step boundary
     rank0 = tr.grid.rank == 0
     start = tr.step_num
     if start > cfg.steps:
@@ -209,11 +85,14 @@ def run(cfg: TrainConfig) -> dict:
               f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}", flush=True)
     if rank0 and tr.resumed:
         _print_resume(tr.resumed, cfg)
+    watchdog = (Watchdog(tr.grid.mpi, tr.grid.recorder, cfg.collective_timeout, cfg.trace_dir)
+                .start() if cfg.collective_timeout > 0 and tr.grid.world.size > 1 else None)
     bar = _progress(cfg.steps - start, rank0 and cfg.progress)
     t_start, rec = time.perf_counter(), {}
     while tr.step_num < cfg.steps:  # --steps is the total: a resumed run does the rest
         step = tr.step_num
-        inject_fault(tr.grid.rank, step)  # a testing hook (REFMP_FAULT_RANK), off by default
+        tr.grid.recorder.step = step  # the flight recorder labels each call with its step
+        inject_fault(tr.grid.rank, step, tr.grid.comm["pp"])  # a testing hook, off by default
         try:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 rec = tr.step()  # a non-finite result is reported once, by the step's check
@@ -230,6 +109,8 @@ def run(cfg: TrainConfig) -> dict:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens'] / rec['seconds']:.0f}")
+        if (signame := stop.agreed()) is not None:  # the step boundary every rank agrees on
+            _preempted(tr, cfg, signame, log, bar)
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t_start
@@ -266,7 +147,29 @@ def run(cfg: TrainConfig) -> dict:
         log.close()
     if rank0:
         _print_summary(summary, score)
+    if watchdog is not None:
+        watchdog.stop()
     return summary
+
+
+def _preempted(tr: Trainer, cfg: TrainConfig, signame: str, log, bar) -> None:
+    """Stop at this step boundary (every rank): the checkpoint, one message, Preempted."""
+    from refmp.checkpoint.format import complete_steps
+
+    step = tr.step_num
+    if bar is not None:
+        bar.close()
+    if cfg.checkpoint_dir is None:
+        saved = "no --checkpoint-dir: nothing saved"
+    else:
+        if step not in complete_steps(cfg.checkpoint_dir):  # else --save-every just wrote it
+            tr.save_checkpoint(cfg.checkpoint_dir, cfg.keep)
+        saved = f"checkpoint of step {step} in {cfg.checkpoint_dir} (continue with --resume)"
+    message = f"stopped by {signame} after step {step} of {cfg.steps}; {saved}"
+    if log:
+        log.write(json.dumps({"preempted": signame, "step": step}) + "\n")
+        log.close()
+    raise Preempted(message)
 
 
 def _print_resume(man: dict, cfg: TrainConfig) -> None:

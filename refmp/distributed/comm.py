@@ -2,9 +2,11 @@
 
 Every MPI call in refmp goes through a :class:`Comm`, which knows the grid axis it works on
 ("world", "dp", "tp", ...) and records each call in a shared
-:class:`refmp.distributed.ledger.Ledger`. Every operation starts nonblocking and is waited on
-with Test-and-sleep (refmp.distributed.waiting); a method that returns a request leaves that
-wait to the caller.
+:class:`refmp.distributed.ledger.Ledger` (bytes and counts) and in the flight recorder
+(:class:`refmp.distributed.recorder.Recorder`: the last calls, with sequence numbers, for
+the watchdog). Every operation starts nonblocking and is waited on with Test-and-sleep
+(refmp.distributed.waiting); a method that returns a request leaves that wait to the caller,
+and the request marks its recorder entry completed when waited on.
 
 GPU arrays: before MPI touches device memory the stream is synchronized. With a CUDA-aware
 MPI (``comm.cuda_aware``, agreed by all ranks, see refmp.runtime.device) device arrays go to
@@ -18,7 +20,9 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from refmp.distributed import callcheck
 from refmp.distributed.ledger import Ledger
+from refmp.distributed.recorder import Recorder
 from refmp.distributed.reductions import mpi_op, wire
 from refmp.distributed.waiting import StagedRequest, sleep_until, wait
 from refmp.runtime import backend
@@ -27,13 +31,48 @@ from refmp.runtime import backend
 class Comm:
     """An MPI communicator for one grid axis, with checked, counted, politely-waiting calls."""
 
-    def __init__(self, mpi_comm: MPI.Comm, axis: str = "world", ledger: Ledger | None = None):
+    def __init__(self, mpi_comm: MPI.Comm, axis: str = "world", ledger: Ledger | None = None,
+                 recorder: Recorder | None = None):
         self.mpi = mpi_comm
         self.axis = axis
         self.ledger = ledger if ledger is not None else Ledger()
+        self.recorder = recorder if recorder is not None else Recorder()
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
+        # this group's members as world ranks: how the recorder names groups and peers
+        self.world_ranks = tuple(MPI.Group.Translate_ranks(
+            mpi_comm.Get_group(), list(range(self.size)), MPI.COMM_WORLD.Get_group()))
+        self.group_id = self.recorder.group(axis, self.world_ranks)
+        self.check_mpi: MPI.Comm | None = None  # REFMP_CHECK_CALLS's duplicate (callcheck)
         self.cuda_aware = False  # set for all axes by ProcessGrid.set_cuda_aware, agreed by all ranks
+
+    # --- the recorder: an entry per call handed to MPI, completed when its request is -------
+
+    def _record(self, op: str, nbytes: int, dtype, peer: int = -1, tag: int = -1) -> list:
+        """Start a recorder entry (``peer``: a rank of this group, -1 for a collective);
+        with REFMP_CHECK_CALLS=1 a collective first checks the others make the same call."""
+        if peer < 0 and callcheck.ENABLED:
+            callcheck.check_call(self, op, nbytes, dtype)
+        world_peer = self.world_ranks[peer] if peer >= 0 else -1
+        return self.recorder.start(self.group_id, op, nbytes, dtype, world_peer, tag)
+
+    def _tracked(self, req: MPI.Request, entry: list, copy_back=None, keep=None) -> StagedRequest:
+        """``req`` whose wait completes ``entry`` (after copying a staged result back)."""
+        recorder = self.recorder
+
+        def finish():
+            if copy_back is not None:
+                copy_back()
+            recorder.done(entry)
+
+        tracked = StagedRequest(req, finish, keep)
+        tracked.entry = entry
+        return tracked
+
+    def _wait(self, req: StagedRequest) -> None:
+        """Wait here for a tracked ``req``: the recorder knows which call a rank waits in."""
+        self.recorder.waiting = req.entry
+        wait(req)
 
     # --- what MPI sees: the array itself, or a host copy of a device array ------------------
 
@@ -70,7 +109,8 @@ class Comm:
             out[...] = buf
             return out
         m_in, m_out = self._mpi_in(buf), self._mpi_out(out)
-        wait(start(wire(m_in), wire(m_out)))
+        entry = self._record(op, nbytes, buf.dtype)
+        self._wait(self._tracked(start(wire(m_in), wire(m_out)), entry))
         self._finish(out, m_out)
         return out
 
@@ -78,7 +118,9 @@ class Comm:
 
     def allreduce(self, buf, op: str = "sum"):
         """In-place all-reduce of ``buf`` (contiguous) over this axis; returns ``buf``."""
-        wait(self.allreduce_start(buf, op))
+        req = self.allreduce_start(buf, op)
+        if req is not None:
+            self._wait(req)
         return buf
 
     def allreduce_start(self, buf, op: str = "sum") -> MPI.Request | None:
@@ -88,8 +130,11 @@ class Comm:
         if self.size == 1:
             return None
         m = self._mpi_in(buf)
+        entry = self._record("allreduce", buf.nbytes, buf.dtype)
         req = self.mpi.Iallreduce(MPI.IN_PLACE, wire(m), op=mpi_op(op, m.dtype))
-        return req if m is buf else StagedRequest(req, lambda: self._finish(buf, m), keep=m)
+        if m is buf:
+            return self._tracked(req, entry)
+        return self._tracked(req, entry, lambda: self._finish(buf, m), keep=m)
 
     def allgather(self, buf):
         """Concatenate every rank's ``buf`` along axis 0, in rank order (same shape on all)."""
@@ -141,7 +186,8 @@ class Comm:
         self.ledger.record("bcast", self.axis, buf.nbytes)
         if self.size > 1:
             m = self._mpi_in(buf)
-            wait(self.mpi.Ibcast(wire(m), root=root))
+            entry = self._record("bcast", buf.nbytes, buf.dtype)
+            self._wait(self._tracked(self.mpi.Ibcast(wire(m), root=root), entry))
             self._finish(buf, m)
         return buf
 
@@ -156,7 +202,9 @@ class Comm:
         buf = np.array(values, dtype=np.float64)
         self.ledger.record("metric", self.axis, buf.nbytes)
         if self.size > 1:
-            wait(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=mpi_op(op, buf.dtype)))
+            entry = self._record("metric", buf.nbytes, buf.dtype)
+            self._wait(self._tracked(self.mpi.Iallreduce(MPI.IN_PLACE, buf,
+                                                         op=mpi_op(op, buf.dtype)), entry))
         return buf
 
     def allgather_obj(self, obj) -> list:
@@ -164,12 +212,15 @@ class Comm:
         self.ledger.record("allgather_obj", self.axis, 0)
         if self.size == 1:
             return [obj]
-        wait(self.mpi.Ibarrier())  # sleep here rather than busy-poll inside allgather
+        entry = self._record("allgather_obj", 0, None)
+        # sleep in the barrier rather than busy-poll inside allgather
+        self._wait(self._tracked(self.mpi.Ibarrier(), entry))
         return self.mpi.allgather(obj)
 
     def barrier(self) -> None:
         if self.size > 1:
-            wait(self.mpi.Ibarrier())
+            entry = self._record("barrier", 0, None)
+            self._wait(self._tracked(self.mpi.Ibarrier(), entry))
 
     # --- point-to-point ----------------------------------------------------------------------
 
@@ -177,8 +228,9 @@ class Comm:
         """Start sending ``buf`` to ``dest``; finish it with ``wait`` (refmp.distributed.waiting)."""
         self.ledger.record("send", self.axis, buf.nbytes)
         m = self._mpi_in(buf)
-        req = self.mpi.Isend(wire(m), dest=dest, tag=tag)
-        return req if m is buf else StagedRequest(req, keep=m)  # keep the host copy alive
+        entry = self._record("send", buf.nbytes, buf.dtype, dest, tag)
+        return self._tracked(self.mpi.Isend(wire(m), dest=dest, tag=tag), entry,
+                             keep=None if m is buf else m)  # keep a host copy alive
 
     def recv(self, shape, dtype, source: int, tag: int = 0):
         """Receive a new array of ``shape`` and ``dtype`` from ``source``, checking its size.
@@ -192,9 +244,12 @@ class Comm:
         out = xp.empty(shape, dtype=dtype)
         m = self._mpi_out(out)
         status = MPI.Status()
+        entry = self._record("recv", out.nbytes, out.dtype, source, tag)
         req = self.mpi.Irecv(wire(m), source=source, tag=tag)
+        self.recorder.waiting = entry
         try:
             sleep_until(lambda: req.Test(status))
+            self.recorder.done(entry)
             got = status.Get_count(MPI.BYTE)
         except MPI.Exception as e:
             if e.Get_error_class() != MPI.ERR_TRUNCATE:
@@ -219,5 +274,8 @@ class Comm:
         out = backend.xp.empty(shape, dtype=dtype)
         self.ledger.record("recv", self.axis, out.nbytes)
         m = self._mpi_out(out)
+        entry = self._record("recv", out.nbytes, out.dtype, source, tag)
         req = self.mpi.Irecv(wire(m), source=source, tag=tag)
-        return out, (req if m is out else StagedRequest(req, lambda: self._finish(out, m), keep=m))
+        if m is out:
+            return out, self._tracked(req, entry)
+        return out, self._tracked(req, entry, lambda: self._finish(out, m), keep=m)

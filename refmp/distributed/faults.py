@@ -18,6 +18,10 @@ Three ways a run can go wrong, and what each does (docs/faults.md):
   the job (what ``python -m mpi4py`` does). A rank killed by a signal ends the job too:
   MPICH's mpiexec tears down the others when one process dies.
 
+Two more end a run on purpose: a hang, found by the watchdog (refmp.distributed.watchdog,
+status 5), and a preemption signal, agreed at a step boundary (refmp.distributed.preemption,
+status 4). :func:`inject_fault` provokes the failures the tests need.
+
 The memory check (refmp.cost.memory) compares an *estimate* of the bytes a rank will hold
 with what the node has free. It is there to refuse, in a second, what cannot fit by far (a
 ``--block-size 100000`` asks for terabytes); it does not promise that what passes fits.
@@ -107,13 +111,14 @@ def check_writable_dir(path: str, flag: str) -> None:
 
 
 def check_outputs(cfg) -> None:
-    """What rank 0 writes (--save, --log-json, --trace files; the --checkpoint-dir folder,
-    which every rank writes into): writable, before any step."""
+    """What rank 0 writes (--save, --log-json, --trace files; the --checkpoint-dir and
+    --trace-dir folders, which every rank writes into): writable, before any step."""
     for flag, path in (("--save", cfg.save), ("--log-json", cfg.log_json), ("--trace", cfg.trace)):
         if path is not None:
             check_writable_file(path, flag)
-    if cfg.checkpoint_dir is not None:
-        check_writable_dir(cfg.checkpoint_dir, "--checkpoint-dir")
+    for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--trace-dir", cfg.trace_dir)):
+        if path is not None:
+            check_writable_dir(path, flag)
 
 
 # --- during the run ---------------------------------------------------------------------------
@@ -127,11 +132,25 @@ def check_finite(step: int, loss: float, grad_norm: float) -> None:
                                 f"(lower --lr, or clip with --grad-clip)")
 
 
-def inject_fault(rank: int, step: int) -> None:
-    """Testing hook: REFMP_FAULT_RANK=r REFMP_FAULT_STEP=s make rank r raise before step s."""
+STUCK_TAG = 32767  # the stuck receive's tag: no refmp message has it (MPI allows at least it)
+
+
+def inject_fault(rank: int, step: int, comm=None) -> None:
+    """Testing hook: REFMP_FAULT_RANK=r REFMP_FAULT_STEP=s make rank r fail before step s, as
+    REFMP_FAULT_MODE says: ``raise`` (default) a RuntimeError; ``hang``: sleep forever,
+    outside MPI; ``recv``: receive, on ``comm``, a message its next rank never sends."""
     want = os.environ.get("REFMP_FAULT_RANK"), os.environ.get("REFMP_FAULT_STEP")
-    if want[0] is not None and int(want[0]) == rank and int(want[1] or 0) == step:
-        raise RuntimeError(f"injected fault on rank {rank} at step {step} (REFMP_FAULT_RANK)")
+    if want[0] is None or int(want[0]) != rank or int(want[1] or 0) != step:
+        return
+    mode = os.environ.get("REFMP_FAULT_MODE", "raise")
+    if mode == "hang":
+        while True:
+            time.sleep(3600)
+    if mode == "recv":
+        import numpy as np  # noqa: PLC0415
+
+        comm.recv((1,), np.float32, (comm.rank + 1) % comm.size, STUCK_TAG)
+    raise RuntimeError(f"injected fault on rank {rank} at step {step} (REFMP_FAULT_RANK)")
 
 
 def write_pid(rank: int) -> None:

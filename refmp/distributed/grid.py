@@ -26,6 +26,7 @@ from mpi4py import MPI
 from refmp.config import check_sizes
 from refmp.distributed.comm import Comm
 from refmp.distributed.ledger import Ledger
+from refmp.distributed.recorder import Recorder
 
 AXES = ("pp", "dp", "cp", "tp")  # slowest to fastest
 
@@ -37,7 +38,7 @@ class ProcessGrid:
     ``grid.group("dp", "cp")`` those that differ only in dp and cp (made once, then cached;
     its ledger label is "dp+cp", naming only the axes of size > 1); ``grid.comm["ep"]`` and
     ``grid.comm["edp"]`` are the expert-parallel group and the matching expert-data-parallel
-    group; ``grid.world`` is everyone. All share one ledger.
+    group; ``grid.world`` is everyone. All share one ledger and one flight recorder.
     """
 
     def __init__(self, world: MPI.Comm | None = None, *, pp: int = 1, dp: int | None = None,
@@ -45,8 +46,8 @@ class ProcessGrid:
         world = MPI.COMM_WORLD if world is None else world
         self.mpi = world
         self.sizes = check_sizes(world.Get_size(), pp, dp, cp, tp, ep)
-        self.ledger = Ledger()
-        self.world = Comm(world, "world", self.ledger)
+        self.ledger, self.recorder = Ledger(), Recorder()
+        self.world = Comm(world, "world", self.ledger, self.recorder)
         self.rank = world.Get_rank()
         self.coords = self.coords_of(self.rank)
         self._groups: dict[tuple[str, ...], Comm] = {}
@@ -56,9 +57,9 @@ class ProcessGrid:
         f = self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
         base = self.rank_of(**{**self.coords, "dp": 0, "cp": 0})  # names the (pp, tp) slice
         self.comm["ep"] = Comm(world.Split(base + (f // ep_size) * n, f % ep_size),
-                               "ep", self.ledger)
+                               "ep", self.ledger, self.recorder)
         self.comm["edp"] = Comm(world.Split(base + (f % ep_size) * n, f // ep_size),
-                                "edp", self.ledger)
+                                "edp", self.ledger, self.recorder)
 
     def group(self, *axes: str) -> Comm:
         """The ranks that differ from this one only along ``axes`` (cached; collective the
@@ -71,7 +72,8 @@ class ProcessGrid:
             for a in key:
                 index = index * self.sizes[a] + self.coords[a]
             label = "+".join(a for a in key if self.sizes[a] > 1) or key[0]
-            self._groups[key] = Comm(self.mpi.Split(colour, index), label, self.ledger)
+            self._groups[key] = Comm(self.mpi.Split(colour, index), label, self.ledger,
+                                     self.recorder)
             self._groups[key].cuda_aware = self.world.cuda_aware
         return self._groups[key]
 

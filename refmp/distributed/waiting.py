@@ -24,7 +24,8 @@ from refmp.runtime import cpu
 
 
 class StagedRequest(MPI.Request):
-    """A request whose result must still be copied from a host staging buffer to the device.
+    """A request with work left for when it completes: a result to copy from a host staging
+    buffer to the device, the flight recorder's entry to mark completed (Comm._tracked).
 
     :func:`wait` calls ``finish`` once the request completes; ``keep`` holds the host buffer
     alive until then (MPI reads or writes it asynchronously).

@@ -90,6 +90,7 @@ class Executor:
         self.events, self.peak_held = [], 0
         for a in actions:
             i, c = a.mb, a.chunk
+            self.comm.recorder.microbatch = i  # the flight recorder's label of each call
             final = i == len(xs) - 1  # the step's last micro-batch
             shape = stage.act_shape(*xs[i].shape)  # (b_i, T, C); T/tp with SP
             if a.kind == "F":
@@ -122,6 +123,7 @@ class Executor:
                 caches_held -= 1
                 self._event("W", i, c, t0)
         t0 = time.perf_counter()
+        self.comm.recorder.microbatch = -1
         wait_all([req for req, _ in pending])  # the buffers stayed alive in `pending` until here
         self._event("send", -1, -1, t0)
         stage.sharder.on_previous = False

@@ -1,0 +1,208 @@
+"""No hang ever (refmp.distributed.watchdog, recorder, diagnose, preemption).
+
+The hangs run the real command under mpiexec with --collective-timeout 3 and a fault hook
+(REFMP_FAULT_MODE): each must end non-zero (5) well within the timeout plus 30 s, naming the
+stuck rank. They mostly wait, so they run at the same time (one fixture). The preemption
+runs send SIGTERM to mpiexec and resume from the checkpoint: bitwise the run nobody stopped.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from mpi_helpers import REPO, mpiexec, refmp
+
+from refmp.cli.trace import read_states
+from refmp.distributed.diagnose import report
+from refmp.distributed.preemption import parse_signals
+from refmp.distributed.recorder import Recorder
+from refmp.errors import ConfigError
+
+pytestmark = pytest.mark.cli
+
+SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "8", "--batch-size", "8", "--no-progress"]
+TIMEOUT = 3
+
+
+def hang_cases(tmp) -> dict:
+    """name: (ranks, train flags, fault environment)."""
+    hang = {"REFMP_FAULT_RANK": "1", "REFMP_FAULT_STEP": "3", "REFMP_FAULT_MODE": "hang"}
+    return {
+        "dp2 hang": (2, ["--dp", "2", "--trace-dir", f"{tmp}/dp2"], hang),
+        "pp2 x dp2 hang": (4, ["--pp", "2", "--dp", "2", "--microbatches", "2"], hang),
+        "pp2 stuck receive": (2, ["--pp", "2", "--microbatches", "2"],
+                              {**hang, "REFMP_FAULT_MODE": "recv"}),
+        "mismatch": (2, ["sizes"], None),
+        "mismatch checked": (2, ["ops"], {"REFMP_CHECK_CALLS": "1"}),
+    }
+
+
+@pytest.fixture(scope="module")
+def hangs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hangs")
+    cases = hang_cases(tmp)
+
+    def one(name):
+        n, flags, env = cases[name]
+        t0 = time.perf_counter()
+        if name.startswith("mismatch"):
+            r = mpiexec(n, ["python", "tests/mpi_scripts/mismatched_collective.py", *flags],
+                        timeout=60, env=env)
+        else:
+            r = refmp(n, ["train", *SMALL, "--steps", "100000", "--collective-timeout",
+                          str(TIMEOUT), *flags], timeout=60, env=env)
+        return name, (r, time.perf_counter() - t0)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        return dict(pool.map(one, cases)), tmp
+
+
+def ended_by_watchdog(r, seconds):
+    assert r.returncode == 5, (r.returncode, r.stderr[-3000:])
+    assert seconds < TIMEOUT + 30
+    assert "refmp: the watchdog ends the job" in r.stderr
+    assert "Thread 0x" in r.stderr  # the ranks' tracebacks (faulthandler)
+
+
+def test_rank_sleeping_outside_mpi_is_named_dp2(hangs):
+    (r, seconds), tmp = hangs[0]["dp2 hang"], hangs[1]
+    ended_by_watchdog(r, seconds)
+    assert "rank 1 has not entered allreduce@dp #" in r.stderr and "that rank 0 waits in" in r.stderr
+    assert "rank 1 is not in MPI" in r.stderr and "inject_fault" in r.stderr
+    out = subprocess.run([sys.executable, "-m", "refmp", "trace", str(tmp / "dp2")], cwd=REPO,
+                         capture_output=True, text=True, timeout=30)  # the same, afterwards
+    assert out.returncode == 0 and "rank 1 has not entered allreduce@dp #" in out.stdout, out
+
+
+def test_rank_sleeping_outside_mpi_is_named_pp_dp(hangs):
+    r, seconds = hangs[0]["pp2 x dp2 hang"]
+    ended_by_watchdog(r, seconds)
+    assert "rank 1 has not" in r.stderr and "rank 1 is not in MPI" in r.stderr, r.stderr[-3000:]
+
+
+def test_receive_that_never_gets_its_message(hangs):
+    r, seconds = hangs[0]["pp2 stuck receive"]
+    ended_by_watchdog(r, seconds)
+    assert "rank 0 has not sent message #" in r.stderr and "(tag 32767) on pp that rank 1 waits" \
+        in r.stderr, r.stderr[-3000:]
+    assert "rank 1 waits in recv@pp #" in r.stderr
+
+
+def test_mismatched_collective_reports_both_calls(hangs):
+    r, seconds = hangs[0]["mismatch"]
+    ended_by_watchdog(r, seconds)
+    line = next(x for x in r.stderr.splitlines() if "mismatched calls on world[0,1] #1" in x)
+    assert "allreduce 32 B float64" in line and "allreduce 8000 B float64" in line, line
+    assert "not reached" not in r.stdout
+
+
+def test_mismatched_ops_refused_with_the_check(hangs):
+    """REFMP_CHECK_CALLS=1: an all-reduce against an all-gather of as many bytes (which MPICH
+    completes with wrong values) is an error on both ranks, naming both calls."""
+    r, seconds = hangs[0]["mismatch checked"]
+    assert r.returncode != 0 and seconds < 30 and "not reached" not in r.stdout
+    line = next(x for x in r.stderr.splitlines() if x.startswith("refmp.distributed.callcheck."))
+    assert "mismatched calls on world[0,1] #1: rank 0 allreduce 32 B float64 at " \
+           "mismatched_collective.py:" in line and "rank 1 allgather 32 B float64" in line, line
+
+
+def test_recorder_counts_and_report():
+    """Sequence numbers per group and per (peer, tag); the analysis of two made-up states."""
+    rec = Recorder(capacity=3)
+    g = rec.group("dp", (0, 1))
+    assert rec.group("dp", (0, 1)) == 1 and rec.group_name(1) == "dp~2[0,1]"
+    for _ in range(4):
+        rec.done(rec.start(g, "allreduce", 16, np.dtype("float32")))
+    e = rec.start(g, "allreduce", 16, np.dtype("float32"))
+    s = rec.start(g, "send", 8, np.dtype("float32"), 1, 7)
+    assert (e[3], s[3], len(rec.ring)) == (5, 1, 3)  # the ring keeps the last 3
+    mine = {**rec.dump(), "rank": 0, "time": e[11] + 10.0, "stack": []}
+    other = Recorder()
+    other.group("dp", (0, 1))
+    for _ in range(4):
+        other.done(other.start(0, "allreduce", 16, np.dtype("float32")))
+    theirs = {**other.dump(), "rank": 1, "time": e[11] + 10.0, "stack": [["x.py", 3, "f"]]}
+    text = report({0: mine, 1: theirs}, 2)
+    assert "rank 1 has not entered allreduce@dp #5 that rank 0 waits in" in text, text
+    assert "rank 1 is not in MPI" in text and "x.py:3 f" in text
+
+
+def test_exit_signal_names():
+    assert [s.name for s in parse_signals("SIGTERM,usr1")] == ["SIGTERM", "SIGUSR1"]
+    assert parse_signals("none") == []
+    for bad in ("SIGKILL", "SIGNOPE"):
+        with pytest.raises(ConfigError, match="--exit-signal"):
+            parse_signals(bad)
+
+
+def test_trace_reads_directories(tmp_path):
+    with pytest.raises(ConfigError, match="no rank"):
+        read_states([str(tmp_path)])
+
+
+def _sigterm_then_resume(tmp_path, n, layout):
+    """Train; SIGTERM (twice: the second lands in the save) to mpiexec mid-run; resume."""
+    from safetensors.numpy import load_file
+
+    run = [*SMALL, *layout, "--steps", "30", "--dtype", "float64"]
+    whole, resumed, ck = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "ck"
+    log = tmp_path / "log.jsonl"
+    cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "refmp", "train", *run,
+           "--checkpoint-dir", str(ck), "--save-every", "5", "--log-json", str(log)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not (ck / "step-00000005" / "manifest.json").exists():
+            time.sleep(0.01)  # training runs (the log is buffered: a checkpoint says so)
+        assert job.poll() is None, "the job ended before the signal"
+        job.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        job.send_signal(signal.SIGTERM)
+        t0 = time.perf_counter()
+        out, err = job.communicate(timeout=30)
+        assert time.perf_counter() - t0 < 30
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 4, (job.returncode, err)
+    last = log.read_text().splitlines()[-1]
+    step = int(last.split('"step": ')[1].rstrip("}"))
+    assert '"preempted": "SIGTERM"' in last and 5 <= step < 30
+    assert f"refmp train: stopped by SIGTERM after step {step} of 30; checkpoint of step {step}" in err
+    assert (ck / f"step-{step:08d}" / "manifest.json").exists()
+    assert refmp(n, ["train", *run, "--save", str(whole)], timeout=120).returncode == 0
+    r = refmp(n, ["train", *run, "--resume", str(ck), "--save", str(resumed)], timeout=120)
+    assert r.returncode == 0 and f"at step {step} of 30" in r.stdout, r.stderr
+    a, b = load_file(str(whole)), load_file(str(resumed))
+    for k in a:
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+
+
+def test_sigterm_checkpoints_and_resumes_bitwise_dp(tmp_path):
+    _sigterm_then_resume(tmp_path, 2, ["--dp", "2"])
+
+
+def test_sigterm_checkpoints_and_resumes_bitwise_pp_tp(tmp_path):
+    _sigterm_then_resume(tmp_path, 4, ["--pp", "2", "--tp", "2", "--microbatches", "2"])
+
+
+def test_sigterm_without_checkpoint_dir_stops_cleanly(tmp_path):
+    job = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, "-m", "refmp", "train", *SMALL,
+                            "--steps", "100000"], cwd=REPO,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().startswith("refmp train: ")  # the banner: training starts
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 4 and "no --checkpoint-dir: nothing saved" in err, err
