@@ -87,7 +87,7 @@ def take_params(model: gpt.GPT, chunks: dict[int, range], first: bool, last: boo
     return local
 
 
-def build_sharder(local: dict, grid, layout: ParallelConfig) -> Sharder:
+def build_sharder(local: dict, grid, layout: ParallelConfig, seed: int) -> Sharder:
     """The Sharder over ``local``: its units (placement.units_of), each over the group its
     gradient is summed over (placement's "reduce": dp x cp, or edp for experts)."""
     dense, edp = grid.group("dp", "cp"), grid.comm["edp"]
@@ -96,7 +96,7 @@ def build_sharder(local: dict, grid, layout: ParallelConfig) -> Sharder:
               for u, names in units.items()}
     compute, grad_dtype = mixed_dtypes(layout)  # None, None without --mixed-precision
     return Sharder(local, units, groups, layout.zero, layout.bucket_mb, compute, grad_dtype,
-                   *make_codecs(layout))
+                   *make_codecs(layout, seed))
 
 
 def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list):
@@ -122,9 +122,9 @@ def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list
 class Engine:
     """The runner (refmp.training.trainer.Runner) for any layout: ``model`` holds the full initial
     weights (layout-independent), which the engine slices and then frees; ``layout`` how the
-    ranks split the work; ``T`` is the block size the run trains on."""
+    ranks split the work; ``T`` the block size the run trains on; ``seed`` the run's."""
 
-    def __init__(self, model: gpt.GPT, grid, layout: ParallelConfig, T: int):
+    def __init__(self, model: gpt.GPT, grid, layout: ParallelConfig, T: int, seed: int = 0):
         mc = self.mcfg = model.cfg
         self.grid, self.tp, self.pp, self.ep = grid, grid.comm["tp"], grid.comm["pp"], grid.comm["ep"]
         self.sp, self.microbatches = layout.sequence_parallel, layout.microbatches
@@ -140,7 +140,7 @@ class Engine:
                              self.v_shape)
         self.first, self.last = 0 in chunks, self.n_chunks - 1 in chunks
         local = take_params(model, chunks, self.first, self.last, grid)
-        self.sharder = build_sharder(local, grid, layout)
+        self.sharder = build_sharder(local, grid, layout, seed)
         self.stage = Stage(chunks, self.n_chunks, mc, self.ops, self.sharder,
                            moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
                            self.tp.size if self.sp else 1, layout.recompute == "full")

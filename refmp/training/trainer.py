@@ -124,7 +124,7 @@ def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT) -> Runner:
     """The one engine, for a layout whose rules were checked (refmp.parallel.layout)."""
     from refmp.parallel.engine import Engine
 
-    return Engine(model, grid, cfg.parallel, cfg.block_size or model.cfg.block_size)
+    return Engine(model, grid, cfg.parallel, cfg.block_size or model.cfg.block_size, cfg.seed)
 
 
 def build_optimizer(cfg: TrainConfig, params: dict, decay=None):
