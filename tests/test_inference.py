@@ -129,6 +129,13 @@ def test_generate_command(weights, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["texts"] == out["texts"]
 
 
+def test_default_new_tokens_fit_the_positions(weights, capsys):
+    """Without --max-new-tokens a prompt gets 16 new tokens, or the positions it leaves (the
+    model has 16: an 8-token prompt gets 9)."""
+    assert main(["generate", "--init", weights[0], "--prompt", "123+456=", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["new_tokens"][0]) == 9
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--prompt", "12a+3="], "'a' not in the model's vocabulary"),
     (["--prompt", "1" * 17], "longer than the model's 16 positions"),

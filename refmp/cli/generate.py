@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
                    help="continuous batching: one request a line, {\"prompt\": ids or text, "
                         "\"max_new_tokens\": N, \"arrival\": step}")
     d = g.add_argument_group("decoding")
-    d.add_argument("--max-new-tokens", type=int, default=16, help="new tokens per prompt (16)")
+    d.add_argument("--max-new-tokens", type=int, default=None,
+                   help="new tokens per prompt (default 16, or as many as the positions left)")
     d.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     d.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: all)")
     d.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
@@ -61,7 +62,7 @@ def add_parser(sub) -> None:
 
 def check_fits(args: argparse.Namespace, mcfg, sizes: dict, prompts: list) -> None:
     """Refuse what this layout cannot split, or these prompts cannot do (pure)."""
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.kv_block_size is not None and args.kv_block_size < 1:
         raise ConfigError(f"--kv-block-size must be at least 1, got {args.kv_block_size}")
@@ -97,7 +98,7 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     from refmp.inference.generate import generate
     from refmp.inference.sampling import Sampler
     from refmp.inference.sources import load_weights, read_prompts
-    from refmp.training.trainer import agreed
+    from refmp.distributed.faults import agreed
 
     grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     world, sampler = grid.world, Sampler(args.temperature, args.top_k, args.top_p, args.seed)
@@ -110,6 +111,8 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     if len({len(p) for p in prompts}) > 1:
         raise ConfigError(f"prompts of different lengths {sorted({len(p) for p in prompts})}: "
                           f"give them as --requests PATH.jsonl (continuous batching)")
+    if args.max_new_tokens is None:  # 16, or what the model's positions leave room for
+        args.max_new_tokens = max(1, min(16, mcfg.block_size - len(prompts[0]) + 1))
     if len(prompts[0]) + args.max_new_tokens - 1 > mcfg.block_size:
         raise ConfigError(f"{len(prompts[0])} prompt tokens and --max-new-tokens "
                           f"{args.max_new_tokens} need {len(prompts[0]) + args.max_new_tokens - 1}"
@@ -164,7 +167,7 @@ def run_requests(args, grid, mcfg, params: dict, tok, sampler) -> dict | None:
     from refmp.inference.decoder import Decoder
     from refmp.inference.scheduler import Request, serve
     from refmp.inference.sources import read_requests
-    from refmp.training.trainer import agreed
+    from refmp.distributed.faults import agreed
 
     world, s = grid.world, grid.sizes
     reqs = agreed(world, lambda: read_requests(args.requests, tok, mcfg.vocab_size))
