@@ -93,12 +93,12 @@ def check_fits(args: argparse.Namespace, mcfg, sizes: dict, prompts: list) -> No
 def run_generate(args: argparse.Namespace) -> dict | None:
     """The command (collective over the world); the summary on world rank 0."""
 
+    from refmp.distributed.faults import agreed
     from refmp.distributed.grid import ProcessGrid
     from refmp.inference.decoder import Decoder
     from refmp.inference.generate import generate
     from refmp.inference.sampling import Sampler
     from refmp.inference.sources import load_weights, read_prompts
-    from refmp.distributed.faults import agreed
 
     grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     world, sampler = grid.world, Sampler(args.temperature, args.top_k, args.top_p, args.seed)
@@ -164,10 +164,10 @@ def report(args, tokens, logits, tok, summary: dict) -> None:
 
 def run_requests(args, grid, mcfg, params: dict, tok, sampler) -> dict | None:
     """``--requests``: continuous batching; request i is served by dp rank i mod dp."""
+    from refmp.distributed.faults import agreed
     from refmp.inference.decoder import Decoder
     from refmp.inference.scheduler import Request, serve
     from refmp.inference.sources import read_requests
-    from refmp.distributed.faults import agreed
 
     world, s = grid.world, grid.sizes
     reqs = agreed(world, lambda: read_requests(args.requests, tok, mcfg.vocab_size))
