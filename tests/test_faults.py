@@ -20,7 +20,7 @@ from mpi4py import MPI
 from mpi_helpers import REPO, mpiexec, refmp
 
 from refmp.checkpoint.weights import save_model
-from refmp.cost import memory as memory_check
+from refmp.cost.memory import estimate_memory, need_bytes
 from refmp.distributed.faults import check_finite, check_writable_dir, check_writable_file
 from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError, TrainingError
@@ -224,7 +224,7 @@ def test_memory_estimate_against_the_measured_serial(kw):
     tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
     for _ in range(2):
         tr.step()
-    got, est = tr.memory(), memory_check.estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
+    got, est = tr.memory(), estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
     for k in ("params", "grads", "optimizer"):
         assert est[k] == got[k], k
     if cfg.n_expert:
@@ -232,19 +232,19 @@ def test_memory_estimate_against_the_measured_serial(kw):
     else:
         assert est["activations"] == got["activations"]
     kinds = ("params", "grads", "optimizer", "activations")
-    assert memory_check.need_bytes(est) >= sum(got[k] for k in kinds)
+    assert need_bytes(est) >= sum(got[k] for k in kinds)
 
 
 ESTIMATE_SCRIPT = """
 from mpi4py import MPI
 from refmp.training.trainer import TrainConfig, Trainer
-from refmp.cost import memory as memory_check
+from refmp.cost.memory import estimate_memory, need_bytes
 for kw in LAYOUTS:
     cfg = TrainConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 16, "batch_size": 16, "steps": 1,
                          "progress": False, **kw})
     tr = Trainer(cfg)
     tr.step()
-    got, est = tr.memory(), memory_check.estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
+    got, est = tr.memory(), estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
     bad = [k for k in ("params", "grads", "optimizer") if est[k] != got[k]]
     ratio = est["activations"] / got["activations"]
     exact = not cfg.n_expert and cfg.schedule != "zb-h1"  # else a bound: 0.9 to 3 x

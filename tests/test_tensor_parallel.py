@@ -26,7 +26,7 @@ from refmp.parallel.data.accumulate import activation_bytes
 from refmp.parallel.ops import ParallelOps
 from refmp.parallel.placement import padded_vocab, place, tp_shard
 from refmp.parallel.tensor import linear as tpl
-from refmp.parallel.tensor import vocab as vocab
+from refmp.parallel.tensor import vocab
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 
