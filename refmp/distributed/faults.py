@@ -112,13 +112,17 @@ def check_writable_dir(path: str, flag: str) -> None:
 
 def check_outputs(cfg) -> None:
     """What rank 0 writes (--save, --log-json, --trace files; the --checkpoint-dir and
-    --trace-dir folders, which every rank writes into): writable, before any step."""
+    --trace-dir folders, which every rank writes into): writable, before any step; and
+    --trace-dir only where the watchdog that writes it runs."""
     for flag, path in (("--save", cfg.save), ("--log-json", cfg.log_json), ("--trace", cfg.trace)):
         if path is not None:
             check_writable_file(path, flag)
     for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--trace-dir", cfg.trace_dir)):
         if path is not None:
             check_writable_dir(path, flag)
+    if cfg.trace_dir is not None and not cfg.collective_timeout:
+        raise ConfigError("--trace-dir holds the watchdog's report, and --collective-timeout 0 "
+                          "turns the watchdog off")
 
 
 # --- during the run ---------------------------------------------------------------------------
@@ -132,13 +136,14 @@ def check_finite(step: int, loss: float, grad_norm: float) -> None:
                                 f"(lower --lr, or clip with --grad-clip)")
 
 
-STUCK_TAG = 32767  # the stuck receive's tag: no refmp message has it (MPI allows at least it)
+STUCK_TAG = 32766  # the stuck receive's: the executor's tags stay below, the tied wte's is 32767
 
 
 def inject_fault(rank: int, step: int, comm=None) -> None:
     """Testing hook: REFMP_FAULT_RANK=r REFMP_FAULT_STEP=s make rank r fail before step s, as
     REFMP_FAULT_MODE says: ``raise`` (default) a RuntimeError; ``hang``: sleep forever,
-    outside MPI; ``recv``: receive, on ``comm``, a message its next rank never sends."""
+    outside MPI; ``recv``: receive, on ``comm``, a message its next rank never sends;
+    ``mpi``: an MPI call that MPI refuses (a receive from rank ``comm.size``: MPI.Exception)."""
     want = os.environ.get("REFMP_FAULT_RANK"), os.environ.get("REFMP_FAULT_STEP")
     if want[0] is None or int(want[0]) != rank or int(want[1] or 0) != step:
         return
@@ -150,6 +155,8 @@ def inject_fault(rank: int, step: int, comm=None) -> None:
         import numpy as np  # noqa: PLC0415
 
         comm.recv((1,), np.float32, (comm.rank + 1) % comm.size, STUCK_TAG)
+    if mode == "mpi":
+        comm.mpi.Irecv(bytearray(8), source=comm.size)  # no such rank: MPI raises
     raise RuntimeError(f"injected fault on rank {rank} at step {step} (REFMP_FAULT_RANK)")
 
 

@@ -17,6 +17,10 @@ receiver whose count runs ahead of its sender's waits for a message not yet sent
 The hot path formats nothing: an entry is a list of plain values (the dtype object as
 given, the frame as (file, line, function) from ``sys._getframe``); :meth:`Recorder.dump`
 turns the ring into JSON only when a report is written.
+
+``REFMP_RECORDER_CALLS=N`` sets the ring's size; 0 turns the recorder off (``start`` and
+``done`` do nothing), for measuring what it costs (docs/faults.md). The watchdog reads the
+recorder, so it refuses to run without one (refmp.distributed.faults.check_outputs).
 """
 
 from __future__ import annotations
@@ -26,13 +30,25 @@ import sys
 import time
 from collections import deque
 
-CAPACITY = 2000
+from refmp.errors import ConfigError
+
+CAPACITY = 2000  # entries kept by default (REFMP_RECORDER_CALLS)
 STARTED, COMPLETED = "started", "completed"
 # the fields of an entry, in order (an entry is a list: its state and end time change)
 FIELDS = ("id", "group", "op", "seq", "bytes", "dtype", "peer", "tag", "state", "step",
           "microbatch", "t_start", "t_end", "frame")
 STATE, T_END = FIELDS.index("state"), FIELDS.index("t_end")
+_OFF = [-1] * len(FIELDS)  # the entry an off recorder hands out
 _HERE = os.path.dirname(os.path.abspath(__file__))  # frames in this package are skipped
+
+
+def ring_size() -> int:
+    """The ring's size: ``REFMP_RECORDER_CALLS`` (a whole number; 0: off), else CAPACITY."""
+    given = os.environ.get("REFMP_RECORDER_CALLS", str(CAPACITY))
+    if not given.isdigit():
+        raise ConfigError(f"REFMP_RECORDER_CALLS must be a whole number of calls (0: no flight "
+                          f"recorder), got {given!r}")
+    return int(given)
 
 
 def caller():
@@ -46,7 +62,8 @@ def caller():
 class Recorder:
     """One rank's ring of communication calls, shared by the Comms of its grid."""
 
-    def __init__(self, capacity: int = CAPACITY):
+    def __init__(self, capacity: int | None = None):
+        capacity = ring_size() if capacity is None else capacity
         self.ring: deque[list] = deque(maxlen=capacity)
         self.groups: list[tuple[str, tuple[int, ...]]] = []  # group id -> (label, world ranks)
         self.counts: dict[tuple, int] = {}  # group id, or (group id, op, peer, tag) -> calls
@@ -55,6 +72,9 @@ class Recorder:
         self.microbatch = -1
         self.waiting: list | None = None  # the entry a blocking Comm call waits in, if any
         self.progress = time.time()  # the last start or completion: what the watchdog watches
+        self.on = capacity > 0
+        if not self.on:  # off: the same calls, doing nothing (instance attributes win)
+            self.start, self.done = (lambda *a, **k: _OFF), (lambda entry: None)
 
     def group(self, label: str, members: tuple[int, ...]) -> int:
         """An id for the group of world ranks ``members`` called ``label`` ("dp", "pp+tp").

@@ -43,6 +43,7 @@ import traceback
 
 from refmp.distributed.diagnose import report
 from refmp.distributed.recorder import Recorder
+from refmp.errors import ConfigError
 
 EXIT_HANG = 5  # the status of a job the watchdog ended (MPI_Abort's error code)
 ALARM = "alarm"
@@ -63,6 +64,9 @@ class Watchdog:
     """One rank's watchdog thread (module docstring); :meth:`start` is collective."""
 
     def __init__(self, mpi_world, recorder: Recorder, timeout: float, trace_dir: str | None):
+        if not recorder.on:  # the same environment on every rank: refused on all
+            raise ConfigError("REFMP_RECORDER_CALLS=0 turns off the flight recorder that the "
+                              "watchdog reads: give --collective-timeout 0 too")
         self.mpi, self.recorder, self.timeout = mpi_world, recorder, float(timeout)
         self.rank, self.size = mpi_world.Get_rank(), mpi_world.Get_size()
         self.period = min(1.0, self.timeout / 4)
