@@ -237,19 +237,23 @@ def test_sigterm_checkpoints_and_resumes_bitwise_pp_tp(tmp_path):
     _sigterm_then_resume(tmp_path, 4, ["--pp", "2", "--tp", "2", "--microbatches", "2"])
 
 
-def test_sigterm_without_checkpoint_dir_stops_cleanly(tmp_path):
+def test_sigterm_to_one_rank_without_checkpoint_dir_stops_every_rank(tmp_path):
+    """SIGTERM to rank 1 alone (not the launcher): rank 0, which got none, stops at the same
+    step boundary and says so, since the ranks agree on the flag; no --checkpoint-dir."""
     log = tmp_path / "log.jsonl"
     job = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, "-m", "refmp", "train", *SMALL,
                             "--steps", "100000", "--log-json", str(log)], cwd=REPO,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    try:  # a flushed log means steps ran, so every rank catches the signal (not the banner:
+                           env={**os.environ, "OMP_NUM_THREADS": "1",
+                                "REFMP_TEST_PID_DIR": str(tmp_path)},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # a flushed log means steps ran, so rank 1 catches the signal (not the banner:
         deadline = time.time() + 60  # rank 1 may not have installed its handler by then)
         while time.time() < deadline and not (log.exists() and log.stat().st_size):
             time.sleep(0.01)
-        job.send_signal(signal.SIGTERM)
+        os.kill(int((tmp_path / "rank1.pid").read_text()), signal.SIGTERM)
         _, err = job.communicate(timeout=30)
     finally:
         if job.poll() is None:
             job.kill()
     assert job.returncode == 4 and "no --checkpoint-dir: nothing saved" in err, err
+    assert '"preempted": "SIGTERM"' in log.read_text().splitlines()[-1]  # rank 0's log
