@@ -162,23 +162,39 @@ def test_generate_under_mpi_tp2_and_a_layout_that_does_not_fit(weights, tmp_path
     assert "--pp 3 stages but the model has 2 layers" in r.stderr
 
 
-def test_matches_hugging_face_generate(weights, tmp_path):
-    """Tokens and logits equal transformers' greedy generate with its cache (same weights)."""
+def test_matches_hugging_face_generate(tmp_path, capsys):
+    """A random transformers GPT2LMHeadModel saved by save_pretrained (float64 safetensors),
+    decoded by `refmp generate --init DIR`: the tokens equal transformers' greedy generate with
+    its cache, the logits its cached forward's (caught at lm_head) to 1e-12, and the float32
+    logits generate returns to their rounding."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    _, m = weights
-    cfg = transformers.GPT2Config(vocab_size=m.cfg.vocab_size, n_positions=16, n_embd=32,
-                                  n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=23, n_positions=24, n_embd=32, n_layer=2,
+                                  n_head=4, bos_token_id=None, eos_token_id=None)
     hf = transformers.GPT2LMHeadModel(cfg).double().eval()
-    state = {f"transformer.{k}": torch.from_numpy(v.copy()) for k, v in m.params.items()}
-    hf.load_state_dict(state, strict=False)
-    prompt = torch.tensor([[1, 2, 3, 10, 4, 5, 6, 11]])
-    out = hf.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True,
-                      output_logits=True, return_dict_in_generate=True)
-    got = generate(decoder(m), prompt.numpy(), 6, Sampler())
-    np.testing.assert_array_equal(got.tokens, out.sequences.numpy())
-    hf_logits = torch.stack(out.logits, dim=1).numpy()
-    np.testing.assert_allclose(got.logits, hf_logits, rtol=0, atol=1e-10)
+    with torch.no_grad():  # every weight random, biases and LayerNorms too
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    prompts = np.random.default_rng(2).integers(0, 23, (2, 8))
+    np.save(tmp_path / "p.npy", prompts)
+    seen = []  # the float64 logits of each cached call, as generate computes them
+    hf.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out[:, -1].clone()))
+    with torch.no_grad():
+        out = hf.generate(torch.from_numpy(prompts), max_new_tokens=6, do_sample=False,
+                          use_cache=True, output_logits=True, return_dict_in_generate=True,
+                          pad_token_id=0)
+    assert main(["generate", "--init", str(tmp_path / "hf"), "--prompts", str(tmp_path / "p.npy"),
+                 "--max-new-tokens", "6", "--dtype", "float64", "--json",
+                 "--save-tokens", str(tmp_path / "t.npy"),
+                 "--save-logits", str(tmp_path / "l.npy")]) == 0
+    capsys.readouterr()
+    np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), out.sequences.numpy())
+    logits = np.load(tmp_path / "l.npy")  # (B, N, V)
+    np.testing.assert_allclose(logits, torch.stack(seen, 1).numpy(), rtol=0, atol=1e-12)
+    hf32 = torch.stack(out.logits, dim=1).numpy()  # generate's copy, cast to float32
+    np.testing.assert_allclose(logits.astype(np.float32), hf32, rtol=2.0**-23, atol=0)
 
 
 @pytest.mark.tutorial
