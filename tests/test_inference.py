@@ -178,13 +178,15 @@ def test_matches_hugging_face_generate(tmp_path, capsys):
             p.normal_(0.0, 0.3)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     prompts = np.random.default_rng(2).integers(0, 23, (2, 8))
+    prompts[0, 3] = 0  # a token 0 is a token, not padding
     np.save(tmp_path / "p.npy", prompts)
     seen = []  # the float64 logits of each cached call, as generate computes them
     hf.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out[:, -1].clone()))
-    with torch.no_grad():
-        out = hf.generate(torch.from_numpy(prompts), max_new_tokens=6, do_sample=False,
-                          use_cache=True, output_logits=True, return_dict_in_generate=True,
-                          pad_token_id=0)
+    ids = torch.from_numpy(prompts)
+    with torch.no_grad():  # the mask given: else generate takes a token 0 for padding
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                          do_sample=False, use_cache=True, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0)
     assert main(["generate", "--init", str(tmp_path / "hf"), "--prompts", str(tmp_path / "p.npy"),
                  "--max-new-tokens", "6", "--dtype", "float64", "--json",
                  "--save-tokens", str(tmp_path / "t.npy"),
