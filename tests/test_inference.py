@@ -17,7 +17,7 @@ from refmp.distributed.grid import ProcessGrid
 from refmp.inference.decoder import Decoder
 from refmp.inference.generate import generate
 from refmp.inference.sampling import Sampler
-from refmp.inference.scheduler import Request, serve
+from refmp.inference.scheduler import Request, plan, serve
 from refmp.nn.gpt import GPT, GPTConfig
 from refmp.training.datasets import ADD_CHARS
 
@@ -68,12 +68,40 @@ def test_continuous_batching_equals_one_request_at_a_time(block_size):
     both = serve(dec, REQUESTS, SAMPLED, 3, block_size)
     if block_size:  # a request's blocks: at most one not full
         assert all(dec.cache.waste(s) < block_size for s in range(3))
-    assert max(len(ids) for _, kind, ids in both.trace if kind == "decode") == 3
+    assert max(len(st.decode) for st in both.trace) == 3
     for i, r in enumerate(REQUESTS):
         alone = serve(decoder(m), [r._replace(arrival=0)], SAMPLED, 3, block_size, ids=[i])
         np.testing.assert_array_equal(both.tokens[i], alone.tokens[0])
         np.testing.assert_array_equal(both.logits[i], alone.logits[0])
         assert len(both.tokens[i]) == len(r.prompt) + r.max_new_tokens
+
+
+@pytest.mark.parametrize("stages, slots", [(1, 3), (2, 4), (3, 3), (4, 2)])
+def test_the_plan_never_schedules_a_group_twice_while_it_is_in_flight(stages, slots):
+    """A turn of group g started at tick t is on stage s at t + s, done at t + stages - 1:
+    the group's next turn starts at t + stages or later; each request gets its tokens."""
+    steps = plan(REQUESTS, slots, stages)
+    for g in range(min(stages, slots)):
+        ticks = [st.tick for st in steps if st.group == g]
+        assert all(b - a >= stages for a, b in zip(ticks[:-1], ticks[1:], strict=True)), (g, ticks)
+    for t in range(steps[-1].tick + stages):  # at each tick the stages hold distinct groups
+        live = [st.group for st in steps if st.tick <= t < st.tick + stages]
+        assert len(live) == len(set(live)), (t, live)
+    fed = [0] * len(REQUESTS)
+    for st in steps:
+        for i, *_ in st.decode + st.admit:
+            fed[i] += 1
+    assert fed == [r.max_new_tokens for r in REQUESTS]
+    assert sorted(s for st in steps for s in st.done) == sorted(
+        s for st in steps for _, s in st.admit)  # every slot taken is given back
+
+
+def test_the_plan_keeps_every_stage_busy_while_the_groups_have_work():
+    """One group per stage: 2 stages, 2 groups of 2 slots, 8 equal requests: a turn starts at
+    every tick (each stage works on one group while the other group's tokens travel)."""
+    steps = plan([Request([1, 2], 5)] * 8, 4, 2)
+    assert [st.tick for st in steps] == list(range(len(steps)))
+    assert [st.group for st in steps] == [t % 2 for t in range(len(steps))]
 
 
 def test_paged_blocks_waste_at_most_one_block_per_request():

@@ -168,13 +168,16 @@ class Decoder:
 
     # --- one call: this stage's blocks on t new tokens of each row -------------------------
 
-    def forward(self, ids, slots: list[int], positions, prefill: bool, decoded=None):
+    def forward(self, ids, slots: list[int], positions, prefill: bool, decoded=None,
+                sends: list | None = None):
         """Run this stage on the rows ``slots`` (-1: a free slot, skipped by attention).
 
         ``ids`` (B, t) token ids (first stage; None elsewhere); ``positions`` their global
         positions, (t,) or (B, t); ``decoded`` (B,) in a decode step: the index j of each
         row's new token (it decides the cp rank that keeps it). Returns the full logits (B, V)
-        of each row's last position on the last stage, None elsewhere.
+        of each row's last position on the last stage, None elsewhere. ``sends``: a list that
+        takes the send to the next stage, (request, buffer), for the caller to wait on;
+        without it the send is waited here.
         """
         B, t = len(slots), (1 if not prefill else np.shape(positions)[-1])
         self.mode, self.slots = ("prefill" if prefill else "decode"), slots
@@ -199,7 +202,12 @@ class Decoder:
             if slot >= 0:
                 self.cache.advance(slot, t_here if prefill else int(self.owns[b]))
         if not self.last:
-            wait(self.pp.send(np.ascontiguousarray(x), self.pp.rank + 1, TAG_ACT))
+            x = np.ascontiguousarray(x)
+            req = self.pp.send(x, self.pp.rank + 1, TAG_ACT)
+            if sends is None:
+                wait(req)
+            else:  # the buffer stays alive until the caller waits
+                sends.append((req, x))
             return None
         x_last = x[:, -1:, :]  # (B, 1, C)
         if prefill and cp.size > 1:  # the prompt's last token lives on one cp rank
