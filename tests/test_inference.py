@@ -3,6 +3,7 @@ paged cache bitwise the contiguous one, continuous batching bitwise one request 
 sampling reproducible; ``refmp generate`` end to end, and its refusals (exit 2).
 (Split layouts: tests/test_inference_parallel.py.)"""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -170,6 +171,8 @@ def test_default_new_tokens_fit_the_positions(weights, capsys):
     (["--prompt", "1+1=", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--prompt", "1+1=", "--max-new-tokens", "14"], "need 17 positions"),
     (["--prompt", "1+1=", "--prompt", "12+1="], "different lengths"),
+    (["--prompt", "1+1=", "--moe-top-k", "1"], "is a dense model (no experts): --moe-top-k"),
+    (["--prompt", "1+1=", "--kv-block-size", "0"], "--kv-block-size must be at least 1"),
 ])
 def test_bad_input_is_one_message_and_exit_2(weights, flags, message, capsys):
     assert main(["generate", "--init", weights[0], *flags]) == 2
@@ -177,15 +180,29 @@ def test_bad_input_is_one_message_and_exit_2(weights, flags, message, capsys):
     assert message in err and err.count("error:") == 1
 
 
-def test_generate_under_mpi_tp2_and_a_layout_that_does_not_fit(weights, tmp_path):
-    path, m = weights
-    r = refmp(2, ["generate", "--init", path, "--tp", "2", "--prompt", "123+456=",
-                  "--max-new-tokens", "4", "--dtype", "float64", "--json"])
+def test_generate_under_mpi_tp_dp_ep_with_moe_flags_and_a_layout_that_does_not_fit(weights,
+                                                                                   tmp_path):
+    """tp 2 x dp 2 x ep 2 on an MoE model, --moe-top-k 1 overriding the file's top_k 2: the
+    tokens of the serial model with one expert per token and no capacity limit."""
+    cfg = GPTConfig(len(ADD_CHARS), 16, 2, 4, 32, n_expert=4)
+    m = GPT.create(cfg, 3, "float64")
+    path = str(tmp_path / "moe.safetensors")
+    save_model(path, m.params, cfg, ADD_CHARS)
+    r = refmp(4, ["generate", "--init", path, "--tp", "2", "--dp", "2", "--ep", "2",
+                  "--moe-top-k", "1", "--prompt", "123+456=", "--prompt", "999+001=",
+                  "--max-new-tokens", "4", "--dtype", "float64", "--json",
+                  "--save-logits", str(tmp_path / "l.npy")])
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    want = m.generate(np.array([[ADD_CHARS.index(c) for c in "123+456="]]), 4)
-    assert out["new_tokens"] == want[:, 8:].tolist() and len(out["kv_cache_bytes"]) == 2
-    r = refmp(3, ["generate", "--init", path, "--pp", "3", "--prompt", "1+1="])
+    one = GPT(dataclasses.replace(cfg, top_k=1, capacity_factor=0.0), m.params)
+    want = one.generate(np.array([[ADD_CHARS.index(c) for c in p]
+                                  for p in ("123+456=", "999+001=")]), 4)
+    assert out["new_tokens"] == want[:, 8:].tolist() and len(out["kv_cache_bytes"]) == 4
+    full = one.forward(want[:, :-1])[0][:, 7:]  # the uncached forward, one expert a token
+    np.testing.assert_allclose(np.load(tmp_path / "l.npy"), full, rtol=0, atol=1e-12)
+    two = GPT(dataclasses.replace(cfg, capacity_factor=0.0), m.params).forward(want[:, :-1])[0]
+    assert np.abs(two[:, 7:] - full).max() > 1e-3  # the flag was obeyed: top-2 differs
+    r = refmp(3, ["generate", "--init", weights[0], "--pp", "3", "--prompt", "1+1="])
     assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr
     assert "--pp 3 stages but the model has 2 layers" in r.stderr
 
