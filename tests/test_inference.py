@@ -3,6 +3,7 @@ paged cache bitwise the contiguous one, continuous batching bitwise one request 
 sampling reproducible; ``refmp generate`` end to end, and its refusals (exit 2).
 (Split layouts: tests/test_inference_parallel.py.)"""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -17,7 +18,7 @@ from refmp.distributed.grid import ProcessGrid
 from refmp.inference.decoder import Decoder
 from refmp.inference.generate import generate
 from refmp.inference.sampling import Sampler
-from refmp.inference.scheduler import Request, serve
+from refmp.inference.scheduler import Request, plan, serve
 from refmp.nn.gpt import GPT, GPTConfig
 from refmp.training.datasets import ADD_CHARS
 
@@ -68,12 +69,40 @@ def test_continuous_batching_equals_one_request_at_a_time(block_size):
     both = serve(dec, REQUESTS, SAMPLED, 3, block_size)
     if block_size:  # a request's blocks: at most one not full
         assert all(dec.cache.waste(s) < block_size for s in range(3))
-    assert max(len(ids) for _, kind, ids in both.trace if kind == "decode") == 3
+    assert max(len(st.decode) for st in both.trace) == 3
     for i, r in enumerate(REQUESTS):
         alone = serve(decoder(m), [r._replace(arrival=0)], SAMPLED, 3, block_size, ids=[i])
         np.testing.assert_array_equal(both.tokens[i], alone.tokens[0])
         np.testing.assert_array_equal(both.logits[i], alone.logits[0])
         assert len(both.tokens[i]) == len(r.prompt) + r.max_new_tokens
+
+
+@pytest.mark.parametrize("stages, slots", [(1, 3), (2, 4), (3, 3), (4, 2)])
+def test_the_plan_never_schedules_a_group_twice_while_it_is_in_flight(stages, slots):
+    """A turn of group g started at tick t is on stage s at t + s, done at t + stages - 1:
+    the group's next turn starts at t + stages or later; each request gets its tokens."""
+    steps = plan(REQUESTS, slots, stages)
+    for g in range(min(stages, slots)):
+        ticks = [st.tick for st in steps if st.group == g]
+        assert all(b - a >= stages for a, b in zip(ticks[:-1], ticks[1:], strict=True)), (g, ticks)
+    for t in range(steps[-1].tick + stages):  # at each tick the stages hold distinct groups
+        live = [st.group for st in steps if st.tick <= t < st.tick + stages]
+        assert len(live) == len(set(live)), (t, live)
+    fed = [0] * len(REQUESTS)
+    for st in steps:
+        for i, *_ in st.decode + st.admit:
+            fed[i] += 1
+    assert fed == [r.max_new_tokens for r in REQUESTS]
+    assert sorted(s for st in steps for s in st.done) == sorted(
+        s for st in steps for _, s in st.admit)  # every slot taken is given back
+
+
+def test_the_plan_keeps_every_stage_busy_while_the_groups_have_work():
+    """One group per stage: 2 stages, 2 groups of 2 slots, 8 equal requests: a turn starts at
+    every tick (each stage works on one group while the other group's tokens travel)."""
+    steps = plan([Request([1, 2], 5)] * 8, 4, 2)
+    assert [st.tick for st in steps] == list(range(len(steps)))
+    assert [st.group for st in steps] == [t % 2 for t in range(len(steps))]
 
 
 def test_paged_blocks_waste_at_most_one_block_per_request():
@@ -142,6 +171,8 @@ def test_default_new_tokens_fit_the_positions(weights, capsys):
     (["--prompt", "1+1=", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--prompt", "1+1=", "--max-new-tokens", "14"], "need 17 positions"),
     (["--prompt", "1+1=", "--prompt", "12+1="], "different lengths"),
+    (["--prompt", "1+1=", "--moe-top-k", "1"], "is a dense model (no experts): --moe-top-k"),
+    (["--prompt", "1+1=", "--kv-block-size", "0"], "--kv-block-size must be at least 1"),
 ])
 def test_bad_input_is_one_message_and_exit_2(weights, flags, message, capsys):
     assert main(["generate", "--init", weights[0], *flags]) == 2
@@ -149,36 +180,68 @@ def test_bad_input_is_one_message_and_exit_2(weights, flags, message, capsys):
     assert message in err and err.count("error:") == 1
 
 
-def test_generate_under_mpi_tp2_and_a_layout_that_does_not_fit(weights, tmp_path):
-    path, m = weights
-    r = refmp(2, ["generate", "--init", path, "--tp", "2", "--prompt", "123+456=",
-                  "--max-new-tokens", "4", "--dtype", "float64", "--json"])
+def test_generate_under_mpi_tp_dp_ep_with_moe_flags_and_a_layout_that_does_not_fit(weights,
+                                                                                   tmp_path):
+    """tp 2 x dp 2 x ep 2 on an MoE model, --moe-top-k 1 overriding the file's top_k 2: the
+    tokens of the serial model with one expert per token and no capacity limit."""
+    cfg = GPTConfig(len(ADD_CHARS), 16, 2, 4, 32, n_expert=4)
+    m = GPT.create(cfg, 3, "float64")
+    path = str(tmp_path / "moe.safetensors")
+    save_model(path, m.params, cfg, ADD_CHARS)
+    r = refmp(4, ["generate", "--init", path, "--tp", "2", "--dp", "2", "--ep", "2",
+                  "--moe-top-k", "1", "--prompt", "123+456=", "--prompt", "999+001=",
+                  "--max-new-tokens", "4", "--dtype", "float64", "--json",
+                  "--save-logits", str(tmp_path / "l.npy")])
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    want = m.generate(np.array([[ADD_CHARS.index(c) for c in "123+456="]]), 4)
-    assert out["new_tokens"] == want[:, 8:].tolist() and len(out["kv_cache_bytes"]) == 2
-    r = refmp(3, ["generate", "--init", path, "--pp", "3", "--prompt", "1+1="])
+    one = GPT(dataclasses.replace(cfg, top_k=1, capacity_factor=0.0), m.params)
+    want = one.generate(np.array([[ADD_CHARS.index(c) for c in p]
+                                  for p in ("123+456=", "999+001=")]), 4)
+    assert out["new_tokens"] == want[:, 8:].tolist() and len(out["kv_cache_bytes"]) == 4
+    full = one.forward(want[:, :-1])[0][:, 7:]  # the uncached forward, one expert a token
+    np.testing.assert_allclose(np.load(tmp_path / "l.npy"), full, rtol=0, atol=1e-12)
+    two = GPT(dataclasses.replace(cfg, capacity_factor=0.0), m.params).forward(want[:, :-1])[0]
+    assert np.abs(two[:, 7:] - full).max() > 1e-3  # the flag was obeyed: top-2 differs
+    r = refmp(3, ["generate", "--init", weights[0], "--pp", "3", "--prompt", "1+1="])
     assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr
     assert "--pp 3 stages but the model has 2 layers" in r.stderr
 
 
-def test_matches_hugging_face_generate(weights, tmp_path):
-    """Tokens and logits equal transformers' greedy generate with its cache (same weights)."""
+def test_matches_hugging_face_generate(tmp_path, capsys):
+    """A random transformers GPT2LMHeadModel saved by save_pretrained (float64 safetensors),
+    decoded by `refmp generate --init DIR`: the tokens equal transformers' greedy generate with
+    its cache, the logits its cached forward's (caught at lm_head) to 1e-12, and the float32
+    logits generate returns to their rounding."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    _, m = weights
-    cfg = transformers.GPT2Config(vocab_size=m.cfg.vocab_size, n_positions=16, n_embd=32,
-                                  n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=23, n_positions=24, n_embd=32, n_layer=2,
+                                  n_head=4, bos_token_id=None, eos_token_id=None)
     hf = transformers.GPT2LMHeadModel(cfg).double().eval()
-    state = {f"transformer.{k}": torch.from_numpy(v.copy()) for k, v in m.params.items()}
-    hf.load_state_dict(state, strict=False)
-    prompt = torch.tensor([[1, 2, 3, 10, 4, 5, 6, 11]])
-    out = hf.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True,
-                      output_logits=True, return_dict_in_generate=True)
-    got = generate(decoder(m), prompt.numpy(), 6, Sampler())
-    np.testing.assert_array_equal(got.tokens, out.sequences.numpy())
-    hf_logits = torch.stack(out.logits, dim=1).numpy()
-    np.testing.assert_allclose(got.logits, hf_logits, rtol=0, atol=1e-10)
+    with torch.no_grad():  # every weight random, biases and LayerNorms too
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    prompts = np.random.default_rng(2).integers(0, 23, (2, 8))
+    prompts[0, 3] = 0  # a token 0 is a token, not padding
+    np.save(tmp_path / "p.npy", prompts)
+    seen = []  # the float64 logits of each cached call, as generate computes them
+    hf.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out[:, -1].clone()))
+    ids = torch.from_numpy(prompts)
+    with torch.no_grad():  # the mask given: else generate takes a token 0 for padding
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                          do_sample=False, use_cache=True, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0)
+    assert main(["generate", "--init", str(tmp_path / "hf"), "--prompts", str(tmp_path / "p.npy"),
+                 "--max-new-tokens", "6", "--dtype", "float64", "--json",
+                 "--save-tokens", str(tmp_path / "t.npy"),
+                 "--save-logits", str(tmp_path / "l.npy")]) == 0
+    capsys.readouterr()
+    np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), out.sequences.numpy())
+    logits = np.load(tmp_path / "l.npy")  # (B, N, V)
+    np.testing.assert_allclose(logits, torch.stack(seen, 1).numpy(), rtol=0, atol=1e-12)
+    hf32 = torch.stack(out.logits, dim=1).numpy()  # generate's copy, cast to float32
+    np.testing.assert_allclose(logits.astype(np.float32), hf32, rtol=2.0**-23, atol=0)
 
 
 @pytest.mark.tutorial

@@ -16,6 +16,7 @@ from refmp.inference.cache import cache_bytes
 from refmp.inference.decoder import Decoder, decode_step_bytes
 from refmp.inference.generate import generate
 from refmp.inference.sampling import Sampler
+from refmp.inference.scheduler import Request, serve
 from refmp.nn.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.mpi
@@ -85,6 +86,34 @@ def step_ledger(world, kw: dict, bad: Mismatches) -> None:
     bad.check(same, step, want, f"{kw} ledger of a decode step")
 
 
+REQUESTS = [Request([1, 2, 3], 5, 0), Request([4, 5, 6, 7, 8], 2, 0), Request([9], 6, 1),
+            Request([3, 3, 2, 1], 4, 2), Request([7, 7], 3, 2), Request([11] * 6, 1, 5)]
+
+
+def serve_layout(world, kw: dict, bad: Mismatches, slots: int = 4) -> None:
+    """Continuous batching with one group in flight per stage: each request's tokens and
+    logits bitwise those of the same request served alone on this layout, and (to 1e-12;
+    bitwise without tp) those of the serial model serving it alone."""
+    m = model()
+    grid = ProcessGrid(world, **kw)
+    dec = Decoder(m.cfg, m.params, grid)
+    both = serve(dec, REQUESTS, SAMPLED, slots)
+    one = Decoder(m.cfg, m.params, ProcessGrid(MPI.COMM_SELF))
+    for i, r in enumerate(REQUESTS):
+        alone = serve(dec, [r._replace(arrival=0)], SAMPLED, slots, ids=[i])
+        if not dec.last:
+            continue
+        ref = serve(one, [r._replace(arrival=0)], SAMPLED, slots, ids=[i])
+        bad.check(np.testing.assert_array_equal, both.tokens[i], alone.tokens[0],
+                  err_msg=f"{kw} request {i} tokens")
+        bad.check(np.testing.assert_array_equal, both.logits[i], alone.logits[0],
+                  err_msg=f"{kw} request {i} logits")
+        bad.check(np.testing.assert_array_equal, both.tokens[i], ref.tokens[0],
+                  err_msg=f"{kw} request {i} tokens against serial")
+        bad.check(np.testing.assert_allclose, both.logits[i], ref.logits[0], rtol=0,
+                  atol=0 if grid.sizes["tp"] == 1 else 1e-12, err_msg=f"{kw} request {i}")
+
+
 # layouts on worlds of 4 ranks (run twice over: the 8 ranks in two halves), then 2 and 1
 FOUR = [dict(tp=2, pp=2), dict(pp=2, cp=2), dict(cp=4), dict(dp=2, cp=2), dict(tp=4),
         dict(dp=4), dict(pp=2, dp=2), dict(dp=2, tp=2)]
@@ -104,8 +133,10 @@ def test_every_layout_decodes_like_the_serial_model():
     run_layout(quarter, dict(pp=2, dp=2, ep=2) if w.rank < 4 else dict(cp=2, ep=2), bad,
                n_expert=4)
     run_layout(quarter, dict(tp=2, pp=2), bad, block_size=3)  # paged
+    serve_layout(quarter, dict(pp=2, tp=2) if w.rank < 4 else dict(pp=2, dp=2), bad)
     pair = w.Split(w.rank // 2, w.rank)
     run_layout(pair, [dict(tp=2), dict(pp=2), dict(cp=2), dict(dp=2)][w.rank // 2], bad)
+    serve_layout(pair, dict(pp=2), bad, slots=3)
     run_layout(MPI.COMM_WORLD, dict(pp=2, cp=2, tp=2), bad)
     run_layout(MPI.COMM_WORLD, dict(pp=2, dp=2, cp=2, ep=4), bad, n_expert=4)
     for kw in (dict(pp=2, cp=2, tp=2), dict(dp=2, pp=2, tp=2)):

@@ -35,15 +35,25 @@ def add_layout_args(p: argparse.ArgumentParser, only: tuple[str, ...] | None = N
                                        "trace JSON")
 
 
-def add_moe_args(p: argparse.ArgumentParser) -> None:
+def add_moe_args(p: argparse.ArgumentParser, decoding: bool = False) -> None:
     """MoE flags (train and bench). All but --n-expert default to None, so an explicit flag
-    is visible: it wins over an --init file's metadata; None means GPTConfig's default."""
+    is visible: it wins over an --init file's metadata; None means GPTConfig's default.
+
+    ``decoding`` (generate): the flags that change what a trained model computes, --moe-top-k
+    (dest ``moe_top_k``: --top-k is the sampler's there) and --moe-every; the weights give
+    the experts, decoding routes every token (no capacity) and has no loss to weigh."""
     g = p.add_argument_group("mixture of experts")
-    g.add_argument("--n-expert", type=int, default=0, help="experts per MoE layer (0: dense)")
-    g.add_argument("--top-k", type=int, default=None,
-                   help="experts per token (default 2, or the --init file's)")
+    if decoding:
+        g.add_argument("--moe-top-k", type=int, default=None,
+                       help="experts per token (default: the weights' metadata, or 2)")
+    else:
+        g.add_argument("--n-expert", type=int, default=0, help="experts per MoE layer (0: dense)")
+        g.add_argument("--top-k", type=int, default=None,
+                       help="experts per token (default 2, or the --init file's)")
     g.add_argument("--moe-every", type=int, default=None,
                    help="block i is MoE if i %% N == 0 (default 1, or the --init file's routers)")
+    if decoding:
+        return
     g.add_argument("--capacity-factor", type=float, default=None,
                    help="slots per expert: ceil(CF*K*T/E) per sequence; 0: no limit "
                         "(default 1.25, or the --init file's)")

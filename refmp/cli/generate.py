@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from refmp.cli.flags import add_layout_args
+from refmp.cli.flags import add_layout_args, add_moe_args
 from refmp.errors import ConfigError
 
 
@@ -52,6 +52,7 @@ def add_parser(sub) -> None:
     d.add_argument("--max-batch", type=int, default=8,
                    help="continuous batching: requests decoded together (8)")
     add_layout_args(g, only=("tp", "pp", "dp", "cp", "ep", "cp_balance"))
+    add_moe_args(g, decoding=True)
     o = g.add_argument_group("output")
     o.add_argument("--save-tokens", default=None, metavar="PATH.npy", help="tokens (B, T0+N)")
     o.add_argument("--save-logits", default=None, metavar="PATH.npy",
@@ -102,7 +103,8 @@ def run_generate(args: argparse.Namespace) -> dict | None:
 
     grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     world, sampler = grid.world, Sampler(args.temperature, args.top_k, args.top_p, args.seed)
-    mcfg, params, tok = agreed(world, lambda: load_weights(args.init, args.checkpoint))
+    moe = {"top_k": args.moe_top_k, "moe_every": args.moe_every}
+    mcfg, params, tok = agreed(world, lambda: load_weights(args.init, args.checkpoint, moe))
     if args.requests is not None:
         return run_requests(args, grid, mcfg, params, tok, sampler)
     prompts = agreed(world, lambda: read_prompts(args.prompts, args.prompt, tok,

@@ -11,7 +11,8 @@ NH/tp heads, and under context parallelism its share of each sequence's tokens. 
 
 (tokens here: T0/cp of the prompt plus the decoded tokens appended round robin over cp).
 
-Two layouts behind one interface (``append``, ``view``, ``free``, ``nbytes``):
+Two layouts behind one interface (``append``, ``view``, ``free``, ``nbytes``; and
+``append_rows``, ``view_rows`` for a whole batch at once):
 
 * :class:`KVCache`: one contiguous (S, NH, T, HS) buffer per layer for k and v, its length
   fixed when the cache is made (what Megatron-core's static inference context does);
@@ -27,7 +28,27 @@ from __future__ import annotations
 import numpy as np
 
 
-class KVCache:
+class _Rows:
+    """What both layouts share: every row of a batch at once, when the rows hold the same
+    number of tokens (a batch of equal prompts): one attention call for the batch instead of
+    one a row, the same numbers (each (row, head) is the same product either way)."""
+
+    def append_rows(self, i: int, slots: list[int], k, v) -> None:
+        """Write k, v (B, NH, t, HS) of layer i, row b after slot ``slots[b]``'s tokens."""
+        for b, slot in enumerate(slots):
+            self.append(i, slot, k[b], v[b])
+
+    def equal(self, slots: list[int]) -> bool:
+        """Whether the rows ``slots`` hold the same number of tokens (what ``view_rows`` needs)."""
+        return len({int(self.length[s]) for s in slots}) == 1
+
+    def view_rows(self, i: int, slots: list[int], extra: int = 0):
+        """(k, v) of layer i for the rows ``slots``, of equal lengths: (B, NH, n, HS) each."""
+        got = [self.view(i, s, extra) for s in slots]
+        return np.stack([k for k, _ in got]), np.stack([v for _, v in got])
+
+
+class KVCache(_Rows):
     """Contiguous: k, v of ``layers`` (their global indices), (S, NH, T, HS) each."""
 
     def __init__(self, layers, S: int, NH: int, T: int, HS: int, dtype):
@@ -51,6 +72,23 @@ class KVCache:
         n = int(self.length[slot]) + extra
         return self.k[i][slot, :, :n], self.v[i][slot, :, :n]
 
+    def _whole(self, slots: list[int]) -> bool:
+        """Every slot, in order, of equal lengths: the batch is a slice of the buffers."""
+        return slots == list(range(len(self.length))) and self.equal(slots)
+
+    def append_rows(self, i: int, slots: list[int], k, v) -> None:
+        if not self._whole(slots):
+            return super().append_rows(i, slots, k, v)
+        n, t = int(self.length[0]), k.shape[2]  # every slot, equal lengths: one write
+        self.k[i][:, :, n : n + t] = k
+        self.v[i][:, :, n : n + t] = v
+
+    def view_rows(self, i: int, slots: list[int], extra: int = 0):
+        if not self._whole(slots):
+            return super().view_rows(i, slots, extra)
+        n = int(self.length[0]) + extra  # every slot, equal lengths: a view, no copy
+        return self.k[i][:, :, :n], self.v[i][:, :, :n]
+
     def free(self, slot: int) -> None:
         self.length[slot] = 0
 
@@ -59,7 +97,7 @@ class KVCache:
         return sum(int(a.nbytes) for a in (*self.k.values(), *self.v.values()))
 
 
-class PagedKVCache:
+class PagedKVCache(_Rows):
     """Paged: per layer a pool of ``n_blocks`` blocks (NH, bs, HS) for k and v; slot s's
     tokens are in blocks ``table[s]``, in order (token j in block j // bs, place j % bs)."""
 

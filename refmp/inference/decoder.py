@@ -70,12 +70,36 @@ class CachedAttention:
             else:  # ring attention over the cp ranks' chunks; kv (2, B, NH, Tl, HS)
                 out, (_, kv, _, _, _) = dec.ring.forward(qkv, n_head)
                 k, v = kv[0], kv[1]
-            for b, slot in enumerate(dec.slots):
-                dec.cache.append(dec.layer, slot, k[b], v[b])
+            dec.cache.append_rows(dec.layer, dec.slots, k, v)
             return out, None
         q, k, v = qkv.reshape(B, 1, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # (B, NH, 1, HS)
-        y = np.zeros((B, n_head, 1, hs), qkv.dtype)
-        lse = np.full((B, n_head, 1), -np.inf, qkv.dtype)
+        together = min(dec.slots) >= 0 and len(set(dec.owns.tolist())) == 1 and \
+            dec.cache.equal(dec.slots)  # a batch of equal prompts
+        y, lse = self._rows(q, k, v) if together else self._row_by_row(q, k, v)
+        if dec.cp.size > 1:  # merge the cp ranks' partial attentions, in rank order
+            got = dec.cp.allgather(np.concatenate([y, lse[..., None]], axis=-1))
+            got = got.reshape(dec.cp.size, B, n_head, 1, hs + 1)
+            y, lse = got[0, ..., :hs], got[0, ..., hs]
+            for r in range(1, dec.cp.size):
+                y, lse = BW.attention_merge(y, lse, got[r, ..., :hs], got[r, ..., hs])
+        return y.transpose(0, 2, 1, 3).reshape(B, 1, n_head * hs), None  # (B, 1, C/tp)
+
+    def _rows(self, q, k, v):
+        """Every row at once (rows of equal lengths, all kept here or none): y (B, NH, 1, HS)
+        and lse (B, NH, 1), each (row, head) the same product as row by row."""
+        dec = self.dec
+        own = bool(dec.owns[0])
+        if own:  # this rank keeps the new tokens' k, v (round robin over cp)
+            dec.cache.append_rows(dec.layer, dec.slots, k, v)
+        kc, vc = dec.cache.view_rows(dec.layer, dec.slots, extra=int(own))  # (B, NH, n, HS)
+        return BW.attention_block_forward(q, kc, vc, 1.0 / math.sqrt(q.shape[-1]))
+
+    def _row_by_row(self, q, k, v):
+        """One row at a time: rows of other lengths, free slots (-1) skipped."""
+        dec = self.dec
+        B, n_head, _, hs = q.shape
+        y = np.zeros((B, n_head, 1, hs), q.dtype)
+        lse = np.full((B, n_head, 1), -np.inf, q.dtype)
         for b, slot in enumerate(dec.slots):
             if slot < 0:  # a free slot of a continuous batch: nothing to attend over
                 continue
@@ -85,13 +109,7 @@ class CachedAttention:
             kc, vc = dec.cache.view(dec.layer, slot, extra=int(own))  # (NH, n, HS)
             y[b], lse[b] = BW.attention_block_forward(q[b : b + 1], kc[None], vc[None],
                                                       1.0 / math.sqrt(hs))
-        if dec.cp.size > 1:  # merge the cp ranks' partial attentions, in rank order
-            got = dec.cp.allgather(np.concatenate([y, lse[..., None]], axis=-1))
-            got = got.reshape(dec.cp.size, B, n_head, 1, hs + 1)
-            y, lse = got[0, ..., :hs], got[0, ..., hs]
-            for r in range(1, dec.cp.size):
-                y, lse = BW.attention_merge(y, lse, got[r, ..., :hs], got[r, ..., hs])
-        return y.transpose(0, 2, 1, 3).reshape(B, 1, n_head * hs), None  # (B, 1, C/tp)
+        return y, lse
 
 
 class DecodeOps(ParallelOps):
@@ -150,13 +168,16 @@ class Decoder:
 
     # --- one call: this stage's blocks on t new tokens of each row -------------------------
 
-    def forward(self, ids, slots: list[int], positions, prefill: bool, decoded=None):
+    def forward(self, ids, slots: list[int], positions, prefill: bool, decoded=None,
+                sends: list | None = None):
         """Run this stage on the rows ``slots`` (-1: a free slot, skipped by attention).
 
         ``ids`` (B, t) token ids (first stage; None elsewhere); ``positions`` their global
         positions, (t,) or (B, t); ``decoded`` (B,) in a decode step: the index j of each
         row's new token (it decides the cp rank that keeps it). Returns the full logits (B, V)
-        of each row's last position on the last stage, None elsewhere.
+        of each row's last position on the last stage, None elsewhere. ``sends``: a list that
+        takes the send to the next stage, (request, buffer), for the caller to wait on;
+        without it the send is waited here.
         """
         B, t = len(slots), (1 if not prefill else np.shape(positions)[-1])
         self.mode, self.slots = ("prefill" if prefill else "decode"), slots
@@ -181,7 +202,12 @@ class Decoder:
             if slot >= 0:
                 self.cache.advance(slot, t_here if prefill else int(self.owns[b]))
         if not self.last:
-            wait(self.pp.send(np.ascontiguousarray(x), self.pp.rank + 1, TAG_ACT))
+            x = np.ascontiguousarray(x)
+            req = self.pp.send(x, self.pp.rank + 1, TAG_ACT)
+            if sends is None:
+                wait(req)
+            else:  # the buffer stays alive until the caller waits
+                sends.append((req, x))
             return None
         x_last = x[:, -1:, :]  # (B, 1, C)
         if prefill and cp.size > 1:  # the prompt's last token lives on one cp rank

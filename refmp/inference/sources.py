@@ -38,24 +38,27 @@ class Tokenizer:
         return "".join(self.chars[int(i)] if int(i) < len(self.chars) else "?" for i in ids)
 
 
-def load_weights(init: str | None, checkpoint: str | None):
+def load_weights(init: str | None, checkpoint: str | None, moe: dict | None = None):
     """(GPTConfig, full parameters as host arrays, Tokenizer or None) from ``--init`` (a
-    file or a Hugging Face directory) or ``--checkpoint``."""
+    file or a Hugging Face directory) or ``--checkpoint``. ``moe``: the MoE settings given
+    (top_k, moe_every), winning over what the weights say; refused for a dense model."""
     from refmp.checkpoint.weights import read_model, read_tensors
 
     if (init is None) == (checkpoint is None):
         raise ConfigError("give the weights: --init PATH or --checkpoint DIR (one of them)")
+    moe = {k: v for k, v in (moe or {}).items() if v is not None}
     if checkpoint is not None:
         from refmp.checkpoint.convert import read_params
         from refmp.checkpoint.format import model_config
 
         man, params = read_params(checkpoint)
         mcfg, vocab = model_config(man), man.get("vocab")
-        return mcfg, params, tokenizer(vocab, mcfg.vocab_size)
+        return with_moe(mcfg, moe, checkpoint), params, tokenizer(vocab, mcfg.vocab_size)
     path, n_head = init, None
     if os.path.isdir(init):  # a Hugging Face model directory: config.json + model.safetensors
         path, n_head = os.path.join(init, "model.safetensors"), hf_heads(init)
     mcfg, params = read_model(path, n_head)
+    mcfg = with_moe(mcfg, moe, init)
     meta = read_tensors(path)[1] if os.path.isfile(path) else {}
     if n_head is not None:
         with open(os.path.join(init, "config.json")) as f:
@@ -65,6 +68,29 @@ def load_weights(init: str | None, checkpoint: str | None):
                               f"wpe.weight has {mcfg.block_size} rows")
     vocab = json.loads(meta["vocab"]) if "vocab" in meta else None
     return mcfg, params, tokenizer(vocab, mcfg.vocab_size)
+
+
+def with_moe(mcfg, moe: dict, path: str):
+    """``mcfg`` with the MoE flags given (--moe-top-k, --moe-every), checked against the
+    experts the weights hold."""
+    import dataclasses
+
+    if not moe:
+        return mcfg
+    if not mcfg.n_expert:
+        flags = ", ".join(f"--{k.replace('_', '-').replace('top-k', 'moe-top-k')}" for k in moe)
+        raise ConfigError(f"{path} is a dense model (no experts): {flags} cannot apply")
+    k = moe.get("top_k", mcfg.top_k)
+    if not 1 <= k <= mcfg.n_expert:
+        raise ConfigError(f"--moe-top-k {k} must be between 1 and the model's {mcfg.n_expert} "
+                          f"experts")
+    every = moe.get("moe_every", mcfg.moe_every)
+    blocks = [i for i in range(mcfg.n_layer) if mcfg.is_moe(i)]
+    out = dataclasses.replace(mcfg, top_k=k, moe_every=max(every, 1))
+    if every < 1 or [i for i in range(mcfg.n_layer) if out.is_moe(i)] != blocks:
+        raise ConfigError(f"--moe-every {moe['moe_every']} does not put experts where {path} "
+                          f"has them (blocks {blocks})")
+    return out
 
 
 def tokenizer(vocab: str | None, V: int) -> Tokenizer | None:
