@@ -55,7 +55,8 @@ class Block(torch.nn.Module):
 
         def norm(name):
             ln = torch.nn.LayerNorm(params[f"h.{i}.{name}.weight"].shape[0], eps=1e-5)
-            ln.weight.data, ln.bias.data = (torch.tensor(params[f"h.{i}.{name}.{k}"]) for k in ("weight", "bias"))
+            ln.weight.data, ln.bias.data = (torch.tensor(params[f"h.{i}.{name}.{k}"])
+                                            for k in ("weight", "bias"))
             return ln
 
         C = params[f"h.{i}.ln_1.weight"].shape[0]

@@ -24,8 +24,9 @@ cp_ring    ``--cp 2 --cp-algo ring`` (zigzag)     ``context_parallel`` (ring att
 Both start from refmp's initial weights (benchmarks/torch_anchor.py copies them into its
 TorchGPT) and train on the same global batch with the same AdamW and clipping; the first
 losses must agree to 1e-5 (relative), and the first step's gradient norms are printed
-beside them (a check that the PyTorch program reduces its gradients as refmp does). Steps run in alternating rounds (refmp's
-``--steps``, then torch's); a step's time is the slowest rank's, and the figures are medians.
+beside them (a check that the PyTorch program reduces its gradients as refmp does). Steps
+run in alternating rounds (refmp's ``--steps``, then torch's); a step's time is the slowest
+rank's, and the figures are medians.
 Torch runs one thread per rank (``torch.set_num_threads``), NumPy OMP_NUM_THREADS.
 """
 
@@ -163,9 +164,14 @@ def torch_tp_sp(host, s, cfg, x, y, rows):
     every rank computes the whole head (vocab 256: a few per cent of the step)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   PrepareModuleOutput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     tp = MPI.COMM_WORLD.size
     mesh = init_device_mesh("cpu", (tp,))
