@@ -26,8 +26,14 @@ TorchGPT) and train on the same global batch with the same AdamW and clipping; t
 losses must agree to 1e-5 (relative), and the first step's gradient norms are printed
 beside them (a check that the PyTorch program reduces its gradients as refmp does). Steps
 run in alternating rounds (refmp's ``--steps``, then torch's); a step's time is the slowest
-rank's, and the figures are medians.
-Torch runs one thread per rank (``torch.set_num_threads``), NumPy OMP_NUM_THREADS.
+rank's, and the figures are medians, with each step's CPU time (the process's threads, the
+busiest rank's: steadier than the wall clock on a shared machine). Torch runs one thread per
+rank (``torch.set_num_threads``), NumPy OMP_NUM_THREADS.
+
+torch's ``context_parallel`` replaces only the CUDA attention kernels (flash, efficient,
+cuDNN) with ring attention; on the CPU, scaled_dot_product_attention dispatches to
+``_scaled_dot_product_flash_attention_for_cpu``, which it does not handle, so ``cp_ring``
+reports that error instead of figures.
 """
 
 from __future__ import annotations  # noqa: I001  (refmp before NumPy, below)
