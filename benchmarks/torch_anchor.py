@@ -5,7 +5,8 @@
 
 PyTorch is not a refmp dependency; install it to run this (`pip install torch`). The script
 builds refmp's model, copies its initial weights into an eager PyTorch GPT-2 (nanoGPT style:
-`F.scaled_dot_product_attention`, `torch.optim.AdamW`, `clip_grad_norm_`), checks that both
+`nn.Linear` and `nn.LayerNorm` blocks, `F.scaled_dot_product_attention`, `torch.optim.AdamW`,
+`clip_grad_norm_`; benchmarks/torch_peers.py splits the same model), checks that both
 compute the same first loss, then times training steps of each in alternating rounds on the
 same data and the same number of threads, and prints medians and the ratio, and each
 round's ratio with their median (a round's two halves run back to back, so a slow spell on
