@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from refmp.cli.bench import PRESETS
+from refmp.nn import GPTConfig
 from refmp.parallel.placement import rank_chunks
 from refmp.training.datasets import Dataset, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
@@ -126,7 +127,8 @@ def torch_pipe(host, s, cfg, x, y, rows, zero_bubble: bool):
 
     world = MPI.COMM_WORLD
     n = world.size
-    (c, layers), = rank_chunks(_mcfg(s), s["block_size"], world.rank, n).items()
+    mcfg = GPTConfig(s["vocab"], s["block_size"], s["n_layer"], s["n_head"], s["n_embd"])
+    (c, layers), = rank_chunks(mcfg, s["block_size"], world.rank, n).items()
     first, last = c == 0, c == n - 1
     m = TorchGPT(host, s["n_head"], s["n_layer"], list(layers), first, last)
     stage = PipelineStage(m, c, n, torch.device("cpu"))
@@ -149,16 +151,11 @@ def torch_pipe(host, s, cfg, x, y, rows, zero_bubble: bool):
             sched.step(target=ty, losses=losses)
         dist.all_reduce(tied.grad)  # the tied wte: embedding's and head's gradients summed
         norm = clip_(list(m.parameters()), cfg.grad_clip, summed=True,
-              uncounted=tied if last else None)  # the tied weight counted once, on stage 0
+                     uncounted=tied if last else None)  # the tied weight counted on stage 0
         opt.step()
         loss = float(torch.stack(losses).detach().mean()) if last else None
         return world.bcast(loss, root=n - 1), norm
     return step
-
-
-def _mcfg(s):
-    from refmp.nn import GPTConfig
-    return GPTConfig(s["vocab"], s["block_size"], s["n_layer"], s["n_head"], s["n_embd"])
 
 
 def torch_tp_sp(host, s, cfg, x, y, rows):
