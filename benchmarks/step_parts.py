@@ -86,14 +86,11 @@ def main() -> None:
 def torch_table(model, cfg, x, y, steps: int) -> None:
     import torch  # noqa: PLC0415
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-    from torch_anchor import TorchGPT  # noqa: PLC0415  (benchmarks/ is on the path)
+    from torch_anchor import TorchGPT, torch_adamw  # noqa: PLC0415  (benchmarks/ is on the path)
 
     host = {k: v.copy() for k, v in model.params.items()}
     tm = TorchGPT(host, cfg.n_head, cfg.n_layer)
-    decay = [p for p in tm.p.values() if p.ndim >= 2]
-    other = [p for p in tm.p.values() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": other, "weight_decay": 0.0}], lr=1e-4)
+    opt = torch_adamw(tm, 1e-4, 0.1, (0.9, 0.999))
     tx, ty = torch.tensor(x), torch.tensor(y)
 
     def step():

@@ -5,7 +5,8 @@
 
 PyTorch is not a refmp dependency; install it to run this (`pip install torch`). The script
 builds refmp's model, copies its initial weights into an eager PyTorch GPT-2 (nanoGPT style:
-`F.scaled_dot_product_attention`, `torch.optim.AdamW`, `clip_grad_norm_`), checks that both
+`nn.Linear` and `nn.LayerNorm` blocks, `F.scaled_dot_product_attention`, `torch.optim.AdamW`,
+`clip_grad_norm_`; benchmarks/torch_peers.py splits the same model), checks that both
 compute the same first loss, then times training steps of each in alternating rounds on the
 same data and the same number of threads, and prints medians and the ratio, and each
 round's ratio with their median (a round's two halves run back to back, so a slow spell on
@@ -39,41 +40,103 @@ from refmp.nn import GPT, GPTConfig
 from refmp.training.optim import AdamW, clip_grad_norm
 
 
-class TorchGPT(torch.nn.Module):
-    """GPT-2 with refmp's parameter layout ((in, out) weights), as plain tensors."""
+class Block(torch.nn.Module):
+    """One pre-LN transformer block over nn.Linear and nn.LayerNorm (what DTensor's tensor
+    parallel styles and FSDP2 wrap); c_attn's output rows come as ``tp`` consecutive groups
+    of (q, k, v) for the heads one tensor-parallel rank holds (the plain order when tp = 1)."""
 
-    def __init__(self, params: dict, n_head: int, n_layer: int):
+    def __init__(self, params: dict, i: int, n_head: int, tp: int = 1):
         super().__init__()
-        self.n_head, self.n_layer = n_head, n_layer
-        self.p = torch.nn.ParameterDict(
-            {k.replace(".", "_"): torch.nn.Parameter(torch.tensor(v)) for k, v in params.items()})
+        def linear(name, perm=None):
+            w, b = (torch.tensor(params[f"h.{i}.{name}.{k}"]) for k in ("weight", "bias"))
+            lin = torch.nn.Linear(*w.shape)  # refmp's (in, out) is torch's (out, in) transposed
+            w, b = (w.T, b) if perm is None else (w.T[perm], b[perm])
+            lin.weight.data, lin.bias.data = w.contiguous(), b.clone()
+            return lin
 
-    def forward(self, idx, targets):
-        p = self.p
-        B, T = idx.shape
-        x = p["wte_weight"][idx] + p["wpe_weight"][:T]
-        C = x.shape[-1]
-        for i in range(self.n_layer):
-            def w(name, i=i):
-                return p[f"h_{i}_{name}".replace(".", "_")]
-            h = F.layer_norm(x, (C,), w("ln_1.weight"), w("ln_1.bias"), 1e-5)
-            q, k, v = (h @ w("attn.c_attn.weight") + w("attn.c_attn.bias")).split(C, dim=2)
-            q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            a = a.transpose(1, 2).reshape(B, T, C)
-            x = x + a @ w("attn.c_proj.weight") + w("attn.c_proj.bias")
-            h = F.layer_norm(x, (C,), w("ln_2.weight"), w("ln_2.bias"), 1e-5)
-            h = F.gelu(h @ w("mlp.c_fc.weight") + w("mlp.c_fc.bias"), approximate="tanh")
-            x = x + h @ w("mlp.c_proj.weight") + w("mlp.c_proj.bias")
-        x = F.layer_norm(x, (C,), p["ln_f_weight"], p["ln_f_bias"], 1e-5)
-        logits = x @ p["wte_weight"].T
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        def norm(name):
+            ln = torch.nn.LayerNorm(params[f"h.{i}.{name}.weight"].shape[0], eps=1e-5)
+            ln.weight.data, ln.bias.data = (torch.tensor(params[f"h.{i}.{name}.{k}"])
+                                            for k in ("weight", "bias"))
+            return ln
+
+        C = params[f"h.{i}.ln_1.weight"].shape[0]
+        self.hs = C // n_head
+        # rank r's columns of c_attn: its heads' q, then k, then v (Megatron's layout)
+        perm = torch.arange(3 * C).view(3, tp, C // tp).transpose(0, 1).reshape(-1)
+        self.ln_1, self.c_attn, self.c_proj = norm("ln_1"), linear("attn.c_attn", perm), linear("attn.c_proj")
+        self.ln_2, self.c_fc, self.mlp_proj = norm("ln_2"), linear("mlp.c_fc"), linear("mlp.c_proj")
+
+    def forward(self, x):
+        qkv = self.c_attn(self.ln_1(x))  # (B, T, 3C/tp): the sequence gathered under SP
+        B, T, _ = qkv.shape
+        q, k, v = (t.view(B, T, -1, self.hs).transpose(1, 2) for t in qkv.chunk(3, dim=2))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(a.transpose(1, 2).reshape(B, T, -1))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class TorchGPT(torch.nn.Module):
+    """GPT-2 in eager PyTorch (nanoGPT style) from refmp's parameters, or the part of it one
+    pipeline stage holds: the embeddings when ``first``, ``layers``, and with ``last`` the
+    final LayerNorm and the head (tied to wte; a last stage without the embeddings keeps its
+    own copy, whose gradient the caller sums with the first stage's). ``forward(idx or h,
+    targets=None)``: the mean loss with targets on a last stage, else its output."""
+
+    def __init__(self, params: dict, n_head: int, n_layer: int, layers=None, first=True,
+                 last=True, tp: int = 1):
+        super().__init__()
+        self.first, self.last = first, last
+        t = {k: torch.tensor(v) for k, v in params.items() if not k.startswith("h.")}
+        if first:
+            self.wte = torch.nn.Embedding.from_pretrained(t["wte.weight"], freeze=False)
+            self.wpe = torch.nn.Parameter(t["wpe.weight"])
+        self.h = torch.nn.ModuleList(Block(params, i, n_head, tp) for i in (layers or range(n_layer)))
+        if last:
+            self.ln_f = torch.nn.LayerNorm(t["ln_f.weight"].shape[0], eps=1e-5)
+            self.ln_f.weight.data, self.ln_f.bias.data = t["ln_f.weight"], t["ln_f.bias"]
+            if not first:
+                self.lm_head = torch.nn.Parameter(t["wte.weight"].clone())
+
+    def forward(self, x, targets=None, pos=None):
+        if self.first:  # pos: the positions of x's tokens (default 0..T-1)
+            pos = torch.arange(x.shape[1]) if pos is None else pos
+            x = self.wte(x) + self.wpe[pos]
+        for block in self.h:
+            x = block(x)
+        if not self.last:
+            return x
+        logits = self.ln_f(x) @ (self.wte.weight if self.first else self.lm_head).T
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def torch_adamw(model, lr: float, weight_decay: float, betas: tuple[float, float]):
+    """torch's AdamW with refmp's rule: decay the matrices, not the biases and gains."""
+    ps = list(model.parameters())
+    return torch.optim.AdamW([{"params": [p for p in ps if p.ndim >= 2], "weight_decay": weight_decay},
+                              {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=betas)
+
+
+def init_gloo(world):
+    """torch.distributed over gloo on this MPI job's ranks (rank 0 picks a free port)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if world.rank == 0:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    port = world.bcast(port if world.rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
+                            world_size=world.size)
 
 
 def dp_main(s: dict, steps: int, rounds: int) -> None:
     """Data parallel over this MPI job's ranks (see the module docstring)."""
-    import socket
-
     import torch.distributed as dist
     from mpi4py import MPI
 
@@ -82,13 +145,7 @@ def dp_main(s: dict, steps: int, rounds: int) -> None:
 
     world = MPI.COMM_WORLD
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if world.rank == 0:
-        with socket.socket() as sock:  # a free port for gloo's rendezvous
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    port = world.bcast(port if world.rank == 0 else None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
-                            world_size=world.size)
+    init_gloo(world)
     n_steps = 1 + rounds * steps
     cfg = TrainConfig(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"],
                       block_size=s["block_size"], batch_size=s["batch_size"], steps=n_steps,
@@ -99,11 +156,7 @@ def dp_main(s: dict, steps: int, rounds: int) -> None:
     tr = Trainer(cfg, dataset=Dataset(rng.integers(0, s["vocab"], n_tok), s["vocab"], "random"))
     host = world.bcast(tr.runner.full_params())  # before any step: the initial weights
     tmodel = torch.nn.parallel.DistributedDataParallel(TorchGPT(host, s["n_head"], s["n_layer"]))
-    p = tmodel.module.p
-    topt = torch.optim.AdamW(
-        [{"params": [v for v in p.values() if v.ndim >= 2], "weight_decay": cfg.weight_decay},
-         {"params": [v for v in p.values() if v.ndim < 2], "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    topt = torch_adamw(tmodel, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     x, y = get_batch(tr.ds.tokens, 0, cfg.batch_size, tr.T, tr.rows, tr.perm)  # step 0's rows
     tx, ty = torch.tensor(x), torch.tensor(y)
 
@@ -172,10 +225,7 @@ def main():
     model = GPT.create(cfg, seed=0, dtype="float32")
     host = {k: backend.to_host(v).copy() for k, v in model.params.items()}
     tmodel = TorchGPT(host, cfg.n_head, cfg.n_layer).to(dev)
-    decay = [p for k, p in tmodel.p.items() if p.ndim >= 2]
-    other = [p for k, p in tmodel.p.items() if p.ndim < 2]
-    topt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                              {"params": other, "weight_decay": 0.0}], lr=1e-4)
+    topt = torch_adamw(tmodel, 1e-4, 0.1, (0.9, 0.999))  # refmp's AdamW defaults
     opt = AdamW(model.params, lr=1e-4, weight_decay=0.1)
     rng = np.random.default_rng(1)
     x = rng.integers(0, s["vocab"], (s["batch_size"], s["block_size"]))
