@@ -146,8 +146,8 @@ class Engine:
                            self.tp.size if self.sp else 1, layout.recompute == "full")
         self.executor = Executor(self.stage, self.pp, self.sharder.compute,  # activations' dtype
                                  on_forward=self._measure, v_shape=self.v_shape)
-        self.actions = schedule(self.schedule_name, self.pp.size, self.microbatches, self.pp.rank,
-                                self.v)
+        self.actions = partial(schedule, self.schedule_name, self.pp.size, self.microbatches,
+                               self.pp.rank, self.v)  # (fill, ahead): 2bw's step, two_bw
         self.delayed = self.schedule_name == "2bw"  # 2BW: each step computes on W(t-1)
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
@@ -185,14 +185,17 @@ class Engine:
         self.sharder.zero_grad()
         self.stage.reset_stats()
 
-    def forward_backward(self, x, y, denom: int, dloss: float = 1.0) -> None:
-        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule.
-        ``dloss``: the loss scale (fp16), the gradient backward starts from."""
-        self._scale, self._master = dloss, None
-        if self.positions is not None:
-            x, y = x[:, self.positions], y[:, self.positions]  # (b, Tl) my tokens
-        xs, ys = zip(*split_microbatches(x, y, self.microbatches), strict=True)
-        ce = self.executor.step(self.actions, list(xs), list(ys), denom, dloss, self.delayed)
+    def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=None) -> None:
+        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule; ``dloss``
+        the loss scale (fp16), which backward starts from; ``ahead`` (2bw) the next batch's rows
+        (x, y), whose first forwards fill this step's cool-down (None: the drain, a last step)."""
+        self._scale, self._master, M = dloss, None, self.microbatches
+        rows = [(x, y)] + ([ahead] if self.delayed and ahead is not None else [])
+        if self.positions is not None:  # (b, Tl) my tokens
+            rows = [(x[:, self.positions], y[:, self.positions]) for x, y in rows]
+        xs, ys = zip(*[mb for x, y in rows for mb in split_microbatches(x, y, M)], strict=True)
+        actions = self.actions(fill=not self.executor.carry_on, ahead=len(rows) > 1)
+        ce = self.executor.step(actions, list(xs), list(ys), denom, dloss, self.delayed, M)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:

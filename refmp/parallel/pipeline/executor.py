@@ -51,6 +51,14 @@ class Executor:
         self.v_shape = v_shape
         self.events: list[Event] = []  # the last step's timeline on this rank
         self.peak_held = 0  # most micro-batch caches held at once in the last step
+        # 2BW: what the last step left open for the next: the caches (micro-batch, chunk) ->
+        # (weight version, released, cache) of the next batch's forwards, their sends (request, buffer),
+        # and their MoE figures (aux, moe_raw); the updates and batches seen (versions, tags)
+        self.carry: dict = {}
+        self.pending: list = []
+        self.ahead_stats: tuple = (0.0, {})
+        self.updates = self.batches = 0
+        self.carry_on = False  # the last step ran forwards of the next batch
 
     def _send(self, x, shape, mb: int, chunk: int, grad: bool, pending: list) -> None:
         t0 = time.perf_counter()
@@ -72,51 +80,79 @@ class Executor:
         self.events.append(Event(self.comm.rank, kind, mb, chunk, t0, time.perf_counter()))
 
     def step(self, actions: list[Action], xs: list, ys: list, denom: int,
-             dloss: float = 1.0, delayed: bool = False) -> float:
+             dloss: float = 1.0, delayed: bool = False, m: int | None = None) -> float:
         """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets;
+        ``m`` the step's micro-batches (default: all of xs);
         ``dloss`` the gradient of each loss share (the loss scale with fp16, else 1).
-        ``delayed`` (2BW): every action computes on the Sharder's previous weight version
-        W(t-1) (W(-1) = W(0)); after the last, W(t) becomes the next step's previous one.
+
+        ``delayed`` (2BW, schedules.two_bw): micro-batches 0..m-1 are this step's batch t,
+        computed on the Sharder's previous weight version W(t-1) (W(-1) = W(0)); the lists'
+        micro-batches m..2m-1 (xs holds 2m then) are batch t+1's first forwards, on W(t), the
+        current one. Their caches and sends stay open into the next step (``carry``), whose
+        list then starts without a warm-up. Each cache remembers the version it was made on
+        and its backward asserts it runs on the same. After the last action, W(t) becomes the
+        next step's previous version (the update then makes W(t+1) of W(t)).
 
         Returns this rank's loss share (non-zero on the rank holding the last chunk).
         """
         stage, n_chunks = self.stage, self.stage.n_chunks
+        m = m or len(xs)
         if delayed and not stage.sharder.previous:
             stage.sharder.keep_previous()  # W(-1) = W(0)
-        stage.sharder.on_previous = delayed
         split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}  # B's whose W is listed
-        caches, todos, pending = {}, {}, []
-        loss, caches_held = 0.0, 0
-        self.events, self.peak_held = [], 0
+        caches, todos, pending = dict(self.carry), {}, self.pending
+        self.carry, self.pending = {}, []
+        stage.aux += self.ahead_stats[0]  # the MoE figures of the forwards run ahead last step
+        stage.moe_raw.update(self.ahead_stats[1])
+        self.ahead_stats = (0.0, {})
+        loss, caches_held = 0.0, len(caches)
+        self.events, self.peak_held = [], caches_held
         for a in actions:
             i, c = a.mb, a.chunk
+            ahead = i >= m  # 2BW: batch t+1's micro-batch i - m
+            version = self.updates + ahead - 1  # the weight version a 2bw action computes on
+            stage.sharder.on_previous = delayed and not ahead
             self.comm.recorder.microbatch = i  # the flight recorder's label of each call
-            final = i == len(xs) - 1  # the step's last micro-batch
+            final = i == m - 1  # the step's last micro-batch
+            mb_tag = (self.batches * m + i) % (2 * m) if delayed else i
             shape = stage.act_shape(*xs[i].shape)  # (b_i, T, C); T/tp with SP
             if a.kind == "F":
-                inp = xs[i] if c == 0 else self._recv(shape, i, c, grad=False)
+                inp = xs[i] if c == 0 else self._recv(shape, mb_tag, c, grad=False)
                 t0 = time.perf_counter()
-                out, caches[i, c] = stage.forward(c, inp, ys[i], denom)
+                if ahead:  # its MoE figures belong to the next step's
+                    (stage.aux, stage.moe_raw), mine = self.ahead_stats, (stage.aux, stage.moe_raw)
+                out, cache = stage.forward(c, inp, ys[i], denom, release=ahead)
+                if ahead:
+                    self.ahead_stats, (stage.aux, stage.moe_raw) = (stage.aux, stage.moe_raw), mine
+                caches[i, c] = (version, ahead, cache)  # ahead: the cache names its weights
                 caches_held += 1
                 self.peak_held = max(self.peak_held, caches_held)
                 self._event("F", i, c, t0)
                 if self.on_forward is not None:
                     self.on_forward(caches)
                 if c == n_chunks - 1:
+                    assert not ahead, "the last chunk runs no forward of the next batch"
                     loss += float(out)
                 else:
-                    self._send(out, shape, i, c + 1, grad=False, pending=pending)
+                    self._send(out, shape, mb_tag, c + 1, grad=False,
+                               pending=self.pending if ahead else pending)
             elif a.kind == "B":
-                dout = None if c == n_chunks - 1 else self._recv(shape, i, c, grad=True)
+                assert not ahead, "a backward of the next batch before this step's update"
+                dout = None if c == n_chunks - 1 else self._recv(shape, mb_tag, c, grad=True)
                 t0 = time.perf_counter()
-                dx, todo = stage.backward(c, dout, caches.pop((i, c)), (i, c) in split, final, dloss)
+                made_on, released, cache = caches.pop((i, c))
+                if delayed and made_on != version:
+                    raise AssertionError(f"rank {self.comm.rank}: micro-batch {i}'s backward on "
+                                         f"W({version}), its forward on W({made_on})")
+                dx, todo = stage.backward(c, dout, cache, (i, c) in split, final, dloss,
+                                          attach_weights=released)
                 if (i, c) in split:
                     todos[i, c] = todo
                 else:
                     caches_held -= 1
                 self._event("B", i, c, t0)
                 if dx is not None:
-                    self._send(dx, shape, i, c - 1, grad=True, pending=pending)
+                    self._send(dx, shape, mb_tag, c - 1, grad=True, pending=pending)
             else:  # W
                 t0 = time.perf_counter()
                 stage.weight(todos.pop((i, c)), final)
@@ -127,7 +163,10 @@ class Executor:
         wait_all([req for req, _ in pending])  # the buffers stayed alive in `pending` until here
         self._event("send", -1, -1, t0)
         stage.sharder.on_previous = False
+        self.carry = {(i - m, c): v for (i, c), v in caches.items() if i >= m}
+        self.carry_on = len(xs) > m
+        assert len(self.carry) == len(caches) and not todos, "a micro-batch's cache was left over"
         if delayed:  # the update makes W(t+1) of W(t)
             stage.sharder.keep_previous()
-        assert not caches and not todos, "a micro-batch's cache was left over"
+            self.updates, self.batches = self.updates + 1, self.batches + 1
         return loss

@@ -183,6 +183,24 @@ def dualpipev(pp: int, m: int, rank: int) -> list[Action]:
     return v.out
 
 
+def two_bw(pp: int, m: int, rank: int, fill: bool = False, ahead: bool = True) -> list[Action]:
+    """PipeDream-2BW's step (Narayanan et al. 2021, sec. 3): 1F1B without the flush.
+
+    Micro-batches 0..m-1 are this step's batch t, m..2m-1 the first ones of batch t+1: the
+    w = min(pp - rank - 1, m) forwards that 1F1B's warm-up would run next step run in this
+    step's cool-down instead (``ahead``), and their activations wait for step t+1, whose
+    list then starts in the steady state. ``fill``: the first step, which runs batch t's
+    warm-up itself. fill and not ahead (a one-step run, or the drain of the last) is 1F1B.
+    """
+    w = min(pp - rank - 1, m)
+    out = [Action("F", i, rank) for i in range(w)] if fill else []
+    for k in range(m):  # one forward (of batch t, then of batch t+1), one backward
+        if ahead or k + w < m:
+            out.append(Action("F", k + w, rank))
+        out.append(Action("B", k, rank))
+    return out
+
+
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "2bw")
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V (placement.chunk_rank)
 
@@ -192,10 +210,14 @@ def chunks_per_rank(name: str, v: int = 1) -> int:
     return 2 if name in V_SHAPED else v
 
 
-def schedule(name: str, pp: int, m: int, rank: int, v: int = 1) -> list[Action]:
-    """Rank ``rank``'s actions for one step of ``name`` with pp stages and m micro-batches."""
+def schedule(name: str, pp: int, m: int, rank: int, v: int = 1, fill: bool = False,
+             ahead: bool = True) -> list[Action]:
+    """Rank ``rank``'s actions for one step of ``name`` with pp stages and m micro-batches
+    (2bw: :func:`two_bw`'s, by default a step in the steady state)."""
     if name == "interleaved":
         return interleaved(pp, m, rank, v)
+    if name == "2bw":
+        return two_bw(pp, m, rank, fill, ahead)
     fn = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-v": zb_v,
-          "dualpipev": dualpipev, "2bw": one_f_one_b}[name]
+          "dualpipev": dualpipev}[name]
     return fn(pp, m, rank)
