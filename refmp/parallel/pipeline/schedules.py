@@ -183,22 +183,37 @@ def dualpipev(pp: int, m: int, rank: int) -> list[Action]:
     return v.out
 
 
+def lead(pp: int, m: int, rank: int) -> int:
+    """How many actions past its last backward of a batch rank r runs in a 2bw step: in
+    the flush-free run at unit costs (F 1, B 2) the last backward of a batch reaches stage
+    r 2r steps before stage 0, and the 2r steps hold F, B, F, ... (an action that would not
+    end within them waits for the next step). Capped so that no forward of batch t+2 (whose
+    weights the update makes) enters step t."""
+    q, rem = divmod(2 * rank, 3)
+    return min(2 * q + (rem >= 1), 2 * (m - min(pp - rank - 1, m)))
+
+
 def two_bw(pp: int, m: int, rank: int, fill: bool = False, ahead: bool = True) -> list[Action]:
     """PipeDream-2BW's step (Narayanan et al. 2021, sec. 3): 1F1B without the flush.
 
-    Micro-batches 0..m-1 are this step's batch t, m..2m-1 the first ones of batch t+1: the
-    w = min(pp - rank - 1, m) forwards that 1F1B's warm-up would run next step run in this
-    step's cool-down instead (``ahead``), and their activations wait for step t+1, whose
-    list then starts in the steady state. ``fill``: the first step, which runs batch t's
-    warm-up itself. fill and not ahead (a one-step run, or the drain of the last) is 1F1B.
+    The flush-free run is one 1F1B list over every batch (warm-up F(0..w-1), w = min(pp -
+    rank - 1, m), then F(k + w), B(k) for ever); a step is the stretch of it that ends when
+    the step's last backward reaches stage 0, where every rank is at the same moment of the
+    unit-cost run (rank r is ``lead`` actions further). Micro-batches 0..m-1 are this step's
+    batch t, m..2m-1 batch t+1's: its first forwards (and on later stages its first
+    backwards, whose gradients wait for step t+1) fill the cool-down. ``fill``: the first
+    step, from the start; not ``ahead``: the drain, batch t's actions left (with fill: 1F1B).
     """
-    w = min(pp - rank - 1, m)
-    out = [Action("F", i, rank) for i in range(w)] if fill else []
-    for k in range(m):  # one forward (of batch t, then of batch t+1), one backward
-        if ahead or k + w < m:
-            out.append(Action("F", k + w, rank))
-        out.append(Action("B", k, rank))
-    return out
+    w, s = min(pp - rank - 1, m), lead(pp, m, rank)
+    run = [Action("F", i, rank) for i in range(w)]
+    for k in range(3 * m):
+        run += [Action("F", k + w, rank), Action("B", k, rank)]
+    if fill:  # from the start to the first step's end
+        acts, start = run[: w + 2 * m + s] if ahead else run, 0
+    else:  # a steady step: batch 1 of the run is this step's
+        acts, start = run[w + 2 * m + s : w + 4 * m + s] if ahead else run[w + 2 * m + s :], m
+    return [Action(a.kind, a.mb - start, rank) for a in acts
+            if ahead or start <= a.mb < start + m]
 
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "2bw")

@@ -95,6 +95,8 @@ class Timeline:
                 if e.rank == r and e.kind in COMPUTE:
                     for t in range(int(round(e.start - self.t0)), int(round(e.end - self.t0))):
                         cells[t] = self.label(e).ljust(width)
+            for t in sorted(self.barriers, reverse=True):  # a step boundary: "|"
+                cells.insert(int(round(t - self.t0)), "| ")
             rows.append(f"rank {r} | " + "".join(cells).rstrip())
         return "\n".join(rows)
 
