@@ -1,8 +1,7 @@
 """The Engine: one runner for every layout, pp x dp x cp x tp with experts, ZeRO 0-3 and SP.
 
-Shapes: B global batch, b = B/dp rows per pipeline, M micro-batches, T sequence, Tl = T/cp
-tokens per rank; pp, dp, cp, tp, ep group sizes; n_chunks = pp v model chunks (v virtual
-stages); n prompts, t their length, when decoding.
+Shapes: B global batch, b = B/dp rows per pipeline, M micro-batches, T sequence, Tl = T/cp tokens
+per rank; pp, dp, cp, tp, ep; n_chunks = pp v chunks (v virtual stages); n prompts of length t.
 
 The Engine composes orthogonal pieces, none of which knows the others' axes, built in named
 steps below (docs/architecture.md): the cp core, the rank's chunks, its parameters, the
@@ -159,8 +158,8 @@ class Engine:
         # gathers weights, every rank of a gather group must run the same forwards)
         self.eval_comm = (Comm(MPI.COMM_SELF, "self", grid.ledger) if self.sharder.releases_weights
                           else grid.comm["edp"] if self.ep.size > 1 else grid.group("dp", "cp"))
-        self.peak_activations, self._loss = 0, (0.0, 0.0)
-        self._scale, self._master = 1.0, None  # mixed precision: loss scale, fp32 grad pieces
+        self.peak_activations, self._loss = 0, (0.0, 0.0)  # mixed precision: the loss scale
+        self._scale, self._master = 1.0, None  # and the fp32 gradient pieces
 
     # --- what the optimizer and the trainer see ---------------------------------------------
 
@@ -194,8 +193,8 @@ class Engine:
         if self.positions is not None:  # (b, Tl) my tokens
             rows = [(x[:, self.positions], y[:, self.positions]) for x, y in rows]
         xs, ys = zip(*[mb for x, y in rows for mb in split_microbatches(x, y, M)], strict=True)
-        actions = self.actions(fill=not self.executor.carry_on, ahead=len(rows) > 1)
-        ce = self.executor.step(actions, list(xs), list(ys), denom, dloss, self.delayed, M)
+        acts = self.actions(fill=not self.executor.carry_on, ahead=len(rows) > 1)  # 2bw's step
+        ce = self.executor.step(acts, list(xs), list(ys), denom, dloss, self.delayed, M)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:
@@ -345,6 +344,7 @@ class Engine:
                         peaks)
 
     def memory(self) -> dict[str, int]:
-        """Bytes of the parameter (compute copy), gradient and fp32 master buffers kept, and
-        the peak live activations."""
-        return {**self.sharder.memory(), "activations": self.peak_activations}
+        """Bytes of the parameter (compute copy), gradient and fp32 master buffers kept, the
+        peak live activations, and 2bw's stashed gradients of the next batch (GradStash)."""
+        stash = {"grad_stash": self.executor.stash_bytes} if self.delayed else {}
+        return {**self.sharder.memory(), "activations": self.peak_activations, **stash}

@@ -84,8 +84,9 @@ class Executor:
         self.peak_held = 0  # most micro-batch caches held at once in the last step
         # 2BW: what a step leaves open for the next: the caches (micro-batch, chunk) ->
         # (weight version, released, cache) of the next batch's forwards, the gradients of
-        # its backwards (stash), the step's sends, its loss and MoE figures (aux, moe_raw); whether
-        # it ran the next batch's first actions (carry_on); the updates seen (the versions)
+        # its backwards (stash; stash_bytes its peak), the step's sends, its loss and MoE figures
+        # (aux, moe_raw); whether it ran the next batch's first actions (carry_on); the
+        # updates seen (the versions)
         self.carry: dict = {}
         self.stash = GradStash(self.sharder)
         self.pending: list = []
@@ -136,7 +137,7 @@ class Executor:
         self.stash.replay()  # the gradients of this batch's backwards run last step
         stage.aux += self.ahead_stats[0]  # and its forwards' MoE figures
         stage.moe_raw.update(self.ahead_stats[1])
-        self.ahead_stats, self.stash_bytes = (0.0, {}), 0
+        self.ahead_stats = (0.0, {})
         loss, caches_held, self.ahead_loss = self.ahead_loss, len(caches), 0.0
         self.events, self.peak_held = [], caches_held
         for a in actions:

@@ -14,9 +14,10 @@ Bubble fraction = idle / (pp * makespan). With those costs (all chunks equal):
   zb-h1 (p-1)/(3m+p-1)  (Qi et al.: bubble (p-1)(F+B-W) instead of (p-1)(F+B+W));
   zb-v, dualpipev (p-1)/(6m+p-1): 2 chunks per rank, each 1/2 a stage, 6m steps of work, and
   p-1 steps idle per rank (the fill of the V), for m >= 2p-1 (ZB-V) and m >= 2p (DualPipeV);
-  2bw 2(p-1)/(3m+2(p-1)) in a steady step (m >= p-1): the next batch's forwards fill the
-  cool-down, so no fill is left, but the step boundary waits for the last backward to reach
-  stage 0 (the global norm needs the whole gradient): 2(p-1) steps idle per rank.
+  2bw 1/(3m+1) in a steady step (for p > 1, where schedules.lead is not capped): the next
+  batch's first forwards and backwards fill the cool-down, and the step boundary (the
+  global norm needs the whole gradient) falls where every rank is at the same moment of the
+  flush-free run, but for rank 1's backward that would not end by then: one idle step.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
         "naive": (p - 1) / p,
         "gpipe": (p - 1) / (m + p - 1),
         "1f1b": (p - 1) / (m + p - 1),
-        "2bw": 2 * (p - 1) / (3 * m + 2 * (p - 1)),  # a steady step, m >= p - 1: no fill
+        "2bw": (p > 1) / (3 * m + (p > 1)),  # a steady step, boundaries uncapped (two_bw)
         "interleaved": (p - 1) / (v * m + p - 1),
         "zb-h1": (p - 1) / (3 * m + p - 1),
         "zb-v": (p - 1) / (6 * m + p - 1),  # m >= 2p - 1
