@@ -291,3 +291,13 @@ def test_2bw_steady_step_leaves_one_idle_step_whatever_pp(pp):
         assert bool(ahead_b) == (pp >= 3)
     assert checked >= 12 - 2 * pp
     assert simulate_schedule("2bw", 1, 4).bubble() == 0 == bubble_formula("2bw", 1, 4)
+
+
+def test_2bw_refuses_resume_and_says_why():
+    from refmp.parallel.layout import check_layout
+    from refmp.training.trainer import TrainConfig
+
+    cfg = TrainConfig(pp=2, microbatches=2, batch_size=4, schedule="2bw", resume="ckpt")
+    mcfg = gpt.GPTConfig(vocab_size=7, block_size=4, n_layer=2, n_head=2, n_embd=4)
+    with pytest.raises(ConfigError, match="carries the next batch's activations"):
+        check_layout(cfg, mcfg, 2)
