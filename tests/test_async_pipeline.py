@@ -56,6 +56,19 @@ class Open:
                                     dict(pp=2, tp=2), dict(pp=1, dp=2, tp=2, zero=1)])
 @collective
 def test_2bw_equals_the_serial_delayed_update(layout):
+    check_2bw(layout)
+
+
+@pytest.mark.parallel(nprocs=6)
+@collective
+def test_2bw_with_a_whole_batch_run_ahead():
+    """pp 3 x dp 2, ZeRO-0 with buckets, one micro-batch: the last stage runs all of the
+    next batch's backwards before the update, so the stash completes its units (their
+    bucketed all-reduces start from it, at the next step's start)."""
+    check_2bw(dict(pp=3, dp=2, microbatches=1, n_layer=3, batch_size=2))
+
+
+def check_2bw(layout):
     """pp 4 (4 micro-batches: later stages run the next batch's first backwards before the
     update; 2: the step boundaries capped), pp 2 x dp 2 with ZeRO-1, pp 2 x tp 2, dp 2 x
     tp 2: loss, norm, gradient and weights after each of 4 AdamW steps with clipping that

@@ -47,6 +47,7 @@ class GradStash:
 
     def __init__(self, sharder):
         self.sharder, self.sums = sharder, {}  # unit -> {name: summed gradient}
+        self.final: set[str] = set()  # units completed by the batch's last micro-batch
 
     def __getattr__(self, name):
         return getattr(self.sharder, name)
@@ -57,7 +58,8 @@ class GradStash:
             sums[k] = v.copy() if k not in sums else sums[k] + v
 
     def grad_ready(self, u: str, final: bool) -> None:
-        pass  # the Sharder hears of it in replay
+        if final:  # the Sharder hears of it in replay
+            self.final.add(u)
 
     def nbytes(self) -> int:
         return sum(int(v.nbytes) for g in self.sums.values() for v in g.values())
@@ -65,8 +67,8 @@ class GradStash:
     def replay(self) -> None:
         for u, g in self.sums.items():
             self.sharder.accumulate(u, g)
-            self.sharder.grad_ready(u, False)
-        self.sums = {}
+            self.sharder.grad_ready(u, u in self.final)
+        self.sums, self.final = {}, set()
 
 
 class Executor:
@@ -146,7 +148,7 @@ class Executor:
             version = self.updates + ahead - 1  # the weight version a 2bw action computes on
             sharder.on_previous = delayed and not ahead
             self.comm.recorder.microbatch = i  # the flight recorder's label of each call
-            final = i == m - 1  # the step's last micro-batch
+            final = i % m == m - 1  # its batch's last micro-batch
             mb_tag = (self.updates * m + i) % (2 * m) if delayed else i  # by batch parity
             shape = stage.act_shape(*xs[i].shape)  # (b_i, T, C); T/tp with SP
             if a.kind == "F":
