@@ -54,8 +54,11 @@ class GradStash:
 
     def accumulate(self, u: str, g: dict) -> None:
         sums = self.sums.setdefault(u, {})
-        for k, v in g.items():
-            sums[k] = v.copy() if k not in sums else sums[k] + v
+        for k, v in g.items():  # in the gradients' dtype, as the Sharder's buffers add them
+            if k in sums:
+                sums[k] += v
+            else:
+                sums[k] = v.astype(self.sharder.gdtype)
 
     def grad_ready(self, u: str, final: bool) -> None:
         if final:  # the Sharder hears of it in replay
