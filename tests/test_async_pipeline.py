@@ -34,23 +34,65 @@ def serial(cfg: TrainConfig) -> Trainer:
     return Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=data())
 
 
+class Open:
+    """The check hook: after each step, what this rank's executor keeps open for the next
+    (caches of the next batch's forwards, its stashed gradients, sends) and whether a
+    forward of the next batch ran before the step's last backward (no flush)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def __call__(self, par, s: int) -> None:
+        ex, m = par.runner.executor, par.cfg.microbatches
+        kinds = [(e.kind, e.mb) for e in ex.events if e.kind in "FB"]
+        last_b = max((j for j, (k, i) in enumerate(kinds) if k == "B" and i < m), default=-1)
+        early = any(k == "F" and i >= m for k, i in kinds[:last_b])
+        self.steps.append((len(ex.carry), ex.stash_bytes, len(ex.pending), bool(ex.stash.sums),
+                           early))
+
+
 @pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("layout", [dict(pp=4), dict(pp=2, dp=2, zero=1), dict(pp=2, tp=2),
-                                    dict(pp=1, dp=2, tp=2, zero=1)])
+@pytest.mark.parametrize("layout", [dict(pp=4, microbatches=4), dict(pp=4), dict(pp=2, dp=2, zero=1),
+                                    dict(pp=2, tp=2), dict(pp=1, dp=2, tp=2, zero=1)])
 @collective
 def test_2bw_equals_the_serial_delayed_update(layout):
-    """pp 4, pp 2 x dp 2 with ZeRO-1, pp 2 x tp 2, dp 2 x tp 2: loss, norm, gradient and
-    weights after each of 4 AdamW steps with clipping that bites, against 2bw at pp 1."""
-    cfg = TrainConfig(**SMALL, steps=4, schedule="2bw", **layout)
-    plain = parity.serial_config
+    check_2bw(layout)
+
+
+@pytest.mark.parallel(nprocs=6)
+@collective
+def test_2bw_with_a_whole_batch_run_ahead():
+    """pp 3 x dp 2, ZeRO-0 with buckets, one micro-batch: the last stage runs all of the
+    next batch's backwards before the update, so the stash completes its units (their
+    bucketed all-reduces start from it, at the next step's start)."""
+    check_2bw(dict(pp=3, dp=2, microbatches=1, n_layer=3, batch_size=2))
+
+
+def check_2bw(layout):
+    """pp 4 (4 micro-batches: later stages run the next batch's first backwards before the
+    update; 2: the step boundaries capped), pp 2 x dp 2 with ZeRO-1, pp 2 x tp 2, dp 2 x
+    tp 2: loss, norm, gradient and weights after each of 4 AdamW steps with clipping that
+    bites, against 2bw at pp 1. No flush: stage 0 runs forwards of the next batch before the
+    step's last backward and carries their caches over the boundary; the last step drains
+    (nothing carried, stashed or sent after it)."""
+    cfg = TrainConfig(**{**SMALL, **layout}, steps=4, schedule="2bw")
+    plain, hook = parity.serial_config, Open()
     parity.serial_config = lambda c: replace(plain(c), schedule="2bw")  # the delayed reference
     try:
-        par = parity.assert_same_run(cfg, data(), tol=TIGHT)
+        par = parity.assert_same_run(cfg, data(), tol=TIGHT, check=hook)
     finally:
         parity.serial_config = plain
     # the memory report holds the second weight version: as many bytes as the parameters
     mem = par.memory()
     assert mem["versions"] == mem["params"] > 0
+    *steady, last = hook.steps
+    assert last == (0, last[1], 0, False, False), "the last step drains the pipeline"
+    r, P = par.runner.pp.rank, cfg.pp
+    if P > 1 and r == 0:
+        assert all(carried > 0 and early for carried, _, _, _, early in steady), hook.steps
+    if layout.get("microbatches") == 4 and r == P - 1:  # next-batch backwards: stashed
+        assert all(stash > 0 and held for _, stash, _, held, _ in steady), hook.steps
+        assert mem["grad_stash"] == max(stash for _, stash, _, _, _ in hook.steps)
 
 
 def test_2bw_is_the_delayed_rule_and_not_the_synchronous_run():

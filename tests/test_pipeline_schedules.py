@@ -245,3 +245,59 @@ def test_stage_chunks_in_sequence_equal_the_serial_model(zero, n_expert):
     assert sorted(grads) == sorted(model.grads)
     for k, g in model.grads.items():
         np.testing.assert_allclose(grads[k], g, rtol=1e-10, atol=1e-14, err_msg=k)
+
+
+@settings(max_examples=40)
+@given(pp=st.integers(1, 6), m=st.integers(1, 12), steps=st.integers(1, 4))
+def test_2bw_runs_complete_and_each_step_is_a_consistent_cut(pp, m, steps):
+    """simulate_2bw: steps of schedules.two_bw with their boundaries complete (no deadlock);
+    step t runs only batches t and t+1 (no forward of t+2, whose weights its update makes;
+    a send that crosses a boundary is received in the next step) and every backward of
+    batch t; the peaks are 1F1B's; a one-step run is 1F1B."""
+    from bisect import bisect_right
+
+    from refmp.parallel.pipeline.schedules import two_bw
+    from refmp.parallel.pipeline.simulate import simulate_2bw
+
+    tl = simulate_2bw(pp, m, steps)
+    assert len(tl.barriers) == steps - 1
+    for e in tl.events:
+        s = bisect_right(tl.barriers, e.start)  # the step the action runs in
+        assert s <= e.mb // m <= s + 1, e
+    for t in range(steps - 1):
+        assert max(e.end for e in tl.events if e.kind == "B" and e.mb // m == t) <= tl.barriers[t]
+    assert all(min(pp - s, m) <= tl.peak_held[s] <= min(pp - s, m + 1) for s in range(pp))
+    for r in range(pp):
+        assert two_bw(pp, m, r, fill=True, ahead=False) == schedule("1f1b", pp, m, r)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 6])
+def test_2bw_steady_step_leaves_one_idle_step_whatever_pp(pp):
+    """Where no step boundary is capped (m large enough), a steady 2bw step leaves every rank
+    one idle unit (rank 1's backward that does not fit before the boundary), where 1F1B
+    leaves 3(pp - 1): bubble 1/(3m+1), the formula; the later stages run backwards of the
+    next batch before the boundary (pp >= 3); pp 1 has no bubble."""
+    from refmp.parallel.pipeline.schedules import lead, two_bw
+
+    checked = 0
+    for m in range(1, 13):
+        if any(lead(pp, m, r) < 2 * r // 3 * 2 + (2 * r % 3 >= 1) for r in range(pp)):
+            continue  # capped: no forward of batch t+2 may enter step t
+        checked += 1
+        tl = simulate_schedule("2bw", pp, m)
+        assert tl.bubble() == pytest.approx(bubble_formula("2bw", pp, m), abs=1e-12)
+        assert all(tl.makespan - tl.busy(r) == 1 for r in range(pp))
+        ahead_b = [a for a in two_bw(pp, m, pp - 1) if a.kind == "B" and a.mb >= m]
+        assert bool(ahead_b) == (pp >= 3)
+    assert checked >= 12 - 2 * pp
+    assert simulate_schedule("2bw", 1, 4).bubble() == 0 == bubble_formula("2bw", 1, 4)
+
+
+def test_2bw_refuses_resume_and_says_why():
+    from refmp.parallel.layout import check_layout
+    from refmp.training.trainer import TrainConfig
+
+    cfg = TrainConfig(pp=2, microbatches=2, batch_size=4, schedule="2bw", resume="ckpt")
+    mcfg = gpt.GPTConfig(vocab_size=7, block_size=4, n_layer=2, n_head=2, n_embd=4)
+    with pytest.raises(ConfigError, match="carries the next batch's activations"):
+        check_layout(cfg, mcfg, 2)

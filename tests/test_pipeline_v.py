@@ -61,11 +61,13 @@ def test_schedule_json_and_the_weight_versions_of_2bw(capsys):
     got = json.loads(capsys.readouterr().out)
     assert got["bubble"] == pytest.approx(got["formula"]) == pytest.approx(3 / 51)
     assert got["peak_held"] == [8] * 4 and got["weight_versions"] == [1] * 4
-    # 2bw: two batches, no flush between them; batch 2 (micro-batches 3-5) computes on W(1)
+    # 2bw: three steps, no flush; batch t computes on W(t-1): batch 1 (micro-batches 3-5) on
+    # W(0), batch 2 on W(1); batch t+1's first forward on rank 1 ends step t
     assert main(["schedule", "--pp", "2", "--microbatches", "3", "--schedule", "2bw"]) == 0
     out = capsys.readouterr().out
-    assert "rank 1 | .... F0@0 B0@0 B0@0 F1@0" in out and "F3@1 B3@1" in out
-    assert "bubble 0.1429 simulated, 0.1429 formula" in out  # (p-1)/(2m+p-1): one fill
+    assert "rank 1 | .... F0@0 B0@0 B0@0 F1@0" in out and "F3@0 .... | B3@0 B3@0 F4@0" in out
+    assert "F6@1 .... | B6@1" in out
+    assert "bubble 0.1000 simulated (the steady step, 10 steps), 0.1000 formula" in out
     assert main(["schedule", "--pp", "2", "--microbatches", "3", "--schedule", "2bw",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["weight_versions"] == [2, 2]

@@ -4,8 +4,9 @@
 
 prints each rank's simulated timeline, the simulated bubble against the formula, and the
 peak number of micro-batches whose activations each rank holds (``--json``: those as JSON).
-2bw is drawn over two batches without a flush between them, each micro-batch labelled with
-the weight version it computes on (F5@1: on W(1)).
+2bw is drawn over three steps (the first fills the pipeline, the last drains it; ``|`` marks
+a step boundary), each micro-batch labelled with the weight version it computes on (F7@1:
+on W(1)); its bubble is the middle, steady step's.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def add_parser(sub) -> None:
 def run_schedule(args) -> dict:
     from refmp.parallel.pipeline.partition import check_pipeline
     from refmp.parallel.pipeline.schedules import chunks_per_rank
-    from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
+    from refmp.parallel.pipeline.simulate import bubble_formula, simulate_2bw, simulate_schedule
 
     P, M, V = args.pp, args.microbatches, args.virtual_stages
     if P < 1:
@@ -42,10 +43,7 @@ def run_schedule(args) -> dict:
     tl = simulate_schedule(args.schedule, P, M, V)
     formula = bubble_formula(args.schedule, P, M, V)
     versions = 2 if args.schedule == "2bw" else 1  # weight versions held per rank
-    if args.schedule == "2bw":  # batches 1 and 2 without a flush: batch t computes on W(t-1)
-        tl = simulate_schedule("1f1b", P, 2 * M)
-        tl.name, tl.versions = "2bw", {i: i // M for i in range(2 * M)}
-        formula = bubble_formula("1f1b", P, 2 * M)
+    run = simulate_2bw(P, M, 3) if args.schedule == "2bw" else tl  # batch t on W(t-1)
     figures = {"schedule": args.schedule, "pp": P, "microbatches": M, "bubble": tl.bubble(),
                "formula": formula, "peak_held": tl.peak_held, "weight_versions": [versions] * P}
     if args.json:
@@ -53,16 +51,17 @@ def run_schedule(args) -> dict:
         return figures
     print(f"refmp schedule: {args.schedule}, pp {P}, {M} micro-batches"
           + (f", {V} virtual stages" if V > 1 else "")
-          + (", two batches" if versions == 2 else "")
+          + (", three steps" if versions == 2 else "")
           + " (F = B = W = 1 step; an unsplit backward is B + W = 2)")
-    print(tl.ascii())
-    print(f"completes in {tl.makespan:g} steps; bubble {tl.bubble():.4f} simulated, "
-          f"{formula:.4f} formula")
+    print(run.ascii())
+    print(f"completes in {run.makespan:g} steps; bubble {tl.bubble():.4f} simulated"
+          + (f" (the steady step, {tl.makespan:g} steps)" if versions == 2 else "")
+          + f", {formula:.4f} formula")
     print("peak micro-batches held per rank: " + ", ".join(map(str, tl.peak_held)))
     if args.trace:
-        tl.write_trace(args.trace)
+        run.write_trace(args.trace)
         print(f"wrote {args.trace}")
     if args.png:
-        tl.png(args.png)
+        run.png(args.png)
         print(f"wrote {args.png}")
     return figures

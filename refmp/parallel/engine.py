@@ -1,8 +1,7 @@
 """The Engine: one runner for every layout, pp x dp x cp x tp with experts, ZeRO 0-3 and SP.
 
-Shapes: B global batch, b = B/dp rows per pipeline, M micro-batches, T sequence, Tl = T/cp
-tokens per rank; pp, dp, cp, tp, ep group sizes; n_chunks = pp v model chunks (v virtual
-stages); n prompts, t their length, when decoding.
+Shapes: B global batch, b = B/dp rows per pipeline, M micro-batches, T sequence, Tl = T/cp tokens
+per rank; pp, dp, cp, tp, ep; n_chunks = pp v chunks (v virtual stages); n prompts of length t.
 
 The Engine composes orthogonal pieces, none of which knows the others' axes, built in named
 steps below (docs/architecture.md): the cp core, the rank's chunks, its parameters, the
@@ -146,8 +145,8 @@ class Engine:
                            self.tp.size if self.sp else 1, layout.recompute == "full")
         self.executor = Executor(self.stage, self.pp, self.sharder.compute,  # activations' dtype
                                  on_forward=self._measure, v_shape=self.v_shape)
-        self.actions = schedule(self.schedule_name, self.pp.size, self.microbatches, self.pp.rank,
-                                self.v)
+        self.actions = partial(schedule, self.schedule_name, self.pp.size, self.microbatches,
+                               self.pp.rank, self.v)  # (fill, ahead): 2bw's step, two_bw
         self.delayed = self.schedule_name == "2bw"  # 2BW: each step computes on W(t-1)
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
@@ -159,8 +158,8 @@ class Engine:
         # gathers weights, every rank of a gather group must run the same forwards)
         self.eval_comm = (Comm(MPI.COMM_SELF, "self", grid.ledger) if self.sharder.releases_weights
                           else grid.comm["edp"] if self.ep.size > 1 else grid.group("dp", "cp"))
-        self.peak_activations, self._loss = 0, (0.0, 0.0)
-        self._scale, self._master = 1.0, None  # mixed precision: loss scale, fp32 grad pieces
+        self.peak_activations, self._loss = 0, (0.0, 0.0)  # mixed precision: the loss scale
+        self._scale, self._master = 1.0, None  # and the fp32 gradient pieces
 
     # --- what the optimizer and the trainer see ---------------------------------------------
 
@@ -185,14 +184,17 @@ class Engine:
         self.sharder.zero_grad()
         self.stage.reset_stats()
 
-    def forward_backward(self, x, y, denom: int, dloss: float = 1.0) -> None:
-        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule.
-        ``dloss``: the loss scale (fp16), the gradient backward starts from."""
-        self._scale, self._master = dloss, None
-        if self.positions is not None:
-            x, y = x[:, self.positions], y[:, self.positions]  # (b, Tl) my tokens
-        xs, ys = zip(*split_microbatches(x, y, self.microbatches), strict=True)
-        ce = self.executor.step(self.actions, list(xs), list(ys), denom, dloss, self.delayed)
+    def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=None) -> None:
+        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule; ``dloss``
+        the loss scale (fp16), which backward starts from; ``ahead`` (2bw) the next batch's rows
+        (x, y), whose first forwards fill this step's cool-down (None: the drain, a last step)."""
+        self._scale, self._master, M = dloss, None, self.microbatches
+        rows = [(x, y)] + ([ahead] if self.delayed and ahead is not None else [])
+        if self.positions is not None:  # (b, Tl) my tokens
+            rows = [(x[:, self.positions], y[:, self.positions]) for x, y in rows]
+        xs, ys = zip(*[mb for x, y in rows for mb in split_microbatches(x, y, M)], strict=True)
+        acts = self.actions(fill=not self.executor.carry_on, ahead=len(rows) > 1)  # 2bw's step
+        ce = self.executor.step(acts, list(xs), list(ys), denom, dloss, self.delayed, M)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:
@@ -342,6 +344,7 @@ class Engine:
                         peaks)
 
     def memory(self) -> dict[str, int]:
-        """Bytes of the parameter (compute copy), gradient and fp32 master buffers kept, and
-        the peak live activations."""
-        return {**self.sharder.memory(), "activations": self.peak_activations}
+        """Bytes of the parameter (compute copy), gradient and fp32 master buffers kept, the
+        peak live activations, and 2bw's stashed gradients of the next batch (GradStash)."""
+        stash = {"grad_stash": self.executor.stash_bytes} if self.delayed else {}
+        return {**self.sharder.memory(), "activations": self.peak_activations, **stash}

@@ -62,8 +62,9 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
         raise ConfigError(f"--n-expert ({mcfg.n_expert}) must be divisible by --ep ({ep}): "
                           f"every expert-parallel rank holds E/ep experts")
     if cfg.schedule == "2bw" and cfg.resume:
-        raise ConfigError("--schedule 2bw computes on the previous weight version, which a "
-                          "checkpoint does not hold: --resume would start from W(t) twice")
+        raise ConfigError("--schedule 2bw computes on the previous weight version and carries "
+                          "the next batch's activations and gradients across each step, which "
+                          "a checkpoint does not hold: --resume would start from W(t) twice")
     # the pipeline (pp = 1 is a one-stage schedule: gradient accumulation)
     check_pipeline(mcfg.n_layer, pp, M, cfg.schedule, cfg.virtual_stages,
                    parse_stage_layers(cfg.stage_layers), B // dp)

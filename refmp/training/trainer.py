@@ -102,8 +102,9 @@ class Runner(Pieces, Protocol):
 
     def zero_grad(self) -> None: ...
 
-    def forward_backward(self, x, y, denom: int, dloss: float = 1.0) -> None: ...  # grads +=
-    # this rank's share; dloss: the gradient backward starts from (fp16's loss scale)
+    def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=None) -> None: ...
+    # grads += this rank's share; dloss: the gradient backward starts from (fp16's loss
+    # scale); ahead: 2bw's next batch (x, y), its first forwards run in this step
 
     def reduce_grads(self) -> None: ...  # grads become the global gradient's owned pieces
 
@@ -201,8 +202,13 @@ class Trainer:
         scale = self.scaler.scale if self.scaler else 1.0
         # fp16: an overflow is expected now and then (that is what the scaler is for)
         quiet = np.errstate(over="ignore", invalid="ignore") if self.scaler else nullcontext()
+        ahead = None  # 2bw: the next batch, whose first forwards fill this step's cool-down
+        if cfg.schedule == "2bw" and self.step_num + 1 < cfg.steps:  # the last step drains
+            xa, ya = get_batch(self.ds.tokens, self.step_num + 1, cfg.batch_size, self.T,
+                               self.rows, self.perm)
+            ahead = (backend.from_host(xa), backend.from_host(ya))
         with quiet:
-            run.forward_backward(x, y, denom, scale)  # backward starts from the loss scale
+            run.forward_backward(x, y, denom, scale, ahead)  # backward starts from the loss scale
             run.reduce_grads()  # now grads is the global gradient of this rank's pieces
             norm = run.grad_norm()  # global: also without clipping, for the checks below
         loss = run.loss_total()  # global (the forward's): the same on every rank

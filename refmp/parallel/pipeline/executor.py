@@ -38,6 +38,42 @@ def tag(mb: int, chunk: int, n_chunks: int, grad: bool) -> int:
     return 2 * (mb * n_chunks + chunk) + int(grad)
 
 
+class GradStash:
+    """2BW: stands in for the Sharder during a backward of the next batch run before this
+    step's update (schedules.two_bw). Its gradients are summed here, in the order they come,
+    and added to the Sharder's after the next step's zero_grad (``replay``): the same sums in
+    the same order as the serial run's, so the step's gradient is batch t's alone. Weights
+    and the rest are the Sharder's."""
+
+    def __init__(self, sharder):
+        self.sharder, self.sums = sharder, {}  # unit -> {name: summed gradient}
+        self.final: set[str] = set()  # units completed by the batch's last micro-batch
+
+    def __getattr__(self, name):
+        return getattr(self.sharder, name)
+
+    def accumulate(self, u: str, g: dict) -> None:
+        sums = self.sums.setdefault(u, {})
+        for k, v in g.items():  # in the gradients' dtype, as the Sharder's buffers add them
+            if k in sums:
+                sums[k] += v
+            else:
+                sums[k] = v.astype(self.sharder.gdtype)
+
+    def grad_ready(self, u: str, final: bool) -> None:
+        if final:  # the Sharder hears of it in replay
+            self.final.add(u)
+
+    def nbytes(self) -> int:
+        return sum(int(v.nbytes) for g in self.sums.values() for v in g.values())
+
+    def replay(self) -> None:
+        for u, g in self.sums.items():
+            self.sharder.accumulate(u, g)
+            self.sharder.grad_ready(u, u in self.final)
+        self.sums, self.final = {}, set()
+
+
 class Executor:
     """Runs action lists for one Stage over the pp communicator, timing every action.
 
@@ -48,9 +84,19 @@ class Executor:
     def __init__(self, stage: Stage, comm: Comm, dtype,
                  on_forward: Callable[[dict], None] | None = None, v_shape: bool = False):
         self.stage, self.comm, self.dtype, self.on_forward = stage, comm, dtype, on_forward
-        self.v_shape = v_shape
+        self.v_shape, self.sharder = v_shape, stage.sharder
         self.events: list[Event] = []  # the last step's timeline on this rank
         self.peak_held = 0  # most micro-batch caches held at once in the last step
+        # 2BW: what a step leaves open for the next: the caches (micro-batch, chunk) ->
+        # (weight version, released, cache) of the next batch's forwards, the gradients of
+        # its backwards (stash; stash_bytes its peak), the step's sends, its loss and MoE figures
+        # (aux, moe_raw); whether it ran the next batch's first actions (carry_on); the
+        # updates seen (the versions)
+        self.carry: dict = {}
+        self.stash = GradStash(self.sharder)
+        self.pending: list = []
+        self.ahead_stats: tuple = (0.0, {})
+        self.updates, self.carry_on, self.stash_bytes, self.ahead_loss = 0, False, 0, 0.0
 
     def _send(self, x, shape, mb: int, chunk: int, grad: bool, pending: list) -> None:
         t0 = time.perf_counter()
@@ -72,62 +118,102 @@ class Executor:
         self.events.append(Event(self.comm.rank, kind, mb, chunk, t0, time.perf_counter()))
 
     def step(self, actions: list[Action], xs: list, ys: list, denom: int,
-             dloss: float = 1.0, delayed: bool = False) -> float:
+             dloss: float = 1.0, delayed: bool = False, m: int | None = None) -> float:
         """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets;
-        ``dloss`` the gradient of each loss share (the loss scale with fp16, else 1).
-        ``delayed`` (2BW): every action computes on the Sharder's previous weight version
-        W(t-1) (W(-1) = W(0)); after the last, W(t) becomes the next step's previous one.
+        ``m`` the step's micro-batches (default: all of xs); ``dloss`` the gradient of each
+        loss share (the loss scale with fp16, else 1).
+
+        ``delayed`` (2BW, schedules.two_bw): micro-batches 0..m-1 are this step's batch t,
+        computed on the Sharder's previous weight version W(t-1) (W(-1) = W(0)); the lists'
+        micro-batches m..2m-1 (xs holds 2m then) are batch t+1's first ones, on W(t), the
+        current version. Their caches (which name their weights: the update overwrites the
+        buffer), gradients and sends stay open into the next step, whose list starts where
+        this one ends. Each cache remembers the version it was made on, and its backward
+        asserts it runs on the same. After the last action W(t) becomes the previous version
+        (the update then makes W(t+1) of W(t)).
 
         Returns this rank's loss share (non-zero on the rank holding the last chunk).
         """
-        stage, n_chunks = self.stage, self.stage.n_chunks
-        if delayed and not stage.sharder.previous:
-            stage.sharder.keep_previous()  # W(-1) = W(0)
-        stage.sharder.on_previous = delayed
+        stage, sharder, n_chunks, m = self.stage, self.sharder, self.stage.n_chunks, m or len(xs)
+        if delayed and not sharder.previous:
+            sharder.keep_previous()  # W(-1) = W(0)
         split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}  # B's whose W is listed
-        caches, todos, pending = {}, {}, []
-        loss, caches_held = 0.0, 0
-        self.events, self.peak_held = [], 0
+        caches, todos, pending, self.pending = dict(self.carry), {}, self.pending, []
+        self.stash.replay()  # the gradients of this batch's backwards run last step
+        stage.aux += self.ahead_stats[0]  # and its forwards' MoE figures
+        stage.moe_raw.update(self.ahead_stats[1])
+        self.ahead_stats = (0.0, {})
+        loss, caches_held, self.ahead_loss = self.ahead_loss, len(caches), 0.0
+        self.events, self.peak_held = [], caches_held
         for a in actions:
             i, c = a.mb, a.chunk
+            ahead = i >= m  # 2BW: batch t+1's micro-batch i - m
+            version = self.updates + ahead - 1  # the weight version a 2bw action computes on
+            sharder.on_previous = delayed and not ahead
             self.comm.recorder.microbatch = i  # the flight recorder's label of each call
-            final = i == len(xs) - 1  # the step's last micro-batch
+            final = i % m == m - 1  # its batch's last micro-batch
+            mb_tag = (self.updates * m + i) % (2 * m) if delayed else i  # by batch parity
             shape = stage.act_shape(*xs[i].shape)  # (b_i, T, C); T/tp with SP
             if a.kind == "F":
-                inp = xs[i] if c == 0 else self._recv(shape, i, c, grad=False)
+                inp = xs[i] if c == 0 else self._recv(shape, mb_tag, c, grad=False)
                 t0 = time.perf_counter()
-                out, caches[i, c] = stage.forward(c, inp, ys[i], denom)
+                if ahead:  # its MoE figures belong to the next step's
+                    (stage.aux, stage.moe_raw), mine = self.ahead_stats, (stage.aux, stage.moe_raw)
+                out, cache = stage.forward(c, inp, ys[i], denom, release=ahead)
+                if ahead:
+                    self.ahead_stats, (stage.aux, stage.moe_raw) = (stage.aux, stage.moe_raw), mine
+                caches[i, c] = (version, ahead, cache)  # ahead: the cache names its weights
                 caches_held += 1
                 self.peak_held = max(self.peak_held, caches_held)
                 self._event("F", i, c, t0)
                 if self.on_forward is not None:
                     self.on_forward(caches)
-                if c == n_chunks - 1:
+                if c == n_chunks - 1 and ahead:  # the next step's loss
+                    self.ahead_loss += float(out)
+                elif c == n_chunks - 1:
                     loss += float(out)
                 else:
-                    self._send(out, shape, i, c + 1, grad=False, pending=pending)
+                    self._send(out, shape, mb_tag, c + 1, grad=False,
+                               pending=self.pending if ahead else pending)
             elif a.kind == "B":
-                dout = None if c == n_chunks - 1 else self._recv(shape, i, c, grad=True)
+                dout = None if c == n_chunks - 1 else self._recv(shape, mb_tag, c, grad=True)
                 t0 = time.perf_counter()
-                dx, todo = stage.backward(c, dout, caches.pop((i, c)), (i, c) in split, final, dloss)
+                made_on, released, cache = caches.pop((i, c))
+                if delayed and made_on != version:
+                    raise AssertionError(f"rank {self.comm.rank}: micro-batch {i}'s backward on "
+                                         f"W({version}), its forward on W({made_on})")
+                stage.sharder = self.stash if ahead else sharder  # batch t+1's gradients wait
+                try:
+                    dx, todo = stage.backward(c, dout, cache, (i, c) in split, final, dloss,
+                                              attach_weights=released)
+                finally:
+                    stage.sharder = sharder
+                self.stash_bytes = max(self.stash_bytes, self.stash.nbytes())
                 if (i, c) in split:
                     todos[i, c] = todo
                 else:
                     caches_held -= 1
                 self._event("B", i, c, t0)
                 if dx is not None:
-                    self._send(dx, shape, i, c - 1, grad=True, pending=pending)
+                    self._send(dx, shape, mb_tag, c - 1, grad=True,
+                               pending=self.pending if ahead else pending)
             else:  # W
                 t0 = time.perf_counter()
                 stage.weight(todos.pop((i, c)), final)
                 caches_held -= 1
                 self._event("W", i, c, t0)
+        self.carry_on = len(xs) > m
         t0 = time.perf_counter()
         self.comm.recorder.microbatch = -1
-        wait_all([req for req, _ in pending])  # the buffers stayed alive in `pending` until here
+        # sends are finished at the end of the step (their buffers stay alive in the lists
+        # until here); 2BW's of batch t+1 at the end of the next step, which runs the rest
+        # of batch t+1 on every rank, so their receivers have taken them by then
+        wait_all([req for req, _ in pending])
         self._event("send", -1, -1, t0)
-        stage.sharder.on_previous = False
+        sharder.on_previous = False
+        self.carry = {(i - m, c): v for (i, c), v in caches.items() if i >= m}
+        assert len(self.carry) == len(caches) and not todos, "a micro-batch's cache was left over"
         if delayed:  # the update makes W(t+1) of W(t)
-            stage.sharder.keep_previous()
-        assert not caches and not todos, "a micro-batch's cache was left over"
+            sharder.keep_previous()
+            self.updates += 1
         return loss

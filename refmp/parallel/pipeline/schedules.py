@@ -183,6 +183,39 @@ def dualpipev(pp: int, m: int, rank: int) -> list[Action]:
     return v.out
 
 
+def lead(pp: int, m: int, rank: int) -> int:
+    """How many actions past its last backward of a batch rank r runs in a 2bw step: in
+    the flush-free run at unit costs (F 1, B 2) the last backward of a batch reaches stage
+    r 2r steps before stage 0, and the 2r steps hold F, B, F, ... (an action that would not
+    end within them waits for the next step). Capped so that no forward of batch t+2 (whose
+    weights the update makes) enters step t."""
+    q, rem = divmod(2 * rank, 3)
+    return min(2 * q + (rem >= 1), 2 * (m - min(pp - rank - 1, m)))
+
+
+def two_bw(pp: int, m: int, rank: int, fill: bool = False, ahead: bool = True) -> list[Action]:
+    """PipeDream-2BW's step (Narayanan et al. 2021, sec. 3): 1F1B without the flush.
+
+    The flush-free run is one 1F1B list over every batch (warm-up F(0..w-1), w = min(pp -
+    rank - 1, m), then F(k + w), B(k) for ever); a step is the stretch of it that ends when
+    the step's last backward reaches stage 0, where every rank is at the same moment of the
+    unit-cost run (rank r is ``lead`` actions further). Micro-batches 0..m-1 are this step's
+    batch t, m..2m-1 batch t+1's: its first forwards (and on later stages its first
+    backwards, whose gradients wait for step t+1) fill the cool-down. ``fill``: the first
+    step, from the start; not ``ahead``: the drain, batch t's actions left (with fill: 1F1B).
+    """
+    w, s = min(pp - rank - 1, m), lead(pp, m, rank)
+    run = [Action("F", i, rank) for i in range(w)]
+    for k in range(3 * m):
+        run += [Action("F", k + w, rank), Action("B", k, rank)]
+    if fill:  # from the start to the first step's end
+        acts, start = run[: w + 2 * m + s] if ahead else run, 0
+    else:  # a steady step: batch 1 of the run is this step's
+        acts, start = run[w + 2 * m + s : w + 4 * m + s] if ahead else run[w + 2 * m + s :], m
+    return [Action(a.kind, a.mb - start, rank) for a in acts
+            if ahead or start <= a.mb < start + m]
+
+
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "2bw")
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V (placement.chunk_rank)
 
@@ -192,10 +225,14 @@ def chunks_per_rank(name: str, v: int = 1) -> int:
     return 2 if name in V_SHAPED else v
 
 
-def schedule(name: str, pp: int, m: int, rank: int, v: int = 1) -> list[Action]:
-    """Rank ``rank``'s actions for one step of ``name`` with pp stages and m micro-batches."""
+def schedule(name: str, pp: int, m: int, rank: int, v: int = 1, fill: bool = False,
+             ahead: bool = True) -> list[Action]:
+    """Rank ``rank``'s actions for one step of ``name`` with pp stages and m micro-batches
+    (2bw: :func:`two_bw`'s, by default a step in the steady state)."""
     if name == "interleaved":
         return interleaved(pp, m, rank, v)
+    if name == "2bw":
+        return two_bw(pp, m, rank, fill, ahead)
     fn = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-v": zb_v,
-          "dualpipev": dualpipev, "2bw": one_f_one_b}[name]
+          "dualpipev": dualpipev}[name]
     return fn(pp, m, rank)

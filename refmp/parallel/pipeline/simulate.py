@@ -13,12 +13,16 @@ Bubble fraction = idle / (pp * makespan). With those costs (all chunks equal):
   naive (p-1)/p;  gpipe, 1f1b (p-1)/(m+p-1);  interleaved (p-1)/(v m+p-1);
   zb-h1 (p-1)/(3m+p-1)  (Qi et al.: bubble (p-1)(F+B-W) instead of (p-1)(F+B+W));
   zb-v, dualpipev (p-1)/(6m+p-1): 2 chunks per rank, each 1/2 a stage, 6m steps of work, and
-  p-1 steps idle per rank (the fill of the V), for m >= 2p-1 (ZB-V) and m >= 2p (DualPipeV).
+  p-1 steps idle per rank (the fill of the V), for m >= 2p-1 (ZB-V) and m >= 2p (DualPipeV);
+  2bw 1/(3m+1) in a steady step (for p > 1, where schedules.lead is not capped): the next
+  batch's first forwards and backwards fill the cool-down, and the step boundary (the
+  global norm needs the whole gradient) falls where every rank is at the same moment of the
+  flush-free run, but for rank 1's backward that would not end by then: one idle step.
 """
 
 from __future__ import annotations
 
-from refmp.parallel.pipeline.schedules import V_SHAPED, Action, chunks_per_rank, schedule
+from refmp.parallel.pipeline.schedules import V_SHAPED, Action, chunks_per_rank, schedule, two_bw
 from refmp.parallel.pipeline.timeline import Event, Timeline
 from refmp.parallel.placement import chunk_rank
 
@@ -41,6 +45,7 @@ def check_actions(lists: list[list[Action]], pp: int, m: int, v: int,
                   v_shape: bool = False) -> set[tuple[int, int]]:
     """Every F and B of every micro-batch and chunk once, on its rank, and at most one W each,
     after its B; returns the (micro-batch, chunk) whose backward is split (a W is listed)."""
+    lists = [[a for a in acts if a.kind != "U"] for acts in lists]  # step boundaries
     split = {(a.mb, a.chunk) for acts in lists for a in acts if a.kind == "W"}
     want = sorted([Action(k, i, c) for k in "FB" for i in range(m) for c in range(pp * v)]
                   + [Action("W", i, c) for i, c in split])
@@ -61,6 +66,8 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
     ``costs`` {(rank, kind): time} replaces the unit costs, e.g. a measured run's
     (Timeline.costs): the bubble the schedule itself implies for those costs, with messages
     still free (what is left of a measured bubble beyond it is communication and overhead).
+    An action ``U`` is a step boundary (the gradient's reduction, its norm and the update:
+    collectives over every rank): no rank passes it before every rank has reached it.
     """
     split = check_actions(lists, pp, m, v, v_shape)
     chunks = pp * v
@@ -73,6 +80,8 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
         for r in range(pp):
             while pos[r] < len(lists[r]):
                 a = lists[r][pos[r]]
+                if a.kind == "U":
+                    break
                 deps = depends_on(a, chunks)
                 if any(d not in done for d in deps):
                     break
@@ -85,6 +94,12 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
                 peak[r] = max(peak[r], live[r])
                 pos[r] += 1
                 moved = True
+        at_u = [pos[r] < len(lists[r]) and lists[r][pos[r]].kind == "U" for r in range(pp)]
+        if not moved and all(at_u):  # every rank at the boundary: they leave it together
+            free = [max(free)] * pp
+            tl.barriers.append(free[0])
+            pos = [p + 1 for p in pos]
+            moved = True
         if not moved:
             waits = ", ".join(f"rank {r} at {lists[r][pos[r]]}" for r in range(pp)
                               if pos[r] < len(lists[r]))
@@ -93,8 +108,29 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
     return tl
 
 
+def simulate_2bw(pp: int, m: int, steps: int = 3,
+                 costs: dict[tuple[int, str], float] | None = None) -> Timeline:
+    """``steps`` training steps of 2bw (schedules.two_bw: the first fills, the last drains)
+    with the step boundaries between them; micro-batch g is batch g // m's, which computes on
+    W(g // m - 1) (W(-1) = W(0)), the version each event is labelled with."""
+    lists: list[list[Action]] = [[] for _ in range(pp)]
+    for t in range(steps):
+        for r in range(pp):
+            acts = two_bw(pp, m, r, fill=t == 0, ahead=t < steps - 1)
+            lists[r] += [Action(a.kind, t * m + a.mb, a.chunk) for a in acts]
+            lists[r] += [Action("U", t, -1)] if t < steps - 1 else []
+    tl = simulate(lists, pp, steps * m, 1, "2bw", costs)
+    tl.versions = {g: max(g // m - 1, 0) for g in range(steps * m)}
+    return tl
+
+
 def simulate_schedule(name: str, pp: int, m: int, v: int = 1,
                       costs: dict[tuple[int, str], float] | None = None) -> Timeline:
+    """One step of ``name``; for 2bw the steady one (the middle step of three, between its
+    boundaries), as a step of a long run goes."""
+    if name == "2bw":
+        tl = simulate_2bw(pp, m, 3, costs)
+        return tl.window(*tl.barriers)
     v = chunks_per_rank(name, v)
     return simulate([schedule(name, pp, m, r, v) for r in range(pp)], pp, m, v, name, costs,
                     name in V_SHAPED)
@@ -107,7 +143,7 @@ def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
         "naive": (p - 1) / p,
         "gpipe": (p - 1) / (m + p - 1),
         "1f1b": (p - 1) / (m + p - 1),
-        "2bw": (p - 1) / (m + p - 1),  # one batch as a step runs it; no flush between batches
+        "2bw": (p > 1) / (3 * m + (p > 1)),  # a steady step, boundaries uncapped (two_bw)
         "interleaved": (p - 1) / (v * m + p - 1),
         "zb-h1": (p - 1) / (3 * m + p - 1),
         "zb-v": (p - 1) / (6 * m + p - 1),  # m >= 2p - 1

@@ -67,14 +67,17 @@ class Stage:
             p.update(weights(u))
         return gpt.block_params(p, i)
 
-    def forward(self, c: int, inp, targets=None, denom=None, ops=None, weights=None):
+    def forward(self, c: int, inp, targets=None, denom=None, ops=None, weights=None,
+                release: bool = False):
         """Chunk c on one micro-batch: inp is token ids (chunk 0) or the previous chunk's
         output. Returns the output, or on the last chunk the loss share (logits without
         targets), and the cache the backward needs. ``ops``/``weights`` override the
-        stage's own (decoding runs whole prompts on gathered weights)."""
+        stage's own (decoding runs whole prompts on gathered weights). ``release``: the
+        cache names its weights (as ZeRO-3's do), which the backward attaches again (2BW: a
+        forward whose buffer the update overwrites before its backward)."""
         ops, weights = ops or self.ops, weights or self.sharder.weights
         train = targets is not None
-        release = train and self.sharder.releases_weights  # caches name weights, not hold them
+        release = train and (release or self.sharder.releases_weights)  # names, not arrays
         x, emb, head, blocks = inp, None, None, []
         if c == 0:
             x, emb = ops.embed({**weights("wte"), **weights("wpe")}, inp)  # (b, T, C)
@@ -96,19 +99,21 @@ class Stage:
             head = detach(head, p) if release else head
         return x, (emb, blocks, head)
 
-    def backward(self, c: int, dout, cache, split: bool, final: bool, dloss: float = 1.0):
+    def backward(self, c: int, dout, cache, split: bool, final: bool, dloss: float = 1.0,
+                 attach_weights: bool = False):
         """Chunk c's backward; returns (dx of the chunk's input or None, what W needs).
 
         dout is the gradient of the chunk's output, or None on the last chunk (the loss
         share's own gradient is ``dloss``: 1, or fp16's loss scale; MoE losses get it too).
         With ``split`` (zero bubble) the linears' weight gradients and the embedding's are
         left for :meth:`weight`. ``final``: this is the step's last micro-batch (the Sharder
-        starts stage 0's all-reduces then).
+        starts stage 0's all-reduces then). ``attach_weights``: the forward released them.
         """
         emb, blocks, head = cache
         sharder, dx = self.sharder, dout
+        attach_weights = attach_weights or sharder.releases_weights
         if head is not None:
-            if sharder.releases_weights:  # gathered again: the forward's copy was freed
+            if attach_weights:  # gathered again: the forward's copy was freed
                 head = attach(head, {**sharder.weights("ln_f"), **sharder.weights("wte")})
             dx, g = self.ops.head_backward(dloss, head)  # ln_f and the tied wte's head share
             sharder.accumulate("wte", {"wte.weight": g.pop("wte.weight")})
@@ -121,7 +126,7 @@ class Stage:
             if isinstance(bc, Recompute):  # the block's forward again (bitwise the same)
                 _, bc = gpt.block_forward(self.block_weights(i, sharder.weights), bc.x, self.ops,
                                           bc.moe)
-            elif sharder.releases_weights:
+            elif attach_weights:
                 bc = attach(bc, self.block_weights(i, sharder.weights))
             w_todo = [] if split else None
             dx, g = gpt.block_backward(dx, bc, self.ops, w_todo, dloss)

@@ -36,6 +36,7 @@ class Timeline:
     peak_held: list[int] = field(default_factory=list)  # per rank, simulated or measured
     versions: dict[int, int] = field(default_factory=dict)  # micro-batch -> the weight version
     # it computes on, drawn as F3@1 (asynchronous schedules)
+    barriers: list[float] = field(default_factory=list)  # the step boundaries (2bw's runs)
 
     @property
     def t0(self) -> float:
@@ -44,6 +45,12 @@ class Timeline:
     @property
     def makespan(self) -> float:
         return max(e.end for e in self.events) - self.t0
+
+    def window(self, start: float, end: float) -> Timeline:
+        """The events that start in [start, end): one step of a run of several."""
+        events = [e for e in self.events if start <= e.start < end]
+        return Timeline(self.name, self.pp, self.m, self.v, events, self.unit, self.peak_held,
+                        self.versions)
 
     def busy(self, rank: int) -> float:
         return sum(e.end - e.start for e in self.events if e.rank == rank and e.kind in COMPUTE)
@@ -88,6 +95,8 @@ class Timeline:
                 if e.rank == r and e.kind in COMPUTE:
                     for t in range(int(round(e.start - self.t0)), int(round(e.end - self.t0))):
                         cells[t] = self.label(e).ljust(width)
+            for t in sorted(self.barriers, reverse=True):  # a step boundary: "|"
+                cells.insert(int(round(t - self.t0)), "| ")
             rows.append(f"rank {r} | " + "".join(cells).rstrip())
         return "\n".join(rows)
 
