@@ -34,7 +34,7 @@ import zlib
 
 import numpy as np
 
-from refmp.runtime.backend import array_module
+from refmp.runtime.backend import array_module, from_host
 from refmp.runtime.precision import BF16
 
 
@@ -73,6 +73,15 @@ class Codec:
         """Bytes of the error buffers kept between steps."""
         return sum(int(e.nbytes) for e in self.error.values())
 
+    def state(self) -> dict:
+        """What the next steps depend on (refmp.checkpoint.sharded): ``error/{unit}/{name}``."""
+        return {f"error/{u}/{k}": e for (u, k), e in self.error.items()}
+
+    def load_state(self, state: dict) -> None:
+        """Set the buffers back from ``state`` (host arrays, as ``state`` names them)."""
+        self.error = {tuple(k.split("/")[1:]): from_host(v) for k, v in state.items()
+                      if k.startswith("error/")}
+
 
 class PowerSGD(Codec):
     replaces = True
@@ -85,6 +94,14 @@ class PowerSGD(Codec):
     def memory(self) -> int:
         """Bytes of the error buffers and the warm-start Q's kept between steps."""
         return super().memory() + sum(int(q.nbytes) for q in self.q.values())
+
+    def state(self) -> dict:
+        """The error buffers, and ``q/{name}``: the Q the next step starts from."""
+        return {**super().state(), **{f"q/{k}": q for k, q in self.q.items()}}
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        self.q = {k[2:]: from_host(v) for k, v in state.items() if k.startswith("q/")}
 
     def reduce(self, unit, flat, group) -> None:
         """Unit ``unit``'s gradient ``flat`` (Pp,) becomes the PowerSGD sum over ``group``."""
