@@ -116,14 +116,22 @@ def main() -> None:
     p.add_argument("--plot", default="docs/img/compression_convergence.png")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--only", nargs="*", default=None, help="labels to run (default: all)")
+    p.add_argument("--keep", nargs="*", default=[], help="JSON files of earlier runs of this "
+                   "script (the same flags) whose (label, seed) runs are taken, not run again")
     p.add_argument("--replot", action="store_true", help="plot --out without running")
     args, extra = p.parse_known_args()  # the rest goes to every run (e.g. --steps 300)
     if args.replot:
         with open(args.out) as f:
             runs = json.load(f)["runs"]
     else:
-        runs = [run_one(k, v, seed, extra) for k, v in RUNS.items()
+        done = {}
+        for path in args.keep:
+            with open(path) as f:
+                done.update({(r["label"], r.get("seed", 0)): r for r in json.load(f)["runs"]})
+        runs = [done.get((k, seed)) or run_one(k, v, seed, extra) for k, v in RUNS.items()
                 if args.only is None or k in args.only for seed in args.seeds]
+        for r in runs:
+            r.setdefault("seed", 0)
         with open(args.out, "w") as f:
             json.dump({"command": "mpiexec -n 2 refmp train --dp 2 <flags> --seed S "
                        + " ".join(extra), "runs": runs, "codecs": by_codec(runs)}, f, indent=1)
