@@ -92,20 +92,21 @@ def plot(codecs: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, name in ((axes[0], "accuracy", "held-out exact match (%)"),
                           (axes[1], "final_loss", "final training loss")):
-        for c in codecs:
+        for i, c in enumerate(codecs):
             ys = [100 * y if key == "accuracy" else y for y in c[key]]
             mean, x = sum(ys) / len(ys), c["dp_bytes_per_step"]
-            ax.errorbar(x, mean, yerr=[[mean - min(ys)], [max(ys) - mean]], fmt="o", capsize=3)
-            ax.annotate(c["label"], (x, mean), fontsize=8, xytext=(4, 4), textcoords="offset points")
+            bar = ax.errorbar(x, mean, yerr=[[mean - min(ys)], [max(ys) - mean]], fmt="o", capsize=3)
+            ax.scatter([x] * len(ys), ys, s=10, color=bar[0].get_color(), alpha=0.5)  # each seed
+            ax.annotate(c["label"], (x, mean), fontsize=8, xytext=(5, 4 if i % 2 else -11),
+                        textcoords="offset points")
         ax.set_xscale("log")
         ax.set_xlabel("bytes per step on dp (ledger)")
         ax.set_ylabel(name)
         ax.grid(True, alpha=0.3)
     axes[0].axhline(85, color="gray", ls=":", lw=1)
     axes[0].axhline(90, color="gray", ls="--", lw=1)
-    n = len(codecs[0]["seeds"])
-    fig.suptitle(f"mpiexec -n 2 refmp train --dp 2 with each codec: mean of {n} seeds, "
-                 f"bars lowest to highest")
+    fig.suptitle("mpiexec -n 2 refmp train --dp 2 with each codec: the mean over seeds, "
+                 "bars from the lowest to the highest")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -118,11 +119,14 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=None, help="labels to run (default: all)")
     p.add_argument("--keep", nargs="*", default=[], help="JSON files of earlier runs of this "
                    "script (the same flags) whose (label, seed) runs are taken, not run again")
-    p.add_argument("--replot", action="store_true", help="plot --out without running")
+    p.add_argument("--replot", action="store_true",
+                   help="no runs: the table and plot of --out's runs and --keep's")
     args, extra = p.parse_known_args()  # the rest goes to every run (e.g. --steps 300)
     if args.replot:
-        with open(args.out) as f:
-            runs = json.load(f)["runs"]
+        runs = []
+        for path in [args.out, *args.keep]:  # the runs of every file, in order
+            with open(path) as f:
+                runs += json.load(f)["runs"]
     else:
         done = {}
         for path in args.keep:
