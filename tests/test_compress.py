@@ -77,6 +77,24 @@ def test_refusals():
             check_compression(tiny(**kw))
 
 
+def test_int8_gathers_alone_still_round():
+    """ZeRO-3 on one rank gathers nothing, but --weight-gather int8 is obeyed: the model
+    computes on the block-wise int8 weights (within half a scale of the exact ones), and
+    nothing enters the ledger."""
+    tr = Trainer(tiny(grad_compress="none", zero=3, weight_gather="int8", quant_block=16),
+                 grid=ProcessGrid(MPI.COMM_SELF), dataset=DS)
+    tr.step()
+    sharder = tr.runner.sharder
+    rounded = 0.0
+    for u in sharder.units:
+        got, want = sharder.weights(u), sharder.weights(u, exact=True)
+        for k in want:
+            err = np.abs(got[k] - want[k]).max()
+            assert err <= np.abs(want[k]).max() / 254 * (1 + 1e-6), (u, k)  # half a scale
+            rounded = max(rounded, err)
+    assert rounded > 0 and tr.grid.ledger.bytes(axis="dp") == 0
+
+
 def test_plan_prices_the_codecs():
     """On a slow link the dp term shrinks with the bytes: PowerSGD and top-k below bf16
     below the plain sum (the codecs take fp32 gradients, bf16 sends 2 bytes)."""

@@ -178,8 +178,8 @@ class Int8Gather:
         x = x.reshape(nb, B)
         scale = xp.abs(x).max(axis=1) / 127  # (nb,)
         q = xp.rint(x / xp.where(scale > 0, scale, 1)[:, None]).astype(np.int8)  # (nb, B)
-        qs = group.allgather(q.ravel()).reshape(group.size, nb, B).astype(np.float32)
-        scales = group.allgather(scale).reshape(group.size, nb, 1)
+        qs = gathered(group, q.ravel()).reshape(group.size, nb, B).astype(np.float32)
+        scales = gathered(group, scale).reshape(group.size, nb, 1)
         return (qs * scales).reshape(group.size, nb * B)[:, :S].reshape(-1).astype(shard.dtype)
 
 

@@ -183,8 +183,8 @@ class Sharder:
         alive only while the caller keeps it; of W(t-1) while ``on_previous``."""
         unit, group = self.units[u], self.groups[u]
         buf = (self.previous if self.on_previous else self.pbuf)[u]
-        if self.stage < 3 or group.size == 1:
-            return unit.views(buf)
+        if self.stage < 3 or (group.size == 1 and (self.gather is None or exact)):
+            return unit.views(buf)  # (alone, int8 still rounds: the serial run of the codec)
         if self.gather is not None and not exact:
             return unit.views(self.gather.allgather(group, buf))
         return unit.views(group.allgather(buf))
