@@ -8,7 +8,11 @@ error-feedback identity: what each rank sent plus what it kept is what it produc
 result is the sum of what was sent. Every codec's ledger bytes equal refmp.cost.zero's formula.
 """
 
+import math
 import re
+import shutil
+import tempfile
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,17 +21,23 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec
 from parity import TOL, assert_same_run
 
+from refmp.checkpoint.flags import config_notes
+from refmp.config import lr_at
+from refmp.cost.memory import estimate_memory, need_bytes
 from refmp.cost.model import Layout, predict
 from refmp.cost.zero import comm_per_step, compressed_per_step, local_shapes, unit_sizes
 from refmp.distributed.comm import Comm
 from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
 from refmp.nn import GPTConfig
+from refmp.nn.params import param_shapes
 from refmp.parallel.data import compress
+from refmp.parallel.data.accumulate import dp_rows
 from refmp.parallel.data.sharder import Sharder, Unit
 from refmp.parallel.layout import check_compression
 from refmp.runtime.precision import BF16
-from refmp.training.datasets import Dataset
+from refmp.training.datasets import Dataset, get_batch
+from refmp.training.optim import clip_grads
 from refmp.training.trainer import TrainConfig, Trainer
 
 DS = Dataset(np.random.default_rng(0).integers(0, 11, 200), 11, "random")
@@ -67,6 +77,24 @@ def test_refusals():
             check_compression(tiny(**kw))
 
 
+def test_int8_gathers_alone_still_round():
+    """ZeRO-3 on one rank gathers nothing, but --weight-gather int8 is obeyed: the model
+    computes on the block-wise int8 weights (within half a scale of the exact ones), and
+    nothing enters the ledger."""
+    tr = Trainer(tiny(grad_compress="none", zero=3, weight_gather="int8", quant_block=16),
+                 grid=ProcessGrid(MPI.COMM_SELF), dataset=DS)
+    tr.step()
+    sharder = tr.runner.sharder
+    rounded = 0.0
+    for u in sharder.units:
+        got, want = sharder.weights(u), sharder.weights(u, exact=True)
+        for k in want:
+            err = np.abs(got[k] - want[k]).max()
+            assert err <= np.abs(want[k]).max() / 254 * (1 + 1e-6), (u, k)  # half a scale
+            rounded = max(rounded, err)
+    assert rounded > 0 and tr.grid.ledger.bytes(axis="dp") == 0
+
+
 def test_plan_prices_the_codecs():
     """On a slow link the dp term shrinks with the bytes: PowerSGD and top-k below bf16
     below the plain sum (the codecs take fp32 gradients, bf16 sends 2 bytes)."""
@@ -82,6 +110,103 @@ def test_plan_prices_the_codecs():
         {"allreduce": 8 * (2 * (6 + 4) + 4), "allgather": 0}
     assert compressed_per_step(shapes, 2, "topk", ratio=0.1, itemsize=8)["allgather"] == \
         2 * (3 + 1) * (8 + 4)
+
+
+def test_the_codec_buffers_in_the_memory_report_and_the_estimate():
+    """The run's ``error_feedback`` bytes (after two steps, the codec alone on its group)
+    equal refmp.cost.memory's estimate and, stated again here per parameter seen as n_r x m:
+    PowerSGD w (n_r m + m R) where R (n_r + m) < n_r m (the error share and Q; Q alone
+    without error feedback), top-k w n_r m for every tensor, bf16 nothing; need_bytes adds it."""
+    for kw in (dict(), dict(no_error_feedback=True), dict(grad_compress="topk"),
+               dict(grad_compress="topk", no_error_feedback=True), dict(grad_compress="bf16"),
+               dict(grad_compress="none"),
+               dict(dtype="float32", mixed_precision="bf16", grad_dtype="fp32", compress_rank=3)):
+        tr = Trainer(tiny(steps=2, **kw), grid=ProcessGrid(MPI.COMM_SELF), dataset=DS)
+        tr.step(), tr.step()
+        cfg = tr.cfg
+        w, ef = 8 if cfg.dtype == "float64" else 4, not cfg.no_error_feedback
+        R, want = cfg.compress_rank, 0
+        for s in param_shapes(tr.model.cfg).values():
+            n, m = s[0], math.prod(s[1:])
+            if cfg.grad_compress == "powersgd" and len(s) > 1 and R * (n + m) < n * m:
+                want += w * (n * m * ef + m * R)
+            elif cfg.grad_compress == "topk":
+                want += w * n * m * ef
+        est = estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
+        assert (tr.memory()["error_feedback"], est["error_feedback"]) == (want, want), kw
+        assert need_bytes(est) - need_bytes({**est, "error_feedback": 0}) == want
+
+
+@pytest.mark.parallel(nprocs=2)
+@collective
+def test_bf16_training_is_each_share_rounded_then_summed():
+    """dp2 --grad-compress bf16 for 3 steps against a reference on each rank alone: the same
+    rows' gradient share (of the global loss), rounded to bf16, added to the other rank's in
+    fp32 and rounded (the bf16 MPI sum), then the same AdamW step: the weights bit for bit."""
+    world, bad = MPI.COMM_WORLD, Mismatches()
+    cfg = tiny(grad_compress="bf16", dp=2, grad_clip=0.02)  # clipping in every step
+    par = Trainer(cfg, dataset=DS)
+    ref = Trainer(replace(cfg, grad_compress="none", dp=None), grid=ProcessGrid(MPI.COMM_SELF),
+                  dataset=DS)
+    run, B, T = ref.runner, cfg.batch_size, ref.T
+    for s in range(3):
+        rec = par.step()
+        x, y = get_batch(DS.tokens, s, B, T, dp_rows(B, 2, world.rank))
+        run.zero_grad()
+        run.forward_backward(x, y, B * T)  # this rank's share of the global loss's gradient
+        run.reduce_grads()  # alone: nothing to sum
+        shares = world.allgather({k: g.astype(BF16).astype(np.float32) for k, g in run.grads.items()})
+        for k, g in run.grads.items():
+            g[...] = (shares[0][k] + shares[1][k]).astype(BF16)
+        norm = run.grad_norm()
+        clip_grads(run.grads, cfg.grad_clip, norm)
+        ref.opt.lr = lr_at(cfg, s)
+        ref.opt.step(run.grads)
+        run.after_step()
+        got, want = par.runner.full_params(), run.full_params()
+        if world.rank == 0:
+            bad.check(np.testing.assert_allclose, rec["grad_norm"], norm, **TOL)
+            for k in want:
+                bad.check(np.testing.assert_array_equal, got[k], want[k], err_msg=f"{k} {s}")
+        bad.assert_none(world)
+
+
+@pytest.mark.parallel(nprocs=2)
+@collective
+def test_a_resumed_compressed_run_is_bitwise_the_uninterrupted_run():
+    """Saved after 2 of 4 steps and resumed on the same layout, PowerSGD's Q's and error
+    shares and top-k's errors come back from the checkpoint, and --compress-start counts from
+    the run's first step: every loss, weight and codec buffer is the uninterrupted run's, bit
+    for bit. On another layout (each rank alone) the codec starts afresh, and says so."""
+    world, bad = MPI.COMM_WORLD, Mismatches()
+    for kw in (dict(), dict(grad_compress="topk", compress_ratio=0.2, zero=1),
+               dict(compress_start=3)):
+        cfg = tiny(steps=4, **kw)
+        whole, first = Trainer(cfg, dataset=DS), Trainer(cfg, dataset=DS)
+        losses = [whole.step()["loss"] for _ in range(4)]
+        before = [first.step()["loss"] for _ in range(2)]
+        d = world.bcast(tempfile.mkdtemp(prefix="refmp-codec-") if world.rank == 0 else None)
+        first.save_checkpoint(d)
+        second = Trainer(replace(cfg, resume=d), dataset=DS)
+        after = [second.step()["loss"] for _ in range(2)]
+        bad.check(np.testing.assert_equal, before + after, losses, err_msg=str(kw))
+        bad.check(np.testing.assert_equal, config_notes(second.resumed, cfg), [])
+        a, b = whole.runner.sharder.state(), second.runner.sharder.state()
+        bad.check(np.testing.assert_equal, sorted(b), sorted(a), err_msg=str(kw))
+        for k in a:
+            bad.check(np.testing.assert_array_equal, b.get(k), a[k], err_msg=f"{k} {kw}")
+        want, got = whole.runner.full_params(), second.runner.full_params()
+        for k in want or {}:
+            bad.check(np.testing.assert_array_equal, got[k], want[k], err_msg=f"{k} {kw}")
+        if not kw:  # another layout: the same model, its codec from zero
+            alone = Trainer(replace(cfg, dp=None, resume=d), grid=ProcessGrid(MPI.COMM_SELF),
+                            dataset=DS)
+            bad.check(np.testing.assert_equal, alone.runner.sharder.state(), {})
+            bad.check(np.testing.assert_equal, "start afresh" in config_notes(alone.resumed, cfg)[0], True)
+        world.barrier()
+        if world.rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
+    bad.assert_none(world)
 
 
 @pytest.mark.parallel(nprocs=2)

@@ -208,7 +208,8 @@ def test_cli_json_shape():
             "mixed_precision", "microbatch_size", "schedule", "virtual_stages", "memory_bytes",
             "step_seconds", "tokens_per_s", "tflops_per_gpu", "mfu"}
     assert all(keys <= set(x) for x in rows)
-    assert set(rows[0]["memory_bytes"]) == {"params", "grads", "optimizer", "activations"}
+    assert set(rows[0]["memory_bytes"]) == {"params", "grads", "optimizer", "error_feedback",
+                                            "activations"}
     assert [x["step_seconds"] for x in rows] == sorted(x["step_seconds"] for x in rows)
 
 

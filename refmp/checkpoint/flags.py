@@ -16,8 +16,13 @@ def config_notes(man: dict, cfg: TrainConfig) -> list[str]:
     """Where this run's training settings differ from the saved run's (said once, rank 0)."""
     saved = man.get("config") or {}
     given = asdict(cfg)
-    return [f"--{k.replace('_', '-')} {given[k]} differs from the checkpoint's {saved[k]}"
-            for k in MATH_FIELDS if k in saved and saved[k] != given[k]]
+    notes = [f"--{k.replace('_', '-')} {given[k]} differs from the checkpoint's {saved[k]}"
+             for k in MATH_FIELDS if k in saved and saved[k] != given[k]]
+    if cfg.grad_compress in ("powersgd", "topk") and not man.get("codec_restored"):
+        notes.append(f"--grad-compress {cfg.grad_compress}: the checkpoint holds no codec state "
+                     f"for this layout and codec (a rank's error buffers and Q's are its own), "
+                     f"so error feedback and PowerSGD's Q start afresh")
+    return notes
 
 
 def check_flags(cfg: TrainConfig) -> None:

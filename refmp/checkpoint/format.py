@@ -10,6 +10,10 @@ A checkpoint is a directory per step, ``DIR/step-{N:08d}/``::
         {name}/m, {name}/v     (n,) AdamW's moments (SGD with momentum: {name}/momentum)
         {name}/runs            (R, 2) int64: (first global flat index, length) of each run
     rank-00001.safetensors   ...
+    codec-00000.safetensors  with --grad-compress powersgd / topk: rank 0's own codec state,
+                             error/{unit}/{name} (its error buffers) and q/{name} (PowerSGD's
+                             Q's), which only the same layout and codec continue from
+    codec-00001.safetensors  ...
     manifest.json            layout, step, data position, lr, the run's TrainConfig and
                              GPTConfig, optimizer kind and step count, every tensor's global
                              shape, which file holds which pieces, each file's sha256
@@ -47,6 +51,10 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
 
 
+def codec_file(rank: int) -> str:
+    return f"codec-{rank:05d}.safetensors"
+
+
 # --- the slice a piece holds: runs of global flat indices --------------------------------------
 
 
@@ -76,8 +84,6 @@ def write_rank_file(path: str, pieces: dict) -> dict:
 
     Returns the manifest's entry for the file: its size, sha256, and per piece its element
     count, first and last global index and number of runs (the slice, in brief)."""
-    from safetensors.numpy import save_file
-
     tensors, summary = {}, {}
     for name, (index, values) in pieces.items():
         runs = runs_of(index)
@@ -86,10 +92,18 @@ def write_rank_file(path: str, pieces: dict) -> dict:
             tensors[f"{name}/{kind}"] = np.ascontiguousarray(v)
         summary[name] = {"numel": int(index.size), "first": int(index.min()),
                          "last": int(index.max()), "runs": len(runs)}
-    save_file(tensors, path)
+    return {**write_tensors(path, tensors), "pieces": summary}
+
+
+def write_tensors(path: str, tensors: dict) -> dict:
+    """Write ``tensors`` {name: array} as one safetensors file; its size and sha256 (the
+    manifest's entry, which read_file checks)."""
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path)
     with open(path, "rb") as f:
         data = f.read()
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pieces": summary}
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def publish(tmp: str, final: str, keep: int = 0) -> None:

@@ -5,6 +5,11 @@ themselves (torchtitan's ``Stateful``). A rank writes only the pieces it *counts
 (``counts_in_norm``: one rank per distinct copy of an element), so the files (the format:
 refmp.checkpoint.format) are disjoint and together hold every element once.
 
+The gradient codec's state (``codec``: PowerSGD's and top-k's error buffers, PowerSGD's Q's)
+is each rank's own, of its own shards and share of the error: each rank writes its file, and
+a run continues from it only on the same layout with the same codec (``codec_layout``;
+elsewhere the codec starts afresh, and the resumed run says so).
+
 Resharding is reading the slices you need: a rank of any layout knows, from its own
 ``piece_index()``, the global flat indices of every element it holds. It reads the files
 whose pieces of those parameters overlap them, scatters each piece into the full flat tensor
@@ -26,14 +31,17 @@ from refmp.checkpoint.format import (
     MANIFEST,
     assemble,
     check_model,
+    codec_file,
     file_error,
     find,
     publish,
     rank_file,
+    read_file,
     read_manifest,
     step_name,
     write_json,
     write_rank_file,
+    write_tensors,
 )
 from refmp.config import TrainConfig
 from refmp.distributed.faults import agreed
@@ -77,6 +85,18 @@ class Checkpointed:
     scaler: Stateful | None
     progress: Stateful
     vocab: str | None = None  # the tokenizer (refmp.training.datasets.Dataset.vocab)
+    codec: Stateful | None = None  # the data-parallel sums' codec (Sharder.state)
+
+
+STATEFUL = ("powersgd", "topk")  # the codecs that keep arrays between steps
+CODEC_LAYOUT = ("world", "pp", "dp", "cp", "tp", "ep", "schedule", "virtual_stages",
+                "stage_layers", "grad_compress", "compress_rank", "compress_ratio",
+                "no_error_feedback")  # what a rank's codec state depends on
+
+
+def codec_layout(layout: dict, dtype: str) -> dict:
+    """What a codec's state belongs to: the ranks, what each holds, the codec, the dtype."""
+    return {**{k: layout[k] for k in CODEC_LAYOUT}, "dtype": dtype}
 
 
 def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
@@ -107,19 +127,27 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
         host.update({m: backend.to_host(a[k]) for m, a in moments.items()})
         pieces[k] = (index[real], {m: np.asarray(v)[real] for m, v in host.items()})
 
+    stateful = cfg.grad_compress in STATEFUL and parts.codec is not None
+    codec = {k: backend.to_host(v) for k, v in parts.codec.state().items()} if stateful else {}
+
     def write():
         path = os.path.join(tmp, rank_file(world.rank))
         try:
             entry = write_rank_file(path, pieces)
+            if stateful:  # this rank's own codec state
+                path = os.path.join(tmp, codec_file(world.rank))
+                entry["codec"] = {"rank": world.rank, **write_tensors(path, codec)}
         except OSError as e:
             raise file_error("cannot write checkpoint file", path, e) from e
         return {"rank": world.rank, "coords": parts.grid.coords, **entry}
 
     files = world.allgather_obj(agreed(world, write))
+    layout = {**cfg.layout(parts.grid.sizes), "world": world.size}
+    codecs = {codec_file(f["rank"]): f.pop("codec") for f in files if "codec" in f}
     scale = {"loss_scale": parts.scaler.state()} if parts.scaler is not None else {}
     manifest = {
         "format": FORMAT, "version": 1, "step": step, "dtype": cfg.dtype,
-        "layout": {**cfg.layout(parts.grid.sizes), "world": world.size},
+        "layout": layout,
         "optimizer": {"kind": opt["kind"], "t": opt["t"], **scale, "moments": sorted(moments)},
         "data": progress["data"], "lr": progress["lr"],
         "rng": "none: after initialization a step draws no random numbers",
@@ -127,6 +155,8 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
         "tensors": {k: list(s) for k, s in param_shapes(parts.model).items()},
         "files": {rank_file(f["rank"]): f for f in files},
     }
+    if stateful:
+        manifest["codec"] = {"layout": codec_layout(layout, cfg.dtype), "files": codecs}
 
     def finish():  # rank 0: the manifest last, then the rename that makes it a checkpoint
         if world.rank == 0:
@@ -167,9 +197,9 @@ def load(parts: Checkpointed, path: str) -> dict:
             if not seen[k][i].all():
                 raise ConfigError(f"checkpoint manifest {man['path']}: no file holds "
                                   f"{int((~seen[k][i]).sum())} elements of {k}")
-        return man, kinds, full
+        return man, kinds, full, read_codec(ckpt, man, parts)
 
-    man, kinds, full = agreed(world, read)
+    man, kinds, full, codec = agreed(world, read)
 
     def own_piece(kind: str, k: str) -> np.ndarray:
         """This rank's piece k of ``kind``: its elements of the full tensor, 0 at padding."""
@@ -189,4 +219,23 @@ def load(parts: Checkpointed, path: str) -> dict:
         parts.scaler.load_state(saved["loss_scale"])
     run.after_step()  # the compute copy from the pieces; ZeRO 1/2: all-gather them
     parts.progress.load_state({"step": int(man["step"])})
+    if parts.codec is not None:
+        parts.codec.load_state({"step": int(man["step"]), "codec": codec})
+    man["codec_restored"] = codec is not None  # (not in the file) for config_notes
     return man
+
+
+def read_codec(ckpt: str, man: dict, parts: Checkpointed) -> dict | None:
+    """This rank's codec state from ``ckpt``, where it was saved by the same layout and
+    codec as this run's (else None: the codec starts afresh)."""
+    cfg, world = parts.cfg, parts.grid.world
+    ours = codec_layout({**cfg.layout(parts.grid.sizes), "world": world.size}, cfg.dtype)
+    saved = man.get("codec")
+    if cfg.grad_compress not in STATEFUL or parts.codec is None or not isinstance(saved, dict) \
+            or saved.get("layout") != ours:
+        return None
+    name = codec_file(world.rank)
+    entry = saved.get("files", {}).get(name)
+    if not isinstance(entry, dict) or not {"bytes", "sha256"} <= entry.keys():
+        raise ConfigError(f"checkpoint manifest {man['path']}: no entry for {name} (altered?)")
+    return read_file(ckpt, name, entry)

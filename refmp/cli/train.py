@@ -234,7 +234,9 @@ def _print_summary(s: dict, score) -> None:
     print("communication (bytes, calls):")
     for key, v in s["comm"].items():
         print(f"  {key:<24} {v['bytes']:>14,} B  {v['count']:>6} calls")
-    print("memory per rank (bytes): params, grads, optimizer state, peak activations")
+    codec = any(m.get("error_feedback") for m in s["memory_per_rank"])  # PowerSGD, top-k
+    print("memory per rank (bytes): params, grads, optimizer state, peak activations"
+          + (", codec error buffers" if codec else ""))
     for r, m in enumerate(s["memory_per_rank"]):
         print(f"  rank {r}: {m['params']:>12,} {m['grads']:>12,} {m['optimizer']:>12,} "
-              f"{m.get('activations', 0):>12,}")
+              f"{m.get('activations', 0):>12,}" + (f" {m['error_feedback']:>12,}" if codec else ""))

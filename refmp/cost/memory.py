@@ -20,8 +20,9 @@ from dataclasses import replace
 
 from refmp.config import TrainConfig
 from refmp.cost.model import Layout, split, train_config
-from refmp.cost.zero import memory_per_rank, unit_sizes
+from refmp.cost.zero import local_shapes, memory_per_rank
 from refmp.nn.params import GPTConfig, param_shapes
+from refmp.parallel.data.compress import compresses
 from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
 from refmp.parallel.pipeline.schedules import V_SHAPED, chunks_per_rank, schedule
 from refmp.parallel.placement import padded_vocab, stage_chunks
@@ -95,6 +96,23 @@ def embed_cache_bytes(b: int, Tl: int, tp: int = 1) -> int:
     return 8 * (b * Tl + Tl) + (b * Tl if tp > 1 else 0)
 
 
+def codec_bytes(shapes: dict[str, dict], codec: str, rank: int = 4, itemsize: int = 4,
+                feedback: bool = True) -> int:
+    """Bytes a rank's gradient codec keeps between steps (refmp.parallel.data.compress), on
+    ``local_shapes``' units, each parameter an n_r x m matrix (its first axis by the rest):
+
+        powersgd  w (n_r m + m R) per matrix it compresses (``compresses``): the error share
+                  e_i (with error feedback) and the warm-start Q (always); other tensors 0
+        topk      w n_r m per tensor: its error e_i (with error feedback)
+        bf16      0 (nothing is kept: each step's rounding is lost)
+    """
+    tensors = [s for unit in shapes.values() for s in unit.values()]
+    if codec == "powersgd":
+        return itemsize * sum(math.prod(s) * feedback + rank * math.prod(s[1:])
+                              for s in tensors if compresses(s, rank))
+    return itemsize * sum(math.prod(s) for s in tensors) if codec == "topk" and feedback else 0
+
+
 def held_peak(actions, chunk_bytes: dict, shared: dict | None = None) -> int:
     """Peak bytes of the caches a rank's action list keeps alive: F makes chunk c's cache of a
     micro-batch, B frees it (W does, when the schedule splits backward). ``shared``: bytes
@@ -119,12 +137,13 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     """Bytes one rank (at ``coords`` of a grid of ``sizes``) will hold, estimated.
 
     ``params``, ``grads``, ``optimizer``: refmp.cost.zero.memory_per_rank on the
-    rank's units (unit_sizes: its tp shards of its stage's blocks, its E/ep experts), dense
+    rank's units (local_shapes: its tp shards of its stage's blocks, its E/ep experts), dense
     units over dp x cp, expert units over edp = dp cp/ep (AdamW: 2 moments; SGD: 1 with
     momentum, else 0). ``activations``: the caches its schedule keeps alive at once
     (held_peak over its action list; a chunk's cache is its blocks' block_cache_elements,
     plus the embedding's on the first chunk and the head's on the last): what
     Engine.memory()["activations"] measures.
+    ``error_feedback``: the gradient codec's buffers (codec_bytes), in the steady state.
     ``workspace``: a backward's temporaries (the gradients of a cache's arrays), taken as
     one more whole cache of the largest piece, as recomputation rebuilds it (with ZeRO-3,
     plus the largest unit, gathered whole while it runs). ``setup``: the full model, which
@@ -140,7 +159,8 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     chunks = {c: blocks[c] for c in stage_chunks(r, pp, v, cfg.schedule in V_SHAPED)}
     stage_blocks = [i for c in chunks.values() for i in c]
     ep_rank = (coords["dp"] * cp + coords["cp"]) % ep  # refmp.distributed.grid: ep carved from dp x cp
-    units = unit_sizes(mcfg, tp, stage_blocks, 0 in chunks, S - 1 in chunks, ep, ep_rank)
+    shapes = local_shapes(mcfg, tp, stage_blocks, 0 in chunks, S - 1 in chunks, ep, ep_rank)
+    units = {u: sum(math.prod(s) for s in unit.values()) for u, unit in shapes.items()}
     dense = {u: n for u, n in units.items() if not u.endswith(".experts")}
     expert = {u: n for u, n in units.items() if u.endswith(".experts")}
     mem = memory_per_rank(dense, dp * cp, cfg.zero, w)
@@ -148,6 +168,10 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
         mem[k] += n
     if cfg.optimizer == "sgd":
         mem["optimizer"] = mem["optimizer"] // 2 if cfg.momentum else 0
+    # the codec's buffers, in the gradients' dtype (a codec takes fp32 gradients)
+    mem["error_feedback"] = codec_bytes(shapes, cfg.grad_compress, cfg.compress_rank,
+                                        w if cfg.mixed_precision == "none" else 4,
+                                        not cfg.no_error_feedback)
     # activations: one micro-batch's cache per chunk, then the schedule's peak
     b, Tl = cfg.batch_size // (dp * M), T // cp
     sp, cf = cfg.sequence_parallel, mcfg.capacity_factor
@@ -177,7 +201,8 @@ def need_bytes(mem: dict) -> int:
     """The peak of a rank: its state, plus the larger of the set-up's full model and the
     step's activations and workspace (the full model is freed before the first step)."""
     step = mem["activations"] + mem["workspace"]
-    return mem["params"] + mem["grads"] + mem["optimizer"] + max(mem["setup"], step)
+    state = mem["params"] + mem["grads"] + mem["optimizer"] + mem.get("error_feedback", 0)
+    return state + max(mem["setup"], step)
 
 
 def size(n: float) -> str:
@@ -228,4 +253,4 @@ def stage_memory(cfg: TrainConfig, mcfg: GPTConfig, sizes: dict, r: int) -> dict
 
 
 def total(m: dict) -> int:
-    return m["params"] + m["grads"] + m["optimizer"] + m["activations"]
+    return m["params"] + m["grads"] + m["optimizer"] + m.get("error_feedback", 0) + m["activations"]

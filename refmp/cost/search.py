@@ -109,7 +109,8 @@ def row(lay: Layout, mem: dict | None, pred: dict | None, reason: str | None) ->
     """One layout as --json prints it (the issue's keys), plus the seconds by term."""
     r = {**lay.__dict__}
     if mem is not None:
-        r["memory_bytes"] = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}
+        r["memory_bytes"] = {k: mem[k] for k in ("params", "grads", "optimizer", "error_feedback",
+                                                 "activations")}
     if pred is not None:
         r.update({k: pred[k] for k in ("step_seconds", "tokens_per_s", "tflops_per_gpu", "mfu")})
         r["seconds"] = pred["seconds"]

@@ -64,7 +64,8 @@ def check_memory(cfg, mcfg, grid) -> None:
         node.Free()
     free, source = available_memory(cfg.device)
     if total > free:
-        parts = ", ".join(f"{k} {size(mem[k])}" for k in ("params", "grads", "optimizer"))
+        kept = ("params", "grads", "optimizer") + (("error_feedback",) if mem["error_feedback"] else ())
+        parts = ", ".join(f"{k.replace('_', ' ')} {size(mem[k])}" for k in kept)
         where = "GPU" if cfg.device == "gpu" else "node"
         raise ConfigError(
             f"not enough memory: rank {grid.rank} needs about {size(need)} ({parts}, peak "

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from refmp.checkpoint.sharded import Checkpointed, Pieces, load, save
+from refmp.checkpoint.sharded import Checkpointed, Pieces, Stateful, load, save
 from refmp.config import TrainConfig, check_config, lr_at
 from refmp.distributed.comm import Comm
 from refmp.distributed.faults import agreed, check_finite, check_outputs
@@ -97,6 +97,7 @@ class Runner(Pieces, Protocol):
     decay: set[str]
     eval_comm: Comm
     stats: dict
+    sharder: Stateful  # the data-parallel sums, whose codec state a checkpoint saves
 
     def batch_rows(self, B: int) -> slice: ...  # the rows of the global batch this rank reads
 
@@ -251,7 +252,8 @@ class Trainer:
         """What a checkpoint saves and restores of this run: the runner's pieces, the
         optimizer, fp16's loss scaler, and this Trainer's progress."""
         return Checkpointed(self.grid, self.cfg, self.model.cfg, self.runner, self.opt,
-                            self.scaler, progress=self, vocab=self.ds.vocab)
+                            self.scaler, progress=self, vocab=self.ds.vocab,
+                            codec=self.runner.sharder)
 
     def save_checkpoint(self, root: str, keep: int = 0) -> str:
         """Write this step's state as ``root/step-{N:08d}`` (collective)."""

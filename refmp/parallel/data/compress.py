@@ -34,7 +34,7 @@ import zlib
 
 import numpy as np
 
-from refmp.runtime.backend import array_module
+from refmp.runtime.backend import array_module, from_host
 from refmp.runtime.precision import BF16
 
 
@@ -73,6 +73,15 @@ class Codec:
         """Bytes of the error buffers kept between steps."""
         return sum(int(e.nbytes) for e in self.error.values())
 
+    def state(self) -> dict:
+        """What the next steps depend on (refmp.checkpoint.sharded): ``error/{unit}/{name}``."""
+        return {f"error/{u}/{k}": e for (u, k), e in self.error.items()}
+
+    def load_state(self, state: dict) -> None:
+        """Set the buffers back from ``state`` (host arrays, as ``state`` names them)."""
+        self.error = {tuple(k.split("/")[1:]): from_host(v) for k, v in state.items()
+                      if k.startswith("error/")}
+
 
 class PowerSGD(Codec):
     replaces = True
@@ -85,6 +94,14 @@ class PowerSGD(Codec):
     def memory(self) -> int:
         """Bytes of the error buffers and the warm-start Q's kept between steps."""
         return super().memory() + sum(int(q.nbytes) for q in self.q.values())
+
+    def state(self) -> dict:
+        """The error buffers, and ``q/{name}``: the Q the next step starts from."""
+        return {**super().state(), **{f"q/{k}": q for k, q in self.q.items()}}
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        self.q = {k[2:]: from_host(v) for k, v in state.items() if k.startswith("q/")}
 
     def reduce(self, unit, flat, group) -> None:
         """Unit ``unit``'s gradient ``flat`` (Pp,) becomes the PowerSGD sum over ``group``."""
@@ -161,8 +178,8 @@ class Int8Gather:
         x = x.reshape(nb, B)
         scale = xp.abs(x).max(axis=1) / 127  # (nb,)
         q = xp.rint(x / xp.where(scale > 0, scale, 1)[:, None]).astype(np.int8)  # (nb, B)
-        qs = group.allgather(q.ravel()).reshape(group.size, nb, B).astype(np.float32)
-        scales = group.allgather(scale).reshape(group.size, nb, 1)
+        qs = gathered(group, q.ravel()).reshape(group.size, nb, B).astype(np.float32)
+        scales = gathered(group, scale).reshape(group.size, nb, 1)
         return (qs * scales).reshape(group.size, nb * B)[:, :S].reshape(-1).astype(shard.dtype)
 
 

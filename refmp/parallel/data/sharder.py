@@ -183,8 +183,8 @@ class Sharder:
         alive only while the caller keeps it; of W(t-1) while ``on_previous``."""
         unit, group = self.units[u], self.groups[u]
         buf = (self.previous if self.on_previous else self.pbuf)[u]
-        if self.stage < 3 or group.size == 1:
-            return unit.views(buf)
+        if self.stage < 3 or (group.size == 1 and (self.gather is None or exact)):
+            return unit.views(buf)  # (alone, int8 still rounds: the serial run of the codec)
         if self.gather is not None and not exact:
             return unit.views(self.gather.allgather(group, buf))
         return unit.views(group.allgather(buf))
@@ -327,11 +327,23 @@ class Sharder:
                     self.pbuf[u][...] = self.groups[u].allgather(self.pbuf[u][unit.lo : unit.hi])
         # stage 0: every rank made the same update; stage 3: weights stay sharded
 
+    def state(self) -> dict:
+        """The codec's arrays that later steps depend on (error buffers, PowerSGD's Q's), by
+        name ({} without a codec): refmp.checkpoint.sharded saves them rank by rank."""
+        return self.codec.state() if self.codec is not None else {}
+
+    def load_state(self, state: dict) -> None:
+        """Continue after ``state["step"]`` steps (the codec's ``start`` counts from the run's
+        first step), with the codec's arrays ``state["codec"]`` (None: from zero)."""
+        self.step = int(state["step"]) - 1
+        if self.codec is not None and state.get("codec") is not None:
+            self.codec.load_state(state["codec"])
+
     def memory(self) -> dict[str, int]:
         """Bytes of the parameter (compute copy), gradient and fp32 master buffers this rank
         keeps between steps (``versions``: 2BW's W(t-1)), and the codec's error buffers."""
-        extra = {"error_feedback": self.codec.memory()} if self.codec is not None else {}
         return {"params": sum(int(b.nbytes) for b in self.pbuf.values()),
                 "versions": sum(int(b.nbytes) for b in self.previous.values()),
                 "grads": sum(int(b.nbytes) for b in self.gbuf.values()),
-                "masters": sum(int(b.nbytes) for b in self.master.values()), **extra}
+                "masters": sum(int(b.nbytes) for b in self.master.values()),
+                "error_feedback": self.codec.memory() if self.codec is not None else 0}
