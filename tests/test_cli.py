@@ -103,3 +103,21 @@ def test_bench_json():
 def test_help():
     r = refmp(1, ["train", "--help"])
     assert r.returncode == 0 and "--batch-size" in r.stdout and "--dp" in r.stdout
+
+
+def test_memory_table_shows_the_buffers_a_layout_keeps(capsys):
+    """2BW's second weight version gets its own column (as many bytes as the weights); a
+    plain run prints none."""
+    from refmp.cli.train import print_memory
+
+    rows = {}
+    for schedule in ("1f1b", "2bw"):
+        cfg = TrainConfig(n_layer=1, n_head=2, n_embd=8, block_size=4, batch_size=2, steps=1,
+                          schedule=schedule, progress=False)
+        tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
+        tr.step()
+        print_memory([tr.memory()])
+        rows[schedule] = capsys.readouterr().out.splitlines()
+    assert "W(t-1)" not in rows["1f1b"][0] and "W(t-1)" in rows["2bw"][0]
+    params, *_, version = (int(v.replace(",", "")) for v in rows["2bw"][1].split()[2:])
+    assert version == params > 0

@@ -234,9 +234,18 @@ def _print_summary(s: dict, score) -> None:
     print("communication (bytes, calls):")
     for key, v in s["comm"].items():
         print(f"  {key:<24} {v['bytes']:>14,} B  {v['count']:>6} calls")
-    codec = any(m.get("error_feedback") for m in s["memory_per_rank"])  # PowerSGD, top-k
+    print_memory(s["memory_per_rank"])
+
+
+def print_memory(rows: list[dict]) -> None:
+    """The memory table of a run's summary: one line a rank."""
+    # the columns every run has, then the buffers only some layouts keep (when nonzero):
+    # 2BW's second weight version and stashed gradients, the codecs' error buffers
+    extra = {"versions": "weight version W(t-1)", "grad_stash": "next batch's gradients",
+             "error_feedback": "codec error buffers"}
+    shown = [k for k in extra if any(m.get(k) for m in rows)]
     print("memory per rank (bytes): params, grads, optimizer state, peak activations"
-          + (", codec error buffers" if codec else ""))
-    for r, m in enumerate(s["memory_per_rank"]):
+          + "".join(f", {extra[k]}" for k in shown))
+    for r, m in enumerate(rows):
         print(f"  rank {r}: {m['params']:>12,} {m['grads']:>12,} {m['optimizer']:>12,} "
-              f"{m.get('activations', 0):>12,}" + (f" {m['error_feedback']:>12,}" if codec else ""))
+              f"{m.get('activations', 0):>12,}" + "".join(f" {m[k]:>12,}" for k in shown))
