@@ -18,6 +18,8 @@ from refmp.inference.generate import generate
 from refmp.inference.sampling import Sampler
 from refmp.inference.scheduler import Request, serve
 from refmp.nn.gpt import GPT, GPTConfig
+from refmp.nn.moe import MoECache
+from refmp.parallel.expert import alltoallv_bytes
 
 pytestmark = pytest.mark.mpi
 
@@ -67,12 +69,15 @@ def run_layout(world, kw: dict, bad: Mismatches, balance: str = "zigzag", n_expe
                   err_msg=f"{kw} logits")
 
 
-def step_ledger(world, kw: dict, bad: Mismatches) -> None:
-    """One decode step's messages: the ledger of N + 1 tokens minus that of N."""
-    m = model()
+def step_ledger(world, kw: dict, bad: Mismatches, n_expert: int = 0) -> None:
+    """One decode step's messages: the ledger of N + 1 tokens minus that of N. With experts,
+    the all-to-alls the serial model's routing of the step's tokens implies: per MoE layer,
+    E int64 counts and (M + R) C itemsize bytes of rows (alltoallv_bytes' forward half)."""
+    m = model(n_expert)
     grid = ProcessGrid(world, **kw)
     s = grid.sizes
-    ids = np.array_split(np.arange(B), s["dp"])[grid.coords["dp"]]
+    split = np.array_split(np.arange(B), s["dp"])
+    ids = split[grid.coords["dp"]]
     got = []
     for n in (N, N + 1):
         grid.ledger.reset()
@@ -83,6 +88,22 @@ def step_ledger(world, kw: dict, bad: Mismatches) -> None:
     step = {k: v for k, v in step.items() if v}
     want = decode_step_bytes(len(ids), m.cfg.n_embd, m.cfg.vocab_size, m.cfg.n_head,
                              len(dec.blocks), dec.first, dec.last, s["tp"], s["cp"], s["pp"], 8)
+    if n_expert and s["ep"] > 1:  # the step's input: every request's token at T0 + N - 1
+        x = generate(Decoder(m.cfg, m.params, ProcessGrid(MPI.COMM_SELF)), PROMPTS, N + 1,
+                     Sampler()).tokens[:, : T0 + N]
+        _, cache = m.forward(x, np.zeros_like(x))
+        owner = np.repeat([d for d, rows in enumerate(split) for _ in rows], x.shape[1])
+        f = grid.coords["dp"] * s["cp"] + grid.coords["cp"]  # my index in dp x cp
+        moe = [c.mlp for i, c in enumerate(cache[1])
+               if i in dec.blocks and isinstance(c.mlp, MoECache)]
+        rows = 0
+        for c in moe:
+            tok = c.order // m.cfg.top_k
+            last = tok % x.shape[1] == x.shape[1] - 1  # the step's token of each request
+            expert = c.top.reshape(-1)[c.order]
+            rows += alltoallv_bytes(owner[tok][last], expert[last], f, s["ep"], n_expert,
+                                    m.cfg.n_embd, 8) // 2
+        want.update({"alltoall@ep": len(moe) * n_expert * 8, "alltoallv@ep": rows})
     bad.check(same, step, want, f"{kw} ledger of a decode step")
 
 
@@ -134,6 +155,7 @@ def test_every_layout_decodes_like_the_serial_model():
                n_expert=4)
     run_layout(quarter, dict(tp=2, pp=2), bad, block_size=3)  # paged
     serve_layout(quarter, dict(pp=2, tp=2) if w.rank < 4 else dict(pp=2, dp=2), bad)
+    step_ledger(quarter, dict(ep=2) if w.rank < 4 else dict(pp=2, dp=2, ep=2), bad, n_expert=4)
     pair = w.Split(w.rank // 2, w.rank)
     run_layout(pair, [dict(tp=2), dict(pp=2), dict(cp=2), dict(dp=2)][w.rank // 2], bad)
     serve_layout(pair, dict(pp=2), bad, slots=3)

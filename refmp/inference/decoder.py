@@ -24,11 +24,13 @@ Each axis splits what it splits in training, and the cache with it:
   attention merges its blocks): one all-gather of (B, NH, 1, HS + 1) per layer.
 
 Messages of one decode step, B rows on a dp rank, w bytes per element, L blocks on the stage
-(``decode_step_bytes``; tests/test_inference.py holds the ledger to it):
+(``decode_step_bytes``; tests/test_inference_parallel.py holds the ledger to it):
 
     tp: allreduce (2 L + [first stage]) B C w,  allgather [last stage] B Vp w
     cp: allgather L cp B NH (HS + 1) w
     pp: send/recv B C w to/from the neighbouring stages, and the token ids, B 8 bytes
+    ep: per MoE layer, alltoall E 8 bytes of counts and alltoallv (M + R) C w of rows, M and
+        R from the routing (refmp.parallel.expert.alltoallv_bytes, the forward half)
 """
 
 from __future__ import annotations
