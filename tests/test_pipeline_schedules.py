@@ -250,16 +250,16 @@ def test_stage_chunks_in_sequence_equal_the_serial_model(zero, n_expert):
 @settings(max_examples=40)
 @given(pp=st.integers(1, 6), m=st.integers(1, 12), steps=st.integers(1, 4))
 def test_2bw_runs_complete_and_each_step_is_a_consistent_cut(pp, m, steps):
-    """simulate_2bw: steps of schedules.two_bw with their boundaries complete (no deadlock);
+    """simulate_steps: steps of schedules.two_bw with their boundaries complete (no deadlock);
     step t runs only batches t and t+1 (no forward of t+2, whose weights its update makes;
     a send that crosses a boundary is received in the next step) and every backward of
     batch t; the peaks are 1F1B's; a one-step run is 1F1B."""
     from bisect import bisect_right
 
     from refmp.parallel.pipeline.schedules import two_bw
-    from refmp.parallel.pipeline.simulate import simulate_2bw
+    from refmp.parallel.pipeline.simulate import simulate_steps
 
-    tl = simulate_2bw(pp, m, steps)
+    tl = simulate_steps("2bw", pp, m, steps)
     assert len(tl.barriers) == steps - 1
     for e in tl.events:
         s = bisect_right(tl.barriers, e.start)  # the step the action runs in

@@ -148,6 +148,7 @@ class Engine:
         self.actions = partial(schedule, self.schedule_name, self.pp.size, self.microbatches,
                                self.pp.rank, self.v)  # (fill, ahead): 2bw's step, two_bw
         self.delayed = self.schedule_name == "2bw"  # 2BW: each step computes on W(t-1)
+        self.stashing = self.schedule_name == "pipedream"  # one weight version per batch
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
                                 if k in local and "tp" in place(k, self.sp).reduce}
@@ -184,17 +185,20 @@ class Engine:
         self.sharder.zero_grad()
         self.stage.reset_stats()
 
-    def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=None) -> None:
+    def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=()) -> None:
         """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule; ``dloss``
-        the loss scale (fp16), which backward starts from; ``ahead`` (2bw) the next batch's rows
-        (x, y), whose first forwards fill this step's cool-down (None: the drain, a last step)."""
+        the loss scale (fp16), which backward starts from; ``ahead`` the later batches' rows
+        [(x, y), ...] there are: 2bw's next one, whose first forwards fill this step's
+        cool-down, pipedream's next pp - 1 (fewer: the drain)."""
         self._scale, self._master, M = dloss, None, self.microbatches
-        rows = [(x, y)] + ([ahead] if self.delayed and ahead is not None else [])
+        rows = [(x, y), *(ahead if self.delayed or self.stashing else ())]
         if self.positions is not None:  # (b, Tl) my tokens
             rows = [(x[:, self.positions], y[:, self.positions]) for x, y in rows]
         xs, ys = zip(*[mb for x, y in rows for mb in split_microbatches(x, y, M)], strict=True)
-        acts = self.actions(fill=not self.executor.carry_on, ahead=len(rows) > 1)  # 2bw's step
-        ce = self.executor.step(acts, list(xs), list(ys), denom, dloss, self.delayed, M)
+        fill = self.executor.updates == 0 if self.stashing else not self.executor.carry_on
+        acts = self.actions(fill=fill, ahead=len(rows) - 1)  # 2bw's, pipedream's step
+        ce = self.executor.step(acts, list(xs), list(ys), denom, dloss, self.delayed, M,
+                                self.stashing)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:
@@ -345,6 +349,9 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         """Bytes of the parameter (compute copy), gradient and fp32 master buffers kept, the
-        peak live activations, and 2bw's stashed gradients of the next batch (GradStash)."""
+        peak live activations, 2bw's stashed gradients of the next batch (GradStash), and
+        the weight versions kept besides the current one (2bw's W(t-1), pipedream's stash)."""
         stash = {"grad_stash": self.executor.stash_bytes} if self.delayed else {}
+        if self.stashing:
+            stash = {"versions": self.executor.version_bytes}
         return {**self.sharder.memory(), "activations": self.peak_activations, **stash}

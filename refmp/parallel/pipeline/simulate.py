@@ -22,7 +22,14 @@ Bubble fraction = idle / (pp * makespan). With those costs (all chunks equal):
 
 from __future__ import annotations
 
-from refmp.parallel.pipeline.schedules import V_SHAPED, Action, chunks_per_rank, schedule, two_bw
+from refmp.parallel.pipeline.schedules import (
+    ASYNC,
+    V_SHAPED,
+    Action,
+    chunks_per_rank,
+    pipedream_version,
+    schedule,
+)
 from refmp.parallel.pipeline.timeline import Event, Timeline
 from refmp.parallel.placement import chunk_rank
 
@@ -108,29 +115,34 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
     return tl
 
 
-def simulate_2bw(pp: int, m: int, steps: int = 3,
-                 costs: dict[tuple[int, str], float] | None = None) -> Timeline:
-    """``steps`` training steps of 2bw (schedules.two_bw: the first fills, the last drains)
-    with the step boundaries between them; micro-batch g is batch g // m's, which computes on
-    W(g // m - 1) (W(-1) = W(0)), the version each event is labelled with."""
+def simulate_steps(name: str, pp: int, m: int, steps: int = 3,
+                   costs: dict[tuple[int, str], float] | None = None) -> Timeline:
+    """``steps`` training steps of an asynchronous schedule (2bw, pipedream: the first
+    fills, the last drains) with the step boundaries between them. Micro-batch g is batch
+    g // m's; each event is labelled with the weight version it computes on (``versions``,
+    (rank, micro-batch) -> version): 2bw's W(g // m - 1) (W(-1) = W(0)), pipedream's
+    schedules.pipedream_version."""
     lists: list[list[Action]] = [[] for _ in range(pp)]
     for t in range(steps):
         for r in range(pp):
-            acts = two_bw(pp, m, r, fill=t == 0, ahead=t < steps - 1)
+            acts = schedule(name, pp, m, r, fill=t == 0, ahead=steps - 1 - t)
             lists[r] += [Action(a.kind, t * m + a.mb, a.chunk) for a in acts]
             lists[r] += [Action("U", t, -1)] if t < steps - 1 else []
-    tl = simulate(lists, pp, steps * m, 1, "2bw", costs)
-    tl.versions = {g: max(g // m - 1, 0) for g in range(steps * m)}
+    tl = simulate(lists, pp, steps * m, 1, name, costs)
+    rule = pipedream_version if name == "pipedream" else lambda pp, r, t: max(t - 1, 0)
+    tl.versions = {(r, g): rule(pp, r, g // m) for r in range(pp) for g in range(steps * m)}
     return tl
 
 
 def simulate_schedule(name: str, pp: int, m: int, v: int = 1,
                       costs: dict[tuple[int, str], float] | None = None) -> Timeline:
-    """One step of ``name``; for 2bw the steady one (the middle step of three, between its
-    boundaries), as a step of a long run goes."""
-    if name == "2bw":
-        tl = simulate_2bw(pp, m, 3, costs)
-        return tl.window(*tl.barriers)
+    """One step of ``name``; for 2bw and pipedream a steady one (for 2bw the middle step of
+    three, for pipedream step pp - 1 of 2 pp - 1, between its boundaries), as a step of a
+    long run goes."""
+    if name in ASYNC:
+        k = 1 if name == "2bw" else max(pp - 1, 1)
+        tl = simulate_steps(name, pp, m, 2 * k + 1, costs)
+        return tl.window(*tl.barriers[k - 1 : k + 1])
     v = chunks_per_rank(name, v)
     return simulate([schedule(name, pp, m, r, v) for r in range(pp)], pp, m, v, name, costs,
                     name in V_SHAPED)
@@ -144,6 +156,7 @@ def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
         "gpipe": (p - 1) / (m + p - 1),
         "1f1b": (p - 1) / (m + p - 1),
         "2bw": (p > 1) / (3 * m + (p > 1)),  # a steady step, boundaries uncapped (two_bw)
+        "pipedream": 2 * (p - 1) / (3 * m + 2 * (p - 1)),  # a steady step
         "interleaved": (p - 1) / (v * m + p - 1),
         "zb-h1": (p - 1) / (3 * m + p - 1),
         "zb-v": (p - 1) / (6 * m + p - 1),  # m >= 2p - 1
