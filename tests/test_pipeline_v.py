@@ -67,7 +67,16 @@ def test_schedule_json_and_the_weight_versions_of_2bw(capsys):
     out = capsys.readouterr().out
     assert "rank 1 | .... F0@0 B0@0 B0@0 F1@0" in out and "F3@0 .... | B3@0 B3@0 F4@0" in out
     assert "F6@1 .... | B6@1" in out
-    assert "bubble 0.1000 simulated (the steady step, 10 steps), 0.1000 formula" in out
+    assert "bubble 0.1000 simulated (a steady step, 10 steps), 0.1000 formula" in out
     assert main(["schedule", "--pp", "2", "--microbatches", "3", "--schedule", "2bw",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["weight_versions"] == [2, 2]
+    # pipedream: 2 pp - 1 steps; stage s runs batch t on W(max(t - (pp - 1 - s), 0)): on
+    # rank 0 of 3 batch 3 (micro-batches 6, 7) runs in step 1 on W(1), its backward in step 3
+    assert main(["schedule", "--pp", "3", "--microbatches", "2", "--schedule", "pipedream"]) == 0
+    out = capsys.readouterr().out
+    assert "| F6@1 F7@1 ...." in out and "B6@1 B6@1 .... B7@1 B7@1 |" in out
+    assert main(["schedule", "--pp", "3", "--microbatches", "2", "--schedule", "pipedream",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["weight_versions"] == [3, 2, 1] and got["bubble"] == pytest.approx(0.4)
