@@ -146,9 +146,8 @@ class Engine:
         self.executor = Executor(self.stage, self.pp, self.sharder.compute,  # activations' dtype
                                  on_forward=self._measure, v_shape=self.v_shape)
         self.actions = partial(schedule, self.schedule_name, self.pp.size, self.microbatches,
-                               self.pp.rank, self.v)  # (fill, ahead): 2bw's step, two_bw
-        self.delayed = self.schedule_name == "2bw"  # 2BW: each step computes on W(t-1)
-        self.stashing = self.schedule_name == "pipedream"  # one weight version per batch
+                               self.pp.rank, self.v)  # 2bw's (W(t-1)), pipedream's (stashed)
+        self.delayed, self.stashing = (self.schedule_name == k for k in ("2bw", "pipedream"))
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
                                 if k in local and "tp" in place(k, self.sp).reduce}
@@ -186,19 +185,15 @@ class Engine:
         self.stage.reset_stats()
 
     def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=()) -> None:
-        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule; ``dloss``
-        the loss scale (fp16), which backward starts from; ``ahead`` the later batches' rows
-        [(x, y), ...] there are: 2bw's next one, whose first forwards fill this step's
-        cool-down, pipedream's next pp - 1 (fewer: the drain)."""
+        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule; ``dloss`` the loss
+        scale (fp16), which backward starts from; ``ahead`` [(x, y), ...]: 2bw's, pipedream's later batches."""
         self._scale, self._master, M = dloss, None, self.microbatches
         rows = [(x, y), *(ahead if self.delayed or self.stashing else ())]
         if self.positions is not None:  # (b, Tl) my tokens
             rows = [(x[:, self.positions], y[:, self.positions]) for x, y in rows]
         xs, ys = zip(*[mb for x, y in rows for mb in split_microbatches(x, y, M)], strict=True)
-        fill = self.executor.updates == 0 if self.stashing else not self.executor.carry_on
-        acts = self.actions(fill=fill, ahead=len(rows) - 1)  # 2bw's, pipedream's step
-        ce = self.executor.step(acts, list(xs), list(ys), denom, dloss, self.delayed, M,
-                                self.stashing)
+        acts = self.actions(fill=self.executor.fills(self.stashing), ahead=len(rows) - 1)
+        ce = self.executor.step(acts, list(xs), list(ys), denom, dloss, self.delayed, M, self.stashing)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:
@@ -349,9 +344,7 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         """Bytes of the parameter (compute copy), gradient and fp32 master buffers kept, the
-        peak live activations, 2bw's stashed gradients of the next batch (GradStash), and
-        the weight versions kept besides the current one (2bw's W(t-1), pipedream's stash)."""
-        stash = {"grad_stash": self.executor.stash_bytes} if self.delayed else {}
-        if self.stashing:
-            stash = {"versions": self.executor.version_bytes}
-        return {**self.sharder.memory(), "activations": self.peak_activations, **stash}
+        peak live activations, 2bw's GradStash peak, pipedream's stashed weight versions."""
+        ex, mem = self.executor, {**self.sharder.memory(), "activations": self.peak_activations}
+        return {**mem, "grad_stash": ex.stash_bytes} if self.delayed else (
+            {**mem, "versions": ex.version_bytes} if self.stashing else mem)

@@ -102,6 +102,10 @@ class Executor:
         self.versions: dict[int, dict] = {}
         self.version_bytes = 0
 
+    def fills(self, stashing: bool) -> bool:
+        """Whether the next step fills the pipeline: pipedream's first, 2bw's after a drain."""
+        return self.updates == 0 if stashing else not self.carry_on
+
     def stashed(self, version: int) -> dict | None:
         """pipedream: the buffers of weight version ``version`` (None: the current one)."""
         return None if version == self.updates else self.versions[version]
