@@ -186,7 +186,7 @@ class Engine:
 
     def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=()) -> None:
         """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule; ``dloss`` the loss
-        scale (fp16), which backward starts from; ``ahead`` [(x, y), ...]: 2bw's, pipedream's later batches."""
+        scale (fp16), which backward starts from; ``ahead`` [(x, y), ...]: 2bw's, pipedream's next batches."""
         self._scale, self._master, M = dloss, None, self.microbatches
         rows = [(x, y), *(ahead if self.delayed or self.stashing else ())]
         if self.positions is not None:  # (b, Tl) my tokens
