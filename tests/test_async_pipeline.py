@@ -63,16 +63,30 @@ class Open:
 
 @pytest.mark.parallel(nprocs=4)
 @pytest.mark.parametrize("layout", [dict(pp=4), dict(pp=2, dp=2, zero=1, recompute="full"),
-                                    dict(pp=4, wrong=True)])
+                                    dict(pp=2, tp=2), dict(pp=4, wrong=True)])
 @collective
 def test_pipedream_equals_its_serial_reference(layout, monkeypatch):
-    """Loss, norm and weights after each of 6 AdamW steps with clipping, pp 4 and pp 2 x dp
-    2 (ZeRO-1, full recomputation: the recomputed forward runs on the stashed version too)
-    against :func:`pipedream_reference`; stage s keeps pp - 1 - s stashed versions besides
-    the current one (the memory report's ``versions``). ``wrong``: a backward attaches the
-    current weights instead of its forward's version (no stashing), and the run differs."""
+    """Loss, norm and weights after each of 6 AdamW steps with clipping, pp 4, pp 2 x dp 2
+    (ZeRO-1, full recomputation: the recomputed forward runs on the stashed version too) and
+    pp 2 x tp 2 against :func:`pipedream_reference`; stage s keeps pp - 1 - s stashed
+    versions besides the current one (the memory report's ``versions``). ``wrong``: a
+    backward attaches the current weights instead of its forward's version (no stashing),
+    and the run differs."""
+    check_pipedream(layout, monkeypatch)
+
+
+@pytest.mark.parallel(nprocs=6)
+@collective
+def test_pipedream_at_pp_3_with_dp_and_zero_2(monkeypatch):
+    """pp 3 x dp 2, ZeRO-2 (gradients reduce-scattered each micro-batch: all of batch t's
+    backwards run in step t), one block per stage."""
+    check_pipedream(dict(pp=3, dp=2, zero=2, n_layer=3), monkeypatch)
+
+
+def check_pipedream(layout, monkeypatch):
     from refmp.parallel.pipeline.executor import Executor
 
+    layout = dict(layout)
     wrong = layout.pop("wrong", False)
     if wrong:
         monkeypatch.setattr(Executor, "stashed", lambda self, version: None)
