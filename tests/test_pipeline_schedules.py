@@ -332,3 +332,7 @@ def test_async_schedules_refuse_resume_and_say_why():
     cfg = TrainConfig(pp=2, microbatches=2, batch_size=4, schedule="pipedream")
     with pytest.raises(ConfigError, match="MoE losses"):
         check_layout(cfg, moe, 2)
+    # the tags tell pp batches in flight apart: pp 16 x 64 micro-batches fits 1f1b only
+    check_pipeline(16, 16, 64, "1f1b", 1, None, 64)
+    with pytest.raises(ConfigError, match="16 batches in flight is too many"):
+        check_pipeline(16, 16, 64, "pipedream", 1, None, 64)
