@@ -67,7 +67,7 @@ def check_actions(lists: list[list[Action]], pp: int, m: int, v: int,
 
 def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str = "",
              costs: dict[tuple[int, str], float] | None = None,
-             v_shape: bool = False) -> Timeline:
+             v_shape: bool = False, pair: float | None = None) -> Timeline:
     """Execute the per-rank lists in simulated time; a Timeline with events and peak memory.
 
     ``costs`` {(rank, kind): time} replaces the unit costs, e.g. a measured run's
@@ -75,6 +75,9 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
     still free (what is left of a measured bubble beyond it is communication and overhead).
     An action ``U`` is a step boundary (the gradient's reduction, its norm and the update:
     collectives over every rank): no rank passes it before every rank has reached it.
+    ``pair`` (DualPipe's F&B, DeepSeek-V3 sec. 3.2.1): an F followed on its rank's list by
+    an unsplit B of another chunk run as one overlapped pair of that cost, from when both
+    may start (drawn as F for a third of it, then B; both results at its end).
     """
     split = check_actions(lists, pp, m, v, v_shape)
     chunks = pp * v
@@ -89,17 +92,26 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
                 a = lists[r][pos[r]]
                 if a.kind == "U":
                     break
-                deps = depends_on(a, chunks)
+                b = lists[r][pos[r] + 1] if pos[r] + 1 < len(lists[r]) else a
+                paired = (pair is not None and a.kind == "F" and b.kind == "B"
+                          and b.chunk != a.chunk and (b.mb, b.chunk) not in split)
+                group = [a, b] if paired else [a]
+                deps = [d for g in group for d in depends_on(g, chunks) if d not in group]
                 if any(d not in done for d in deps):
                     break
-                start = max([free[r]] + [done[d] for d in deps])
-                whole = a.kind == "B" and (a.mb, a.chunk) not in split  # B + W in one pass
-                done[a] = free[r] = start + (costs[r, a.kind] if costs else 1 + whole)
-                tl.events.append(Event(r, a.kind, a.mb, a.chunk, start, free[r]))
-                # the cache of F lives until the last pass that reads it (B, or W if split)
-                live[r] += {"F": 1, "B": -whole, "W": -1}[a.kind]
-                peak[r] = max(peak[r], live[r])
-                pos[r] += 1
+                start = t0 = max([free[r]] + [done[d] for d in deps])
+                for g in group:
+                    whole = g.kind == "B" and (g.mb, g.chunk) not in split  # B + W in one pass
+                    end = (t0 + pair * (1 if g is b else 1 / 3) if paired else
+                           start + (costs[r, g.kind] if costs else 1 + whole))
+                    tl.events.append(Event(r, g.kind, g.mb, g.chunk, start, end))
+                    done[g], free[r], start = end, end, end
+                    # the cache of F lives until the last pass that reads it (B, or W if split)
+                    live[r] += {"F": 1, "B": -whole, "W": -1}[g.kind]
+                    peak[r] = max(peak[r], live[r])
+                if paired:
+                    done[a] = done[b]  # the pair's results at its end
+                pos[r] += len(group)
                 moved = True
         at_u = [pos[r] < len(lists[r]) and lists[r][pos[r]].kind == "U" for r in range(pp)]
         if not moved and all(at_u):  # every rank at the boundary: they leave it together
