@@ -62,11 +62,13 @@ class Open:
 
 
 @pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("layout", [dict(pp=4), dict(pp=2, dp=2, zero=1, recompute="full"),
+@pytest.mark.parametrize("layout", [dict(pp=4), dict(pp=4, microbatches=1),
+                                    dict(pp=2, dp=2, zero=1, recompute="full"),
                                     dict(pp=2, tp=2), dict(pp=4, wrong=True), dict(pp=2, dp=2, zero=3)])
 @collective
 def test_pipedream_equals_its_serial_reference(layout, monkeypatch):
-    """Loss, norm and weights after each of 6 AdamW steps with clipping, pp 4, pp 2 x dp 2
+    """Loss, norm and weights after each of 6 AdamW steps with clipping, pp 4 (with one
+    micro-batch: PipeDream's own case, every input a mini-batch), pp 2 x dp 2
     (ZeRO-1, full recomputation: the recomputed forward runs on the stashed version too),
     pp 2 x tp 2 and pp 2 x dp 2 with ZeRO-3 (a stashed version is the rank's shards, gathered
     again for the backward) against :func:`pipedream_reference`; stage s keeps pp - 1 - s stashed
