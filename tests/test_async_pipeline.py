@@ -151,6 +151,23 @@ def pipedream_reference(cfg: TrainConfig) -> list[tuple[float, float, dict]]:
     return out
 
 
+def test_pipedream_reference_at_pp_1_is_the_synchronous_run_and_at_pp_2_is_not():
+    """The serial statement checked itself: with one stage every version is W(t), and it
+    equals the Trainer's synchronous run; with two, stage 0 runs a step behind from step 1."""
+    cfg = TrainConfig(**SMALL, steps=3)
+    sync = serial(cfg)
+    recs = [sync.step() for _ in range(3)]
+    ref = pipedream_reference(replace(cfg, pp=1))
+    for (loss, norm, _), rec in zip(ref, recs, strict=True):
+        np.testing.assert_allclose([loss, norm], [rec["loss"], rec["grad_norm"]], **TIGHT)
+    final = sync.runner.full_params()
+    for k, v in ref[-1][2].items():
+        np.testing.assert_allclose(v, final[k], **TIGHT, err_msg=k)
+    stale = [loss for loss, _, _ in pipedream_reference(replace(cfg, pp=2))]
+    np.testing.assert_allclose(stale[0], recs[0]["loss"], **TIGHT)  # W(0) everywhere
+    assert abs(stale[1] - recs[1]["loss"]) > 1e-6
+
+
 def test_pipedream_backward_asserts_its_forward_version(monkeypatch):
     """The executor checks each backward's version against the rule, stated apart from the
     forward's choice: a rule that disagrees (here at pp 1, where every batch runs on the
