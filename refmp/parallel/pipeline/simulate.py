@@ -17,7 +17,9 @@ Bubble fraction = idle / (pp * makespan). With those costs (all chunks equal):
   2bw 1/(3m+1) in a steady step (for p > 1, where schedules.lead is not capped): the next
   batch's first forwards and backwards fill the cool-down, and the step boundary (the
   global norm needs the whole gradient) falls where every rank is at the same moment of the
-  flush-free run, but for rank 1's backward that would not end by then: one idle step.
+  flush-free run, but for rank 1's backward that would not end by then: one idle step;
+  pipedream 2(p-1)/(3m+2(p-1)) in a steady step: the forwards need no message of the step,
+  but the next step's need its update, so the last backward's way down to stage 0 is idle.
 """
 
 from __future__ import annotations
