@@ -66,7 +66,7 @@ class ParallelConfig:
                                 "without --pp (%(default)s)", plan={})
     schedule: str = flag("1f1b", "pipeline schedule (default %(default)s)", PIPELINE,
                          choices=("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev",
-                                  "2bw"),
+                                  "2bw", "pipedream"),
                          plan={"choices": ("1f1b", "gpipe", "interleaved", "zb-h1")})
     virtual_stages: int = flag(1, "model chunks per rank, for --schedule interleaved (%(default)s)",
                                PIPELINE, plan={})

@@ -1,24 +1,34 @@
-"""Asynchronous pipelines: PipeDream-2BW (--schedule 2bw), float64.
+"""Asynchronous pipelines: PipeDream-2BW (--schedule 2bw) and PipeDream's weight stashing
+(--schedule pipedream), float64.
 
 The rule (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training", sec. 3.1):
 update t applies batch t's gradient taken at W(t-1), W(-1) = W(0), the whole optimizer step
 (clipping by the global norm, AdamW) working on that gradient and on W(t). With pp = 1 the
 flag is the serial delayed-update reference; every layout equals it, and it is not the
 synchronous run (staleness is real).
+
+PipeDream's rule (Narayanan et al. 2019, sec. 3.3, one update per batch): stage s computes
+batch t's forward and backward on W(max(t - (pp - 1 - s), 0)); update t applies the sum of
+those gradients to W(t). :func:`pipedream_reference` states it serially, piece by piece of
+the model; the pipeline equals it.
 """
 
+import math
 from dataclasses import replace
 
 import numpy as np
 import parity
 import pytest
 from mpi4py import MPI
-from mpi_helpers import collective
+from mpi_helpers import Mismatches, collective
 
+from refmp.config import lr_at
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
+from refmp.parallel.placement import rank_chunks
 from refmp.training.datasets import Dataset, get_batch
-from refmp.training.trainer import TrainConfig, Trainer
+from refmp.training.optim import clip_grads
+from refmp.training.trainer import TrainConfig, Trainer, build_optimizer
 
 pytestmark = pytest.mark.mpi
 TIGHT = dict(rtol=1e-12, atol=1e-12)
@@ -49,6 +59,125 @@ class Open:
         early = any(k == "F" and i >= m for k, i in kinds[:last_b])
         self.steps.append((len(ex.carry), ex.stash_bytes, len(ex.pending), bool(ex.stash.sums),
                            early))
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("layout", [dict(pp=4), dict(pp=4, microbatches=1),
+                                    dict(pp=2, dp=2, zero=1, recompute="full"),
+                                    dict(pp=2, tp=2), dict(pp=4, wrong=True), dict(pp=2, dp=2, zero=3)])
+@collective
+def test_pipedream_equals_its_serial_reference(layout, monkeypatch):
+    """Loss, norm and weights after each of 6 AdamW steps with clipping, pp 4 (with one
+    micro-batch: PipeDream's own case, every input a mini-batch), pp 2 x dp 2
+    (ZeRO-1, full recomputation: the recomputed forward runs on the stashed version too),
+    pp 2 x tp 2 and pp 2 x dp 2 with ZeRO-3 (a stashed version is the rank's shards, gathered
+    again for the backward) against :func:`pipedream_reference`; stage s keeps pp - 1 - s stashed
+    versions besides the current one (the memory report's ``versions``). ``wrong``: a
+    backward attaches the current weights instead of its forward's version (no stashing),
+    and the run differs."""
+    check_pipedream(layout, monkeypatch)
+
+
+@pytest.mark.parallel(nprocs=6)
+@collective
+def test_pipedream_at_pp_3_with_dp_and_zero_2(monkeypatch):
+    """pp 3 x dp 2, ZeRO-2 (gradients reduce-scattered each micro-batch: all of batch t's
+    backwards run in step t), one block per stage."""
+    check_pipedream(dict(pp=3, dp=2, zero=2, n_layer=3), monkeypatch)
+
+
+def check_pipedream(layout, monkeypatch):
+    from refmp.parallel.pipeline.executor import Executor
+
+    layout = dict(layout)
+    wrong = layout.pop("wrong", False)
+    if wrong:
+        monkeypatch.setattr(Executor, "stashed", lambda self, version: None)
+    cfg = TrainConfig(**{**SMALL, **layout}, steps=6, schedule="pipedream")
+    ref = pipedream_reference(cfg) if MPI.COMM_WORLD.rank == 0 else None
+    par, bad = Trainer(cfg, dataset=data()), Mismatches()
+    for t in range(cfg.steps):
+        rec, now = par.step(), par.runner.full_params()
+        if ref is not None:
+            loss, norm, w = ref[t]
+            bad.check(np.testing.assert_allclose, rec["loss"], loss, **TIGHT, err_msg=f"loss {t}")
+            bad.check(np.testing.assert_allclose, rec["grad_norm"], norm, **TIGHT, err_msg=f"norm {t}")
+            for k, v in w.items():
+                bad.check(np.testing.assert_allclose, now[k], v, **TIGHT, err_msg=f"{k} after {t}")
+    if wrong:
+        with pytest.raises(AssertionError, match="after"):
+            bad.assert_none(MPI.COMM_WORLD)
+        return
+    bad.assert_none(MPI.COMM_WORLD)
+    mem, lag = par.memory(), cfg.pp - 1 - par.runner.pp.rank
+    assert mem["versions"] == lag * mem["params"] and mem["params"] > 0, mem
+
+
+def pipedream_reference(cfg: TrainConfig) -> list[tuple[float, float, dict]]:
+    """PipeDream's rule, serially: batch t's embedding (stage 0's), each block (its stage's,
+    the pp-stage partition's) and ln_f and the tied head (stage pp - 1's) run forward and
+    backward on their stage's version W(max(t - (pp - 1 - s), 0)); the gradient (wte's two
+    shares added) is clipped by its global norm and AdamW steps W(t). Returns (loss, norm,
+    W(t + 1)) of each step."""
+    base = serial(replace(cfg, schedule="1f1b", pp=1, dp=1, tp=1, zero=0))  # W(0), the data
+    mcfg, pp, T, ops = base.model.cfg, cfg.pp, cfg.block_size, gpt.Ops(cfg.n_head)
+    stage_of = {i: s for s in range(pp) for c in rank_chunks(mcfg, T, s, pp).values() for i in c}
+    W = [base.runner.full_params()]
+    params = {k: v.copy() for k, v in W[0].items()}
+    opt, out = build_optimizer(cfg, params), []
+    for t in range(cfg.steps):
+        def version(s, t=t):
+            return W[max(t - (pp - 1 - s), 0)]
+        x, y = get_batch(base.ds.tokens, t, cfg.batch_size, T, perm=base.perm)
+        h, emb = gpt.embed_forward(version(0), x)
+        blocks = []
+        for i in range(mcfg.n_layer):
+            h, c = gpt.block_forward(gpt.block_params(version(stage_of[i]), i), h, ops)
+            blocks.append(c)
+        loss, head = gpt.head_forward(version(pp - 1), h, y, cfg.batch_size * T)
+        dx, g = gpt.head_backward(1.0, head)
+        for i in reversed(range(mcfg.n_layer)):
+            dx, gb = gpt.block_backward(dx, blocks[i], ops)
+            g.update({f"h.{i}.{k}": v for k, v in gb.items()})
+        ge = gpt.embed_backward(dx, emb)
+        g["wte.weight"] = g["wte.weight"] + ge["wte.weight"]
+        g["wpe.weight"] = ge["wpe.weight"]
+        norm = math.sqrt(sum(float((v * v).sum()) for v in g.values()))
+        clip_grads(g, cfg.grad_clip, norm)
+        opt.lr = lr_at(cfg, t)
+        opt.step(g)
+        W.append({k: v.copy() for k, v in params.items()})
+        out.append((float(loss), norm, W[-1]))
+    return out
+
+
+def test_pipedream_reference_at_pp_1_is_the_synchronous_run_and_at_pp_2_is_not():
+    """The serial statement checked itself: with one stage every version is W(t), and it
+    equals the Trainer's synchronous run; with two, stage 0 runs a step behind from step 1."""
+    cfg = TrainConfig(**SMALL, steps=3)
+    sync = serial(cfg)
+    recs = [sync.step() for _ in range(3)]
+    ref = pipedream_reference(replace(cfg, pp=1))
+    for (loss, norm, _), rec in zip(ref, recs, strict=True):
+        np.testing.assert_allclose([loss, norm], [rec["loss"], rec["grad_norm"]], **TIGHT)
+    final = sync.runner.full_params()
+    for k, v in ref[-1][2].items():
+        np.testing.assert_allclose(v, final[k], **TIGHT, err_msg=k)
+    stale = [loss for loss, _, _ in pipedream_reference(replace(cfg, pp=2))]
+    np.testing.assert_allclose(stale[0], recs[0]["loss"], **TIGHT)  # W(0) everywhere
+    assert abs(stale[1] - recs[1]["loss"]) > 1e-6
+
+
+def test_pipedream_backward_asserts_its_forward_version(monkeypatch):
+    """The executor checks each backward's version against the rule, stated apart from the
+    forward's choice: a rule that disagrees (here at pp 1, where every batch runs on the
+    current weights) stops the step."""
+    from refmp.parallel.pipeline import executor
+
+    monkeypatch.setattr(executor, "pipedream_version", lambda pp, rank, t: t + 1)
+    cfg = TrainConfig(**SMALL, steps=1, schedule="pipedream")
+    with pytest.raises(AssertionError, match=r"backward on W\(1\), its forward on W\(0\)"):
+        serial(cfg).step()
 
 
 @pytest.mark.parallel(nprocs=4)

@@ -187,7 +187,7 @@ def test_docs_timelines_are_what_refmp_prints(capsys):
 
     page = (pathlib.Path(__file__).parent.parent / "docs" / "pipeline.md").read_text()
     blocks = re.findall(r"<!-- schedule: (.*?) -->\n```text\n(.*?)```\n", page, re.S)
-    assert len(blocks) == 7
+    assert len(blocks) == 8
     for args, shown in blocks:
         assert main(["schedule", *args.split()]) == 0
         assert capsys.readouterr().out == shown, f"docs/pipeline.md drifted for {args}"
@@ -250,16 +250,16 @@ def test_stage_chunks_in_sequence_equal_the_serial_model(zero, n_expert):
 @settings(max_examples=40)
 @given(pp=st.integers(1, 6), m=st.integers(1, 12), steps=st.integers(1, 4))
 def test_2bw_runs_complete_and_each_step_is_a_consistent_cut(pp, m, steps):
-    """simulate_2bw: steps of schedules.two_bw with their boundaries complete (no deadlock);
+    """simulate_steps: steps of schedules.two_bw with their boundaries complete (no deadlock);
     step t runs only batches t and t+1 (no forward of t+2, whose weights its update makes;
     a send that crosses a boundary is received in the next step) and every backward of
     batch t; the peaks are 1F1B's; a one-step run is 1F1B."""
     from bisect import bisect_right
 
     from refmp.parallel.pipeline.schedules import two_bw
-    from refmp.parallel.pipeline.simulate import simulate_2bw
+    from refmp.parallel.pipeline.simulate import simulate_steps
 
-    tl = simulate_2bw(pp, m, steps)
+    tl = simulate_steps("2bw", pp, m, steps)
     assert len(tl.barriers) == steps - 1
     for e in tl.events:
         s = bisect_right(tl.barriers, e.start)  # the step the action runs in
@@ -293,11 +293,46 @@ def test_2bw_steady_step_leaves_one_idle_step_whatever_pp(pp):
     assert simulate_schedule("2bw", 1, 4).bubble() == 0 == bubble_formula("2bw", 1, 4)
 
 
-def test_2bw_refuses_resume_and_says_why():
+@settings(max_examples=30)
+@given(pp=st.integers(1, 5), m=st.integers(1, 8), steps=st.integers(1, 9))
+def test_pipedream_runs_complete_and_follow_the_version_rule(pp, m, steps):
+    """simulate_steps("pipedream"): no deadlock; in step t stage s runs the backwards of batch
+    t only and the forwards of batch t + pp - 1 - s (step 0 also those before it), so its
+    forward of batch t runs in step max(t - (pp - 1 - s), 0), on the current weights, the
+    version the rule names and the labels show; a steady step's bubble is the formula's."""
+    from bisect import bisect_right
+
+    from refmp.parallel.pipeline.schedules import pipedream_version
+    from refmp.parallel.pipeline.simulate import simulate_steps
+
+    tl = simulate_steps("pipedream", pp, m, steps)
+    for e in tl.events:
+        step, batch, d = bisect_right(tl.barriers, e.start), e.mb // m, pp - 1 - e.rank
+        assert batch == step if e.kind == "B" else batch == step + d or step == 0 and batch < d
+        assert tl.versions[e.rank, e.mb] == pipedream_version(pp, e.rank, batch)
+        assert e.kind == "B" or tl.versions[e.rank, e.mb] == step  # a forward: the current W
+    assert all(tl.peak_held[s] <= m * (pp - s) for s in range(pp))
+    steady = simulate_schedule("pipedream", pp, m)
+    assert steady.bubble() == pytest.approx(bubble_formula("pipedream", pp, m), abs=1e-12)
+
+
+def test_async_schedules_refuse_resume_and_say_why():
+    """2bw and pipedream carry state across each step that a checkpoint does not hold;
+    pipedream refuses MoE too (later batches' MoE losses would land in the wrong step)."""
     from refmp.parallel.layout import check_layout
     from refmp.training.trainer import TrainConfig
 
-    cfg = TrainConfig(pp=2, microbatches=2, batch_size=4, schedule="2bw", resume="ckpt")
     mcfg = gpt.GPTConfig(vocab_size=7, block_size=4, n_layer=2, n_head=2, n_embd=4)
-    with pytest.raises(ConfigError, match="carries the next batch's activations"):
-        check_layout(cfg, mcfg, 2)
+    for name, why in [("2bw", "carries the next batch's activations"),
+                      ("pipedream", "carries the forwards of up to pp - 1 later batches")]:
+        cfg = TrainConfig(pp=2, microbatches=2, batch_size=4, schedule=name, resume="ckpt")
+        with pytest.raises(ConfigError, match=why):
+            check_layout(cfg, mcfg, 2)
+    moe = gpt.GPTConfig(vocab_size=7, block_size=4, n_layer=2, n_head=2, n_embd=4, n_expert=2)
+    cfg = TrainConfig(pp=2, microbatches=2, batch_size=4, schedule="pipedream")
+    with pytest.raises(ConfigError, match="MoE losses"):
+        check_layout(cfg, moe, 2)
+    # the tags tell pp batches in flight apart: pp 16 x 64 micro-batches fits 1f1b only
+    check_pipeline(16, 16, 64, "1f1b", 1, None, 64)
+    with pytest.raises(ConfigError, match="16 batches in flight is too many"):
+        check_pipeline(16, 16, 64, "pipedream", 1, None, 64)

@@ -39,6 +39,23 @@ def test_at_pp_4_and_8_micro_batches_the_v_halves_zb_h1_s_idle_time():
     assert idle == {"1f1b": 9, "zb-h1": 3, "zb-v": 1.5, "dualpipev": 1.5}
 
 
+@pytest.mark.parametrize("pp", [2, 3, 4, 5, 6])
+def test_dualpipev_paired_bubble_is_deepseeks_formula(pp):
+    """DeepSeek's DualPipe bubble (PP/2 - 1)(F&B + B - 3W), PP = 2 pp chunks, at F = W = 1
+    and a whole backward B = 2: with each F and the whole B after it run as one overlapped
+    pair of cost F&B, the most idle rank idles exactly that, for F&B from F + B = 3 (no
+    overlap: every rank idles it) down to one backward, 2."""
+    from refmp.parallel.pipeline.simulate import simulate
+
+    for m in (2 * pp, 2 * pp + 1, 3 * pp):
+        lists = [schedule("dualpipev", pp, m, r) for r in range(pp)]
+        for fb in (3, 2.5, 2):
+            tl = simulate(lists, pp, m, 2, "dualpipev", v_shape=True, pair=fb)
+            idle = [tl.makespan - tl.busy(r) for r in range(pp)]
+            assert max(idle) == pytest.approx((pp - 1) * (fb + 2 - 3 * 1), abs=1e-9), (m, fb, idle)
+            assert fb != 3 or idle == [2 * (pp - 1)] * pp
+
+
 def test_the_chunks_sit_in_a_v_and_dualpipev_splits_only_some_backwards():
     assert [stage_chunks(r, 4, 2, v_shape=True) for r in range(4)] == [[0, 7], [1, 6], [2, 5],
                                                                         [3, 4]]
@@ -67,7 +84,16 @@ def test_schedule_json_and_the_weight_versions_of_2bw(capsys):
     out = capsys.readouterr().out
     assert "rank 1 | .... F0@0 B0@0 B0@0 F1@0" in out and "F3@0 .... | B3@0 B3@0 F4@0" in out
     assert "F6@1 .... | B6@1" in out
-    assert "bubble 0.1000 simulated (the steady step, 10 steps), 0.1000 formula" in out
+    assert "bubble 0.1000 simulated (a steady step, 10 steps), 0.1000 formula" in out
     assert main(["schedule", "--pp", "2", "--microbatches", "3", "--schedule", "2bw",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["weight_versions"] == [2, 2]
+    # pipedream: 2 pp - 1 steps; stage s runs batch t on W(max(t - (pp - 1 - s), 0)): on
+    # rank 0 of 3 batch 3 (micro-batches 6, 7) runs in step 1 on W(1), its backward in step 3
+    assert main(["schedule", "--pp", "3", "--microbatches", "2", "--schedule", "pipedream"]) == 0
+    out = capsys.readouterr().out
+    assert "| F6@1 F7@1 ...." in out and "B6@1 B6@1 .... B7@1 B7@1 |" in out
+    assert main(["schedule", "--pp", "3", "--microbatches", "2", "--schedule", "pipedream",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["weight_versions"] == [3, 2, 1] and got["bubble"] == pytest.approx(0.4)

@@ -4,9 +4,10 @@
 
 prints each rank's simulated timeline, the simulated bubble against the formula, and the
 peak number of micro-batches whose activations each rank holds (``--json``: those as JSON).
-2bw is drawn over three steps (the first fills the pipeline, the last drains it; ``|`` marks
-a step boundary), each micro-batch labelled with the weight version it computes on (F7@1:
-on W(1)); its bubble is the middle, steady step's.
+2bw is drawn over three steps and pipedream over 2 pp - 1 (the first fills the pipeline, the
+last drains it; ``|`` marks a step boundary), each micro-batch labelled with the weight
+version it computes on (F7@1: on W(1)); the bubble is a steady step's (2bw's middle one,
+pipedream's step pp - 1).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def add_parser(sub) -> None:
 
 def run_schedule(args) -> dict:
     from refmp.parallel.pipeline.partition import check_pipeline
-    from refmp.parallel.pipeline.schedules import chunks_per_rank
-    from refmp.parallel.pipeline.simulate import bubble_formula, simulate_2bw, simulate_schedule
+    from refmp.parallel.pipeline.schedules import ASYNC, chunks_per_rank
+    from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule, simulate_steps
 
     P, M, V = args.pp, args.microbatches, args.virtual_stages
     if P < 1:
@@ -42,20 +43,22 @@ def run_schedule(args) -> dict:
     check_pipeline(P * chunks_per_rank(args.schedule, V), P, M, args.schedule, V, None, M)
     tl = simulate_schedule(args.schedule, P, M, V)
     formula = bubble_formula(args.schedule, P, M, V)
-    versions = 2 if args.schedule == "2bw" else 1  # weight versions held per rank
-    run = simulate_2bw(P, M, 3) if args.schedule == "2bw" else tl  # batch t on W(t-1)
-    figures = {"schedule": args.schedule, "pp": P, "microbatches": M, "bubble": tl.bubble(),
-               "formula": formula, "peak_held": tl.peak_held, "weight_versions": [versions] * P}
+    name, steps = args.schedule, 3 if args.schedule == "2bw" else 2 * P - 1
+    run = simulate_steps(name, P, M, steps) if name in ASYNC else tl  # labelled with versions
+    # weight versions held per rank: 2bw's W(t) and W(t-1); pipedream's pp - s (stage s)
+    versions = [2 if name == "2bw" else P - r if name == "pipedream" else 1 for r in range(P)]
+    figures = {"schedule": name, "pp": P, "microbatches": M, "bubble": tl.bubble(),
+               "formula": formula, "peak_held": tl.peak_held, "weight_versions": versions}
     if args.json:
         print(json.dumps(figures))
         return figures
     print(f"refmp schedule: {args.schedule}, pp {P}, {M} micro-batches"
           + (f", {V} virtual stages" if V > 1 else "")
-          + (", three steps" if versions == 2 else "")
+          + (f", {steps} steps" if name in ASYNC else "")
           + " (F = B = W = 1 step; an unsplit backward is B + W = 2)")
     print(run.ascii())
     print(f"completes in {run.makespan:g} steps; bubble {tl.bubble():.4f} simulated"
-          + (f" (the steady step, {tl.makespan:g} steps)" if versions == 2 else "")
+          + (f" (a steady step, {tl.makespan:g} steps)" if name in ASYNC else "")
           + f", {formula:.4f} formula")
     print("peak micro-batches held per rank: " + ", ".join(map(str, tl.peak_held)))
     if args.trace:

@@ -58,7 +58,7 @@ from refmp.runtime import backend
 from refmp.runtime.arrays import global_grad_norm
 from refmp.runtime.precision import mixed_dtypes
 
-TIED_TAG = 32767  # MPI guarantees tags up to 32767; the executor's stay below (2 m n_chunks)
+TIED_TAG = 32767  # MPI guarantees tags up to 32767; the executor's stay below (check_pipeline)
 
 
 # --- the build steps -------------------------------------------------------------------------
@@ -146,8 +146,8 @@ class Engine:
         self.executor = Executor(self.stage, self.pp, self.sharder.compute,  # activations' dtype
                                  on_forward=self._measure, v_shape=self.v_shape)
         self.actions = partial(schedule, self.schedule_name, self.pp.size, self.microbatches,
-                               self.pp.rank, self.v)  # (fill, ahead): 2bw's step, two_bw
-        self.delayed = self.schedule_name == "2bw"  # 2BW: each step computes on W(t-1)
+                               self.pp.rank, self.v)  # 2bw's (W(t-1)), pipedream's (stashed)
+        self.delayed, self.stashing = (self.schedule_name == k for k in ("2bw", "pipedream"))
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
                                 if k in local and "tp" in place(k, self.sp).reduce}
@@ -184,17 +184,16 @@ class Engine:
         self.sharder.zero_grad()
         self.stage.reset_stats()
 
-    def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=None) -> None:
-        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule; ``dloss``
-        the loss scale (fp16), which backward starts from; ``ahead`` (2bw) the next batch's rows
-        (x, y), whose first forwards fill this step's cool-down (None: the drain, a last step)."""
+    def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=()) -> None:
+        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule; ``dloss`` the loss
+        scale (fp16), which backward starts from; ``ahead`` [(x, y), ...]: 2bw's, pipedream's next batches."""
         self._scale, self._master, M = dloss, None, self.microbatches
-        rows = [(x, y)] + ([ahead] if self.delayed and ahead is not None else [])
+        rows = [(x, y), *(ahead if self.delayed or self.stashing else ())]
         if self.positions is not None:  # (b, Tl) my tokens
             rows = [(x[:, self.positions], y[:, self.positions]) for x, y in rows]
         xs, ys = zip(*[mb for x, y in rows for mb in split_microbatches(x, y, M)], strict=True)
-        acts = self.actions(fill=not self.executor.carry_on, ahead=len(rows) > 1)  # 2bw's step
-        ce = self.executor.step(acts, list(xs), list(ys), denom, dloss, self.delayed, M)
+        acts = self.actions(fill=self.executor.fills(self.stashing), ahead=len(rows) - 1)
+        ce = self.executor.step(acts, list(xs), list(ys), denom, dloss, self.delayed, M, self.stashing)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:
@@ -345,6 +344,7 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         """Bytes of the parameter (compute copy), gradient and fp32 master buffers kept, the
-        peak live activations, and 2bw's stashed gradients of the next batch (GradStash)."""
-        stash = {"grad_stash": self.executor.stash_bytes} if self.delayed else {}
-        return {**self.sharder.memory(), "activations": self.peak_activations, **stash}
+        peak live activations, 2bw's GradStash peak, pipedream's stashed weight versions."""
+        ex, mem = self.executor, {**self.sharder.memory(), "activations": self.peak_activations}
+        return {**mem, "grad_stash": ex.stash_bytes} if self.delayed else (
+            {**mem, "versions": ex.version_bytes} if self.stashing else mem)

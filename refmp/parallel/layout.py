@@ -65,6 +65,12 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
         raise ConfigError("--schedule 2bw computes on the previous weight version and carries "
                           "the next batch's activations and gradients across each step, which "
                           "a checkpoint does not hold: --resume would start from W(t) twice")
+    if cfg.schedule == "pipedream" and (cfg.resume or mcfg.n_expert):
+        raise ConfigError("--schedule pipedream carries the forwards of up to pp - 1 later "
+                          "batches and the weight versions they ran on across each step, "
+                          + ("which a checkpoint does not hold: --resume would lose them"
+                             if cfg.resume else "and their MoE losses would be counted in the "
+                             "wrong step: use a dense model (--n-expert 0)"))
     # the pipeline (pp = 1 is a one-stage schedule: gradient accumulation)
     check_pipeline(mcfg.n_layer, pp, M, cfg.schedule, cfg.virtual_stages,
                    parse_stage_layers(cfg.stage_layers), B // dp)

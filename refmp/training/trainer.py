@@ -103,9 +103,10 @@ class Runner(Pieces, Protocol):
 
     def zero_grad(self) -> None: ...
 
-    def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=None) -> None: ...
+    def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=()) -> None: ...
     # grads += this rank's share; dloss: the gradient backward starts from (fp16's loss
-    # scale); ahead: 2bw's next batch (x, y), its first forwards run in this step
+    # scale); ahead: the later batches [(x, y), ...] whose forwards run in this step (2bw,
+    # pipedream)
 
     def reduce_grads(self) -> None: ...  # grads become the global gradient's owned pieces
 
@@ -203,11 +204,12 @@ class Trainer:
         scale = self.scaler.scale if self.scaler else 1.0
         # fp16: an overflow is expected now and then (that is what the scaler is for)
         quiet = np.errstate(over="ignore", invalid="ignore") if self.scaler else nullcontext()
-        ahead = None  # 2bw: the next batch, whose first forwards fill this step's cool-down
-        if cfg.schedule == "2bw" and self.step_num + 1 < cfg.steps:  # the last step drains
-            xa, ya = get_batch(self.ds.tokens, self.step_num + 1, cfg.batch_size, self.T,
-                               self.rows, self.perm)
-            ahead = (backend.from_host(xa), backend.from_host(ya))
+        # the later batches whose forwards run in this step: 2bw's next one (its first
+        # forwards fill this step's cool-down), pipedream's next pp - 1; the last steps drain
+        later = {"2bw": 1, "pipedream": self.grid.sizes["pp"] - 1}.get(cfg.schedule, 0)
+        ahead = [tuple(backend.from_host(a) for a in get_batch(
+            self.ds.tokens, k, cfg.batch_size, self.T, self.rows, self.perm))
+            for k in range(self.step_num + 1, min(self.step_num + 1 + later, cfg.steps))]
         with quiet:
             run.forward_backward(x, y, denom, scale, ahead)  # backward starts from the loss scale
             run.reduce_grads()  # now grads is the global gradient of this rank's pieces

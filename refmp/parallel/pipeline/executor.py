@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import wait_all
-from refmp.parallel.pipeline.schedules import Action
+from refmp.parallel.pipeline.schedules import Action, pipedream_version
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Event
 from refmp.parallel.placement import chunk_rank
@@ -97,6 +97,18 @@ class Executor:
         self.pending: list = []
         self.ahead_stats: tuple = (0.0, {})
         self.updates, self.carry_on, self.stash_bytes, self.ahead_loss = 0, False, 0, 0.0
+        # pipedream: copies of the weight versions W(k) that carried caches were made on,
+        # k -> {unit: buffer} (the current version is the Sharder's), and their peak bytes
+        self.versions: dict[int, dict] = {}
+        self.version_bytes = 0
+
+    def fills(self, stashing: bool) -> bool:
+        """Whether the next step fills the pipeline: pipedream's first, 2bw's after a drain."""
+        return self.updates == 0 if stashing else not self.carry_on
+
+    def stashed(self, version: int) -> dict | None:
+        """pipedream: the buffers of weight version ``version`` (None: the current one)."""
+        return None if version == self.updates else self.versions[version]
 
     def _send(self, x, shape, mb: int, chunk: int, grad: bool, pending: list) -> None:
         t0 = time.perf_counter()
@@ -118,7 +130,8 @@ class Executor:
         self.events.append(Event(self.comm.rank, kind, mb, chunk, t0, time.perf_counter()))
 
     def step(self, actions: list[Action], xs: list, ys: list, denom: int,
-             dloss: float = 1.0, delayed: bool = False, m: int | None = None) -> float:
+             dloss: float = 1.0, delayed: bool = False, m: int | None = None,
+             stashing: bool = False) -> float:
         """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets;
         ``m`` the step's micro-batches (default: all of xs); ``dloss`` the gradient of each
         loss share (the loss scale with fp16, else 1).
@@ -132,9 +145,16 @@ class Executor:
         asserts it runs on the same. After the last action W(t) becomes the previous version
         (the update then makes W(t+1) of W(t)).
 
+        ``stashing`` (pipedream, schedules.pipedream): micro-batches j m..j m + m - 1 are
+        batch t + j's. Every forward runs on the current weights W(t); one whose backward
+        comes after this step's update (j > 0) names its weights, and at the end of the step
+        W(t) is copied aside for it. A backward (of batch t) attaches the version its
+        forward ran on and asserts that it is schedules.pipedream_version's.
+
         Returns this rank's loss share (non-zero on the rank holding the last chunk).
         """
         stage, sharder, n_chunks, m = self.stage, self.sharder, self.stage.n_chunks, m or len(xs)
+        P, rank = self.comm.size, self.comm.rank
         if delayed and not sharder.previous:
             sharder.keep_previous()  # W(-1) = W(0)
         split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}  # B's whose W is listed
@@ -147,12 +167,15 @@ class Executor:
         self.events, self.peak_held = [], caches_held
         for a in actions:
             i, c = a.mb, a.chunk
-            ahead = i >= m  # 2BW: batch t+1's micro-batch i - m
-            version = self.updates + ahead - 1  # the weight version a 2bw action computes on
+            j = i // m  # batch t + j's micro-batch i % m
+            ahead = j > 0  # 2BW: batch t+1's micro-batch i - m; pipedream: after the update
+            version = self.updates + (ahead - 1 if delayed else 0)  # what the action runs on
             sharder.on_previous = delayed and not ahead
             self.comm.recorder.microbatch = i  # the flight recorder's label of each call
             final = i % m == m - 1  # its batch's last micro-batch
-            mb_tag = (self.updates * m + i) % (2 * m) if delayed else i  # by batch parity
+            # by batch parity (2bw), by batch mod pp (pipedream)
+            mb_tag = ((self.updates * m + i) % (2 * m) if delayed else
+                      ((self.updates + j) % P) * m + i % m if stashing else i)
             shape = stage.act_shape(*xs[i].shape)  # (b_i, T, C); T/tp with SP
             if a.kind == "F":
                 inp = xs[i] if c == 0 else self._recv(shape, mb_tag, c, grad=False)
@@ -179,15 +202,22 @@ class Executor:
                 dout = None if c == n_chunks - 1 else self._recv(shape, mb_tag, c, grad=True)
                 t0 = time.perf_counter()
                 made_on, released, cache = caches.pop((i, c))
-                if delayed and made_on != version:
-                    raise AssertionError(f"rank {self.comm.rank}: micro-batch {i}'s backward on "
+                if stashing:  # the rule, stated apart from the forward's choice
+                    version = pipedream_version(P, rank, self.updates)
+                if (delayed or stashing) and made_on != version:
+                    raise AssertionError(f"rank {rank}: micro-batch {i}'s backward on "
                                          f"W({version}), its forward on W({made_on})")
                 stage.sharder = self.stash if ahead else sharder  # batch t+1's gradients wait
+                bufs = self.stashed(made_on) if stashing else None
+                if bufs is not None:  # the stashed version W(made_on) is what it attaches
+                    sharder.previous, sharder.on_previous = bufs, True
                 try:
                     dx, todo = stage.backward(c, dout, cache, (i, c) in split, final, dloss,
                                               attach_weights=released)
                 finally:
                     stage.sharder = sharder
+                    if bufs is not None:
+                        sharder.previous, sharder.on_previous = {}, False
                 self.stash_bytes = max(self.stash_bytes, self.stash.nbytes())
                 if (i, c) in split:
                     todos[i, c] = todo
@@ -215,5 +245,13 @@ class Executor:
         assert len(self.carry) == len(caches) and not todos, "a micro-batch's cache was left over"
         if delayed:  # the update makes W(t+1) of W(t)
             sharder.keep_previous()
+        if stashing:  # keep W(t) for the carried caches; drop what no cache names
+            made = {v for v, _, _ in self.carry.values()}
+            self.versions = {k: b for k, b in self.versions.items() if k in made}
+            if self.updates in made:
+                self.versions[self.updates] = {u: b.copy() for u, b in sharder.pbuf.items()}
+            self.version_bytes = max(self.version_bytes, sum(
+                int(b.nbytes) for bufs in self.versions.values() for b in bufs.values()))
+        if delayed or stashing:
             self.updates += 1
         return loss

@@ -216,7 +216,36 @@ def two_bw(pp: int, m: int, rank: int, fill: bool = False, ahead: bool = True) -
             if ahead or start <= a.mb < start + m]
 
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "2bw")
+def pipedream_version(pp: int, rank: int, batch: int) -> int:
+    """PipeDream's weight stashing (Narayanan et al. 2019, sec. 3.3), vertical sync off, one
+    update per batch: stage ``rank``'s forward and backward of batch t both run on W(max(t -
+    (pp - 1 - rank), 0)), the weights after max(t - (pp - 1 - rank), 0) updates."""
+    return max(batch - (pp - 1 - rank), 0)
+
+
+def pipedream(pp: int, m: int, rank: int, fill: bool = False, ahead: int = 0) -> list[Action]:
+    """Step t of PipeDream with weight stashing: rank r forwards batch t + d (d = pp - 1 - r)
+    on the current weights W(t) and runs batch t's backwards, each on its stashed version.
+
+    Micro-batch j m + i is batch t + j's i-th. ``fill``: the first step, which forwards
+    batches 0..d (all on W(0)); ``ahead``: how many batches after t exist (the drain leaves
+    out forwards of batches past the last). Order: w = min(n, 2 d + 1) forwards (rank r's
+    first backward arrives 2 d + 1 steps in, at F 1, B 2), then B, F pairs, then the B's left.
+    """
+    d = pp - 1 - rank
+    offsets = range(min(d, ahead) + 1) if fill else [d] if d <= ahead else []
+    fwd = [Action("F", j * m + i, rank) for j in offsets for i in range(m)]
+    bwd = [Action("B", i, rank) for i in range(m)]
+    w = min(len(fwd), 2 * d + 1)
+    out = fwd[:w]
+    for k in range(m):
+        out += [bwd[k]] + fwd[w + k : w + k + 1]
+    return out + fwd[w + m :]
+
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "2bw",
+             "pipedream")
+ASYNC = ("2bw", "pipedream")  # no flush: a step's lists hold later batches' micro-batches
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V (placement.chunk_rank)
 
 
@@ -226,13 +255,16 @@ def chunks_per_rank(name: str, v: int = 1) -> int:
 
 
 def schedule(name: str, pp: int, m: int, rank: int, v: int = 1, fill: bool = False,
-             ahead: bool = True) -> list[Action]:
+             ahead: int | None = None) -> list[Action]:
     """Rank ``rank``'s actions for one step of ``name`` with pp stages and m micro-batches
-    (2bw: :func:`two_bw`'s, by default a step in the steady state)."""
+    (2bw: :func:`two_bw`'s, pipedream: :func:`pipedream`'s, by default a steady step;
+    ``ahead``: how many later batches there are, None: enough)."""
     if name == "interleaved":
         return interleaved(pp, m, rank, v)
     if name == "2bw":
-        return two_bw(pp, m, rank, fill, ahead)
+        return two_bw(pp, m, rank, fill, ahead is None or ahead > 0)
+    if name == "pipedream":
+        return pipedream(pp, m, rank, fill, pp if ahead is None else ahead)
     fn = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-v": zb_v,
           "dualpipev": dualpipev}[name]
     return fn(pp, m, rank)

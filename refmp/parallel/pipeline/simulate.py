@@ -17,12 +17,21 @@ Bubble fraction = idle / (pp * makespan). With those costs (all chunks equal):
   2bw 1/(3m+1) in a steady step (for p > 1, where schedules.lead is not capped): the next
   batch's first forwards and backwards fill the cool-down, and the step boundary (the
   global norm needs the whole gradient) falls where every rank is at the same moment of the
-  flush-free run, but for rank 1's backward that would not end by then: one idle step.
+  flush-free run, but for rank 1's backward that would not end by then: one idle step;
+  pipedream 2(p-1)/(3m+2(p-1)) in a steady step: the forwards need no message of the step,
+  but the next step's need its update, so the last backward's way down to stage 0 is idle.
 """
 
 from __future__ import annotations
 
-from refmp.parallel.pipeline.schedules import V_SHAPED, Action, chunks_per_rank, schedule, two_bw
+from refmp.parallel.pipeline.schedules import (
+    ASYNC,
+    V_SHAPED,
+    Action,
+    chunks_per_rank,
+    pipedream_version,
+    schedule,
+)
 from refmp.parallel.pipeline.timeline import Event, Timeline
 from refmp.parallel.placement import chunk_rank
 
@@ -60,7 +69,7 @@ def check_actions(lists: list[list[Action]], pp: int, m: int, v: int,
 
 def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str = "",
              costs: dict[tuple[int, str], float] | None = None,
-             v_shape: bool = False) -> Timeline:
+             v_shape: bool = False, pair: float | None = None) -> Timeline:
     """Execute the per-rank lists in simulated time; a Timeline with events and peak memory.
 
     ``costs`` {(rank, kind): time} replaces the unit costs, e.g. a measured run's
@@ -68,6 +77,9 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
     still free (what is left of a measured bubble beyond it is communication and overhead).
     An action ``U`` is a step boundary (the gradient's reduction, its norm and the update:
     collectives over every rank): no rank passes it before every rank has reached it.
+    ``pair`` (DualPipe's F&B, DeepSeek-V3 sec. 3.2.1): an F followed on its rank's list by
+    an unsplit B of another chunk run as one overlapped pair of that cost, from when both
+    may start (drawn as F for a third of it, then B; both results at its end).
     """
     split = check_actions(lists, pp, m, v, v_shape)
     chunks = pp * v
@@ -82,17 +94,26 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
                 a = lists[r][pos[r]]
                 if a.kind == "U":
                     break
-                deps = depends_on(a, chunks)
+                b = lists[r][pos[r] + 1] if pos[r] + 1 < len(lists[r]) else a
+                paired = (pair is not None and a.kind == "F" and b.kind == "B"
+                          and b.chunk != a.chunk and (b.mb, b.chunk) not in split)
+                group = [a, b] if paired else [a]
+                deps = [d for g in group for d in depends_on(g, chunks) if d not in group]
                 if any(d not in done for d in deps):
                     break
-                start = max([free[r]] + [done[d] for d in deps])
-                whole = a.kind == "B" and (a.mb, a.chunk) not in split  # B + W in one pass
-                done[a] = free[r] = start + (costs[r, a.kind] if costs else 1 + whole)
-                tl.events.append(Event(r, a.kind, a.mb, a.chunk, start, free[r]))
-                # the cache of F lives until the last pass that reads it (B, or W if split)
-                live[r] += {"F": 1, "B": -whole, "W": -1}[a.kind]
-                peak[r] = max(peak[r], live[r])
-                pos[r] += 1
+                start = t0 = max([free[r]] + [done[d] for d in deps])
+                for g in group:
+                    whole = g.kind == "B" and (g.mb, g.chunk) not in split  # B + W in one pass
+                    end = (t0 + pair * (1 if g is b else 1 / 3) if paired else
+                           start + (costs[r, g.kind] if costs else 1 + whole))
+                    tl.events.append(Event(r, g.kind, g.mb, g.chunk, start, end))
+                    done[g], free[r], start = end, end, end
+                    # the cache of F lives until the last pass that reads it (B, or W if split)
+                    live[r] += {"F": 1, "B": -whole, "W": -1}[g.kind]
+                    peak[r] = max(peak[r], live[r])
+                if paired:
+                    done[a] = done[b]  # the pair's results at its end
+                pos[r] += len(group)
                 moved = True
         at_u = [pos[r] < len(lists[r]) and lists[r][pos[r]].kind == "U" for r in range(pp)]
         if not moved and all(at_u):  # every rank at the boundary: they leave it together
@@ -108,29 +129,34 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
     return tl
 
 
-def simulate_2bw(pp: int, m: int, steps: int = 3,
-                 costs: dict[tuple[int, str], float] | None = None) -> Timeline:
-    """``steps`` training steps of 2bw (schedules.two_bw: the first fills, the last drains)
-    with the step boundaries between them; micro-batch g is batch g // m's, which computes on
-    W(g // m - 1) (W(-1) = W(0)), the version each event is labelled with."""
+def simulate_steps(name: str, pp: int, m: int, steps: int = 3,
+                   costs: dict[tuple[int, str], float] | None = None) -> Timeline:
+    """``steps`` training steps of an asynchronous schedule (2bw, pipedream: the first
+    fills, the last drains) with the step boundaries between them. Micro-batch g is batch
+    g // m's; each event is labelled with the weight version it computes on (``versions``,
+    (rank, micro-batch) -> version): 2bw's W(g // m - 1) (W(-1) = W(0)), pipedream's
+    schedules.pipedream_version."""
     lists: list[list[Action]] = [[] for _ in range(pp)]
     for t in range(steps):
         for r in range(pp):
-            acts = two_bw(pp, m, r, fill=t == 0, ahead=t < steps - 1)
+            acts = schedule(name, pp, m, r, fill=t == 0, ahead=steps - 1 - t)
             lists[r] += [Action(a.kind, t * m + a.mb, a.chunk) for a in acts]
             lists[r] += [Action("U", t, -1)] if t < steps - 1 else []
-    tl = simulate(lists, pp, steps * m, 1, "2bw", costs)
-    tl.versions = {g: max(g // m - 1, 0) for g in range(steps * m)}
+    tl = simulate(lists, pp, steps * m, 1, name, costs)
+    rule = pipedream_version if name == "pipedream" else lambda pp, r, t: max(t - 1, 0)
+    tl.versions = {(r, g): rule(pp, r, g // m) for r in range(pp) for g in range(steps * m)}
     return tl
 
 
 def simulate_schedule(name: str, pp: int, m: int, v: int = 1,
                       costs: dict[tuple[int, str], float] | None = None) -> Timeline:
-    """One step of ``name``; for 2bw the steady one (the middle step of three, between its
-    boundaries), as a step of a long run goes."""
-    if name == "2bw":
-        tl = simulate_2bw(pp, m, 3, costs)
-        return tl.window(*tl.barriers)
+    """One step of ``name``; for 2bw and pipedream a steady one (for 2bw the middle step of
+    three, for pipedream step pp - 1 of 2 pp - 1, between its boundaries), as a step of a
+    long run goes."""
+    if name in ASYNC:
+        k = 1 if name == "2bw" else max(pp - 1, 1)
+        tl = simulate_steps(name, pp, m, 2 * k + 1, costs)
+        return tl.window(*tl.barriers[k - 1 : k + 1])
     v = chunks_per_rank(name, v)
     return simulate([schedule(name, pp, m, r, v) for r in range(pp)], pp, m, v, name, costs,
                     name in V_SHAPED)
@@ -144,6 +170,7 @@ def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
         "gpipe": (p - 1) / (m + p - 1),
         "1f1b": (p - 1) / (m + p - 1),
         "2bw": (p > 1) / (3 * m + (p > 1)),  # a steady step, boundaries uncapped (two_bw)
+        "pipedream": 2 * (p - 1) / (3 * m + 2 * (p - 1)),  # a steady step
         "interleaved": (p - 1) / (v * m + p - 1),
         "zb-h1": (p - 1) / (3 * m + p - 1),
         "zb-v": (p - 1) / (6 * m + p - 1),  # m >= 2p - 1

@@ -34,8 +34,8 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
     unit: str = "step"  # what a time of 1 means: a simulated step, or "s" when measured
     peak_held: list[int] = field(default_factory=list)  # per rank, simulated or measured
-    versions: dict[int, int] = field(default_factory=dict)  # micro-batch -> the weight version
-    # it computes on, drawn as F3@1 (asynchronous schedules)
+    versions: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, micro-batch)
+    # -> the weight version it computes on, drawn as F3@1 (asynchronous schedules)
     barriers: list[float] = field(default_factory=list)  # the step boundaries (2bw's runs)
 
     @property
@@ -81,7 +81,8 @@ class Timeline:
         if e.mb < 0:  # not about one micro-batch (the end-of-step wait for sends)
             return e.kind
         virtual = "" if self.v == 1 else "abcdefghijklmnopqrstuvwxyz"[e.chunk // self.pp]
-        version = f"@{self.versions[e.mb]}" if e.mb in self.versions else ""
+        version = self.versions.get((e.rank, e.mb))
+        version = "" if version is None else f"@{version}"
         return f"{e.kind}{e.mb}{virtual}{version}"
 
     def ascii(self) -> str:
