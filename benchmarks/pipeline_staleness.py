@@ -1,6 +1,6 @@
-"""What weight staleness costs: the main job (README's, the addition task) on pp 2 with 1f1b
-and with 2bw (each step's gradient taken at the weights of a step before), one after the
-other: the loss of every step, the held-out exact-match accuracy every --eval-every steps,
+"""What weight staleness costs: the main job (README's, the addition task) on pp 2 with 1f1b,
+2bw (each step's gradient taken at the weights of a step before) and pipedream (stage s on
+the weights of pp - 1 - s steps before), one after the other: the loss of every step, the held-out exact-match accuracy every --eval-every steps,
 and the measured bubble each schedule leaves (the median over the steps timed), drawn side
 by side in docs/img/pipeline_staleness.png.
 
@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 
-SCHEDULES = ("1f1b", "2bw")
+SCHEDULES = ("1f1b", "2bw", "pipedream")
 
 
 def train(schedule: str, args) -> dict | None:
@@ -60,7 +60,7 @@ def plot(results: dict, path: str) -> None:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle("the main job on pp 2, 4 micro-batches: synchronous 1F1B against 2BW's "
-                 "staleness 1", fontsize=9)
+                 "and PipeDream's stale weights", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
 

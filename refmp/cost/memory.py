@@ -113,6 +113,16 @@ def codec_bytes(shapes: dict[str, dict], codec: str, rank: int = 4, itemsize: in
     return itemsize * sum(math.prod(s) for s in tensors) if codec == "topk" and feedback else 0
 
 
+def run_actions(name: str, pp: int, M: int, r: int, v: int) -> list:
+    """Rank r's actions of a step; for 2bw and pipedream, which carry caches from step to step,
+    those of a run of 2 pp steps (fill, steady, drain), micro-batch g of step t as t M + g."""
+    if name not in ("2bw", "pipedream"):
+        return schedule(name, pp, M, r, v)
+    n = 2 * pp
+    return [a._replace(mb=t * M + a.mb) for t in range(n)
+            for a in schedule(name, pp, M, r, v, t == 0, n - 1 - t)]
+
+
 def held_peak(actions, chunk_bytes: dict, shared: dict | None = None) -> int:
     """Peak bytes of the caches a rank's action list keeps alive: F makes chunk c's cache of a
     micro-batch, B frees it (W does, when the schedule splits backward). ``shared``: bytes
@@ -144,6 +154,8 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     plus the embedding's on the first chunk and the head's on the last): what
     Engine.memory()["activations"] measures.
     ``error_feedback``: the gradient codec's buffers (codec_bytes), in the steady state.
+    ``versions``: older weight versions kept, each a copy of the compute weights: 2BW's
+    W(t-1), and pipedream's pp - 1 - s on stage s (refmp/parallel/pipeline/schedules.py).
     ``workspace``: a backward's temporaries (the gradients of a cache's arrays), taken as
     one more whole cache of the largest piece, as recomputation rebuilds it (with ZeRO-3,
     plus the largest unit, gathered whole while it runs). ``setup``: the full model, which
@@ -172,6 +184,7 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     mem["error_feedback"] = codec_bytes(shapes, cfg.grad_compress, cfg.compress_rank,
                                         w if cfg.mixed_precision == "none" else 4,
                                         not cfg.no_error_feedback)
+    mem["versions"] = {"2bw": 1, "pipedream": pp - 1 - r}.get(cfg.schedule, 0) * mem["params"]
     # activations: one micro-batch's cache per chunk, then the schedule's peak
     b, Tl = cfg.batch_size // (dp * M), T // cp
     sp, cf = cfg.sequence_parallel, mcfg.capacity_factor
@@ -188,7 +201,7 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     chunk_bytes = {c: sum(block + (kept_moe if mcfg.is_moe(i) else 0) for i in chunks[c])
                    + (embed - 8 * Tl * (cp > 1) if c == 0 else 0)
                    + (head if c == S - 1 else 0) for c in chunks}
-    mem["activations"] = held_peak(schedule(cfg.schedule, pp, M, r, v), chunk_bytes, shared)
+    mem["activations"] = held_peak(run_actions(cfg.schedule, pp, M, r, v), chunk_bytes, shared)
     # a backward rebuilds what recomputation dropped: the whole cache of the block it runs
     mem["workspace"] = max([rebuilt + moe] + ([head] if S - 1 in chunks else []))
     if cfg.zero == 3:  # and the whole unit gathered for the forward or backward running now
@@ -201,7 +214,8 @@ def need_bytes(mem: dict) -> int:
     """The peak of a rank: its state, plus the larger of the set-up's full model and the
     step's activations and workspace (the full model is freed before the first step)."""
     step = mem["activations"] + mem["workspace"]
-    state = mem["params"] + mem["grads"] + mem["optimizer"] + mem.get("error_feedback", 0)
+    state = mem["params"] + mem["grads"] + mem["optimizer"] + mem.get("error_feedback", 0) \
+        + mem.get("versions", 0)
     return state + max(mem["setup"], step)
 
 
