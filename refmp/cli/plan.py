@@ -20,7 +20,6 @@ from refmp.cost.search import search, table
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig
 from refmp.runtime import cpu
-from refmp.runtime.device import measure_peak
 from refmp.training.checks import available_memory
 
 
@@ -84,22 +83,86 @@ def machine_of(args) -> Machine:
     return replace(mach, **over)
 
 
-def cpu_machine(ranks: int, links: tuple[float, float] | None = None) -> Machine:
-    """This host: fp32 GEMM peak measured now (refmp.runtime.device.measure_peak), memory
-    free now, and MPI's links: ``links`` (GB/s, us) as measure_links found them, else
-    shared-memory MPI taken as 5 GB/s and 2 us (assumed: ``refmp plan`` runs without MPI).
+def cpu_machine(ranks: int, links: tuple[float, float] | None = None,
+                calib: dict | None = None) -> Machine:
+    """This host: NumPy's rates (calibrate: the GEMM peak and its short-product rows, the
+    elementwise bandwidth, the per-call overhead), memory free now, and MPI's links:
+    ``links`` (GB/s, us) as measure_links found them, else shared-memory MPI taken as 5 GB/s
+    and 2 us (assumed: ``refmp plan`` runs without MPI).
 
-    The peak is this process's, with its refmp.runtime.cpu.threads() threads; a rank gets its share
-    of the cores, cores / ranks of them (under mpiexec refmp gives each rank that many
-    threads, at least one: 4 ranks on 2 cores get half a core each).
+    ``calib``: calibrate's dict as a rank of the run measured it, beside the other ranks
+    (benchmarks/plan_vs_bench.py); else measured now in this process, with its
+    refmp.runtime.cpu.threads() threads, and a rank gets its share of the cores, cores /
+    ranks of them (under mpiexec refmp gives each rank that many threads, at least one: 4
+    ranks on 2 cores get half a core each).
     """
     cores = cpu.cores()
-    per_core = measure_peak("float32", 512, 3) / 1e12 / max(1, min(cpu.threads(), cores))
-    peak = per_core * cores / ranks
+    if calib is None:
+        calib = calibrate()
+        share = cores / ranks / max(1, min(cpu.threads(), cores))
+        calib = {**calib, "gflops": calib["gflops"] * share, "gbs": calib["gbs"] * share}
     free = available_memory("cpu")[0] / 1e9
     gbs, us = links or (5.0, 2.0)
-    return Machine("cpu", ranks, free / ranks, peak, 10, 1.0, gbs, gbs, us, us,
-                   time_shared=ranks > cores)
+    return Machine("cpu", ranks, free / ranks, calib["gflops"] / 1e3, calib["gbs"], 1.0, gbs,
+                   gbs, us, us, time_shared=ranks > cores, call_us=calib["call_us"],
+                   gemm_short=tuple(calib["short"]))
+
+
+def _mean_seconds(fn, seconds: float) -> float:
+    """fn's mean seconds over as many calls as fill ``seconds`` (after one warm-up): a mean,
+    not a best, so that a shared machine's waits count as they do in a step."""
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while (t := time.perf_counter() - t0) < seconds or n < 3:
+        fn()
+        n += 1
+    return t / n
+
+
+# the products calibrate times, (m, k, n): a linear's of 1024 and 128 rows, and attention's
+# q k^T (k short) and att v (n short) of 2 rows, 8 heads 32 wide, on refmp's strided views
+SHAPES = ((1024, 256, 1024), (128, 256, 1024), (128, 32, 128), (128, 128, 32))
+
+
+def calibrate(seconds: float = 0.1) -> dict:
+    """NumPy's rates in this process, as refmp's step uses them (float32):
+    ``gflops``, the large product's rate (the peak), and ``short`` (hm, hk, hn) from
+    t = 2 m k n / peak (1 + hm/m + hk/k + hn/n) on the others, a side at a time (SHAPES);
+    ``gbs``: refmp's own LayerNorms, GELU and residual adds of a block (two
+    rows of 128 tokens, C 256), forward and backward, as the bytes refmp.cost.model's
+    elementwise_bytes counts for them (n and h terms: 4 (24 n + 5 h)) over their seconds;
+    ``call_us``: one add of 16-element arrays."""
+    from refmp.nn import layers as L  # noqa: PLC0415 (the layers: a calibration only)
+
+    rng = np.random.default_rng(0)
+    y = []
+    qkv = rng.standard_normal((2, 128, 3, 8, 32), np.float32)
+    q, k, v = qkv.transpose(2, 0, 3, 1, 4)  # (2, 8, 128, 32) each, as attention_forward's
+    att = rng.standard_normal((2, 8, 128, 128), np.float32)
+    pairs = [(rng.standard_normal((m, 256), np.float32), rng.standard_normal((256, 1024),
+              np.float32)) for m in (1024, 128)] + [(q, k.transpose(0, 1, 3, 2)), (att, v)]
+    for (m, k, n), (a, b) in zip(SHAPES, pairs, strict=True):
+        y.append(_mean_seconds(lambda a=a, b=b: a @ b, seconds) / (2 * m * k * n * a.size
+                                                                    // (m * k)))
+    inv, m = y[0], SHAPES[1][0]  # the large product's rate is the peak; a side at a time:
+    hm = max(0.0, (y[1] / inv - 1) * m)  # rows, then q k^T's k and att v's n
+    short = [hm] + [max(0.0, (t / inv - 1 - hm / m) * 32) for t in y[2:]]
+    x = rng.standard_normal((2, 128, 256), np.float32)
+    h = rng.standard_normal((2, 128, 1024), np.float32)
+    one, zero = np.ones(256, np.float32), np.zeros(256, np.float32)
+
+    def block():  # a block's elementwise layers, forward and backward (refmp.nn.gpt)
+        for _ in range(2):
+            _, c = L.layernorm_forward(x + x, one, zero)
+            L.layernorm_backward(x + x, c)
+        _, c = L.gelu_forward(h)
+        L.gelu_backward(h, c)
+
+    n_bytes = 4 * (24 * x.size + 5 * h.size)
+    s, t = np.ones(16, np.float32), np.empty(16, np.float32)
+    call = _mean_seconds(lambda: [np.add(s, s, out=t) for _ in range(100)], seconds) / 100
+    return {"gflops": float(1e-9 / inv), "short": short,
+            "gbs": n_bytes / _mean_seconds(block, seconds) / 1e9, "call_us": 1e6 * call}
 
 
 def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, float]:

@@ -13,8 +13,9 @@ Time per step (seconds), per stage: busy = GEMMs + elementwise + tp + cp + ep + 
 the pipeline runs at its slowest stage over (1 - bubble) (the simulator's bubble of the
 schedule), then the exposed dp/ZeRO traffic and the optimizer's pass over its state:
   GEMM (m, k, n): max(2 m k n / (e peak), c (m k + k n + m n) / hbm)   (a roofline, e per
-    machine), in whole waves of sms output tiles on a GPU
+    machine), in whole waves of sms output tiles on a GPU; on a CPU times 1 + hm/m + hk/k + hn/n
   elementwise: elementwise_bytes / hbm per block (each memory-bound kernel, one by one)
+  calls (a CPU): numpy_calls per block and micro-batch, times the machine's call_us
   a collective over n ranks of bytes X (the ledger's convention): all-reduce
     2 (n-1)/n X / bw + 2 (n-1) lat; reduce-scatter, all-gather, all-to-all (n-1)/n X / bw +
     (n-1) lat; send X / bw + lat. bw is intra-node while the group fits in a node (ranks
@@ -105,6 +106,8 @@ def gemm(m: int, k: int, n: int, mach: Machine, c: int, count: int = 1) -> float
     with a GPU's wave quantization: the output is made in tile x tile blocks, sms at a time,
     so the products take whole waves (NVIDIA's "Matrix Multiplication Background" guide)."""
     t = 2 * m * k * n * count / (mach.gemm_efficiency * mach.peak_tflops * 1e12)
+    hm, hk, hn = mach.gemm_short  # a CPU's short products (0 on a GPU)
+    t *= 1 + hm / m + hk / k + hn / n
     if mach.sms:  # 0: no waves (a CPU)
         tiles = count * -(-m // mach.tile) * -(-n // mach.tile)
         t *= -(-tiles // mach.sms) * mach.sms / tiles
@@ -148,6 +151,31 @@ def cp_ledger(lay: Layout, bd: int, Tl: int, C: int, Ls: int, M: int, c: int) ->
         return "alltoall", 2 * k * Ls * bd * Tl * (C // tp) * c, k * Ls * M
     k = 4 if full else 3
     return "send", k * (cp - 1) * Ls * 2 * bd * Tl * (C // tp) * c, k * (cp - 1) * Ls * M
+
+
+def numpy_calls(lay: Layout, moe: bool = False, top_k: int = 2) -> int:
+    """NumPy operations one block runs in one micro-batch, forward and backward, counted by
+    hand from refmp.nn.layers and refmp.nn.gpt (each ufunc, product, einsum, allocation,
+    reshape or indexing a call; tests/test_plan.py holds the serial count):
+      forward 85: two LayerNorms 17 each, four linears 4 each, attention 22, GELU 11, two
+        residual adds;
+      backward 108: four linears 9 each, two LayerNorms 16 each, attention 25, GELU 13,
+        two residual adds;
+      + 12 gradient accumulations (one per parameter) on every micro-batch.
+    A layout adds: tp, 4 collectives a block (2 with full recomputation more), 6 calls each
+    (a buffer, the reduction, a wait, a copy back); cp's ring, 10 calls a step of the cp
+    steps forward and 16 backward; Ulysses, 4 all-to-alls of 8 calls; an MoE block, a
+    router and dispatch of 40 calls and 20 per expert visit (top_k) forward and backward;
+    full recomputation, the forward again; selective, the softmax again (7)."""
+    fwd, bwd = 85, 108 + 12
+    if lay.tp > 1:
+        fwd, bwd = fwd + 12, bwd + 12
+    if lay.cp > 1:
+        fwd += 32 if lay.cp_algo == "ulysses" else 10 * lay.cp
+        bwd += 32 if lay.cp_algo == "ulysses" else 16 * lay.cp
+    if moe:
+        fwd, bwd = fwd + 40 + 20 * top_k, bwd + 40 + 20 * top_k
+    return fwd + bwd + {"none": 0, "selective": 7, "full": fwd}[lay.recompute]
 
 
 @dataclass(frozen=True)
@@ -215,6 +243,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         again = {"none": 0.0, "selective": Ls * scores, "full": fwd}[lay.recompute]
         comp = M * (3 * fwd + again + (3 * head if last else 0))
         t_elem = M * (Ls * elem + (head_elem if last else 0))
+        t_calls = M * mach.call_us * 1e-6 * sum(
+            numpy_calls(lay, mcfg.is_moe(i), K) for i in stage_blocks)
         # tp: the ledger's collectives; full recomputation runs the forward's again (2 per
         # block: all-reduces, or with SP all-gathers and reduce-scatters)
         tpb = comm_bytes_per_step(bd, Tl, C, Ls, lay.sequence_parallel, c)
@@ -270,9 +300,10 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         # AdamW: reads masters, two moments and the gradient, writes them and the compute
         # copy, and the clipping norm reads the gradient again (w = 4; c = g)
         t_opt = (24 + 3 * c if lay.mixed_precision != "none" else 32) * owned / hbm
-        stages.append({"compute": comp, "elementwise": t_elem, "tp": t_tp, "cp": t_cp,
-                       "ep": t_ep, "pp": t_pp, "dp": t_dp, "optimizer": t_opt})
-    busy = [sum(s[k] for k in ("compute", "elementwise", "tp", "cp", "ep", "pp")) for s in stages]
+        stages.append({"compute": comp, "elementwise": t_elem, "calls": t_calls, "tp": t_tp,
+                       "cp": t_cp, "ep": t_ep, "pp": t_pp, "dp": t_dp, "optimizer": t_opt})
+    busy = [sum(s[k] for k in ("compute", "elementwise", "calls", "tp", "cp", "ep", "pp"))
+            for s in stages]
     slow = max(range(pp), key=lambda r: busy[r] + stages[r]["dp"] + stages[r]["optimizer"])
     frac = 0.0 if mach.time_shared else bubble(lay.schedule, pp, M, v)
     t = dict(stages[slow])
