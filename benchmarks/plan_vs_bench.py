@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
            "rounds": args.rounds, "calibration": calib, "spearman": rho,
            "load": [min(loads), statistics.median(loads), max(loads)],
            "layouts": [{"layout": n, "plan_ms": plan_ms[n], "bench_ms": bench_ms[n],
-                        "ratio": plan_ms[n] / bench_ms[n], "plan_runs_ms": plans[n],
+                        "ratio": plan_ms[n] / bench_ms[n], "round_ratios": [
+                            a / b for a, b in zip(plans[n], runs[n], strict=True)],
+                        "plan_runs_ms": plans[n],
                         "bench_runs_ms": runs[n]} for n in names]}
     if args.json:
         print(json.dumps(out))

@@ -15,10 +15,11 @@ import numpy as np
 from refmp.config import TrainConfig, flag_name
 from refmp.cost.machines import MACHINES, MODELS, Machine
 from refmp.cost.memory import size
-from refmp.cost.model import IMPLS, SEARCHED, Layout, parallel_fields
+from refmp.cost.model import IMPLS, SEARCHED, Layout, elementwise_bytes, gemm, parallel_fields
 from refmp.cost.search import search, table
 from refmp.errors import ConfigError
-from refmp.nn.params import GPTConfig
+from refmp.nn import gpt
+from refmp.nn.params import GPTConfig, init_params
 from refmp.runtime import cpu
 from refmp.training.checks import available_memory
 
@@ -128,12 +129,10 @@ def calibrate(seconds: float = 0.1) -> dict:
     """NumPy's rates in this process, as refmp's step uses them (float32):
     ``gflops``, the large product's rate (the peak), and ``short`` (hm, hk, hn) from
     t = 2 m k n / peak (1 + hm/m + hk/k + hn/n) on the others, a side at a time (SHAPES);
-    ``gbs``: refmp's own LayerNorms, GELU and residual adds of a block (two
-    rows of 128 tokens, C 256), forward and backward, as the bytes refmp.cost.model's
-    elementwise_bytes counts for them (n and h terms: 4 (24 n + 5 h)) over their seconds;
+    ``gbs``: elementwise_bytes of refmp's own block (4 rows of 128 tokens, C 256, 8 heads),
+    forward and backward, over its seconds less its products' (at those rates: the block's
+    time is the model's, and the layouts' differences are the model's to predict);
     ``call_us``: one add of 16-element arrays."""
-    from refmp.nn import layers as L  # noqa: PLC0415 (the layers: a calibration only)
-
     rng = np.random.default_rng(0)
     y = []
     qkv = rng.standard_normal((2, 128, 3, 8, 32), np.float32)
@@ -147,22 +146,23 @@ def calibrate(seconds: float = 0.1) -> dict:
     inv, m = y[0], SHAPES[1][0]  # the large product's rate is the peak; a side at a time:
     hm = max(0.0, (y[1] / inv - 1) * m)  # rows, then q k^T's k and att v's n
     short = [hm] + [max(0.0, (t / inv - 1 - hm / m) * 32) for t in y[2:]]
-    x = rng.standard_normal((2, 128, 256), np.float32)
-    h = rng.standard_normal((2, 128, 1024), np.float32)
-    one, zero = np.ones(256, np.float32), np.zeros(256, np.float32)
+    b, T, C, NH = 4, 128, 256, 8  # a block of refmp bench's small preset, 4 rows
+    p = {k[4:]: v for k, v in init_params(GPTConfig(32, T, 1, NH, C), 0).items() if "h.0." in k}
+    x = rng.standard_normal((b, T, C), np.float32)
 
-    def block():  # a block's elementwise layers, forward and backward (refmp.nn.gpt)
-        for _ in range(2):
-            _, c = L.layernorm_forward(x + x, one, zero)
-            L.layernorm_backward(x + x, c)
-        _, c = L.gelu_forward(h)
-        L.gelu_backward(h, c)
+    def block():  # refmp's own block, forward and backward (refmp.nn.gpt)
+        y, cache = gpt.block_forward(p, x, gpt.Ops(NH))
+        gpt.block_backward(y, cache, gpt.Ops(NH))
 
-    n_bytes = 4 * (24 * x.size + 5 * h.size)
+    mach = Machine("fit", 1, 1, 1e-9 / inv, 1e9, 1.0, 1, 1, gemm_short=tuple(short))
+    gemms = 3 * (gemm(b * T, C, 3 * C, mach, 4) + gemm(b * T, C, C, mach, 4)  # the linears
+                 + 2 * gemm(b * T, C, 4 * C, mach, 4) + 2 * gemm(T, C // NH, T, mach, 4, b * NH))
+    rest = max(_mean_seconds(block, 3 * seconds) - gemms, 0.1 * gemms)
     s, t = np.ones(16, np.float32), np.empty(16, np.float32)
     call = _mean_seconds(lambda: [np.add(s, s, out=t) for _ in range(100)], seconds) / 100
     return {"gflops": float(1e-9 / inv), "short": short,
-            "gbs": n_bytes / _mean_seconds(block, seconds) / 1e9, "call_us": 1e6 * call}
+            "gbs": elementwise_bytes(b, T, T, C, NH, 1, False, "none", False, 4) / rest / 1e9,
+            "call_us": 1e6 * call}
 
 
 def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, float]:
