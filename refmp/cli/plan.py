@@ -154,7 +154,7 @@ def calibrate(seconds: float = 0.1) -> dict:
         y, cache = gpt.block_forward(p, x, gpt.Ops(NH))
         gpt.block_backward(y, cache, gpt.Ops(NH))
 
-    mach = Machine("fit", 1, 1, 1e-9 / inv, 1e9, 1.0, 1, 1, gemm_short=tuple(short))
+    mach = Machine("fit", 1, 1, 1e-12 / inv, 1e9, 1.0, 1, 1, gemm_short=tuple(short))  # TFLOP/s
     gemms = 3 * (gemm(b * T, C, 3 * C, mach, 4) + gemm(b * T, C, C, mach, 4)  # the linears
                  + 2 * gemm(b * T, C, 4 * C, mach, 4) + 2 * gemm(T, C // NH, T, mach, 4, b * NH))
     rest = max(_mean_seconds(block, 3 * seconds) - gemms, 0.1 * gemms)
