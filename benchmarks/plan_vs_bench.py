@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"calibrated before each run (medians: {calib['gflops']:.1f} GFLOP/s and "
               f"{calib['gbs']:.2g} GB/s a rank, short sides (m, k, n) 1 + "
               f"{' + '.join(f'{h:.0f}/{d}' for h, d in zip(calib['short'], 'mkn', strict=True))}, "
-              f"{calib['call_us']:.2g} us a call); load {out['load'][0]:.1f}-"
+              f"{calib['call_us']:.2g} us a call, {calib['stream_gbs']:.2g} GB/s streaming); "
+              f"load {out['load'][0]:.1f}-"
               f"{out['load'][2]:.1f} (median {out['load'][1]:.1f})")
         print(f"{'layout':>10} {'plan ms':>9} {'bench ms':>9} {'plan/bench':>10}")
         for n in sorted(names, key=bench_ms.get):

@@ -391,17 +391,20 @@ def test_cpu_machine_terms_scale_the_step_as_their_formulas_say():
     short = replace(cpu_m, gemm_short=(16.0, 32.0, 64.0))
     assert model.gemm(128, 256, 1024, short, 4) == pytest.approx(
         base * (1 + 16 / 128 + 32 / 256 + 64 / 1024))
-    calib = {"gflops": 50.0, "gbs": 6.0, "call_us": 0.5, "short": [20.0, 30.0, 2.0]}
+    calib = {"gflops": 50.0, "gbs": 6.0, "call_us": 0.5, "short": [20.0, 30.0, 2.0],
+             "stream_gbs": 7.0}
     mach = plan_cli.cpu_machine(2, (4.0, 3.0), calib)
-    assert (mach.peak_tflops, mach.hbm_gbs, mach.call_us, mach.gemm_short) == (
-        0.05, 6.0, 0.5, (20.0, 30.0, 2.0))
+    assert (mach.peak_tflops, mach.hbm_gbs, mach.call_us, mach.gemm_short, mach.stream_gbs) == (
+        0.05, 6.0, 0.5, (20.0, 30.0, 2.0), 7.0)
+    opt = model.predict(lay, mcfg, 8, replace(cpu_m, stream_gbs=2.0))["seconds"]["optimizer"]
+    assert opt == pytest.approx(32 * 3_257_856 / 2e9, rel=0.05)  # AdamW's 32 bytes a weight
     assert (mach.intra_node_gbs, mach.intra_latency_us) == (4.0, 3.0)
 
 
 def test_calibrate_measures_positive_rates():
     """A short calibration: every rate positive and finite, the slowdowns not negative."""
     c = plan_cli.calibrate(0.005)
-    assert c["gflops"] > 0 and c["gbs"] > 0 and 0 < c["call_us"] < 1e4
+    assert c["gflops"] > 0 and c["gbs"] > 0 and c["stream_gbs"] > 0 and 0 < c["call_us"] < 1e4
     assert len(c["short"]) == 3 and all(h >= 0 for h in c["short"])
     assert np.isfinite([c["gflops"], c["gbs"], c["call_us"], *c["short"]]).all()
 

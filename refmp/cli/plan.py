@@ -101,12 +101,12 @@ def cpu_machine(ranks: int, links: tuple[float, float] | None = None,
     if calib is None:
         calib = calibrate()
         share = cores / ranks / max(1, min(cpu.threads(), cores))
-        calib = {**calib, "gflops": calib["gflops"] * share, "gbs": calib["gbs"] * share}
+        calib = {**calib, **{k: calib[k] * share for k in ("gflops", "gbs", "stream_gbs")}}
     free = available_memory("cpu")[0] / 1e9
     gbs, us = links or (5.0, 2.0)
     return Machine("cpu", ranks, free / ranks, calib["gflops"] / 1e3, calib["gbs"], 1.0, gbs,
                    gbs, us, us, time_shared=ranks > cores, call_us=calib["call_us"],
-                   gemm_short=tuple(calib["short"]))
+                   gemm_short=tuple(calib["short"]), stream_gbs=calib["stream_gbs"])
 
 
 def _mean_seconds(fn, seconds: float) -> float:
@@ -132,6 +132,8 @@ def calibrate(seconds: float = 0.1) -> dict:
     ``gbs``: elementwise_bytes of refmp's own block (4 rows of 128 tokens, C 256, 8 heads),
     forward and backward, over its seconds less its products' (at those rates: the block's
     time is the model's, and the layouts' differences are the model's to predict);
+    ``stream_gbs``: a product and an add in place on 1M elements (24 bytes each; the
+    optimizer's passes);
     ``call_us``: one add of 16-element arrays."""
     rng = np.random.default_rng(0)
     y = []
@@ -158,11 +160,13 @@ def calibrate(seconds: float = 0.1) -> dict:
     gemms = 3 * (gemm(b * T, C, 3 * C, mach, 4) + gemm(b * T, C, C, mach, 4)  # the linears
                  + 2 * gemm(b * T, C, 4 * C, mach, 4) + 2 * gemm(T, C // NH, T, mach, 4, b * NH))
     rest = max(_mean_seconds(block, 3 * seconds) - gemms, 0.1 * gemms)
+    u, w, o = (rng.standard_normal(1 << 20, np.float32) for _ in range(3))
+    stream = _mean_seconds(lambda: (np.multiply(u, w, out=o), np.add(o, u, out=o)), seconds)
     s, t = np.ones(16, np.float32), np.empty(16, np.float32)
     call = _mean_seconds(lambda: [np.add(s, s, out=t) for _ in range(100)], seconds) / 100
     return {"gflops": float(1e-9 / inv), "short": short,
             "gbs": elementwise_bytes(b, T, T, C, NH, 1, False, "none", False, 4) / rest / 1e9,
-            "call_us": 1e6 * call}
+            "stream_gbs": 24 * u.size / stream / 1e9, "call_us": 1e6 * call}
 
 
 def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, float]:

@@ -37,6 +37,7 @@ class Machine:
     # a CPU's NumPy: each operation's fixed cost (refmp.cost.model.numpy_calls), and a short
     # product's slowdown, 1 + hm / m + hk / k + hn / n for (m, k) @ (k, n) (refmp.cost.model.gemm)
     call_us: float = 0.0
+    stream_gbs: float = 0.0  # a plain streaming pass (the optimizer's); 0: hbm_gbs
     gemm_short: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 

@@ -295,7 +295,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         owned = sum(units.values()) / (n if lay.zero else 1)
         # AdamW: reads masters, two moments and the gradient, writes them and the compute
         # copy, and the clipping norm reads the gradient again (w = 4; c = g)
-        t_opt = (24 + 3 * c if lay.mixed_precision != "none" else 32) * owned / hbm
+        t_opt = ((24 + 3 * c if lay.mixed_precision != "none" else 32) * owned
+                 / (mach.stream_gbs * 1e9 or hbm))
         stages.append({"compute": comp, "elementwise": t_elem, "calls": t_calls, "tp": t_tp,
                        "cp": t_cp, "ep": t_ep, "pp": t_pp, "dp": t_dp, "optimizer": t_opt})
     busy = [sum(s[k] for k in ("compute", "elementwise", "calls", "tp", "cp", "ep", "pp"))
