@@ -177,13 +177,16 @@ def test_the_cost_model_is_pure():
 
 def test_time_shared_cores_make_the_bubble_free_and_ranks_share_the_peak():
     """More ranks than cores: a waiting rank's core runs another rank, so a pipeline's bubble
-    costs nothing; and each rank gets its share of the measured peak."""
+    costs nothing and the step is the mean stage's; and each rank gets its share of the
+    measured peak."""
     mcfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=256)
     lay = Layout(pp=4)
     own = model.predict(lay, mcfg, 8, MACHINE)
     shared = model.predict(lay, mcfg, 8, replace(MACHINE, time_shared=True))
     assert own["seconds"]["bubble"] > 0 and shared["seconds"]["bubble"] == 0
-    assert shared["step_seconds"] == pytest.approx(own["step_seconds"] - own["seconds"]["bubble"])
+    # and a stage's idle share runs the others: the mean stage, below the slowest (the head's)
+    busy = own["step_seconds"] - own["seconds"]["bubble"]
+    assert 0.5 * busy < shared["step_seconds"] < busy
     cores = cpu.cores()
     assert plan_cli.cpu_machine(cores).time_shared is False
     assert plan_cli.cpu_machine(2 * cores).time_shared is True

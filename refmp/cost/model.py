@@ -304,8 +304,10 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     slow = max(range(pp), key=lambda r: busy[r] + stages[r]["dp"] + stages[r]["optimizer"])
     frac = 0.0 if mach.time_shared else bubble(lay.schedule, pp, M, v)
     t = dict(stages[slow])
+    if mach.time_shared:  # a stage's idle share of the cores runs the others: the mean stage
+        t = {k: sum(st[k] for st in stages) / pp for k in t}
     t["bubble"] = busy[slow] * frac / (1 - frac)
-    step = busy[slow] + t["bubble"] + t["dp"] + t["optimizer"]
+    step = sum(t[k] for k in t if k != "bubble") + t["bubble"]
     tokens, gpus = batch * T, tp * pp * dp * cp
     flops = model_flops_per_step(active_params(mcfg), L, T, C, tokens)
     n_blocks = active_params(mcfg) - V * C
