@@ -6,9 +6,11 @@ the plan for this host (--machine cpu: its GEMM peak, free memory and MPI links,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from dataclasses import fields, replace
+from functools import partial
 
 import numpy as np
 
@@ -92,16 +94,20 @@ def cpu_machine(ranks: int, links: tuple[float, float] | None = None,
     and 2 us (assumed: ``refmp plan`` runs without MPI).
 
     ``calib``: calibrate's dict as a rank of the run measured it, beside the other ranks
-    (benchmarks/plan_vs_bench.py); else measured now in this process, with its
-    refmp.runtime.cpu.threads() threads, and a rank gets its share of the cores, cores /
-    ranks of them (under mpiexec refmp gives each rank that many threads, at least one: 4
-    ranks on 2 cores get half a core each).
+    (benchmarks/plan_vs_bench.py); else measured now in this process (BLAS on one thread
+    where a rank would have at most one core; the block's rows in refmp.runtime.cpu.threads()
+    threads), and a rank gets its share of the cores, cores / ranks of them (under mpiexec
+    refmp gives each rank that many threads, at least one: 4 ranks on 2 cores get half a
+    core each).
     """
     cores = cpu.cores()
-    if calib is None:
-        calib = calibrate()
-        share = cores / ranks / max(1, min(cpu.threads(), cores))
-        calib = {**calib, **{k: calib[k] * share for k in ("gflops", "gbs", "stream_gbs")}}
+    if calib is None:  # this process's rates: a rank of a run gets cores / ranks of them
+        one = cores // ranks <= 1  # its BLAS on one thread, as such a rank runs it
+        with cpu.one_blas_thread(1, 1, 1) if one else contextlib.nullcontext():
+            calib = calibrate()
+        t = max(1, min(cpu.threads(), cores))  # the block's rows ran in t threads
+        share = {"gflops": 1 if one else t, "gbs": t, "stream_gbs": 1}
+        calib = {**calib, **{k: calib[k] * cores / ranks / d for k, d in share.items()}}
     free = available_memory("cpu")[0] / 1e9
     gbs, us = links or (5.0, 2.0)
     return Machine("cpu", ranks, free / ranks, calib["gflops"] / 1e3, calib["gbs"], 1.0, gbs,
@@ -142,9 +148,14 @@ def calibrate(seconds: float = 0.1) -> dict:
     att = rng.standard_normal((2, 8, 128, 128), np.float32)
     pairs = [(rng.standard_normal((m, 256), np.float32), rng.standard_normal((256, 1024),
               np.float32)) for m in (1024, 128)] + [(q, k.transpose(0, 1, 3, 2)), (att, v)]
-    for (m, k, n), (a, b) in zip(SHAPES, pairs, strict=True):
-        y.append(_mean_seconds(lambda a=a, b=b: a @ b, seconds) / (2 * m * k * n * a.size
-                                                                    // (m * k)))
+    def product(a, b, out):  # attention's as refmp runs them: rows in threads, BLAS on one
+        with cpu.one_blas_thread(*out.shape[-2:], a.shape[-1], a):
+            cpu.rows(lambda a, b, out: np.matmul(a, b, out=out), a, b, out)
+
+    for i, ((m, k, n), (a, b)) in enumerate(zip(SHAPES, pairs, strict=True)):
+        out = np.empty(a.shape[:-1] + b.shape[-1:], np.float32)
+        run = partial(product, a, b, out) if i > 1 else partial(np.matmul, a, b, out=out)
+        y.append(_mean_seconds(run, seconds) / (2 * m * k * n * a.size // (m * k)))
     inv, m = y[0], SHAPES[1][0]  # the large product's rate is the peak; a side at a time:
     hm = max(0.0, (y[1] / inv - 1) * m)  # rows, then q k^T's k and att v's n
     short = [hm] + [max(0.0, (t / inv - 1 - hm / m) * 32) for t in y[2:]]
