@@ -224,6 +224,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     f_moe = f_block + (K - 1) * f_mlp + (gemm(m, C, E, mach, c) if E else 0.0)
     elem = elementwise_bytes(b, Tl, T, C, NH, tp, lay.sequence_parallel, lay.recompute,
                              impl.dropout, c) / hbm
+    # an MoE block: GELU on K rows a token (5 h each), the dispatch's gather and combine (4 n K)
+    moe_elem = (K - 1) * 5 * c * 4 * m * C // tp / hbm + 4 * K * c * m * C / hbm if E else 0.0
     Vl = -(-V // tp)
     head = gemm(m, C, Vl, mach, c)
     head_elem = 5 * 4 * m * Vl / hbm  # the loss in fp32: max, exp and sum, gradient, read twice
@@ -238,7 +240,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         # selective: refmp recomputes q k^T for the softmax (flops.recompute_flops_per_step)
         again = {"none": 0.0, "selective": Ls * scores, "full": fwd}[lay.recompute]
         comp = M * (3 * fwd + again + (3 * head if last else 0))
-        t_elem = M * (Ls * elem + (head_elem if last else 0))
+        t_elem = M * (Ls * elem + n_moe * moe_elem + (head_elem if last else 0))
         t_calls = M * mach.call_us * 1e-6 * sum(
             numpy_calls(lay, mcfg.is_moe(i), K) for i in stage_blocks)
         # tp: the ledger's collectives; full recomputation runs the forward's again (2 per
