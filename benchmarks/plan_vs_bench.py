@@ -1,15 +1,16 @@
-"""Does the plan rank layouts as this machine runs them? Predicted (refmp plan, --machine cpu)
-against measured (refmp bench) step times of 4-rank layouts, and their Spearman correlation.
+"""Does the plan predict this machine's steps? Predicted (refmp plan, --machine cpu) against
+measured (refmp bench) step times: 4-rank layouts ranked (their Spearman correlation), and
+with --ranks 2 the 2-rank layouts' times (the ratio plan / bench of each).
 
-For each layout: the plan's step_seconds on this host (refmp.cli.plan.cpu_machine: its
-measured fp32 GEMM peak per core, and MPI's bandwidth and latency measured on 4 ranks by
-measure_links,
-or with --assumed-links 5 GB/s and 2 us), and the median ms_per_step
-of ``mpiexec -n 4 python -m refmp bench --preset P <layout> --json`` over --rounds rounds.
-The rounds interleave the layouts (each round runs every layout once, in a rotated order), so
-that a slow spell of a shared machine falls on all of them rather than on one.
+Each round runs every layout once, in a rotated order, and before each layout's bench run a
+calibration on as many ranks as the layout has (refmp.cli.plan.calibrate on every rank at
+once, and MPI's bandwidth and latency by measure_links, or with --assumed-links 5 GB/s and
+2 us): so a slow spell of a shared machine falls on the calibration and the run alike. The
+plan of a round is refmp.cli.plan.cpu_machine on that round's calibration (the slowest
+rank's); the table is the medians over rounds of the plan and of bench's median
+ms_per_step, with the load average (os.getloadavg) beside them.
 
-Run (a quiet machine, a few minutes):  python benchmarks/plan_vs_bench.py
+Run (a few minutes):  flock /tmp/refmp-bench.lock python benchmarks/plan_vs_bench.py --ranks 2
 A smoke run:  python benchmarks/plan_vs_bench.py --preset tiny --steps 2 --warmup 0 --rounds 1
               --layouts dp4,tp2xdp2
 """
@@ -25,14 +26,22 @@ import sys
 
 from refmp.cli.bench import PRESETS
 from refmp.cli.plan import cpu_machine
-from refmp.cost.machines import Machine
 from refmp.cost.model import Layout, predict
 from refmp.nn.params import GPTConfig
 
-# name: (tp, pp, dp, cp, micro-batches); 4 ranks each
-LAYOUTS = {"dp4": (1, 1, 4, 1, 1), "tp2xdp2": (2, 1, 2, 1, 1), "pp2xdp2": (1, 2, 2, 1, 2),
-           "tp4": (4, 1, 1, 1, 1), "pp4": (1, 4, 1, 1, 4), "cp2xdp2": (1, 1, 2, 2, 1),
-           "tp2xpp2": (2, 2, 1, 1, 2)}
+# name: the layout's bench flags (micro-batches M; n_expert: an MoE model, its blocks all
+# MoE, top-2); the ranks are tp pp dp cp
+LAYOUTS = {
+    4: {"dp4": dict(dp=4), "tp2xdp2": dict(tp=2, dp=2), "pp2xdp2": dict(pp=2, dp=2, M=2),
+        "tp4": dict(tp=4), "pp4": dict(pp=4, M=4), "cp2xdp2": dict(cp=2, dp=2),
+        "tp2xpp2": dict(tp=2, pp=2, M=2)},
+    2: {"serial": {}, "dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2, M=4),
+        "cp2": dict(cp=2), "ep2": dict(dp=2, ep=2, n_expert=2), "zero3": dict(dp=2, zero=3)},
+}
+
+
+def world(lay: dict) -> int:
+    return lay.get("tp", 1) * lay.get("pp", 1) * lay.get("dp", 1) * lay.get("cp", 1)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -57,35 +66,38 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (va * vb) ** 0.5 if va and vb else float("nan")
 
 
-def predicted(name: str, spec: dict, mach: Machine) -> float:
-    tp, pp, dp, cp, M = LAYOUTS[name]
+def predicted(lay: dict, spec: dict, calib: dict, links) -> float:
+    """The plan's step seconds of ``lay`` on a machine calibrated by ``calib`` and ``links``."""
     mcfg = GPTConfig(n_layer=spec["n_layer"], n_embd=spec["n_embd"], n_head=spec["n_head"],
-                     vocab_size=spec["vocab"], block_size=spec["block_size"])
-    B = spec["batch_size"]
-    lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, mixed_precision="none",
-                 microbatch_size=B // (dp * M))
-    return predict(lay, mcfg, B, mach)["step_seconds"]
+                     vocab_size=spec["vocab"], block_size=spec["block_size"],
+                     n_expert=lay.get("n_expert", 0), moe_every=1)
+    B, dp, M = spec["batch_size"], lay.get("dp", 1), lay.get("M", 1)
+    mine = {k: v for k, v in lay.items() if k not in ("M", "n_expert")}
+    layout = Layout(**mine, mixed_precision="none", microbatch_size=B // (dp * M))
+    return predict(layout, mcfg, B, cpu_machine(world(lay), links, calib))["step_seconds"]
 
 
-PROBE = ("import json; from mpi4py import MPI; from refmp.cli.plan import measure_links; "
-         "r = measure_links(MPI.COMM_WORLD); MPI.COMM_WORLD.rank or print(json.dumps(r))")
+PROBE = ("import json; from mpi4py import MPI; from refmp.cli.plan import calibrate, "
+         "measure_links; c = MPI.COMM_WORLD; l = measure_links(c); r = c.gather(calibrate()); "
+         "c.rank or print(json.dumps([l, min(r, key=lambda x: x['gflops'])]))")  # the slowest
 
 
-def mpiexec(args: list[str]) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    r = subprocess.run(["mpiexec", "-n", "4", sys.executable, *args], capture_output=True,
+def mpiexec(n: int, args: list[str]) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"} if n > 1 else \
+        dict(os.environ)  # one rank: refmp's threads on every core, as bench runs it
+    r = subprocess.run(["mpiexec", "-n", str(n), sys.executable, *args], capture_output=True,
                        text=True, env=env, timeout=600)
     if r.returncode:
         raise SystemExit(f"{' '.join(args[:4])} failed ({r.returncode}):\n{r.stderr[-2000:]}")
     return r.stdout.strip().splitlines()[-1]
 
 
-def measured(name: str, args) -> float:
+def measured(lay: dict, args) -> float:
     """One refmp bench run of the layout under mpiexec: its median ms per step."""
-    tp, pp, dp, cp, M = LAYOUTS[name]
-    out = mpiexec(["-m", "refmp", "bench", "--preset", args.preset, "--tp", str(tp), "--pp",
-                   str(pp), "--dp", str(dp), "--cp", str(cp), "--microbatches", str(M),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--json"])
+    flags = [x for k, v in lay.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    flags = [{"--M": "--microbatches"}.get(f, f) for f in flags]
+    out = mpiexec(world(lay), ["-m", "refmp", "bench", "--preset", args.preset, *flags,
+                               "--steps", str(args.steps), "--warmup", str(args.warmup), "--json"])
     return json.loads(out)["ms_per_step"]
 
 
@@ -95,41 +107,57 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=10, help="timed steps per bench run (10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per bench run (2)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
-    p.add_argument("--layouts", default=",".join(LAYOUTS),
-                   help=f"comma-separated, of {', '.join(LAYOUTS)} (all)")
+    p.add_argument("--ranks", type=int, choices=sorted(LAYOUTS), default=4,
+                   help="the layout set: 4 (ranked, Spearman) or 2 (timed, plan / bench)")
+    p.add_argument("--layouts", default=None, help="comma-separated, of the set's (all)")
     p.add_argument("--assumed-links", action="store_true",
                    help="plan with 5 GB/s and 2 us instead of measuring MPI's links")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    names = args.layouts.split(",")
-    bad = [n for n in names if n not in LAYOUTS]
+    table = LAYOUTS[args.ranks]
+    names = args.layouts.split(",") if args.layouts else list(table)
+    bad = [n for n in names if n not in table]
     if bad:
-        p.error(f"unknown layout(s) {', '.join(bad)}: choose from {', '.join(LAYOUTS)}")
+        p.error(f"unknown layout(s) {', '.join(bad)}: choose from {', '.join(table)}")
     spec = PRESETS[args.preset]
-    links = None if args.assumed_links else tuple(json.loads(mpiexec(["-c", PROBE])))
-    mach = cpu_machine(4, links)
-    plan_ms = {n: 1e3 * predicted(n, spec, mach) for n in names}
+    plans: dict[str, list[float]] = {n: [] for n in names}
     runs: dict[str, list[float]] = {n: [] for n in names}
+    cals, loads = [], []
     for r in range(args.rounds):  # each round every layout once, the order rotated
         for n in names[r % len(names):] + names[:r % len(names)]:
-            runs[n].append(measured(n, args))
+            links, calib = json.loads(mpiexec(world(table[n]), ["-c", PROBE]))
+            links = None if args.assumed_links else tuple(links)
+            plans[n].append(1e3 * predicted(table[n], spec, calib, links))
+            runs[n].append(measured(table[n], args))
+            cals.append(calib)
+            loads.append(os.getloadavg()[0])
+    plan_ms = {n: statistics.median(v) for n, v in plans.items()}
     bench_ms = {n: statistics.median(v) for n, v in runs.items()}
     rho = spearman([plan_ms[n] for n in names], [bench_ms[n] for n in names])
-    out = {"preset": args.preset, "steps": args.steps, "rounds": args.rounds,
-           "peak_gflops_per_rank": 1e3 * mach.peak_tflops, "link_gbs": mach.intra_node_gbs,
-           "link_latency_us": mach.intra_latency_us, "spearman": rho,
+    calib = {k: statistics.median(c[k] for c in cals) for k in cals[0] if k != "short"}
+    calib["short"] = [statistics.median(c["short"][i] for c in cals) for i in range(3)]
+    out = {"preset": args.preset, "ranks": args.ranks, "steps": args.steps,
+           "rounds": args.rounds, "calibration": calib, "spearman": rho,
+           "load": [min(loads), statistics.median(loads), max(loads)],
            "layouts": [{"layout": n, "plan_ms": plan_ms[n], "bench_ms": bench_ms[n],
+                        "ratio": plan_ms[n] / bench_ms[n], "round_ratios": [
+                            a / b for a, b in zip(plans[n], runs[n], strict=True)],
+                        "plan_runs_ms": plans[n],
                         "bench_runs_ms": runs[n]} for n in names]}
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"preset {args.preset}, 4 ranks; bench: median of {args.rounds} interleaved "
-              f"round(s) of {args.steps} steps; plan: --machine cpu "
-              f"({1e3 * mach.peak_tflops:.1f} GFLOP/s per rank, MPI {mach.intra_node_gbs:.2g} "
-              f"GB/s and {mach.intra_latency_us:.3g} us, {'assumed' if links is None else 'measured'})")
-        print(f"{'layout':>10} {'plan ms':>9} {'bench ms':>9}")
+        print(f"preset {args.preset}, {args.ranks}-rank layouts; bench: median of "
+              f"{args.rounds} interleaved round(s) of {args.steps} steps; plan: --machine cpu "
+              f"calibrated before each run (medians: {calib['gflops']:.1f} GFLOP/s and "
+              f"{calib['gbs']:.2g} GB/s a rank, short sides (m, k, n) 1 + "
+              f"{' + '.join(f'{h:.0f}/{d}' for h, d in zip(calib['short'], 'mkn', strict=True))}, "
+              f"{calib['call_us']:.2g} us a call, {calib['stream_gbs']:.2g} GB/s streaming); "
+              f"load {out['load'][0]:.1f}-"
+              f"{out['load'][2]:.1f} (median {out['load'][1]:.1f})")
+        print(f"{'layout':>10} {'plan ms':>9} {'bench ms':>9} {'plan/bench':>10}")
         for n in sorted(names, key=bench_ms.get):
-            print(f"{n:>10} {plan_ms[n]:>9.2f} {bench_ms[n]:>9.2f}")
+            print(f"{n:>10} {plan_ms[n]:>9.1f} {bench_ms[n]:>9.1f} {plan_ms[n] / bench_ms[n]:>10.2f}")
         print(f"Spearman rank correlation: {rho:+.2f} over {len(names)} layouts")
     return out
 

@@ -13,8 +13,9 @@ Time per step (seconds), per stage: busy = GEMMs + elementwise + tp + cp + ep + 
 the pipeline runs at its slowest stage over (1 - bubble) (the simulator's bubble of the
 schedule), then the exposed dp/ZeRO traffic and the optimizer's pass over its state:
   GEMM (m, k, n): max(2 m k n / (e peak), c (m k + k n + m n) / hbm)   (a roofline, e per
-    machine), in whole waves of sms output tiles on a GPU
+    machine), in whole waves of sms output tiles on a GPU; on a CPU times 1 + hm/m + hk/k + hn/n
   elementwise: elementwise_bytes / hbm per block (each memory-bound kernel, one by one)
+  calls (a CPU): numpy_calls per block and micro-batch, times the machine's call_us
   a collective over n ranks of bytes X (the ledger's convention): all-reduce
     2 (n-1)/n X / bw + 2 (n-1) lat; reduce-scatter, all-gather, all-to-all (n-1)/n X / bw +
     (n-1) lat; send X / bw + lat. bw is intra-node while the group fits in a node (ranks
@@ -105,6 +106,8 @@ def gemm(m: int, k: int, n: int, mach: Machine, c: int, count: int = 1) -> float
     with a GPU's wave quantization: the output is made in tile x tile blocks, sms at a time,
     so the products take whole waves (NVIDIA's "Matrix Multiplication Background" guide)."""
     t = 2 * m * k * n * count / (mach.gemm_efficiency * mach.peak_tflops * 1e12)
+    hm, hk, hn = mach.gemm_short  # a CPU's short products (0 on a GPU)
+    t *= 1 + hm / m + hk / k + hn / n
     if mach.sms:  # 0: no waves (a CPU)
         tiles = count * -(-m // mach.tile) * -(-n // mach.tile)
         t *= -(-tiles // mach.sms) * mach.sms / tiles
@@ -148,6 +151,27 @@ def cp_ledger(lay: Layout, bd: int, Tl: int, C: int, Ls: int, M: int, c: int) ->
         return "alltoall", 2 * k * Ls * bd * Tl * (C // tp) * c, k * Ls * M
     k = 4 if full else 3
     return "send", k * (cp - 1) * Ls * 2 * bd * Tl * (C // tp) * c, k * (cp - 1) * Ls * M
+
+
+def numpy_calls(lay: Layout, moe: bool = False, top_k: int = 2) -> int:
+    """NumPy operations one block runs in one micro-batch, forward and backward: ufuncs
+    (operators and reductions among them), array functions, reshapes, transposes and
+    indexing, as tests/test_plan.py counts them on a serial block (refmp.nn.gpt): 61
+    forward, 84 backward, and 12 gradient accumulations (one a parameter). A layout adds
+    (estimated, not counted): tp, 4 collectives a block of 6 calls (a buffer, the
+    reduction, a wait, a copy back); cp's ring, 10 calls a step of its cp steps forward
+    and 16 backward; Ulysses, 4 all-to-alls of 8; an MoE block, a router and dispatch of
+    40 calls and 20 an expert visit (top_k) each way; full recomputation, the forward
+    again; selective, the softmax again (7)."""
+    fwd, bwd = 61, 84 + 12
+    if lay.tp > 1:
+        fwd, bwd = fwd + 12, bwd + 12
+    if lay.cp > 1:
+        fwd += 32 if lay.cp_algo == "ulysses" else 10 * lay.cp
+        bwd += 32 if lay.cp_algo == "ulysses" else 16 * lay.cp
+    if moe:
+        fwd, bwd = fwd + 40 + 20 * top_k, bwd + 40 + 20 * top_k
+    return fwd + bwd + {"none": 0, "selective": 7, "full": fwd}[lay.recompute]
 
 
 @dataclass(frozen=True)
@@ -200,6 +224,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     f_moe = f_block + (K - 1) * f_mlp + (gemm(m, C, E, mach, c) if E else 0.0)
     elem = elementwise_bytes(b, Tl, T, C, NH, tp, lay.sequence_parallel, lay.recompute,
                              impl.dropout, c) / hbm
+    # an MoE block: GELU on K rows a token (5 h each), the dispatch's gather and combine (4 n K)
+    moe_elem = (K - 1) * 5 * c * 4 * m * C // tp / hbm + 4 * K * c * m * C / hbm if E else 0.0
     Vl = -(-V // tp)
     head = gemm(m, C, Vl, mach, c)
     head_elem = 5 * 4 * m * Vl / hbm  # the loss in fp32: max, exp and sum, gradient, read twice
@@ -214,7 +240,9 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         # selective: refmp recomputes q k^T for the softmax (flops.recompute_flops_per_step)
         again = {"none": 0.0, "selective": Ls * scores, "full": fwd}[lay.recompute]
         comp = M * (3 * fwd + again + (3 * head if last else 0))
-        t_elem = M * (Ls * elem + (head_elem if last else 0))
+        t_elem = M * (Ls * elem + n_moe * moe_elem + (head_elem if last else 0))
+        t_calls = M * mach.call_us * 1e-6 * sum(
+            numpy_calls(lay, mcfg.is_moe(i), K) for i in stage_blocks)
         # tp: the ledger's collectives; full recomputation runs the forward's again (2 per
         # block: all-reduces, or with SP all-gathers and reduce-scatters)
         tpb = comm_bytes_per_step(bd, Tl, C, Ls, lay.sequence_parallel, c)
@@ -269,15 +297,19 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         owned = sum(units.values()) / (n if lay.zero else 1)
         # AdamW: reads masters, two moments and the gradient, writes them and the compute
         # copy, and the clipping norm reads the gradient again (w = 4; c = g)
-        t_opt = (24 + 3 * c if lay.mixed_precision != "none" else 32) * owned / hbm
-        stages.append({"compute": comp, "elementwise": t_elem, "tp": t_tp, "cp": t_cp,
-                       "ep": t_ep, "pp": t_pp, "dp": t_dp, "optimizer": t_opt})
-    busy = [sum(s[k] for k in ("compute", "elementwise", "tp", "cp", "ep", "pp")) for s in stages]
+        t_opt = ((24 + 3 * c if lay.mixed_precision != "none" else 32) * owned
+                 / (mach.stream_gbs * 1e9 or hbm))
+        stages.append({"compute": comp, "elementwise": t_elem, "calls": t_calls, "tp": t_tp,
+                       "cp": t_cp, "ep": t_ep, "pp": t_pp, "dp": t_dp, "optimizer": t_opt})
+    busy = [sum(s[k] for k in ("compute", "elementwise", "calls", "tp", "cp", "ep", "pp"))
+            for s in stages]
     slow = max(range(pp), key=lambda r: busy[r] + stages[r]["dp"] + stages[r]["optimizer"])
     frac = 0.0 if mach.time_shared else bubble(lay.schedule, pp, M, v)
     t = dict(stages[slow])
+    if mach.time_shared:  # a stage's idle share of the cores runs the others: the mean stage
+        t = {k: sum(st[k] for st in stages) / pp for k in t}
     t["bubble"] = busy[slow] * frac / (1 - frac)
-    step = busy[slow] + t["bubble"] + t["dp"] + t["optimizer"]
+    step = sum(t[k] for k in t if k != "bubble") + t["bubble"]
     tokens, gpus = batch * T, tp * pp * dp * cp
     flops = model_flops_per_step(active_params(mcfg), L, T, C, tokens)
     n_blocks = active_params(mcfg) - V * C
