@@ -1,7 +1,8 @@
 """Communication compression (refmp.parallel.data.compress), float64.
 
-PowerSGD over dp ranks equals the serial run with the same compressor (dp2, pp2 x dp2 against
-the serial run; dp2 x tp2 against tp2 alone), since its sums are linear in the gradient; full
+PowerSGD over dp ranks equals the serial run with the same compressor (dp2, pp2 x dp2 and
+dp4 x ep2 with experts, whose units it compresses over edp, against the serial run; dp2 x tp2
+against tp2 alone), since its sums are linear in the gradient; full
 rank equals the uncompressed run; the sum of the ranks' error shares is what the serial run
 keeps. bf16 equals each rank's share rounded to bf16, then summed in bf16. Top-k's
 error-feedback identity: what each rank sent plus what it kept is what it produced, and the
@@ -317,9 +318,12 @@ def test_full_rank_equals_uncompressed_and_the_ledgers():
 @pytest.mark.parallel(nprocs=4)
 @collective
 def test_powersgd_pp_and_tp_equal_their_serial_runs():
-    """pp2 x dp2 equals the serial PowerSGD run (the tied wte compressed whole); dp2 x tp2
+    """pp2 x dp2 and dp4 x ep2 (MoE) equal the serial PowerSGD run (the tied wte compressed
+    whole; the experts over edp); dp2 x tp2
     equals tp2 on its own (PowerSGD compresses each tp shard: the serial run in dp)."""
     assert_same_run(tiny(pp=2, dp=2, microbatches=2), DS)
+    # expert units over edp = 2, dense ones over dp = 4
+    assert_same_run(tiny(ep=2, n_expert=4, top_k=2, capacity_factor=0.0), DS)
     world, bad = MPI.COMM_WORLD, Mismatches()
     sub = world.Split(0 if world.rank < 2 else MPI.UNDEFINED, world.rank)
     ref = Trainer(tiny(tp=2), grid=ProcessGrid(sub, tp=2), dataset=DS) if world.rank < 2 else None
