@@ -39,18 +39,15 @@ def tag(mb: int, chunk: int, n_chunks: int, grad: bool) -> int:
 
 
 class GradStash:
-    """2BW: stands in for the Sharder during a backward of the next batch run before this
-    step's update (schedules.two_bw). Its gradients are summed here, in the order they come,
-    and added to the Sharder's after the next step's zero_grad (``replay``): the same sums in
-    the same order as the serial run's, so the step's gradient is batch t's alone. Weights
-    and the rest are the Sharder's."""
+    """2BW: takes the gradients of a backward of the next batch run before this step's
+    update (schedules.two_bw; Stage.backward's ``sink``). They are summed here, in the order
+    they come, and added to the Sharder's after the next step's zero_grad (``replay``): the
+    same sums in the same order as the serial run's, so the step's gradient is batch t's
+    alone."""
 
     def __init__(self, sharder):
         self.sharder, self.sums = sharder, {}  # unit -> {name: summed gradient}
         self.final: set[str] = set()  # units completed by the batch's last micro-batch
-
-    def __getattr__(self, name):
-        return getattr(self.sharder, name)
 
     def accumulate(self, u: str, g: dict) -> None:
         sums = self.sums.setdefault(u, {})
@@ -207,15 +204,14 @@ class Executor:
                 if (delayed or stashing) and made_on != version:
                     raise AssertionError(f"rank {rank}: micro-batch {i}'s backward on "
                                          f"W({version}), its forward on W({made_on})")
-                stage.sharder = self.stash if ahead else sharder  # batch t+1's gradients wait
                 bufs = self.stashed(made_on) if stashing else None
                 if bufs is not None:  # the stashed version W(made_on) is what it attaches
                     sharder.previous, sharder.on_previous = bufs, True
                 try:
                     dx, todo = stage.backward(c, dout, cache, (i, c) in split, final, dloss,
-                                              attach_weights=released)
+                                              attach_weights=released,  # batch t+1's wait
+                                              sink=self.stash if ahead else None)
                 finally:
-                    stage.sharder = sharder
                     if bufs is not None:
                         sharder.previous, sharder.on_previous = {}, False
                 self.stash_bytes = max(self.stash_bytes, self.stash.nbytes())

@@ -100,7 +100,7 @@ class Stage:
         return x, (emb, blocks, head)
 
     def backward(self, c: int, dout, cache, split: bool, final: bool, dloss: float = 1.0,
-                 attach_weights: bool = False):
+                 attach_weights: bool = False, sink=None):
         """Chunk c's backward; returns (dx of the chunk's input or None, what W needs).
 
         dout is the gradient of the chunk's output, or None on the last chunk (the loss
@@ -108,19 +108,21 @@ class Stage:
         With ``split`` (zero bubble) the linears' weight gradients and the embedding's are
         left for :meth:`weight`. ``final``: this is the step's last micro-batch (the Sharder
         starts stage 0's all-reduces then). ``attach_weights``: the forward released them.
+        ``sink``: what takes the gradients (``accumulate``, ``grad_ready``; default the
+        Sharder, which also gives the weights; 2BW's GradStash for the next batch's).
         """
         emb, blocks, head = cache
-        sharder, dx = self.sharder, dout
+        sharder, dx, sink = self.sharder, dout, sink or self.sharder
         attach_weights = attach_weights or sharder.releases_weights
         if head is not None:
             if attach_weights:  # gathered again: the forward's copy was freed
                 head = attach(head, {**sharder.weights("ln_f"), **sharder.weights("wte")})
             dx, g = self.ops.head_backward(dloss, head)  # ln_f and the tied wte's head share
-            sharder.accumulate("wte", {"wte.weight": g.pop("wte.weight")})
-            sharder.accumulate("ln_f", g)
-            sharder.grad_ready("ln_f", final)
+            sink.accumulate("wte", {"wte.weight": g.pop("wte.weight")})
+            sink.accumulate("ln_f", g)
+            sink.grad_ready("ln_f", final)
             if 0 not in self.chunks:  # the last stage's own copy of wte is complete
-                sharder.grad_ready("wte", final)
+                sink.grad_ready("wte", final)
         todo = []
         for i, bc in zip(reversed(self.chunks[c]), reversed(blocks), strict=True):
             if isinstance(bc, Recompute):  # the block's forward again (bitwise the same)
@@ -130,7 +132,7 @@ class Stage:
                 bc = attach(bc, self.block_weights(i, sharder.weights))
             w_todo = [] if split else None
             dx, g = gpt.block_backward(dx, bc, self.ops, w_todo, dloss)
-            self._add_block(i, g, final, dense_ready=not split)
+            self._add_block(i, g, final, not split, sink)
             if split:
                 todo.append((i, w_todo))
         if emb is None:
@@ -138,18 +140,19 @@ class Stage:
         if split:
             todo.append(("embed", (dx, emb)))
         else:
-            self._embed_backward(dx, emb, final)
+            self._embed_backward(dx, emb, final, sink)
         return None, todo
 
     def weight(self, todo, final: bool) -> None:
         """The W pass: the weight gradients a split backward deferred."""
         for i, w in todo:
             if i == "embed":
-                self._embed_backward(*w, final)
+                self._embed_backward(*w, final, self.sharder)
             else:
-                self._add_block(i, gpt.block_backward_weight(w, self.ops), final, True)
+                self._add_block(i, gpt.block_backward_weight(w, self.ops), final, True,
+                                self.sharder)
 
-    def _add_block(self, i: int, g: dict, final: bool, dense_ready: bool) -> None:
+    def _add_block(self, i: int, g: dict, final: bool, dense_ready: bool, sink) -> None:
         """Block i's gradients ``g`` (names inside the block) into its units. Its experts'
         unit is complete after B (an MoE MLP does its whole backward there); its dense unit
         after B, or after W when the backward is split."""
@@ -157,17 +160,17 @@ class Stage:
         by_unit: dict[str, dict] = {u: {} for u in self.block_units[i]}
         for k, v in g.items():
             by_unit[unit_of(f"h.{i}.{k}")][f"h.{i}.{k}"] = v
-        self.sharder.accumulate(dense, by_unit[dense])
+        sink.accumulate(dense, by_unit[dense])
         for u in experts:
             if by_unit[u]:
-                self.sharder.accumulate(u, by_unit[u])
-                self.sharder.grad_ready(u, final)
+                sink.accumulate(u, by_unit[u])
+                sink.grad_ready(u, final)
         if dense_ready:
-            self.sharder.grad_ready(dense, final)
+            sink.grad_ready(dense, final)
 
-    def _embed_backward(self, dx, emb, final: bool) -> None:
+    def _embed_backward(self, dx, emb, final: bool, sink) -> None:
         g = self.ops.embed_backward(dx, emb)  # needs no weights, only the token ids
-        self.sharder.accumulate("wte", {"wte.weight": g["wte.weight"]})  # + the head's share
-        self.sharder.accumulate("wpe", {"wpe.weight": g["wpe.weight"]})
-        self.sharder.grad_ready("wte", final)
-        self.sharder.grad_ready("wpe", final)
+        sink.accumulate("wte", {"wte.weight": g["wte.weight"]})  # + the head's share
+        sink.accumulate("wpe", {"wpe.weight": g["wpe.weight"]})
+        sink.grad_ready("wte", final)
+        sink.grad_ready("wpe", final)
