@@ -24,7 +24,7 @@ from refmp.cost.zero import local_shapes, memory_per_rank
 from refmp.nn.params import GPTConfig, param_shapes
 from refmp.parallel.data.compress import compresses
 from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
-from refmp.parallel.pipeline.schedules import V_SHAPED, chunks_per_rank, schedule
+from refmp.parallel.pipeline.schedules import ASYNC, V_SHAPED, chunks_per_rank, run_of_steps, schedule
 from refmp.parallel.placement import padded_vocab, stage_chunks
 
 
@@ -113,16 +113,6 @@ def codec_bytes(shapes: dict[str, dict], codec: str, rank: int = 4, itemsize: in
     return itemsize * sum(math.prod(s) for s in tensors) if codec == "topk" and feedback else 0
 
 
-def run_actions(name: str, pp: int, M: int, r: int, v: int) -> list:
-    """Rank r's actions of a step; for 2bw and pipedream, which carry caches from step to step,
-    those of a run of 2 pp steps (fill, steady, drain), micro-batch g of step t as t M + g."""
-    if name not in ("2bw", "pipedream"):
-        return schedule(name, pp, M, r, v)
-    n = 2 * pp
-    return [a._replace(mb=t * M + a.mb) for t in range(n)
-            for a in schedule(name, pp, M, r, v, t == 0, n - 1 - t)]
-
-
 def held_peak(actions, chunk_bytes: dict, shared: dict | None = None) -> int:
     """Peak bytes of the caches a rank's action list keeps alive: F makes chunk c's cache of a
     micro-batch, B frees it (W does, when the schedule splits backward). ``shared``: bytes
@@ -201,7 +191,10 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     chunk_bytes = {c: sum(block + (kept_moe if mcfg.is_moe(i) else 0) for i in chunks[c])
                    + (embed - 8 * Tl * (cp > 1) if c == 0 else 0)
                    + (head if c == S - 1 else 0) for c in chunks}
-    mem["activations"] = held_peak(run_actions(cfg.schedule, pp, M, r, v), chunk_bytes, shared)
+    # 2bw and pipedream carry caches from step to step: the peak over a run of 2 pp steps
+    acts = (run_of_steps(cfg.schedule, pp, M, r, 2 * pp) if cfg.schedule in ASYNC
+            else schedule(cfg.schedule, pp, M, r, v))
+    mem["activations"] = held_peak(acts, chunk_bytes, shared)
     # a backward rebuilds what recomputation dropped: the whole cache of the block it runs
     mem["workspace"] = max([rebuilt + moe] + ([head] if S - 1 in chunks else []))
     if cfg.zero == 3:  # and the whole unit gathered for the forward or backward running now

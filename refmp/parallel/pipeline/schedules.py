@@ -249,6 +249,18 @@ ASYNC = ("2bw", "pipedream")  # no flush: a step's lists hold later batches' mic
 V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V (placement.chunk_rank)
 
 
+def run_of_steps(name: str, pp: int, m: int, rank: int, steps: int) -> list[Action]:
+    """Rank ``rank``'s actions over ``steps`` steps of an asynchronous schedule (2bw,
+    pipedream: the first fills, the last drains), micro-batch g of step t as t m + g, and an
+    action ``U`` (the update: a step boundary) between steps."""
+    out: list[Action] = []
+    for t in range(steps):
+        out += [a._replace(mb=t * m + a.mb)
+                for a in schedule(name, pp, m, rank, fill=t == 0, ahead=steps - 1 - t)]
+        out += [Action("U", t, -1)] if t < steps - 1 else []
+    return out
+
+
 def chunks_per_rank(name: str, v: int = 1) -> int:
     """v for the interleaved schedule, 2 for the V-shaped ones, else 1."""
     return 2 if name in V_SHAPED else v

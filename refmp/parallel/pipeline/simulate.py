@@ -30,6 +30,7 @@ from refmp.parallel.pipeline.schedules import (
     Action,
     chunks_per_rank,
     pipedream_version,
+    run_of_steps,
     schedule,
 )
 from refmp.parallel.pipeline.timeline import Event, Timeline
@@ -136,12 +137,7 @@ def simulate_steps(name: str, pp: int, m: int, steps: int = 3,
     g // m's; each event is labelled with the weight version it computes on (``versions``,
     (rank, micro-batch) -> version): 2bw's W(g // m - 1) (W(-1) = W(0)), pipedream's
     schedules.pipedream_version."""
-    lists: list[list[Action]] = [[] for _ in range(pp)]
-    for t in range(steps):
-        for r in range(pp):
-            acts = schedule(name, pp, m, r, fill=t == 0, ahead=steps - 1 - t)
-            lists[r] += [Action(a.kind, t * m + a.mb, a.chunk) for a in acts]
-            lists[r] += [Action("U", t, -1)] if t < steps - 1 else []
+    lists = [run_of_steps(name, pp, m, r, steps) for r in range(pp)]
     tl = simulate(lists, pp, steps * m, 1, name, costs)
     rule = pipedream_version if name == "pipedream" else lambda pp, r, t: max(t - 1, 0)
     tl.versions = {(r, g): rule(pp, r, g // m) for r in range(pp) for g in range(steps * m)}
