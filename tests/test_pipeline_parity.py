@@ -206,6 +206,8 @@ def test_train_trace_and_bench_report_the_bubble(tmp_path):
                     "--schedule", "1f1b", "--steps", "2", "--warmup", "1"], timeout=60)
     assert out.returncode == 0, out.stderr
     assert "bubble" in out.stdout and "theory 0.2000" in out.stdout
+    assert "with the messages' costs" in out.stdout and "a message's cost (us): rank 0 send" \
+        in out.stdout
 
 
 def test_tutorial_runs_and_checks_itself():

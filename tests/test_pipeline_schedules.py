@@ -63,6 +63,27 @@ def test_measured_timeline_costs_and_where_the_idle_time_goes():
     idle = tl.idle()  # of 2 ranks x 6 s: compute 5 + 2, recv 1.5, send 0.5
     assert idle["recv"] == pytest.approx(1.5 / 12) and idle["send"] == pytest.approx(0.5 / 12)
     assert sum(idle.values()) == pytest.approx(tl.bubble()) == pytest.approx(1 - 7 / 12)
+    assert tl.hops() == {0: (0.5, 0.0), 1: (0.0, 1.5)}  # median send, shortest receive
+
+
+@given(name=st.sampled_from(FLUSHED), pp=st.integers(2, 4), k=st.integers(1, 3),
+       send=st.floats(0.0, 0.5), recv=st.floats(0.0, 0.5))
+def test_messages_cost_their_ranks_outside_compute(name, pp, k, send, recv):
+    """simulate(hops=...): zero hops are the free messages' timeline; costly ones leave each
+    rank's compute as it was and lengthen the step. One micro-batch on 2 ranks by hand: F,
+    a hop, F, B (2), a hop, B: 6 + 2 (send + recv)."""
+    m, v = k * pp, 2 if name == "interleaved" else 1
+    free = simulate_schedule(name, pp, m, v)
+    assert simulate_schedule(name, pp, m, v, hops={r: (0.0, 0.0) for r in range(pp)}).events \
+        == free.events
+    tl = simulate_schedule(name, pp, m, v, hops={r: (send, recv) for r in range(pp)})
+    assert all(tl.busy(r) == pytest.approx(free.busy(r)) for r in range(pp))
+    assert tl.makespan >= free.makespan + (pp - 1) * (send + recv) - 1e-9
+    one = simulate_schedule("1f1b", 2, 1, hops={0: (send, recv), 1: (send, recv)})
+    assert one.makespan == pytest.approx(6 + 2 * (send + recv))
+    with pytest.raises(ValueError, match="pairs"):
+        simulate([schedule("1f1b", 2, 2, r) for r in range(2)], 2, 2, pair=1.0,
+                 hops={0: (0, 0), 1: (0, 0)})
 
 
 @given(name=st.sampled_from(["naive", "gpipe", "1f1b", "zb-h1"]), pp=st.integers(1, 6),

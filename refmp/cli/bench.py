@@ -158,17 +158,28 @@ def pipeline_report(timelines: list, args) -> dict:
     ``bubble_theory`` is the formula (every F, B, W of equal cost); ``bubble_at_costs`` the
     schedule simulated with that step's measured median F, B, W times per rank, messages free:
     the bubble the schedule itself implies for these costs. The rest of the measured bubble is
-    ``idle``: receives waiting, sends, and the gaps between actions.
+    ``idle``: receives waiting, sends, and the gaps between actions. ``bubble_with_hops``
+    simulates the same costs with each message's measured cost to its two ranks as well
+    (``hops_us``, Timeline.hops: the sender's median send, the receiver's shortest receive);
+    ``bubble_replayed`` the step itself, each action at its own measured time, with those
+    hops (a flushed schedule's; None for 2bw and pipedream, whose step is a window of a run).
+    What the measured bubble has beyond the replay is waiting that neither the schedule nor
+    a message's cost explains.
     """
+    from refmp.parallel.pipeline.schedules import ASYNC
     from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
 
     tl = sorted(timelines, key=lambda t: t.bubble())[len(timelines) // 2]
-    at_costs = simulate_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages,
-                                 costs=tl.costs())
-    return {"bubble": tl.bubble(),
-            "bubble_theory": bubble_formula(args.schedule, args.pp, args.microbatches,
-                                            args.virtual_stages),
-            "bubble_at_costs": at_costs.bubble(), "idle": tl.idle(),
+    shape = (args.schedule, args.pp, args.microbatches, args.virtual_stages)
+    at_costs = simulate_schedule(*shape, costs=tl.costs())
+    with_hops = simulate_schedule(*shape, costs=tl.costs(), hops=tl.hops())
+    replayed = (None if args.schedule in ASYNC else simulate_schedule(
+        *shape, costs={**tl.costs(), **tl.action_costs()}, hops=tl.hops()).bubble())
+    return {"bubble": tl.bubble(), "bubble_theory": bubble_formula(*shape),
+            "bubble_at_costs": at_costs.bubble(), "bubble_with_hops": with_hops.bubble(),
+            "bubble_replayed": replayed,
+            "hops_us": {r: {"send": 1e6 * s, "recv": 1e6 * rv} for r, (s, rv) in tl.hops().items()},
+            "idle": tl.idle(),
             "costs_ms": {f"{kind}@{r}": 1e3 * t for (r, kind), t in sorted(tl.costs().items())}}
 
 
@@ -202,8 +213,13 @@ def print_report(out: dict, args) -> None:
         print(f"  pipeline {args.schedule}, pp {args.pp}, {args.microbatches} "
               f"micro-batches: bubble {out['bubble']:.4f} measured (median step), "
               f"theory {out['bubble_theory']:.4f}, {out['bubble_at_costs']:.4f} simulated at "
-              f"the measured costs")
+              f"the measured costs, {out['bubble_with_hops']:.4f} with the messages' costs"
+              + ("" if out["bubble_replayed"] is None else
+                 f", {out['bubble_replayed']:.4f} replaying the step"))
+        hops = ", ".join(f"rank {r} send {h['send']:.0f} recv {h['recv']:.0f}"
+                         for r, h in out["hops_us"].items())
         print(f"    measured costs (ms, action@rank): {costs}")
+        print(f"    a message's cost (us): {hops}")
         print(f"    idle: recv {idle['recv']:.4f}, send {idle['send']:.4f}, "
               f"between actions {idle['other']:.4f}")
     print("  communication per step, rank 0 (bytes; calls by operation):")

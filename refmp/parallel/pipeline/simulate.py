@@ -70,18 +70,27 @@ def check_actions(lists: list[list[Action]], pp: int, m: int, v: int,
 
 def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str = "",
              costs: dict[tuple[int, str], float] | None = None,
-             v_shape: bool = False, pair: float | None = None) -> Timeline:
+             v_shape: bool = False, pair: float | None = None,
+             hops: dict[int, tuple[float, float]] | None = None) -> Timeline:
     """Execute the per-rank lists in simulated time; a Timeline with events and peak memory.
 
     ``costs`` {(rank, kind): time} replaces the unit costs, e.g. a measured run's
     (Timeline.costs): the bubble the schedule itself implies for those costs, with messages
     still free (what is left of a measured bubble beyond it is communication and overhead).
+    An entry {(rank, kind, mb, chunk): time} sets one action's cost (Timeline.action_costs:
+    a measured step replayed).
     An action ``U`` is a step boundary (the gradient's reduction, its norm and the update:
     collectives over every rank): no rank passes it before every rank has reached it.
     ``pair`` (DualPipe's F&B, DeepSeek-V3 sec. 3.2.1): an F followed on its rank's list by
     an unsplit B of another chunk run as one overlapped pair of that cost, from when both
     may start (drawn as F for a third of it, then B; both results at its end).
+    ``hops`` {rank: (send, recv)}: what a message costs its ranks outside compute (a
+    measured run's, Timeline.hops): the sender after the action that makes it, the receiver
+    before the action that takes it; the events stay the compute, so bubble() counts the
+    hops as idle, as a measured timeline does.
     """
+    if hops is not None and pair is not None:
+        raise ValueError("simulate: hops are not modelled for DualPipe's overlapped pairs")
     split = check_actions(lists, pp, m, v, v_shape)
     chunks = pp * v
     done: dict[Action, int] = {}
@@ -103,12 +112,17 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
                 if any(d not in done for d in deps):
                     break
                 start = t0 = max([free[r]] + [done[d] for d in deps])
+                send, recv = hops[r] if hops else (0.0, 0.0)
+                if any(d.chunk != a.chunk for d in deps):  # a message from another chunk
+                    start = t0 = start + recv
                 for g in group:
                     whole = g.kind == "B" and (g.mb, g.chunk) not in split  # B + W in one pass
                     end = (t0 + pair * (1 if g is b else 1 / 3) if paired else
-                           start + (costs[r, g.kind] if costs else 1 + whole))
+                           start + (costs.get((r, *g), costs.get((r, g.kind))) if costs
+                                    else 1 + whole))
                     tl.events.append(Event(r, g.kind, g.mb, g.chunk, start, end))
-                    done[g], free[r], start = end, end, end
+                    sends = (g.kind == "F" and g.chunk < chunks - 1) or (g.kind == "B" and g.chunk > 0)
+                    done[g] = free[r] = start = end + (send if sends else 0.0)
                     # the cache of F lives until the last pass that reads it (B, or W if split)
                     live[r] += {"F": 1, "B": -whole, "W": -1}[g.kind]
                     peak[r] = max(peak[r], live[r])
@@ -131,31 +145,33 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
 
 
 def simulate_steps(name: str, pp: int, m: int, steps: int = 3,
-                   costs: dict[tuple[int, str], float] | None = None) -> Timeline:
+                   costs: dict[tuple[int, str], float] | None = None,
+                   hops: dict[int, tuple[float, float]] | None = None) -> Timeline:
     """``steps`` training steps of an asynchronous schedule (2bw, pipedream: the first
     fills, the last drains) with the step boundaries between them. Micro-batch g is batch
     g // m's; each event is labelled with the weight version it computes on (``versions``,
     (rank, micro-batch) -> version): 2bw's W(g // m - 1) (W(-1) = W(0)), pipedream's
     schedules.pipedream_version."""
     lists = [run_of_steps(name, pp, m, r, steps) for r in range(pp)]
-    tl = simulate(lists, pp, steps * m, 1, name, costs)
+    tl = simulate(lists, pp, steps * m, 1, name, costs, hops=hops)
     rule = pipedream_version if name == "pipedream" else lambda pp, r, t: max(t - 1, 0)
     tl.versions = {(r, g): rule(pp, r, g // m) for r in range(pp) for g in range(steps * m)}
     return tl
 
 
 def simulate_schedule(name: str, pp: int, m: int, v: int = 1,
-                      costs: dict[tuple[int, str], float] | None = None) -> Timeline:
+                      costs: dict[tuple[int, str], float] | None = None,
+                      hops: dict[int, tuple[float, float]] | None = None) -> Timeline:
     """One step of ``name``; for 2bw and pipedream a steady one (for 2bw the middle step of
     three, for pipedream step pp - 1 of 2 pp - 1, between its boundaries), as a step of a
     long run goes."""
     if name in ASYNC:
         k = 1 if name == "2bw" else max(pp - 1, 1)
-        tl = simulate_steps(name, pp, m, 2 * k + 1, costs)
+        tl = simulate_steps(name, pp, m, 2 * k + 1, costs, hops)
         return tl.window(*tl.barriers[k - 1 : k + 1])
     v = chunks_per_rank(name, v)
     return simulate([schedule(name, pp, m, r, v) for r in range(pp)], pp, m, v, name, costs,
-                    name in V_SHAPED)
+                    name in V_SHAPED, hops=hops)
 
 
 def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:

@@ -67,6 +67,24 @@ class Timeline:
                 spans.setdefault((e.rank, e.kind), []).append(e.end - e.start)
         return {k: sorted(d)[len(d) // 2] for k, d in spans.items()}
 
+    def action_costs(self) -> dict[tuple[int, str, int, int], float]:
+        """{(rank, kind, mb, chunk): duration} of every compute event (a step replayed)."""
+        return {(e.rank, e.kind, e.mb, e.chunk): e.end - e.start for e in self.events
+                if e.kind in COMPUTE}
+
+    def hops(self) -> dict[int, tuple[float, float]]:
+        """{rank: (send, recv)} what one message costs a rank outside compute, measured:
+        the median of its sends (starting one), and its shortest receive (one whose message
+        was already waiting: the copy and MPI's calls, no wait). 0 for a rank without any."""
+        def spans(r, kind):
+            return sorted(e.end - e.start for e in self.events
+                          if e.rank == r and e.kind == kind and e.mb >= 0)
+        out = {}
+        for r in range(self.pp):
+            send, recv = spans(r, "send"), spans(r, "recv")
+            out[r] = (send[len(send) // 2] if send else 0.0, recv[0] if recv else 0.0)
+        return out
+
     def idle(self) -> dict[str, float]:
         """Where the rank-time that is not compute goes, as fractions of pp * makespan:
         ``recv`` waiting for a message, ``send`` starting sends and finishing them at the
