@@ -138,7 +138,8 @@ def test_infeasible_layouts_say_what_does_not_fit():
 def test_ulysses_is_timed_by_its_all_to_alls_and_the_ring_hides_behind_attention():
     """cp's term: Ulysses' four all-to-alls per block (the ledger's bytes, cp_ledger, which
     the four-rank test holds to the measured ledger) on one ring of cp ranks; the ring's
-    sends minus the attention core they travel behind, so a long sequence hides them."""
+    sends minus the attention core they travel behind, so a long sequence hides them; on a
+    CPU (overlaps_p2p False, MPICH copies inside the wait) none of them is hidden."""
     mcfg = GPTConfig(n_layer=4, n_embd=1024, n_head=16, vocab_size=50257, block_size=8192)
     uly = Layout(cp=4, dp=2, cp_algo="ulysses", recompute="selective")
     got = model.predict(uly, mcfg, 16, MACHINE)["seconds"]["cp"]
@@ -149,6 +150,10 @@ def test_ulysses_is_timed_by_its_all_to_alls_and_the_ring_hides_behind_attention
     assert got == pytest.approx(want)
     ring = model.predict(replace(uly, cp_algo="ring"), mcfg, 16, MACHINE)["seconds"]["cp"]
     assert ring == 0.0 < got  # 8k tokens: the core's (2048 x 8192) products cover the sends
+    cpu = model.predict(replace(uly, cp_algo="ring"), mcfg, 16,
+                        replace(MACHINE, overlaps_p2p=False))["seconds"]["cp"]
+    op, sent, calls = model.cp_ledger(replace(uly, cp_algo="ring"), bd, Tl, mcfg.n_embd, 4, M, 2)
+    assert cpu == pytest.approx(sent / 300e9 + calls * 5e-6)  # a CPU's copies: all exposed
     full = model.cp_ledger(replace(uly, recompute="full"), bd, Tl, mcfg.n_embd, 4, M, 2)
     assert full[1:] == (nbytes * 3 // 2, 6 * 4 * M)  # the recomputed forward's two again
 

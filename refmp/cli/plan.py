@@ -112,7 +112,8 @@ def cpu_machine(ranks: int, links: tuple[float, float] | None = None,
     gbs, us = links or (5.0, 2.0)
     return Machine("cpu", ranks, free / ranks, calib["gflops"] / 1e3, calib["gbs"], 1.0, gbs,
                    gbs, us, us, time_shared=ranks > cores, call_us=calib["call_us"],
-                   gemm_short=tuple(calib["short"]), stream_gbs=calib["stream_gbs"])
+                   gemm_short=tuple(calib["short"]), stream_gbs=calib["stream_gbs"],
+                   overlaps_p2p=False)
 
 
 def _mean_seconds(fn, seconds: float) -> float:

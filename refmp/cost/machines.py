@@ -39,6 +39,9 @@ class Machine:
     call_us: float = 0.0
     stream_gbs: float = 0.0  # a plain streaming pass (the optimizer's); 0: hbm_gbs
     gemm_short: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # a point-to-point message moves while its ranks compute (NCCL's copy engines); False on
+    # a CPU, where MPICH makes the copy inside the receiver's wait (docs/plan.md)
+    overlaps_p2p: bool = True
 
 
 MACHINES = {  # NVIDIA's data sheets: A100 SXM 312 TFLOP/s bf16, 2.0 TB/s, NVLink 600 GB/s

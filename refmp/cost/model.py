@@ -254,7 +254,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         # computes, so only what the core does not cover is exposed
         op, nbytes, calls = cp_ledger(lay, bd, Tl, C, Ls, M, c)
         t_cp = collective(op, nbytes, calls, cp, *link(tp * cp))
-        if op == "send":  # cp-1 transfers, each behind one of the core's cp steps
+        if op == "send" and mach.overlaps_p2p:  # cp-1 transfers, behind the core's steps
             core = M * Ls * 2 * (4 if full else 3) * scores  # q k^T, att v: fwd, 2 bwd, again
             t_cp = max(0.0, t_cp - (cp - 1) / cp * core)
         # experts: dispatch and combine, forward and backward (again with full
