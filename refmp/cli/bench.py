@@ -170,17 +170,17 @@ def pipeline_report(timelines: list, args) -> dict:
     from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
 
     tl = sorted(timelines, key=lambda t: t.bubble())[len(timelines) // 2]
-    shape = (args.schedule, args.pp, args.microbatches, args.virtual_stages)
-    at_costs = simulate_schedule(*shape, costs=tl.costs())
-    with_hops = simulate_schedule(*shape, costs=tl.costs(), hops=tl.hops())
+    shape, costs, hops = (args.schedule, args.pp, args.microbatches, args.virtual_stages), \
+        tl.costs(), tl.hops()
     replayed = (None if args.schedule in ASYNC else simulate_schedule(
-        *shape, costs={**tl.costs(), **tl.action_costs()}, hops=tl.hops()).bubble())
+        *shape, costs={**costs, **tl.action_costs()}, hops=hops).bubble())
     return {"bubble": tl.bubble(), "bubble_theory": bubble_formula(*shape),
-            "bubble_at_costs": at_costs.bubble(), "bubble_with_hops": with_hops.bubble(),
+            "bubble_at_costs": simulate_schedule(*shape, costs=costs).bubble(),
+            "bubble_with_hops": simulate_schedule(*shape, costs=costs, hops=hops).bubble(),
             "bubble_replayed": replayed,
-            "hops_us": {r: {"send": 1e6 * s, "recv": 1e6 * rv} for r, (s, rv) in tl.hops().items()},
+            "hops_us": {r: {"send": 1e6 * s, "recv": 1e6 * rv} for r, (s, rv) in hops.items()},
             "idle": tl.idle(),
-            "costs_ms": {f"{kind}@{r}": 1e3 * t for (r, kind), t in sorted(tl.costs().items())}}
+            "costs_ms": {f"{kind}@{r}": 1e3 * t for (r, kind), t in sorted(costs.items())}}
 
 
 def print_report(out: dict, args) -> None:

@@ -142,7 +142,6 @@ class Sharder:
         self.decay = {k for k in self.params
                       if any(len(unit.shapes.get(k, ())) >= 2 for unit in self.units.values())}
         self.previous: dict = {}  # 2BW: each unit's weight version W(t-1) (keep_previous)
-        self.on_previous = False  # whether weights() hands out that version
         self._open: list = []  # stage 0: [units, flat, request] of started all-reduces
         self._ready: dict[str, list[str]] = {}  # stage 0: complete units not yet started, by group
 
@@ -177,12 +176,13 @@ class Sharder:
 
     # --- what the model computes with ---------------------------------------------------------
 
-    def weights(self, u: str, exact: bool = False) -> dict:
+    def weights(self, u: str, exact: bool = False, version: dict | None = None) -> dict:
         """Unit u's parameters (full local shapes): views of the resident buffer, or, at
         stage 3, of an all-gather made now (S -> Pp; int8 with ``gather`` unless ``exact``),
-        alive only while the caller keeps it; of W(t-1) while ``on_previous``."""
+        alive only while the caller keeps it; of ``version``'s buffer if given (2BW's
+        ``previous``, W(t-1); pipedream's stashed copies)."""
         unit, group = self.units[u], self.groups[u]
-        buf = (self.previous if self.on_previous else self.pbuf)[u]
+        buf = (self.pbuf if version is None else version)[u]
         if self.stage < 3 or (group.size == 1 and (self.gather is None or exact)):
             return unit.views(buf)  # (alone, int8 still rounds: the serial run of the codec)
         if self.gather is not None and not exact:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import wait_all
@@ -111,6 +112,10 @@ class Executor:
         """pipedream: the buffers of weight version ``version`` (None: the current one)."""
         return None if version == self.updates else self.versions[version]
 
+    def weights(self, version: dict | None):
+        """The Sharder's weights of ``version`` (2bw's W(t-1), a stashed copy); None: current."""
+        return None if version is None else partial(self.sharder.weights, version=version)
+
     def _send(self, x, shape, mb: int, chunk: int, grad: bool, pending: list) -> None:
         t0 = time.perf_counter()
         dest = chunk_rank(chunk, self.comm.size, self.v_shape)
@@ -171,7 +176,7 @@ class Executor:
             j = i // m  # batch t + j's micro-batch i % m
             ahead = j > 0  # 2BW: batch t+1's micro-batch i - m; pipedream: after the update
             version = self.updates + (ahead - 1 if delayed else 0)  # what the action runs on
-            sharder.on_previous = delayed and not ahead
+            on = sharder.previous if delayed and not ahead else None  # 2bw's W(t-1)
             self.comm.recorder.microbatch = i  # the flight recorder's label of each call
             final = i % m == m - 1  # its batch's last micro-batch
             # by batch parity (2bw), by batch mod pp (pipedream)
@@ -183,18 +188,20 @@ class Executor:
                 t0 = time.perf_counter()
                 if ahead:  # its MoE figures belong to the next step's
                     (stage.aux, stage.moe_raw), mine = self.ahead_stats, (stage.aux, stage.moe_raw)
-                out, cache = stage.forward(c, inp, ys[i], denom, release=ahead)
+                out, cache = stage.forward(c, inp, ys[i], denom, weights=self.weights(on),
+                                           release=ahead)
                 if ahead:
                     self.ahead_stats, (stage.aux, stage.moe_raw) = (stage.aux, stage.moe_raw), mine
                 caches[i, c] = (version, ahead, cache)  # ahead: the cache names its weights
                 caches_held += 1
                 self.peak_held = max(self.peak_held, caches_held)
                 self._event("F", i, c, t0)
-                held = tuple(sorted((ch, mine - self.updates, run_ahead, xs[mb].shape)
-                                    for (mb, ch), (mine, run_ahead, _) in caches.items()))
-                if self.on_forward is not None and held not in self.measured:
-                    self.measured.add(held)
-                    self.on_forward(caches)
+                if self.on_forward is not None:
+                    held = tuple(sorted((ch, mine - self.updates, run_ahead, xs[mb].shape)
+                                        for (mb, ch), (mine, run_ahead, _) in caches.items()))
+                    if held not in self.measured:
+                        self.measured.add(held)
+                        self.on_forward(caches)
                 if c == n_chunks - 1 and ahead:  # the next step's loss
                     self.ahead_loss += float(out)
                 elif c == n_chunks - 1:
@@ -211,16 +218,12 @@ class Executor:
                 if (delayed or stashing) and made_on != version:
                     raise AssertionError(f"rank {rank}: micro-batch {i}'s backward on "
                                          f"W({version}), its forward on W({made_on})")
-                bufs = self.stashed(made_on) if stashing else None
-                if bufs is not None:  # the stashed version W(made_on) is what it attaches
-                    sharder.previous, sharder.on_previous = bufs, True
-                try:
-                    dx, todo = stage.backward(c, dout, cache, (i, c) in split, final, dloss,
-                                              attach_weights=released,  # batch t+1's wait
-                                              sink=self.stash if ahead else None)
-                finally:
-                    if bufs is not None:
-                        sharder.previous, sharder.on_previous = {}, False
+                if stashing:  # the stashed version W(made_on) is what it attaches
+                    on = self.stashed(made_on)
+                dx, todo = stage.backward(c, dout, cache, (i, c) in split, final, dloss,
+                                          attach_weights=released,  # batch t+1's wait
+                                          sink=self.stash if ahead else None,
+                                          weights=self.weights(on))
                 self.stash_bytes = max(self.stash_bytes, self.stash.nbytes())
                 if (i, c) in split:
                     todos[i, c] = todo
@@ -243,7 +246,6 @@ class Executor:
         # of batch t+1 on every rank, so their receivers have taken them by then
         wait_all([req for req, _ in pending])
         self._event("send", -1, -1, t0)
-        sharder.on_previous = False
         self.carry = {(i - m, c): v for (i, c), v in caches.items() if i >= m}
         assert len(self.carry) == len(caches) and not todos, "a micro-batch's cache was left over"
         if delayed:  # the update makes W(t+1) of W(t)

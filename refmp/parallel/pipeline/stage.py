@@ -100,7 +100,7 @@ class Stage:
         return x, (emb, blocks, head)
 
     def backward(self, c: int, dout, cache, split: bool, final: bool, dloss: float = 1.0,
-                 attach_weights: bool = False, sink=None):
+                 attach_weights: bool = False, sink=None, weights=None):
         """Chunk c's backward; returns (dx of the chunk's input or None, what W needs).
 
         dout is the gradient of the chunk's output, or None on the last chunk (the loss
@@ -109,14 +109,16 @@ class Stage:
         left for :meth:`weight`. ``final``: this is the step's last micro-batch (the Sharder
         starts stage 0's all-reduces then). ``attach_weights``: the forward released them.
         ``sink``: what takes the gradients (``accumulate``, ``grad_ready``; default the
-        Sharder, which also gives the weights; 2BW's GradStash for the next batch's).
+        Sharder; 2BW's GradStash for the next batch's). ``weights``: what the forward ran on
+        (default the Sharder's current ones), for the attached and recomputed blocks.
         """
         emb, blocks, head = cache
         sharder, dx, sink = self.sharder, dout, sink or self.sharder
+        weights = weights or sharder.weights
         attach_weights = attach_weights or sharder.releases_weights
         if head is not None:
             if attach_weights:  # gathered again: the forward's copy was freed
-                head = attach(head, {**sharder.weights("ln_f"), **sharder.weights("wte")})
+                head = attach(head, {**weights("ln_f"), **weights("wte")})
             dx, g = self.ops.head_backward(dloss, head)  # ln_f and the tied wte's head share
             sink.accumulate("wte", {"wte.weight": g.pop("wte.weight")})
             sink.accumulate("ln_f", g)
@@ -126,10 +128,10 @@ class Stage:
         todo = []
         for i, bc in zip(reversed(self.chunks[c]), reversed(blocks), strict=True):
             if isinstance(bc, Recompute):  # the block's forward again (bitwise the same)
-                _, bc = gpt.block_forward(self.block_weights(i, sharder.weights), bc.x, self.ops,
+                _, bc = gpt.block_forward(self.block_weights(i, weights), bc.x, self.ops,
                                           bc.moe)
             elif attach_weights:
-                bc = attach(bc, self.block_weights(i, sharder.weights))
+                bc = attach(bc, self.block_weights(i, weights))
             w_todo = [] if split else None
             dx, g = gpt.block_backward(dx, bc, self.ops, w_todo, dloss)
             self._add_block(i, g, final, not split, sink)

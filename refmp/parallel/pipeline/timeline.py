@@ -59,13 +59,17 @@ class Timeline:
         """Fraction of rank-time not spent computing: 1 - sum_r busy_r / (pp * makespan)."""
         return 1.0 - sum(self.busy(r) for r in range(self.pp)) / (self.pp * self.makespan)
 
-    def costs(self) -> dict[tuple[int, str], float]:
-        """{(rank, kind): median duration} of the compute events (F, B, W) on each rank."""
+    def spans(self, kinds) -> dict[tuple[int, str], list[float]]:
+        """{(rank, kind): sorted durations} of the events of ``kinds`` about one micro-batch."""
         spans: dict[tuple[int, str], list[float]] = {}
         for e in self.events:
-            if e.kind in COMPUTE:
+            if e.kind in kinds and e.mb >= 0:
                 spans.setdefault((e.rank, e.kind), []).append(e.end - e.start)
-        return {k: sorted(d)[len(d) // 2] for k, d in spans.items()}
+        return {k: sorted(d) for k, d in spans.items()}
+
+    def costs(self) -> dict[tuple[int, str], float]:
+        """{(rank, kind): median duration} of the compute events (F, B, W) on each rank."""
+        return {k: d[len(d) // 2] for k, d in self.spans(COMPUTE).items()}
 
     def action_costs(self) -> dict[tuple[int, str, int, int], float]:
         """{(rank, kind, mb, chunk): duration} of every compute event (a step replayed)."""
@@ -76,14 +80,9 @@ class Timeline:
         """{rank: (send, recv)} what one message costs a rank outside compute, measured:
         the median of its sends (starting one), and its shortest receive (one whose message
         was already waiting: the copy and MPI's calls, no wait). 0 for a rank without any."""
-        def spans(r, kind):
-            return sorted(e.end - e.start for e in self.events
-                          if e.rank == r and e.kind == kind and e.mb >= 0)
-        out = {}
-        for r in range(self.pp):
-            send, recv = spans(r, "send"), spans(r, "recv")
-            out[r] = (send[len(send) // 2] if send else 0.0, recv[0] if recv else 0.0)
-        return out
+        d = self.spans(("send", "recv"))
+        send, recv = ({r: d.get((r, k), [0.0]) for r in range(self.pp)} for k in ("send", "recv"))
+        return {r: (send[r][len(send[r]) // 2], recv[r][0]) for r in range(self.pp)}
 
     def idle(self) -> dict[str, float]:
         """Where the rank-time that is not compute goes, as fractions of pp * makespan:
