@@ -160,7 +160,7 @@ class TrainConfig(ParallelConfig):
     batch_size: int = 128
     steps: int = 1500
     optimizer: str = "adamw"
-    lr: float = 3e-3
+    lr: float = 6e-3
     lr_schedule: str = "cosine"
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1

@@ -86,7 +86,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=128, help="global batch, sequences/step (128)")
     g.add_argument("--steps", type=int, default=1500, help="training steps (1500)")
     g.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
+    g.add_argument("--lr", type=float, default=6e-3, help="peak learning rate (6e-3)")
     g.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
                    help="cosine: linear warm-up then decay to --min-lr-ratio * lr")
     g.add_argument("--warmup-steps", type=int, default=None,
