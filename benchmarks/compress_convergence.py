@@ -106,9 +106,9 @@ def plot(codecs: list[dict], path: str, name: str, other: dict | None = None) ->
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    theirs = {c["label"]: c for c in other["codecs"]} if other else {}
     for ax, key, ylabel in ((axes[0], "accuracy", "held-out exact match (%)"),
                             (axes[1], "final_loss", "final training loss")):
-        theirs = {c["label"]: c for c in other["codecs"]} if other else {}
         for i, c in enumerate(codecs):
             color = f"C{i}"
             for cc, hollow in ((c, False), (theirs.get(c["label"]), True)):

@@ -7,7 +7,7 @@ import argparse
 import os
 from dataclasses import fields
 
-from refmp.config import PIPELINE, ParallelConfig, flag_name
+from refmp.config import PIPELINE, ParallelConfig, TrainConfig, flag_name
 from refmp.cost.model import SEARCHED
 from refmp.errors import ConfigError
 
@@ -64,14 +64,16 @@ def add_moe_args(p: argparse.ArgumentParser, decoding: bool = False) -> None:
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a run; their defaults are TrainConfig's."""
+    D = TrainConfig
     g = p.add_argument_group("model")
-    g.add_argument("--n-layer", type=int, default=2, help="transformer blocks (default 2)")
+    g.add_argument("--n-layer", type=int, default=D.n_layer, help="transformer blocks (default %(default)s)")
     g.add_argument("--n-head", type=int, default=None,
                    help="attention heads (default 4, or the --init file's)")
-    g.add_argument("--n-embd", type=int, default=64, help="channels C (default 64)")
+    g.add_argument("--n-embd", type=int, default=D.n_embd, help="channels C (default %(default)s)")
     g.add_argument("--block-size", type=int, default=None,
                    help="sequence length T (default: one addition problem, 13; 64 for --data)")
-    g.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    g.add_argument("--dtype", choices=["float32", "float64"], default=D.dtype)
     g.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
                    help="cpu (NumPy) or gpu (CuPy, one GPU per rank); default $REFMP_DEVICE or cpu")
     add_moe_args(p)
@@ -79,26 +81,28 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data", default=None, metavar="PATH",
                    help="token file: .npy (1-D ints), .bin (uint16, nanoGPT) or any other file "
                         "as bytes (vocab 256). Default: the built-in addition task")
-    g.add_argument("--digits", type=int, default=3, help="addition task: digits per operand (3)")
+    g.add_argument("--digits", type=int, default=D.digits,
+                   help="addition task: digits per operand (%(default)s)")
     g.add_argument("--shuffle", action="store_true", help="seeded shuffle of the windows")
-    g.add_argument("--seed", type=int, default=0, help="weights, data and shuffle seed (0)")
+    g.add_argument("--seed", type=int, default=D.seed, help="weights, data and shuffle seed (%(default)s)")
     g = p.add_argument_group("optimization")
-    g.add_argument("--batch-size", type=int, default=128, help="global batch, sequences/step (128)")
-    g.add_argument("--steps", type=int, default=1500, help="training steps (1500)")
-    g.add_argument("--optimizer", choices=["sgd", "adamw"], default="adamw")
-    g.add_argument("--lr", type=float, default=6e-3, help="peak learning rate (6e-3)")
-    g.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
+    g.add_argument("--batch-size", type=int, default=D.batch_size,
+                   help="global batch, sequences/step (%(default)s)")
+    g.add_argument("--steps", type=int, default=D.steps, help="training steps (%(default)s)")
+    g.add_argument("--optimizer", choices=["sgd", "adamw"], default=D.optimizer)
+    g.add_argument("--lr", type=float, default=D.lr, help="peak learning rate (%(default)g)")
+    g.add_argument("--lr-schedule", choices=["cosine", "constant"], default=D.lr_schedule,
                    help="cosine: linear warm-up then decay to --min-lr-ratio * lr")
     g.add_argument("--warmup-steps", type=int, default=None,
-                   help="linear warm-up steps, at most --steps (default 100)")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1)
-    g.add_argument("--weight-decay", type=float, default=0.1,
-                   help="decoupled (AdamW) or L2 (SGD), on matrices only (0.1)")
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.99)
-    g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (0)")
-    g.add_argument("--grad-clip", type=float, default=1.0,
-                   help="clip the global gradient norm to this (0: off; default 1.0)")
+                   help=f"linear warm-up steps, at most --steps (default {D.warmup_steps})")
+    g.add_argument("--min-lr-ratio", type=float, default=D.min_lr_ratio)
+    g.add_argument("--weight-decay", type=float, default=D.weight_decay,
+                   help="decoupled (AdamW) or L2 (SGD), on matrices only (%(default)g)")
+    g.add_argument("--beta1", type=float, default=D.beta1)
+    g.add_argument("--beta2", type=float, default=D.beta2)
+    g.add_argument("--momentum", type=float, default=D.momentum, help="SGD momentum (%(default)g)")
+    g.add_argument("--grad-clip", type=float, default=D.grad_clip,
+                   help="clip the global gradient norm to this (0: off; default %(default)s)")
     add_layout_args(p)
     g = p.add_argument_group("automatic layout (docs/plan.md)")
     g.add_argument("--layout", choices=["auto"], default=None,
