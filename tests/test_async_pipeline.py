@@ -87,12 +87,12 @@ def test_pipedream_at_pp_3_with_dp_and_zero_2(monkeypatch):
 
 
 def check_pipedream(layout, monkeypatch):
-    from refmp.parallel.pipeline.executor import Executor
+    from refmp.parallel.pipeline.asynchronous import PipeDream
 
     layout = dict(layout)
     wrong = layout.pop("wrong", False)
     if wrong:
-        monkeypatch.setattr(Executor, "stashed", lambda self, version: None)
+        monkeypatch.setattr(PipeDream, "stashed", lambda self, version: None)
     cfg = TrainConfig(**{**SMALL, **layout}, steps=6, schedule="pipedream")
     ref = pipedream_reference(cfg) if MPI.COMM_WORLD.rank == 0 else None
     par, bad = Trainer(cfg, dataset=data()), Mismatches()
@@ -172,9 +172,9 @@ def test_pipedream_backward_asserts_its_forward_version(monkeypatch):
     """The executor checks each backward's version against the rule, stated apart from the
     forward's choice: a rule that disagrees (here at pp 1, where every batch runs on the
     current weights) stops the step."""
-    from refmp.parallel.pipeline import executor
+    from refmp.parallel.pipeline import asynchronous
 
-    monkeypatch.setattr(executor, "pipedream_version", lambda pp, rank, t: t + 1)
+    monkeypatch.setattr(asynchronous, "pipedream_version", lambda pp, rank, t: t + 1)
     cfg = TrainConfig(**SMALL, steps=1, schedule="pipedream")
     with pytest.raises(AssertionError, match=r"backward on W\(1\), its forward on W\(0\)"):
         serial(cfg).step()

@@ -39,8 +39,9 @@ from refmp.parallel.data.compress import make_codecs
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
 from refmp.parallel.ops import ParallelOps
+from refmp.parallel.pipeline.asynchronous import ASYNC_EXECUTORS
 from refmp.parallel.pipeline.executor import Executor
-from refmp.parallel.pipeline.schedules import V_SHAPED, chunks_per_rank, schedule
+from refmp.parallel.pipeline.schedules import ASYNC, V_SHAPED, chunks_per_rank, schedule
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.placement import (
@@ -94,8 +95,9 @@ def build_sharder(local: dict, grid, layout: ParallelConfig, seed: int) -> Shard
     groups = {u: edp if "edp" in place(names[0], False).reduce else dense
               for u, names in units.items()}
     compute, grad_dtype = mixed_dtypes(layout)  # None, None without --mixed-precision
-    return Sharder(local, units, groups, layout.zero, layout.bucket_mb, compute, grad_dtype,
-                   *make_codecs(layout, seed))
+    codec, gather = make_codecs(layout, seed)
+    return Sharder(local, units, groups, layout.zero, bucket_mb=layout.bucket_mb,
+                   compute=compute, grad_dtype=grad_dtype, codec=codec, gather=gather)
 
 
 def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list):
@@ -118,6 +120,14 @@ def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list
     return moe
 
 
+def build_executor(name: str, stage: Stage, pp, dtype, measure, v_shape: bool) -> Executor:
+    """The synchronous executor for a flush schedule, or 2bw's / pipedream's
+    (refmp.parallel.pipeline.asynchronous); ``dtype``: the activations'."""
+    if name in ASYNC:
+        return ASYNC_EXECUTORS[name](stage, pp, dtype, on_forward=measure)
+    return Executor(stage, pp, dtype, on_forward=measure, v_shape=v_shape)
+
+
 class Engine:
     """The runner (refmp.training.trainer.Runner) for any layout: ``model`` holds the full initial
     weights (layout-independent), which the engine slices and then frees; ``layout`` how the
@@ -125,29 +135,35 @@ class Engine:
 
     def __init__(self, model: gpt.GPT, grid, layout: ParallelConfig, T: int, seed: int = 0):
         mc = self.mcfg = model.cfg
-        self.grid, self.tp, self.pp, self.ep = grid, grid.comm["tp"], grid.comm["pp"], grid.comm["ep"]
-        self.sp, self.microbatches = layout.sequence_parallel, layout.microbatches
+        self.grid = grid
+        self.tp = grid.comm["tp"]
+        self.pp = grid.comm["pp"]
+        self.ep = grid.comm["ep"]
+        self.sp = layout.sequence_parallel
+        self.microbatches = layout.microbatches
         keep_scores = layout.recompute == "none"  # selective / full: the softmax is not kept
         attn, cp_positions = context_parallel(grid, layout, T, keep_scores)
         self.positions = (None if attn is None  # (Tl,) the global positions of my tokens
                           else backend.from_host(cp_positions[grid.coords["cp"]]))
         self.ops = ParallelOps(mc.n_head, mc.vocab_size, self.tp, self.sp, attn, self.positions,
                                keep_scores)
-        self.schedule_name, self.v = layout.schedule, chunks_per_rank(layout.schedule, layout.virtual_stages)
-        self.n_chunks, self.v_shape = self.pp.size * self.v, layout.schedule in V_SHAPED
+        self.schedule_name = layout.schedule
+        self.v = chunks_per_rank(layout.schedule, layout.virtual_stages)  # chunks per rank
+        self.n_chunks = self.pp.size * self.v
+        self.v_shape = layout.schedule in V_SHAPED
         chunks = rank_chunks(mc, T, self.pp.rank, self.pp.size, self.v, layout.stage_layers,
                              self.v_shape)
-        self.first, self.last = 0 in chunks, self.n_chunks - 1 in chunks
+        self.first = 0 in chunks  # embeds the tokens
+        self.last = self.n_chunks - 1 in chunks  # the head and the loss
         local = take_params(model, chunks, self.first, self.last, grid)
         self.sharder = build_sharder(local, grid, layout, seed)
         self.stage = Stage(chunks, self.n_chunks, mc, self.ops, self.sharder,
                            moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
                            self.tp.size if self.sp else 1, layout.recompute == "full")
-        self.executor = Executor(self.stage, self.pp, self.sharder.compute,  # activations' dtype
-                                 on_forward=self._measure, v_shape=self.v_shape)
+        self.executor = build_executor(layout.schedule, self.stage, self.pp, self.sharder.compute,
+                                       self._measure, self.v_shape)
         self.actions = partial(schedule, self.schedule_name, self.pp.size, self.microbatches,
-                               self.pp.rank, self.v)  # 2bw's (W(t-1)), pipedream's (stashed)
-        self.delayed, self.stashing = (self.schedule_name == k for k in ("2bw", "pipedream"))
+                               self.pp.rank, self.v)
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
                                 if k in local and "tp" in place(k, self.sp).reduce}
@@ -158,8 +174,10 @@ class Engine:
         # gathers weights, every rank of a gather group must run the same forwards)
         self.eval_comm = (Comm(MPI.COMM_SELF, "self", grid.ledger) if self.sharder.releases_weights
                           else grid.comm["edp"] if self.ep.size > 1 else grid.group("dp", "cp"))
-        self.peak_activations, self._loss = 0, (0.0, 0.0)  # mixed precision: the loss scale
-        self._scale, self._master = 1.0, None  # and the fp32 gradient pieces
+        self.peak_activations = 0
+        self._loss = (0.0, 0.0)  # the last step's (cross-entropy, MoE) loss shares here
+        self._scale = 1.0  # mixed precision: the loss scale
+        self._master = None  # and the fp32 gradient pieces
 
     # --- what the optimizer and the trainer see ---------------------------------------------
 
@@ -182,23 +200,30 @@ class Engine:
 
     def zero_grad(self) -> None:
         self.sharder.zero_grad()
-        self.stage.reset_stats()
 
     def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=()) -> None:
-        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule; ``dloss`` the loss
-        scale (fp16), which backward starts from; ``ahead`` [(x, y), ...]: 2bw's, pipedream's next batches."""
-        self._scale, self._master, M = dloss, None, self.microbatches
-        rows = [(x, y), *(ahead if self.delayed or self.stashing else ())]
+        """This rank's rows x, y (b, T): its tokens (cp), M micro-batches, the schedule;
+        ``dloss`` the loss scale (fp16), which backward starts from; ``ahead`` [(x, y), ...]:
+        the later batches whose forwards run in this step (2bw, pipedream; else empty)."""
+        self._scale = dloss
+        self._master = None
+        self.stage.begin_step(dloss)
+        rows = [(x, y), *ahead]
         if self.positions is not None:  # (b, Tl) my tokens
             rows = [(x[:, self.positions], y[:, self.positions]) for x, y in rows]
-        xs, ys = zip(*[mb for x, y in rows for mb in split_microbatches(x, y, M)], strict=True)
-        acts = self.actions(fill=self.executor.fills(self.stashing), ahead=len(rows) - 1)
-        ce = self.executor.step(acts, list(xs), list(ys), denom, dloss, self.delayed, M, self.stashing)
+        mbs = [mb for x, y in rows for mb in split_microbatches(x, y, self.microbatches)]
+        xs = [x for x, _ in mbs]
+        ys = [y for _, y in mbs]
+        if self.schedule_name in ASYNC:
+            acts = self.actions(fill=self.executor.fills(), ahead=len(rows) - 1)
+            ce = self.executor.step(acts, xs, ys, denom, self.microbatches)
+        else:
+            ce = self.executor.step(self.actions(), xs, ys, denom)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:
         """After a forward: the live caches' bytes (the peak is the memory report's)."""
-        params = self.sharder.resident()
+        params = self.sharder.resident(self.executor.resident())
         self.peak_activations = max(self.peak_activations, activation_bytes(caches, params))
 
     def reduce_grads(self) -> None:
@@ -260,7 +285,7 @@ class Engine:
             return {}
         E, L = self.mcfg.n_expert, self.mcfg.n_layer
         raw = np.zeros((L, 2 * E + 2))
-        for i, r in self.stage.moe_raw.items():
+        for i, r in self.stage.figures.raw.items():
             raw[i] = r
         if self.tp.rank != 0 and not self.sp:
             raw[:] = 0  # tp ranks routed the same tokens: count them once
@@ -344,7 +369,7 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         """Bytes of the parameter (compute copy), gradient and fp32 master buffers kept, the
-        peak live activations, 2bw's GradStash peak, pipedream's stashed weight versions."""
-        ex, mem = self.executor, {**self.sharder.memory(), "activations": self.peak_activations}
-        return {**mem, "grad_stash": ex.stash_bytes} if self.delayed else (
-            {**mem, "versions": ex.version_bytes} if self.stashing else mem)
+        peak live activations, and what the executor keeps (2bw's W(t-1) and GradStash
+        peak, pipedream's stashed weight versions)."""
+        return {**self.sharder.memory(), "activations": self.peak_activations,
+                **self.executor.memory()}

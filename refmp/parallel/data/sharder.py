@@ -57,15 +57,18 @@ class Unit:
     """One unit flattened into a padded buffer (Pp,), and the slice [lo, hi) this rank owns."""
 
     def __init__(self, name: str, shapes: dict, n: int, rank: int):
-        self.name, self.shapes = name, shapes
-        self.offsets, o = {}, 0
+        self.name = name
+        self.shapes = shapes
+        self.offsets = {}
+        o = 0
         for k, s in shapes.items():
             self.offsets[k] = o
             o += math.prod(s)
         self.numel = o  # P
         self.padded = -(-o // n) * n  # Pp, a multiple of n
         self.shard = self.padded // n  # S
-        self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
+        self.lo = rank * self.shard  # my slice [lo, hi)
+        self.hi = (rank + 1) * self.shard
 
     def views(self, flat) -> dict:
         """The unit's parameters (full shapes) as views of a full flat buffer (Pp,)."""
@@ -111,24 +114,37 @@ def attach(cache, p: dict):
 
 class Sharder:
     """ZeRO ``stage`` over ``local`` (name -> array), cut into ``units`` (unit -> names), each
-    reduced over ``groups[unit]``. The model computes on ``weights(unit)``."""
+    reduced over ``groups[unit]``. The model computes on ``weights(unit)``.
+
+    Options: ``bucket_mb`` stage 0's all-reduce buckets (0: one after backward); ``compute``
+    and ``grad_dtype`` mixed precision's dtypes (None: the parameters'); ``codec`` a gradient
+    codec and ``gather`` ZeRO-3's weight-gather codec (refmp.parallel.data.compress)."""
 
     def __init__(self, local: dict, units: dict[str, list[str]], groups: dict[str, Comm],
-                 stage: int, bucket_mb: float = 25.0, compute=None, grad_dtype=None,
+                 stage: int, *, bucket_mb: float = 25.0, compute=None, grad_dtype=None,
                  codec=None, gather=None):
-        self.stage, self.groups, self.bucket_bytes = stage, groups, int(bucket_mb * 2**20)
-        self.codec, self.gather, self.step = codec, gather, -1  # step: zero_grad() calls - 1
+        self.stage = stage
+        self.groups = groups
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.codec = codec
+        self.gather = gather
+        self.step = -1  # zero_grad() calls - 1
         p0 = next(iter(local.values()))
-        self.xp, self.dtype = array_module(p0), p0.dtype  # dtype: the masters' (--dtype)
+        self.xp = array_module(p0)
+        self.dtype = p0.dtype  # the masters' (--dtype)
         self.compute = np.dtype(compute or self.dtype)  # what the model computes on
         self.gdtype = np.dtype(grad_dtype or self.compute)  # gradients, and their sums
         self.mixed = self.compute != self.dtype
         self.units = {u: Unit(u, {k: tuple(local[k].shape) for k in ks},
                               groups[u].size if stage else 1, groups[u].rank if stage else 0)
                       for u, ks in units.items()}
-        self.pbuf, self.gbuf, self.work = {}, {}, {}
-        self.master, self.mgrad = {}, {}  # mixed precision: fp32 owned slices (S,) per unit
-        self.params, self.grads = {}, {}  # the owned pieces, by name (the optimizer's view)
+        self.pbuf: dict = {}  # unit -> the weights the model computes on (Pp,), stage 3: (S,)
+        self.gbuf: dict = {}  # unit -> its gradient (Pp,), stages 2-3: the owned slice (S,)
+        self.work: dict = {}  # stages 2-3: a micro-batch's full gradient until reduce-scattered
+        self.master: dict = {}  # mixed precision: the fp32 owned slices (S,)
+        self.mgrad: dict = {}  # and their fp32 unscaled gradients
+        self.params: dict = {}  # the owned pieces, by name (the optimizer's view)
+        self.grads: dict = {}
         for u, unit in self.units.items():
             full = unit.flatten(local, self.xp, self.dtype)  # (Pp,)
             if self.mixed:  # masters of my slice; the model gets the rounded compute copy
@@ -141,7 +157,6 @@ class Sharder:
             self.grads.update(unit.pieces(self.gbuf[u][unit.lo : unit.hi] if stage < 2 else self.gbuf[u]))
         self.decay = {k for k in self.params
                       if any(len(unit.shapes.get(k, ())) >= 2 for unit in self.units.values())}
-        self.previous: dict = {}  # 2BW: each unit's weight version W(t-1) (keep_previous)
         self._open: list = []  # stage 0: [units, flat, request] of started all-reduces
         self._ready: dict[str, list[str]] = {}  # stage 0: complete units not yet started, by group
 
@@ -170,18 +185,20 @@ class Sharder:
         """Stages 1-3: the ranks of a unit's group own disjoint slices (stage 0: copies)."""
         return self.stage > 0
 
-    def resident(self) -> list:
-        """The parameter buffers kept between uses (caches reference them; not activations)."""
-        return list(self.pbuf.values()) + list(self.previous.values()) if self.stage < 3 else []
+    def resident(self, versions: list = ()) -> list:
+        """The parameter buffers kept between uses (caches reference them; not activations),
+        with the weight ``versions`` a pipeline keeps (its snapshots)."""
+        return list(self.pbuf.values()) + list(versions) if self.stage < 3 else []
 
     # --- what the model computes with ---------------------------------------------------------
 
     def weights(self, u: str, exact: bool = False, version: dict | None = None) -> dict:
         """Unit u's parameters (full local shapes): views of the resident buffer, or, at
         stage 3, of an all-gather made now (S -> Pp; int8 with ``gather`` unless ``exact``),
-        alive only while the caller keeps it; of ``version``'s buffer if given (2BW's
-        ``previous``, W(t-1); pipedream's stashed copies)."""
-        unit, group = self.units[u], self.groups[u]
+        alive only while the caller keeps it; of ``version``'s buffer if given (a
+        :meth:`snapshot`: 2BW's W(t-1), pipedream's stashed copies)."""
+        unit = self.units[u]
+        group = self.groups[u]
         buf = (self.pbuf if version is None else version)[u]
         if self.stage < 3 or (group.size == 1 and (self.gather is None or exact)):
             return unit.views(buf)  # (alone, int8 still rounds: the serial run of the codec)
@@ -189,15 +206,17 @@ class Sharder:
             return unit.views(self.gather.allgather(group, buf))
         return unit.views(group.allgather(buf))
 
-    def keep_previous(self) -> None:
-        """PipeDream-2BW's second weight version (Narayanan et al. 2021): after a step's
-        backward, before its update, W(t) is kept as the version the next step computes on.
-        The first call makes the buffers: W(-1) = W(0)."""
+    def snapshot(self, into: dict | None = None) -> dict:
+        """A copy of every unit's weight buffer (this rank's, as held): a weight version the
+        next update does not overwrite, for ``weights(version=)``. ``into``: a snapshot whose
+        buffers are reused."""
+        into = {} if into is None else into
         for u, buf in self.pbuf.items():
-            if u in self.previous:
-                self.previous[u][...] = buf
+            if u in into:
+                into[u][...] = buf
             else:
-                self.previous[u] = buf.copy()
+                into[u] = buf.copy()
+        return into
 
     def full_local(self, grads: bool = False) -> dict:
         """Every local parameter (or its gradient) whole: the owned slices all-gathered over
@@ -341,9 +360,8 @@ class Sharder:
 
     def memory(self) -> dict[str, int]:
         """Bytes of the parameter (compute copy), gradient and fp32 master buffers this rank
-        keeps between steps (``versions``: 2BW's W(t-1)), and the codec's error buffers."""
+        keeps between steps, and the codec's error buffers."""
         return {"params": sum(int(b.nbytes) for b in self.pbuf.values()),
-                "versions": sum(int(b.nbytes) for b in self.previous.values()),
                 "grads": sum(int(b.nbytes) for b in self.gbuf.values()),
                 "masters": sum(int(b.nbytes) for b in self.master.values()),
                 "error_feedback": self.codec.memory() if self.codec is not None else 0}

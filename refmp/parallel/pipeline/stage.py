@@ -33,29 +33,61 @@ class Recompute(NamedTuple):
     moe: Any
 
 
+class MoEFigures:
+    """The MoE layers' losses and routing figures of a step's forwards on this rank: ``aux``
+    this rank's share of the auxiliary losses, ``raw`` block -> summed routing figures
+    (refmp.nn.moe.routing_summary's input)."""
+
+    def __init__(self):
+        self.aux = 0.0
+        self.raw: dict[int, object] = {}
+
+    def add(self, i: int, loss, raw) -> None:
+        self.aux += float(loss)
+        self.raw[i] = raw if i not in self.raw else self.raw[i] + raw
+
+    def merge(self, other: MoEFigures) -> None:
+        """Add another step's figures (forwards that ran ahead, in an earlier step)."""
+        self.aux += other.aux
+        for i, raw in other.raw.items():
+            self.raw[i] = raw if i not in self.raw else self.raw[i] + raw
+
+
 class Stage:
     """This rank's chunks (chunk id -> block indices), its Ops and its Sharder.
 
     ``moe(denom)`` makes the MoEContext of one forward (None: a dense model);
     ``sequence_shards`` is tp with sequence parallelism (a boundary activation holds T/tp
-    tokens), else 1.
+    tokens), else 1. ``begin_step`` starts a step: the gradient backward starts from (1, or
+    fp16's loss scale) and fresh MoE figures.
     """
 
     def __init__(self, chunks: dict[int, range], n_chunks: int, cfg, ops, sharder, moe=None,
                  sequence_shards: int = 1, recompute: bool = False):
-        self.chunks, self.n_chunks, self.cfg, self.ops = chunks, n_chunks, cfg, ops
-        self.sharder, self.moe, self.sequence_shards = sharder, moe, sequence_shards
+        self.chunks = chunks
+        self.n_chunks = n_chunks
+        self.cfg = cfg
+        self.ops = ops
+        self.sharder = sharder
+        self.moe = moe
+        self.sequence_shards = sequence_shards
         self.recompute = recompute  # full recomputation: keep only each block's input
         # block -> the Sharder units of its parameters held here: dense, then its experts
         self.block_units = {i: [u for u in dict.fromkeys(unit_of(f"h.{i}.{k}")
                                                          for k in gpt.block_param_shapes(cfg, i))
                                 if u in sharder.units]
                             for blocks in chunks.values() for i in blocks}
-        self.reset_stats()
+        self.figures = MoEFigures()  # this step's
+        self.loss_scale = 1.0  # the gradient of each loss share: 1, or fp16's loss scale
 
-    def reset_stats(self) -> None:
-        self.aux = 0.0  # this rank's share of the MoE losses in this step
-        self.moe_raw: dict[int, object] = {}  # block -> summed routing figures (refmp.nn.moe)
+    def begin_step(self, loss_scale: float = 1.0) -> None:
+        self.figures = MoEFigures()
+        self.loss_scale = loss_scale
+
+    @property
+    def aux(self) -> float:
+        """This rank's share of the step's MoE losses."""
+        return self.figures.aux
 
     def act_shape(self, b: int, T: int) -> tuple[int, int, int]:
         return (b, T // self.sequence_shards, self.cfg.n_embd)  # what crosses a stage boundary
@@ -68,14 +100,17 @@ class Stage:
         return gpt.block_params(p, i)
 
     def forward(self, c: int, inp, targets=None, denom=None, ops=None, weights=None,
-                release: bool = False):
+                release: bool = False, figures: MoEFigures | None = None):
         """Chunk c on one micro-batch: inp is token ids (chunk 0) or the previous chunk's
         output. Returns the output, or on the last chunk the loss share (logits without
         targets), and the cache the backward needs. ``ops``/``weights`` override the
         stage's own (decoding runs whole prompts on gathered weights). ``release``: the
         cache names its weights (as ZeRO-3's do), which the backward attaches again (2BW: a
-        forward whose buffer the update overwrites before its backward)."""
-        ops, weights = ops or self.ops, weights or self.sharder.weights
+        forward whose buffer the update overwrites before its backward). ``figures``: what
+        takes the MoE figures (default this step's; a forward that runs ahead keeps its own)."""
+        ops = ops or self.ops
+        weights = weights or self.sharder.weights
+        figures = figures or self.figures
         train = targets is not None
         release = train and (release or self.sharder.releases_weights)  # names, not arrays
         x, emb, head, blocks = inp, None, None, []
@@ -87,9 +122,7 @@ class Stage:
             x_in = x
             x, bc = gpt.block_forward(p, x, ops, moe)
             if train and isinstance(bc.mlp, M.MoECache):
-                self.aux += float(bc.mlp.loss)
-                raw = bc.mlp.stats["raw"]
-                self.moe_raw[i] = raw if i not in self.moe_raw else self.moe_raw[i] + raw
+                figures.add(i, bc.mlp.loss, bc.mlp.stats["raw"])
             if train and self.recompute:  # full recomputation: the input is all we keep
                 bc = Recompute(x_in, moe)
             blocks.append(detach(bc, p) if release else bc)
@@ -99,12 +132,12 @@ class Stage:
             head = detach(head, p) if release else head
         return x, (emb, blocks, head)
 
-    def backward(self, c: int, dout, cache, split: bool, final: bool, dloss: float = 1.0,
+    def backward(self, c: int, dout, cache, split: bool, final: bool,
                  attach_weights: bool = False, sink=None, weights=None):
         """Chunk c's backward; returns (dx of the chunk's input or None, what W needs).
 
         dout is the gradient of the chunk's output, or None on the last chunk (the loss
-        share's own gradient is ``dloss``: 1, or fp16's loss scale; MoE losses get it too).
+        share's own gradient is ``loss_scale``: 1, or fp16's; MoE losses get it too).
         With ``split`` (zero bubble) the linears' weight gradients and the embedding's are
         left for :meth:`weight`. ``final``: this is the step's last micro-batch (the Sharder
         starts stage 0's all-reduces then). ``attach_weights``: the forward released them.
@@ -113,13 +146,15 @@ class Stage:
         (default the Sharder's current ones), for the attached and recomputed blocks.
         """
         emb, blocks, head = cache
-        sharder, dx, sink = self.sharder, dout, sink or self.sharder
+        sharder = self.sharder
+        dx = dout
+        sink = sink or sharder
         weights = weights or sharder.weights
         attach_weights = attach_weights or sharder.releases_weights
         if head is not None:
             if attach_weights:  # gathered again: the forward's copy was freed
                 head = attach(head, {**weights("ln_f"), **weights("wte")})
-            dx, g = self.ops.head_backward(dloss, head)  # ln_f and the tied wte's head share
+            dx, g = self.ops.head_backward(self.loss_scale, head)  # ln_f and the tied wte's head share
             sink.accumulate("wte", {"wte.weight": g.pop("wte.weight")})
             sink.accumulate("ln_f", g)
             sink.grad_ready("ln_f", final)
@@ -133,7 +168,7 @@ class Stage:
             elif attach_weights:
                 bc = attach(bc, self.block_weights(i, weights))
             w_todo = [] if split else None
-            dx, g = gpt.block_backward(dx, bc, self.ops, w_todo, dloss)
+            dx, g = gpt.block_backward(dx, bc, self.ops, w_todo, self.loss_scale)
             self._add_block(i, g, final, not split, sink)
             if split:
                 todo.append((i, w_todo))
