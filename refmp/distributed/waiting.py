@@ -33,7 +33,8 @@ class StagedRequest(MPI.Request):
 
     def __new__(cls, req: MPI.Request, finish=None, keep=None):
         self = super().__new__(cls, req)
-        self.finish, self.keep = finish, keep
+        self.finish = finish
+        self.keep = keep
         return self
 
 
