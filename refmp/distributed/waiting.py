@@ -95,7 +95,8 @@ def wait(req: MPI.Request | None) -> None:
     sleep_until(req.Test)  # Test also drives MPI's progress engine
     if isinstance(req, StagedRequest) and req.finish is not None:
         req.finish()
-        req.finish = req.keep = None
+        req.finish = None
+        req.keep = None
 
 
 def wait_all(reqs: list[MPI.Request | None]) -> None:
