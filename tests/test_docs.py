@@ -1,10 +1,12 @@
 """The guide says what the code does: its code blocks are the tested source (docs/sync_code.py),
-its flag table is the parser's, its pages describe the project as it is, and the script its
-collectives page quotes runs. The site itself is tested in tests/test_site.py."""
+its reading path counts the files' lines (docs/reading_counts.py), its flag table is the
+parser's, its pages describe the project as it is, and the script its collectives page quotes
+runs. The site itself is tested in tests/test_site.py."""
 
 import os
 import pathlib
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,27 @@ def test_doc_code_blocks_match_the_source():
     r = subprocess.run([sys.executable, "docs/sync_code.py", "--check"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, "run `python docs/sync_code.py`:\n" + r.stdout + r.stderr
+
+
+def test_the_reading_path_is_the_code():
+    """docs/reading.md's core: every listed file exists, its count is its `wc -l`, the total
+    their sum, and every path the page names exists."""
+    r = subprocess.run([sys.executable, "docs/reading_counts.py", "--check"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+CORE_LINES = 2600  # the teaching core is "about 2,500 lines" (docs/reading.md)
+
+
+def test_the_teaching_core_stays_small():
+    counts = runpy.run_path(str(DOCS / "reading_counts.py"))
+    files = counts["listed"]((DOCS / "reading.md").read_text())
+    sizes = {f: counts["lines_of"](f) or 0 for f in files}
+    total = sum(sizes.values())
+    biggest = ", ".join(f"{f} ({n})" for f, n in sorted(sizes.items(), key=lambda x: -x[1])[:3])
+    assert total <= CORE_LINES, (f"docs/reading.md's core has {total} lines, over {CORE_LINES}: "
+                                 f"move what only the engine needs out of it (largest: {biggest})")
 
 
 def test_the_index_links_every_page():

@@ -1,5 +1,6 @@
-"""The package's layout holds: imports go down the layers, no module is too long, the cost
-model is pure, at most six modules sit directly in refmp/ (docs/architecture.md)."""
+"""The package's layout holds: imports go down the layers, no module is too long and each one
+near the cap names where it would split, no statement packs several attributes into one line,
+the cost model is pure, at most six modules sit directly in refmp/ (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -61,12 +62,120 @@ def test_imports_go_down_the_layers():
     assert not wrong, "imports that do not go down: " + "; ".join(sorted(wrong))
 
 
-def test_no_module_is_too_long_and_few_sit_at_the_top():
-    long = [f"{p.relative_to(ROOT)} ({n})" for p in modules()
-            if (n := len(p.read_text().splitlines())) > 350]
-    assert not long, f"modules over 350 lines: {long}"
+CAP = 400  # no module is longer
+NEAR = 300  # a module longer than this names its seam in SEAMS
+
+# Every module over NEAR lines, and where it splits when it grows: the first function or class
+# that would move (``Class.method`` for a method) and where it would go. A module that nears
+# CAP is split along its seam, never packed to fit (no statement assigns several attributes:
+# test_no_statement_assigns_several_attributes). Keep this table to exactly the modules over
+# NEAR; the test's message says which entry to add, fix or remove.
+SEAMS = {
+    "refmp/cli/plan.py": ("cpu_machine", "measuring this host (cpu_machine, calibrate, "
+                                         "measure_links) into cli/calibrate.py"),
+    "refmp/cost/model.py": ("collective", "the per-term costs (collective, bubble, gemm, "
+                                          "elementwise_bytes, cp_ledger, numpy_calls) into "
+                                          "cost/terms.py; Layout and predict stay"),
+    "refmp/nn/gpt.py": ("Ops", "the serial Ops that a layout replaces into nn/ops.py"),
+    "refmp/nn/layers.py": ("attention_forward", "attention's forward, weights and backward into "
+                                                "nn/attention.py, beside nn/blockwise.py"),
+    "refmp/parallel/data/sharder.py": ("Unit", "a unit's flat buffer and ZeRO-3's detached "
+                                               "weights (Unit, WeightRef, detach, attach) into "
+                                               "data/units.py"),
+    "refmp/parallel/engine.py": ("Engine.piece_index", "gathering the whole model (piece_index, "
+                                                       "full_params, full_grads, _whole) into "
+                                                       "parallel/gather.py"),
+}
+
+
+def lines_of(path: pathlib.Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def defines(path: pathlib.Path, name: str) -> bool:
+    """Whether ``path`` defines function or class ``name`` (``Class.method`` for a method)."""
+    body = ast.parse(path.read_text()).body
+    *outer, last = name.split(".")
+    for part in outer:
+        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == part), [])
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+               and n.name == last for n in body)
+
+
+def test_no_module_is_too_long_and_each_one_near_the_cap_names_its_seam():
+    sizes = {str(p.relative_to(ROOT)): lines_of(p) for p in modules()}
+    wrong = []
+    for module, n in sorted(sizes.items()):
+        if n > CAP:
+            name, goes = SEAMS.get(module, ("a seam", "name it in SEAMS if a part stays long"))
+            wrong.append(f"{module} has {n} lines, over {CAP}: split it at {name} ({goes}); "
+                         "never pack lines to fit")
+        elif n > NEAR and module not in SEAMS:
+            wrong.append(f"{module} has {n} lines, over {NEAR}: add to SEAMS in "
+                         f"tests/test_structure.py {module!r}: (\"<the first def, class or "
+                         "Class.method that would move>\", \"<where it would go>\")")
+    for module, (name, _) in sorted(SEAMS.items()):
+        if module not in sizes:
+            wrong.append(f"SEAMS names {module}, which does not exist: remove its entry "
+                         "(or give the module's new path)")
+        elif sizes[module] <= NEAR:
+            wrong.append(f"{module} has {sizes[module]} lines, not over {NEAR}: remove its "
+                         "entry from SEAMS in tests/test_structure.py")
+        elif not defines(ROOT / module, name):
+            wrong.append(f"SEAMS splits {module} at {name}, which it does not define: name the "
+                         "def, class or Class.method where it would split now")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_few_modules_sit_at_the_top():
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= 6, f"modules directly in refmp/: {top}"
+
+
+# Statements that may assign several attributes at once: one value unpacked into its genuine
+# parts (``self.m, self.v = adam_moments(g)``), keyed by module and the targets as ast.unparse
+# writes them: ("refmp/training/optim.py", "self.m, self.v"). Keep it tiny.
+GENUINE_PAIRS: set[tuple[str, str]] = set()
+
+
+def attributes_assigned(node: ast.Assign) -> list[str]:
+    """The attributes one assignment sets: ``self.a, self.b = ...``, ``a.x = a.y = ...``, and
+    attributes nested in tuples, lists or starred targets."""
+    out, todo = [], list(node.targets)
+    while todo:
+        t = todo.pop(0)
+        if isinstance(t, ast.Attribute):
+            out.append(ast.unparse(t))
+        elif isinstance(t, (ast.Tuple, ast.List)):
+            todo.extend(t.elts)
+        elif isinstance(t, ast.Starred):
+            todo.append(t.value)
+    return out
+
+
+def test_no_statement_assigns_several_attributes():
+    """One statement per line for unrelated state: ``self.a, self.b = x, y`` packed to keep a
+    module short is what SEAMS replaces (a module near the cap splits along its seam)."""
+    found, packed = set(), []
+    for path in modules():
+        module = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and len(attrs := attributes_assigned(node)) >= 2:
+                targets = " = ".join(", ".join(map(ast.unparse, t.elts))
+                                     if isinstance(t, ast.Tuple) else ast.unparse(t)
+                                     for t in node.targets)
+                if (module, targets) in GENUINE_PAIRS:
+                    found.add((module, targets))
+                else:
+                    call = len(node.targets) == 1 and isinstance(node.value, ast.Call)
+                    hint = f"; if a genuine pair: {(module, targets)!r}" if call else ""
+                    packed.append(f"{module}:{node.lineno}: {targets} = ... "
+                                  f"({len(attrs)} attributes{hint})")
+    stale = sorted(GENUINE_PAIRS - found)
+    assert not packed, ("split each into one statement per attribute, one per line (only a "
+                        "genuine pair, one value unpacked into its parts, may instead be added "
+                        "to GENUINE_PAIRS in tests/test_structure.py):\n" + "\n".join(packed))
+    assert not stale, f"GENUINE_PAIRS entries that no longer occur: remove them: {stale}"
 
 
 def test_the_cost_model_is_pure():

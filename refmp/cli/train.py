@@ -200,7 +200,10 @@ class _LogProgress:
     """tqdm's update/set_postfix/close, printing one line per tenth of the run."""
 
     def __init__(self, total: int):
-        self.total, self.n, self.every, self.post = total, 0, max(1, total // 10), {}
+        self.total = total
+        self.n = 0
+        self.every = max(1, total // 10)
+        self.post = {}
 
     def update(self, k: int) -> None:
         self.n += k

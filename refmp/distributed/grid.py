@@ -46,7 +46,8 @@ class ProcessGrid:
         world = MPI.COMM_WORLD if world is None else world
         self.mpi = world
         self.sizes = check_sizes(world.Get_size(), pp, dp, cp, tp, ep)
-        self.ledger, self.recorder = Ledger(), Recorder()
+        self.ledger = Ledger()
+        self.recorder = Recorder()
         self.world = Comm(world, "world", self.ledger, self.recorder)
         self.rank = world.Get_rank()
         self.coords = self.coords_of(self.rank)

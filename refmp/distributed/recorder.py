@@ -74,7 +74,8 @@ class Recorder:
         self.progress = time.time()  # the last start or completion: what the watchdog watches
         self.on = capacity > 0
         if not self.on:  # off: the same calls, doing nothing (instance attributes win)
-            self.start, self.done = (lambda *a, **k: _OFF), (lambda entry: None)
+            self.start = lambda *a, **k: _OFF
+            self.done = lambda entry: None
 
     def group(self, label: str, members: tuple[int, ...]) -> int:
         """An id for the group of world ranks ``members`` called ``label`` ("dp", "pp+tp").

@@ -33,7 +33,8 @@ class StagedRequest(MPI.Request):
 
     def __new__(cls, req: MPI.Request, finish=None, keep=None):
         self = super().__new__(cls, req)
-        self.finish, self.keep = finish, keep
+        self.finish = finish
+        self.keep = keep
         return self
 
 
@@ -94,7 +95,8 @@ def wait(req: MPI.Request | None) -> None:
     sleep_until(req.Test)  # Test also drives MPI's progress engine
     if isinstance(req, StagedRequest) and req.finish is not None:
         req.finish()
-        req.finish = req.keep = None
+        req.finish = None
+        req.keep = None
 
 
 def wait_all(reqs: list[MPI.Request | None]) -> None:

@@ -67,8 +67,11 @@ class Watchdog:
         if not recorder.on:  # the same environment on every rank: refused on all
             raise ConfigError("REFMP_RECORDER_CALLS=0 turns off the flight recorder that the "
                               "watchdog reads: give --collective-timeout 0 too")
-        self.mpi, self.recorder, self.timeout = mpi_world, recorder, float(timeout)
-        self.rank, self.size = mpi_world.Get_rank(), mpi_world.Get_size()
+        self.mpi = mpi_world
+        self.recorder = recorder
+        self.timeout = float(timeout)
+        self.rank = mpi_world.Get_rank()
+        self.size = mpi_world.Get_size()
         self.period = min(1.0, self.timeout / 4)
         self.grace = max(2.0, 3 * self.period)  # for every thread to see the alarm and answer
         self.trace_dir = trace_dir

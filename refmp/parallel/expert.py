@@ -68,7 +68,9 @@ class ExpertDispatch:
     """
 
     def __init__(self, ep, n_expert: int, wire=None):
-        self.ep, self.E, self.wire = ep, n_expert, wire
+        self.ep = ep
+        self.E = n_expert
+        self.wire = wire
         self.El = n_expert // ep.size
 
     def _a2a(self, rows, send_rows, recv_rows):

@@ -41,7 +41,10 @@ class SGD:
 
     def __init__(self, params: dict, lr: float = 0.1, momentum: float = 0.0,
                  weight_decay: float = 0.0, decay: Iterable[str] | None = None):
-        self.params, self.lr, self.momentum, self.weight_decay = params, lr, momentum, weight_decay
+        self.params = params
+        self.lr = lr
+        self.momentum = momentum
+        self.weight_decay = weight_decay
         self.decay = set(decay_names(params) if decay is None else decay)
         self.t = 0  # steps taken
         self.buffers: dict[str, object] = {}  # b of each parameter, from its first step on
@@ -85,7 +88,10 @@ class AdamW:
 
     def __init__(self, params: dict, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, decay: Iterable[str] | None = None):
-        self.params, self.lr, self.betas, self.eps = params, lr, betas, eps
+        self.params = params
+        self.lr = lr
+        self.betas = betas
+        self.eps = eps
         self.weight_decay = weight_decay
         self.decay = set(decay_names(params) if decay is None else decay)
         self.t = 0
@@ -175,20 +181,26 @@ class LossScaler:
     """
 
     def __init__(self, scale: float = 65536.0, window: int = 1000, min_scale: float = 1.0):
-        self.scale, self.window, self.min_scale, self.good = float(scale), window, min_scale, 0
+        self.scale = float(scale)
+        self.window = window
+        self.min_scale = min_scale
+        self.good = 0
 
     def update(self, finite: bool) -> bool:
         """After a step's gradient norm: True when the step may be taken."""
         if not finite:
-            self.scale, self.good = max(self.min_scale, self.scale / 2), 0
+            self.scale = max(self.min_scale, self.scale / 2)
+            self.good = 0
             return False
         self.good += 1
         if self.good >= self.window:
-            self.scale, self.good = self.scale * 2, 0
+            self.scale = self.scale * 2
+            self.good = 0
         return True
 
     def state(self) -> dict:
         return {"scale": self.scale, "good": self.good}
 
     def load_state(self, state: dict) -> None:
-        self.scale, self.good = float(state["scale"]), int(state["good"])
+        self.scale = float(state["scale"])
+        self.good = int(state["good"])

@@ -46,7 +46,9 @@ class ChunkLayout:
     def __init__(self, T: int, cp: int, balance: str = "zigzag"):
         if balance not in BALANCES:
             raise ConfigError(f"--cp-balance must be one of {', '.join(BALANCES)}, got {balance!r}")
-        self.T, self.cp, self.balance = T, cp, balance
+        self.T = T
+        self.cp = cp
+        self.balance = balance
         self.n_chunks = 2 * cp if balance == "zigzag" else cp
         if T % self.n_chunks:
             raise ConfigError(

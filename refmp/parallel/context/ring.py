@@ -48,7 +48,8 @@ class RingAttention:
     """
 
     def __init__(self, comm: Comm, layout):
-        self.comm, self.layout = comm, layout
+        self.comm = comm
+        self.layout = layout
         self.own_chunks = layout.chunks(comm.rank)  # my chunk ids, in the order my tokens are held
         self.flops = 0
 

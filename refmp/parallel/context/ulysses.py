@@ -28,7 +28,8 @@ class UlyssesAttention:
     """``forward(qkv, n_head)`` / ``backward(dout, cache)``, as refmp.nn.layers' attention."""
 
     def __init__(self, comm: Comm, layout, keep_scores: bool = True):
-        self.comm, self.layout = comm, layout
+        self.comm = comm
+        self.layout = layout
         self.keep_scores = keep_scores  # False: selective recomputation of the softmax
         rank_major = np.concatenate([layout.positions(j) for j in range(comm.size)])  # (T,)
         self.by_rank = backend.from_host(rank_major)  # natural-order index of each rank-major slot

@@ -61,7 +61,9 @@ class Codec:
     replaces = False
 
     def __init__(self, start: int = 0, wire=None, error_feedback: bool = True):
-        self.start, self.wire, self.feedback = start, wire, error_feedback
+        self.start = start
+        self.wire = wire
+        self.feedback = error_feedback
         self.error: dict[tuple[str, str], object] = {}  # (unit, name) -> e_i, not yet sent
 
     def produced(self, u: str, k: str, g):
@@ -88,7 +90,8 @@ class PowerSGD(Codec):
 
     def __init__(self, rank: int, seed: int, start: int = 0, error_feedback: bool = True):
         super().__init__(start, None, error_feedback)
-        self.rank, self.seed = rank, seed
+        self.rank = rank
+        self.seed = seed
         self.q: dict[str, object] = {}  # name -> Q (m, R), warm-started from the last step
 
     def memory(self) -> int:

@@ -107,7 +107,9 @@ class VRank:
     and the next micro-batch of each pass on each, so a V schedule is written as its phases."""
 
     def __init__(self, pp: int, m: int, rank: int):
-        self.m, self.chunk, self.out = m, (rank, 2 * pp - 1 - rank), []
+        self.m = m
+        self.chunk = (rank, 2 * pp - 1 - rank)
+        self.out = []
         self.next = {(k, half): 0 for k in "FBW" for half in (0, 1)}
         self.deferred: list[Action] = []  # split B's whose W has not run yet, oldest first
 
