@@ -34,7 +34,8 @@ from refmp.nn import GPTConfig
 from refmp.nn.params import param_shapes
 from refmp.parallel.data import compress
 from refmp.parallel.data.accumulate import dp_rows
-from refmp.parallel.data.sharder import Sharder, Unit
+from refmp.parallel.data.sharder import Sharder
+from refmp.parallel.data.zero import Unit
 from refmp.parallel.layout import check_compression
 from refmp.runtime.precision import BF16
 from refmp.training.datasets import Dataset, get_batch

@@ -79,9 +79,8 @@ SEAMS = {
     "refmp/nn/gpt.py": ("Ops", "the serial Ops that a layout replaces into nn/ops.py"),
     "refmp/nn/layers.py": ("attention_forward", "attention's forward, weights and backward into "
                                                 "nn/attention.py, beside nn/blockwise.py"),
-    "refmp/parallel/data/sharder.py": ("Unit", "a unit's flat buffer and ZeRO-3's detached "
-                                               "weights (Unit, WeightRef, detach, attach) into "
-                                               "data/units.py"),
+    "refmp/parallel/data/sharder.py": ("WeightRef", "ZeRO-3's detached weights (WeightRef, "
+                                                    "detach, attach) into data/release.py"),
     "refmp/parallel/engine.py": ("Engine.piece_index", "gathering the whole model (piece_index, "
                                                        "full_params, full_grads, _whole) into "
                                                        "parallel/gather.py"),

@@ -43,54 +43,13 @@ the serial run with the same compressor); ``gather`` (ZeRO-3) all-gathers weight
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import progress, wait
+from refmp.parallel.data.zero import Unit
 from refmp.runtime.arrays import map_leaves
 from refmp.runtime.backend import array_module
-
-
-class Unit:
-    """One unit flattened into a padded buffer (Pp,), and the slice [lo, hi) this rank owns."""
-
-    def __init__(self, name: str, shapes: dict, n: int, rank: int):
-        self.name = name
-        self.shapes = shapes
-        self.offsets = {}
-        o = 0
-        for k, s in shapes.items():
-            self.offsets[k] = o
-            o += math.prod(s)
-        self.numel = o  # P
-        self.padded = -(-o // n) * n  # Pp, a multiple of n
-        self.shard = self.padded // n  # S
-        self.lo = rank * self.shard  # my slice [lo, hi)
-        self.hi = (rank + 1) * self.shard
-
-    def views(self, flat) -> dict:
-        """The unit's parameters (full shapes) as views of a full flat buffer (Pp,)."""
-        return {k: flat[o : o + math.prod(s)].reshape(s)
-                for (k, s), o in zip(self.shapes.items(), self.offsets.values(), strict=True)}
-
-    def flatten(self, arrays: dict, xp, dtype):
-        """One padded flat buffer (Pp,) holding ``arrays`` (by name) in order, zeros after."""
-        flat = xp.zeros(self.padded, dtype=dtype)
-        for k, v in self.views(flat).items():
-            v[...] = arrays[k]
-        return flat
-
-    def pieces(self, shard) -> dict:
-        """This rank's elements of each parameter (and of the padding) as views of ``shard``."""
-        out = {}
-        ends = [(k, o, o + math.prod(self.shapes[k])) for k, o in self.offsets.items()]
-        for k, a, b in ends + [(f"{self.name}.padding", self.numel, self.padded)]:
-            a, b = max(a, self.lo), min(b, self.hi)
-            if a < b:
-                out[k] = shard[a - self.lo : b - self.lo]  # (b-a,) flat piece
-        return out
 
 
 class WeightRef:
