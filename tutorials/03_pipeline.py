@@ -50,8 +50,8 @@ first, last = rank == 0, rank == pp - 1
 mine = range(2 * rank, 2 * rank + 2)  # my two blocks
 stage = gpt.GPT(mcfg, {k: v for k, v in full.items() if holds(k, mine, first, last)})
 ops = gpt.Ops(mcfg.n_head)
-mbs = split_microbatches(x, y, M)  # micro-batch i: rows [i b, (i+1) b), b = B/M
-b = B // M
+mbs = split_microbatches(x, y, M)  # micro-batch i: rows [i b, (i+1) b) of the batch, b = B/M
+shape = (B // M, T, C)  # (b, T, C): one micro-batch's activation, what crosses a boundary
 held = {}  # micro-batch -> its caches by piece ("embed", "h.{j}", "head"), from F(i) to B(i)
 sends = []  # sends in flight, waited on at the end (their buffers stay alive until then)
 
@@ -63,7 +63,7 @@ def forward(i: int) -> None:
     if first:
         h, cache["embed"] = gpt.embed_forward(stage.params, xi)  # (b, T, C)
     else:
-        h = pipe.recv((b, T, C), np.float64, rank - 1, tag=i)  # (b, T, C): stage r-1's output
+        h = pipe.recv(shape, np.float64, rank - 1, tag=i)  # (b, T, C): stage r-1's output
     for j in mine:
         h, cache[f"h.{j}"] = gpt.block_forward(gpt.block_params(stage.params, j), h, ops)
     if last:  # my share of the loss: the micro-batch's loss sum over the batch's B T tokens
@@ -80,7 +80,7 @@ def backward(i: int) -> None:
         dh, g = gpt.head_backward(1.0, cache["head"])  # (b, T, C)
         stage.accumulate(g)
     else:
-        dh = pipe.recv((b, T, C), np.float64, rank + 1, tag=i)  # (b, T, C): d my output
+        dh = pipe.recv(shape, np.float64, rank + 1, tag=i)  # (b, T, C): d my output
     for j in reversed(mine):
         dh, g = gpt.block_backward(dh, cache[f"h.{j}"], ops)  # (b, T, C)
         stage.accumulate(g, prefix=f"h.{j}.")  # gradients add up over the micro-batches
@@ -106,7 +106,7 @@ if first != last:  # the tied wte: the embedding's share (first stage) + the hea
 
 err = max(float(np.abs(stage.grads[k] - serial.grads[k]).max()) for k in stage.params)
 err = pipe.allreduce_scalar(err, op="max")
-say(f"1. by hand: pp = {pp}, {M} micro-batches of {b} rows; rank 0's 1F1B actions: "
+say(f"1. by hand: pp = {pp}, {M} micro-batches of {B // M} rows; rank 0's 1F1B actions: "
     + " ".join(map(str, actions)))
 say(f"   largest |gradient - serial| over every stage: {err:.1e}; rank 0 sent "
     f"{pipe.ledger.bytes('send', 'pp'):,} bytes (M b T C 8 of activations, V C 8 of wte)")
@@ -146,5 +146,6 @@ for name in ("naive", "gpipe", "1f1b", "zb-h1", "zb-v", "dualpipev"):
         f"{tr.grid.ledger.bytes('send', 'pp'):,} B sent over pp")
 
 ok = ok_hand and worst_all < 1e-10
-say("\nOK: every schedule matches the serial run" if ok else "\nFAILED: a schedule differs")
+say("\nOK: by hand and through the engine, every schedule matches the serial run" if ok
+    else "\nFAILED: a pipeline differs from the serial run")
 sys.exit(0 if ok else 1)
