@@ -279,3 +279,4 @@ def test_tutorial_07_context_parallel():
     r = mpiexec(4, ["python", "tutorials/07_context_parallel.py"], timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all checks passed" in r.stdout
+    assert "== 1. by hand: cp = 4" in r.stdout

@@ -264,4 +264,5 @@ def test_tutorial_05_experts(n):
     r = mpiexec(n, ["python", "tutorials/05_experts.py"], timeout=200)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: expert parallel == serial" in r.stdout and "DROP" in r.stdout
+    assert "Part 1. by hand: ep = " in r.stdout
     assert r.stdout.count("step 3:") == 1  # rank 0 alone narrates

@@ -214,3 +214,4 @@ def test_tutorial_runs_and_checks_itself():
     out = mpiexec(2, ["python", "tutorials/03_pipeline.py"], timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "matches the serial run" in out.stdout
+    assert "1. by hand: pp = 2" in out.stdout

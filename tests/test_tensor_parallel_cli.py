@@ -62,3 +62,4 @@ def test_tutorial_runs_and_checks_itself(n):
     r = mpiexec(n, ["python", "tutorials/04_tensor_parallel.py"], timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: tensor parallel == serial, ledger == formula" in r.stdout
+    assert "1. by hand: tp = " in r.stdout

@@ -4,11 +4,15 @@
 
 All ranks form one tensor-parallel group. Each holds 1/tp of every big matrix: the q, k and v
 columns of its own heads, its rows of the attention and MLP output projections, its columns
-of the MLP input, its rows of the (padded) token embedding (refmp.parallel.placement). The
-one engine runs the layout: the serial block of refmp.nn.gpt, through ParallelOps
-(refmp.parallel.ops), whose linears are column- and row-parallel (refmp.parallel.tensor.linear).
-The script shows the shards, trains a few AdamW steps with and without sequence parallelism
-next to the serial model, holds the ledger's bytes against the formula, and reports the
+of the MLP input, its rows of the (padded) token embedding (refmp.parallel.placement).
+
+Part 1 does it by hand: every rank keeps its shard of each parameter (tp_shard) and runs the
+serial model's own forward and backward (refmp.nn.gpt.GPT) through ParallelOps
+(refmp.parallel.ops), whose linears are column- and row-parallel with Megatron's f and g
+around them (refmp.parallel.tensor.linear); the gradients, gathered, must equal the serial
+model's, and the bytes on tp the formula's. Part 2 shows who holds what. Part 3 runs the same
+layout through the engine (what `refmp train --tp` runs): a few AdamW steps with and without
+sequence parallelism next to the serial model, the ledger against the formula, and the
 activation memory each rank's caches hold. Exits non-zero if anything differs.
 """
 
@@ -18,33 +22,74 @@ import numpy as np
 from mpi4py import MPI
 
 from refmp.cost.tensor import comm_bytes_per_step
+from refmp.distributed.comm import Comm
 from refmp.distributed.grid import ProcessGrid
-from refmp.parallel.placement import padded_vocab, place, tp_shard
-from refmp.training.datasets import AdditionTask
+from refmp.nn import GPT, GPTConfig
+from refmp.nn.params import init_params
+from refmp.parallel.ops import ParallelOps
+from refmp.parallel.placement import gather_tp, padded_vocab, place, tp_shard
+from refmp.training.datasets import AdditionTask, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 
 world = MPI.COMM_WORLD
-tp = world.size
-say = print if world.rank == 0 else (lambda *a, **k: None)
+tp, rank = world.size, world.rank
+say = print if rank == 0 else (lambda *a, **k: None)
 ds = AdditionTask(digits=3, seed=0, n_train=500, n_test=20).dataset()  # vocabulary 13
 base = dict(n_layer=2, n_head=4, n_embd=16, block_size=12, batch_size=4, steps=3, lr=1e-2,
             warmup_steps=1, grad_clip=0.5, dtype="float64", progress=False)
 B, T, C, L_ = 4, 12, 16, 2
 ok = True
 
-# --- 1. who holds what ----------------------------------------------------------------------
-serial = Trainer(TrainConfig(**base), grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)  # per rank
-init = serial.runner.full_params()  # the whole model (the engine keeps only what it holds)
-say(f"tp = {tp} ranks; GPT: {L_} layers, 4 heads, C = {C}, vocabulary 13, T = {T}\n")
+# --- 1. tensor parallelism by hand ----------------------------------------------------------
+mcfg = GPTConfig(vocab_size=ds.vocab_size, block_size=T, n_layer=L_, n_head=4, n_embd=C)
+full = init_params(mcfg, seed=0, dtype="float64")  # the whole model, drawn on every rank
+x, y = get_batch(ds.tokens, 0, B, T)  # (B, T): the same rows on every tp rank
+serial = GPT(mcfg, full)
+loss_ref, cache = serial.forward(x, y)
+serial.backward(cache)
+tp_comm = Comm(world, "tp")
+say(f"1. by hand: tp = {tp}, one forward and backward of B = {B} rows against the serial GPT")
+for sp in (False, True):
+    model = GPT(mcfg, {k: tp_shard(k, v, rank, tp) for k, v in full.items()})  # my shards
+    ops = ParallelOps(mcfg.n_head, mcfg.vocab_size, tp_comm, sp)  # NH/tp heads on this rank
+    tp_comm.ledger.reset()
+    # forward: the embedding's masked lookup is summed over tp (g: all-reduce; with SP a
+    # reduce-scatter along T); c_attn and c_fc enter the parallel region with f (identity;
+    # SP: all-gather along T), the two c_proj leave it with g (all-reduce of the partial sum;
+    # SP: reduce-scatter); the vocab-parallel cross-entropy all-reduces three (B T,) vectors
+    loss, cache = model.forward(x, y, ops=ops)  # the loss, the same on every tp rank
+    # backward, the mirror: f's backward all-reduces dX (SP: reduce-scatter), g's is the
+    # identity (SP: all-gather dZ), and SP all-gathers each column layer's input once more
+    model.backward(cache, ops=ops)
+    # with SP a rank saw T/tp of the tokens: the gradients of the weights every rank holds
+    # whole (wpe, LayerNorms, c_proj biases) are partial over tp, and are summed here
+    for k, g in model.grads.items():
+        if "tp" in place(k, sp).reduce:
+            tp_comm.allreduce(g)  # (shape of k) partial over tp -> summed
+    n_repl = sum(int(v.size) for k, v in model.params.items() if place(k, sp).tp_split is None)
+    formula = comm_bytes_per_step(B, T, C, L_, sp, 8, n_repl)
+    measured = {op: tp_comm.ledger.bytes(op, "tp") for op in formula}
+    whole = gather_tp(model.grads, tp_comm, mcfg.vocab_size)  # all-gather the shards, unpadded
+    err = max(float(np.abs(whole[k] - serial.grads[k]).max()) for k in full)
+    err = max(err, abs(float(loss) - float(loss_ref)))
+    ok &= err < 1e-12 and measured == formula
+    say(f"   {'SP' if sp else 'no SP'}: largest |gradient - serial| {err:.1e}; bytes on tp "
+        + ", ".join(f"{op} {measured[op]:,} (formula {formula[op]:,})" for op in formula))
+ok = world.allreduce(int(ok), op=MPI.MIN) == 1
+
+# --- 2. who holds what ----------------------------------------------------------------------
+say(f"\n2. tp = {tp} ranks; GPT: {L_} layers, 4 heads, C = {C}, vocabulary 13, T = {T}\n")
 say(f"{'parameter':<24} {'full':>10} {'rank 0 holds':>14}")
 for k in ["wte.weight", "wpe.weight", "h.0.ln_1.weight", "h.0.attn.c_attn.weight",
           "h.0.attn.c_attn.bias", "h.0.attn.c_proj.weight", "h.0.attn.c_proj.bias",
           "h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"]:
-    say(f"{k:<24} {str(init[k].shape):>10} {str(tp_shard(k, init[k], 0, tp).shape):>14}")
+    say(f"{k:<24} {str(full[k].shape):>10} {str(tp_shard(k, full[k], 0, tp).shape):>14}")
 say(f"(wte padded from 13 to {padded_vocab(13, tp)} rows; the padded logits are -inf, never "
     f"in the loss)\n")
 
-# --- 2. train next to the serial model, with and without sequence parallelism ---------------
+# --- 3. the same layout through the engine (`refmp train --tp`), next to the serial model ---
+say("3. the engine")
+serial = Trainer(TrainConfig(**base), grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)  # per rank
 serial_steps = [serial.step()["loss"] for _ in range(base["steps"])]
 want = serial.runner.full_params()
 for sp in (False, True):
@@ -58,8 +103,8 @@ for sp in (False, True):
     n_repl = sum(int(v.size) for k, v in run.runner.params.items()
                  if place(k, sp).tp_split is None)
     formula = comm_bytes_per_step(B, T, C, L_, sp, 8, n_repl)
-    full = run.runner.full_params()  # gathered to rank 0, unpadded
-    worst = 0.0 if full is None else max(float(np.abs(full[k] - want[k]).max()) for k in want)
+    got = run.runner.full_params()  # gathered to rank 0, unpadded
+    worst = 0.0 if got is None else max(float(np.abs(got[k] - want[k]).max()) for k in want)
     worst = world.allreduce(worst, op=MPI.MAX)
     same = worst < 1e-10 and np.allclose(losses, serial_steps, rtol=1e-10)
     ok &= same and measured == formula

@@ -2,12 +2,16 @@
 
     mpiexec -n 2 python tutorials/05_experts.py        (or -n 4)
 
-Part 1 routes one sequence through an MoE layer and draws where each token goes: its top-2
-experts, the gates, and which assignments the capacity limit drops. Part 2 shows the two
-router losses, recomputed by hand. Part 3 trains the same MoE model serially and with its
-experts sharded over all ranks (--ep = world size, carved from the data-parallel ranks),
-compares the weights, and holds the all-to-all bytes in the ledger against what the routing
-implies. Exits non-zero on a mismatch.
+Part 1 does expert parallelism by hand: each rank holds the dense weights and its E/ep
+experts of every MoE layer, runs the serial model (refmp.nn.gpt.GPT) on its rows with the
+experts reached through ExpertDispatch's all-to-all (refmp.parallel.expert), and sums the
+dense gradients over the ranks; every gradient must equal the serial model's. Part 2 routes
+one sequence through an MoE layer and draws where each token goes: its top-2 experts, the
+gates, and which assignments the capacity limit drops. Part 3 shows the two router losses,
+recomputed by hand. Part 4 trains the same MoE model serially and through the engine with
+its experts sharded over all ranks (`refmp train --ep`, carved from the data-parallel
+ranks), compares the weights, and holds the all-to-all bytes in the ledger against what the
+routing implies. Exits non-zero on a mismatch.
 """
 
 import sys
@@ -15,11 +19,13 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
+from refmp.distributed.comm import Comm
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import moe as M
-from refmp.parallel.data.accumulate import dp_rows
-from refmp.parallel.expert import alltoallv_bytes
+from refmp.parallel.data.accumulate import allreduce_grads, dp_rows
+from refmp.parallel.expert import ExpertDispatch, alltoallv_bytes, is_expert
+from refmp.parallel.placement import holds
 from refmp.training.datasets import ADD_CHARS, AdditionTask, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -35,18 +41,54 @@ cfg = TrainConfig(n_layer=2, n_head=2, n_embd=16, batch_size=4 * world.size, ste
                   moe_every=2, capacity_factor=CF, aux_loss_coef=0.01, z_loss_coef=0.001,
                   progress=False)
 
-# --- Part 1: routing one sequence ------------------------------------------------------------
-serial = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)  # every rank runs it
-T = serial.T
+# --- Part 1: expert parallelism by hand ----------------------------------------------------
+B, T = cfg.batch_size, task.line_len
+mcfg = gpt.GPTConfig(vocab_size=ds.vocab_size, block_size=T, n_layer=2, n_head=2, n_embd=16,
+                     n_expert=E, top_k=K, moe_every=2, capacity_factor=CF)
+full = gpt.init_params(mcfg, seed=0, dtype="float64")  # the whole model, drawn on every rank
+x, y = get_batch(ds.tokens, 0, B, T)  # (B, T)
+serial = gpt.GPT(mcfg, full)
+loss_ref, cache = serial.forward(x, y)  # every expert here (refmp.nn.experts.LocalExperts)
+serial.backward(cache)
+
+ep_comm = Comm(world, "ep")
+ep, rank = ep_comm.size, ep_comm.rank
+# the dense weights (replicated) and experts [r E/ep, (r+1) E/ep) of each MoE layer
+model = gpt.GPT(mcfg, {k: v for k, v in full.items()
+                       if holds(k, range(mcfg.n_layer), True, True, rank, E, ep)})
+rows = dp_rows(B, ep, rank)  # my rows of the batch (ep is carved from dp: here all of it)
+# each MoE layer, forward: route my tokens; all-to-all of the counts per expert (E,), so each
+# rank can size what it receives; all-to-all(v) of the token rows (M, C) to the ranks of
+# their experts; my experts run on the rows they got (R, C); all-to-all(v) of the results
+# back to the tokens' ranks; combine with the gates
+dispatch = ExpertDispatch(ep_comm, E)
+loss, cache = model.forward(x[rows], y[rows], denom=B * T, dispatch=dispatch)  # my share
+# backward, the mirror: the output gradients all-to-all(v) to the experts, the input
+# gradients back; each expert's gradient is complete on its one rank
+model.backward(cache)
+dense = {k: g for k, g in model.grads.items() if not is_expert(k)}
+allreduce_grads(dense, ep_comm)  # the dense weights' gradients: the sum of the ranks' shares
+err = max(float(np.abs(g - serial.grads[k]).max()) for k, g in model.grads.items())
+err = ep_comm.allreduce_scalar(err, op="max")
+loss = ep_comm.allreduce_scalar(float(loss))  # the sum of the shares: the serial loss
+err = max(err, abs(loss - float(loss_ref)))
+say(f"Part 1. by hand: ep = {ep}, rank r holds experts [{E // ep}r, {E // ep}(r+1)); largest "
+    f"|loss or gradient - serial| {err:.1e}; all-to-all(v) calls here "
+    f"{ep_comm.ledger.count('alltoallv', 'ep')} (4 per MoE layer)\n")
+ok &= err < 1e-12
+
+# --- Part 2: routing one sequence ------------------------------------------------------------
+ref = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)  # every rank runs it
+T = ref.T
 # the engine keeps only the pieces it updates; full_params() is the whole model (on rank 0
 # of the trainer's grid: COMM_SELF here, so every rank)
-model = gpt.GPT(serial.model.cfg, serial.runner.full_params())
+model = gpt.GPT(ref.model.cfg, ref.runner.full_params())
 x, y = get_batch(ds.tokens, 0, cfg.batch_size, T)  # (B, T)
 _, cache = model.forward(x[:1], y[:1])  # one sequence
 mc = cache[1][0][-1]  # block 0 is MoE (moe_every = 2: blocks 0, 2, ...)
 cap = M.capacity(CF, K, T, E)
 keep = M.capacity_keep(mc.top.reshape(1, T, K), E, cap)[0]  # (T, K)
-say(f"Part 1. One sequence, T = {T} tokens, E = {E} experts, top-{K}, capacity "
+say(f"Part 2. One sequence, T = {T} tokens, E = {E} experts, top-{K}, capacity "
     f"ceil({CF} * {K} * {T} / {E}) = {cap} slots per expert (per sequence)\n")
 say("   t tok   1st choice (gate)   2nd choice (gate)")
 for t in range(T):
@@ -62,7 +104,7 @@ for e in range(E):
     say(f"  e{e}: [{' '.join(shown)}]  {kept}/{cap} slots used")
 say("  (t' marks a second choice; a dropped assignment adds 0, the residual carries the token)")
 
-# --- Part 2: the two router losses -----------------------------------------------------------
+# --- Part 3: the two router losses -----------------------------------------------------------
 # The load-balancing loss is counted per sequence (DeepSeek-V3's sequence-wise balance loss,
 # Megatron's seq_aux_loss), not over the global batch as in Switch: in a 1F1B pipeline the
 # first micro-batch's backward runs before the last micro-batch's forward, so a batch-wide
@@ -73,7 +115,7 @@ P = mc.probs.mean(axis=0)  # (E,) P_be: its mean router probability
 aux = cfg.aux_loss_coef * E * float((f * P).sum())  # one sequence: N_glob = T
 lse = np.log(np.exp(mc.router[0] @ mc.router[1]).sum(axis=-1))  # (T,) logsumexp of the logits
 z = cfg.z_loss_coef * float((lse**2).mean())
-say(f"\nPart 2. load-balancing loss, per sequence b (DeepSeek-V3's sequence-wise loss):\n"
+say(f"\nPart 3. load-balancing loss, per sequence b (DeepSeek-V3's sequence-wise loss):\n"
     f"        aux = alpha E / N_glob sum_b sum_t sum_e f_be p[b, t, e], f_be = assignments of "
     f"b to e / (K T)\n        this sequence: f_be = {np.round(f, 3).tolist()}, "
     f"aux = {st['aux_loss']:.6f} (by hand {aux:.6f})\n"
@@ -83,13 +125,12 @@ say(f"        router z-loss beta mean(logsumexp^2) = {st['z_loss']:.3e} (by hand
     f"beta = {cfg.z_loss_coef}; keeps the logits small)")
 ok &= abs(aux - st["aux_loss"]) <= 1e-12 and abs(z - st["z_loss"]) <= 1e-12
 
-# --- Part 3: expert parallelism == serial ----------------------------------------------------
-ep = world.size
+# --- Part 4: the same through the engine, against the serial run ----------------------------
 par = Trainer(TrainConfig(**{**cfg.__dict__, "ep": ep}), grid=ProcessGrid(world, ep=ep),
               dataset=ds)
 grid = par.grid
 dp, dp_rank = grid.sizes["dp"], grid.coords["dp"]
-say(f"\nPart 3. {dp} data-parallel ranks, experts sharded over ep = {ep}: rank r holds "
+say(f"\nPart 4. {dp} data-parallel ranks, experts sharded over ep = {ep}: rank r holds "
     f"experts [{E // ep}r, {E // ep}(r+1)) of each MoE layer")
 owner = np.empty(cfg.batch_size, dtype=int)
 for r in range(dp):
@@ -99,17 +140,17 @@ for step in range(cfg.steps):
     # what this step's routing implies for my all-to-all bytes (from the serial model, on the
     # weights this step starts from)
     xs, ys = get_batch(ds.tokens, step, cfg.batch_size, T)
-    _, c = gpt.GPT(serial.model.cfg, serial.runner.full_params()).forward(xs, ys)
+    _, c = gpt.GPT(ref.model.cfg, ref.runner.full_params()).forward(xs, ys)
     for b in c[1]:
         if isinstance(b[-1], M.MoECache):
             order = b[-1].order
             want += alltoallv_bytes(owner[order // K // T], b[-1].top.reshape(-1)[order],
                                     dp_rank, ep, E, cfg.n_embd, 8)
-    a, b = serial.step(), par.step()
+    a, b = ref.step(), par.step()
     say(f"step {step}: expert-parallel loss {b['loss']:.10f}   serial loss {a['loss']:.10f}   "
         f"tokens per expert {b['moe']['tokens_per_expert'][0]}")
     ok &= abs(a["loss"] - b["loss"]) <= 1e-9 * abs(a["loss"])
-full, ref = par.runner.full_params(), serial.runner.full_params()  # collective; rank 0's
+full, ref = par.runner.full_params(), ref.runner.full_params()  # collective; rank 0's
 worst = 0.0 if full is None else max(float(np.abs(v - ref[k]).max()) for k, v in full.items())
 got = grid.ledger.bytes("alltoallv", "ep")
 rows = world.gather((dp_rank, got, want, grid.ledger.count("alltoallv", "ep")))

@@ -3,15 +3,19 @@
 Run:  mpiexec -n 4 python tutorials/07_context_parallel.py      (cp = the number of ranks)
 
 What it shows, each part checked against the serial model (exit status 1 on a mismatch):
-  1. the ring, step by step: which K/V block each rank holds and which chunk pairs it computes;
-  2. the online-softmax merge of two blocks, on numbers;
-  3. why causal attention needs balancing: attention FLOPs and time per rank, measured,
+  1. context parallelism by hand: each rank takes its tokens of every row (ChunkLayout), runs
+     the serial model (refmp.nn.gpt.GPT) with ring attention as its attention core and its
+     tokens' global positions (ParallelOps), and sums the gradients over cp; the loss and
+     gradients equal the serial model's, and the ring's bytes the formula;
+  2. the ring, step by step: which K/V block each rank holds and which chunk pairs it computes;
+  3. the online-softmax merge of two blocks, on numbers;
+  4. why causal attention needs balancing: attention FLOPs and time per rank, measured,
      contiguous vs zig-zag;
-  4. ring and Ulysses attention equal serial attention (outputs and gradients), and the bytes
+  5. ring and Ulysses attention equal serial attention (outputs and gradients), and the bytes
      each moved equal the formulas;
-  5. when Ulysses beats the ring: bytes per rank per layer as cp grows;
-  6. whole training steps with --cp equal the serial steps: cp alone, and composed with dp
-     (ZeRO-1), tp (sequence parallel) and a pipeline, all through the one engine.
+  6. when Ulysses beats the ring: bytes per rank per layer as cp grows;
+  7. whole training steps through the engine (what `refmp train --cp` runs) equal the serial
+     steps: cp alone, and composed with dp (ZeRO-1), tp (sequence parallel) and a pipeline.
 """
 
 import math
@@ -24,12 +28,16 @@ from mpi4py import MPI
 from refmp.distributed.comm import Comm
 from refmp.distributed.grid import ProcessGrid
 from refmp.distributed.ledger import Ledger
+from refmp.nn import GPT, GPTConfig
 from refmp.nn import blockwise as BW
 from refmp.nn import layers as L
+from refmp.nn.params import init_params
 from refmp.parallel.context.chunks import ChunkLayout, nbytes_of, ring_attention_flops
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
-from refmp.training.datasets import Dataset
+from refmp.parallel.data.accumulate import allreduce_grads
+from refmp.parallel.ops import ParallelOps
+from refmp.training.datasets import Dataset, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 
 world = MPI.COMM_WORLD
@@ -47,8 +55,42 @@ def check(ok: bool, what: str):
         failures.append(f"rank {rank}: {what}")
 
 
-# --- 1. the ring, step by step ---------------------------------------------------------------
-say(f"== 1. the ring on cp={cp} ranks (T = {4 * cp}: zig-zag cuts 2cp chunks) ==")
+# --- 1. context parallelism by hand ----------------------------------------------------------
+V = 11
+ds = Dataset(np.random.default_rng(3).integers(0, V, 200), V, "random")
+B, T = 2, 4 * cp
+mcfg = GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=2, n_embd=8)
+full = init_params(mcfg, seed=0, dtype="float64")  # the whole model, drawn on every rank
+x, y = get_batch(ds.tokens, 0, B, T)  # (B, T)
+serial = GPT(mcfg, full)
+loss_ref, cache = serial.forward(x, y)
+serial.backward(cache)
+
+cpc = Comm(world, "cp", Ledger())
+lay = ChunkLayout(T, cp, "zigzag")
+mine = lay.positions(rank)  # (Tl,) my tokens' global positions: chunks r and 2cp-1-r
+model = GPT(mcfg, {k: v.copy() for k, v in full.items()})  # every weight whole on every rank
+# every layer but attention works token by token, on my Tl tokens; attention is the ring:
+# cp steps, in each of which I send the K/V block I hold to rank r+1 and receive rank r-1's
+# while computing my queries against the block (refmp.parallel.context.ring), merging as I go
+ops = ParallelOps(mcfg.n_head, V, attn=RingAttention(cpc, lay), positions=mine)
+loss, cache = model.forward(x[:, mine], y[:, mine], denom=B * T, ops=ops)  # my tokens' share
+# backward: the K/V blocks go round once more, and with each its gradient dK, dV, which
+# collects every rank's share on its way home
+model.backward(cache, ops=ops)
+allreduce_grads(model.grads, cpc)  # one all-reduce over cp of the ranks' shares, as dp's
+loss = cpc.allreduce_scalar(float(loss))  # the sum of the shares: the serial loss
+err = max(float(np.abs(model.grads[k] - serial.grads[k]).max()) for k in full)
+err = max(err, abs(loss - float(loss_ref)))
+sent = cpc.ledger.bytes("send", "cp")
+want = mcfg.n_layer * 3 * (cp - 1) * 2 * B * (T // cp) * mcfg.n_embd * 8
+say(f"== 1. by hand: cp = {cp}, B = {B}, T = {T}: largest |loss or gradient - serial| "
+    f"{err:.1e}; each rank sent {sent} bytes around the ring = L x 3 (cp-1) K/V blocks of "
+    f"2 B Tl C 8 bytes ({want})")
+check(err < 1e-12 and sent == want, "cp by hand")
+
+# --- 2. the ring, step by step ---------------------------------------------------------------
+say(f"\n== 2. the ring on cp={cp} ranks (T = {4 * cp}: zig-zag cuts 2cp chunks) ==")
 for balance in ("contiguous", "zigzag"):
     lay = ChunkLayout(4 * cp, cp, balance)
     say(f"\n{balance}: rank r holds chunks " +
@@ -67,8 +109,8 @@ for balance in ("contiguous", "zigzag"):
 say("(a<-b: query chunk a attends key chunk b in full; * causal diagonal; skip: all masked.\n"
     " Each step the block moves one rank on, while the pairs above are computed.)")
 
-# --- 2. the online-softmax merge -------------------------------------------------------------
-say("\n== 2. merging two blocks: lse = log(e^lse1 + e^lse2), "
+# --- 3. the online-softmax merge -------------------------------------------------------------
+say("\n== 3. merging two blocks: lse = log(e^lse1 + e^lse2), "
     "y = e^(lse1-lse) y1 + e^(lse2-lse) y2 ==")
 rng = np.random.default_rng(0)
 q, k, v = rng.standard_normal((3, 1, 1, 1, 6, 2)).reshape(3, 1, 1, 6, 2)  # 6 keys, HS 2
@@ -83,9 +125,9 @@ say(f"merged : lse {lse.item():.4f}  y {y.ravel().round(4)}")
 say(f"all six: lse {lse_full.item():.4f}  y {y_full.ravel().round(4)}")
 check(np.allclose(y, y_full, rtol=1e-12) and np.allclose(lse, lse_full), "merge")
 
-# --- 3. balance, measured --------------------------------------------------------------------
+# --- 4. balance, measured --------------------------------------------------------------------
 B, NH, HS, T = 2, 4, 16, 64 * cp
-say(f"\n== 3. causal work per rank: ring attention, B={B} NH={NH} HS={HS} T={T} ==")
+say(f"\n== 4. causal work per rank: ring attention, B={B} NH={NH} HS={HS} T={T} ==")
 qkv = np.random.default_rng(1).standard_normal((B, T, 3 * NH * HS))
 for balance in ("contiguous", "zigzag"):
     lay = ChunkLayout(T, cp, balance)
@@ -115,10 +157,10 @@ for balance in ("contiguous", "zigzag"):
     if balance == "zigzag":
         check(len(set(flops)) == 1, "zig-zag balance")
 
-# --- 4. ring and Ulysses equal serial attention ----------------------------------------------
+# --- 5. ring and Ulysses equal serial attention ----------------------------------------------
 B, NH, HS, T = 2, 2 * cp, 3, 4 * cp
 C, Tl = NH * HS, T // cp
-say(f"\n== 4. parity with serial attention (B={B} NH={NH} HS={HS} T={T}, float64) ==")
+say(f"\n== 5. parity with serial attention (B={B} NH={NH} HS={HS} T={T}, float64) ==")
 rng = np.random.default_rng(2)
 qkv, dout = rng.standard_normal((B, T, 3 * C)), rng.standard_normal((B, T, C))
 y_ref, cache = L.attention_forward(qkv, NH)
@@ -153,8 +195,8 @@ for algo, cls in (("ring", RingAttention), ("ulysses", UlyssesAttention)):
         f"{whole} B  ({what})")
     check(cp * nbytes_of(c) == whole, f"{algo} memory / cp")
 
-# --- 5. when Ulysses beats the ring ------------------------------------------------------------
-say("\n== 5. bytes each rank puts on the wire per layer (forward + backward), b=1, T=8192, "
+# --- 6. when Ulysses beats the ring ------------------------------------------------------------
+say("\n== 6. bytes each rank puts on the wire per layer (forward + backward), b=1, T=8192, "
     "C=4096, bf16 ==")
 b, T, C, isz = 1, 8192, 4096, 2
 say(" cp |       ring |    ulysses")
@@ -166,13 +208,11 @@ for n in (2, 4, 8, 16):
 say("Ulysses' volume per rank falls as 1/cp while the ring's stays ~6 b T C; but Ulysses needs "
     "cp | NH, and the ring hides its transfers behind block products that grow as Tl^2.")
 
-# --- 6. whole training steps -------------------------------------------------------------------
+# --- 7. whole training steps -------------------------------------------------------------------
 # One engine (refmp.parallel.engine) runs every layout: context parallelism is the tokens each
 # rank takes from a row (ChunkLayout) and the attention core of its Ops; it composes with dp,
 # tp (and sequence parallelism), pipelines and ZeRO unchanged.
-say("\n== 6. three AdamW steps with --cp, alone and composed, against the serial run ==")
-V = 11
-ds = Dataset(np.random.default_rng(3).integers(0, V, 200), V, "random")
+say("\n== 7. three AdamW steps with --cp, alone and composed, against the serial run ==")
 base = dict(n_layer=2, n_head=cp, n_embd=2 * cp, block_size=2 * cp, batch_size=2, steps=3,
             lr=0.01, warmup_steps=1, grad_clip=0.05, dtype="float64", progress=False)
 layouts = [dict(cp=cp), dict(cp=cp, cp_algo="ulysses")]
@@ -184,14 +224,14 @@ for lay in layouts:
     cfg = TrainConfig(**base, **lay)
     par = Trainer(cfg, dataset=ds)  # the grid from cfg: pp x dp x cp x tp = the world
     # the serial run on rank 0 alone: the same config, every layout field at its default
-    serial = (Trainer(TrainConfig(**base), grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
-              if rank == 0 else None)
+    ref = (Trainer(TrainConfig(**base), grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)
+           if rank == 0 else None)
     for s in range(cfg.steps):
         p = par.step()
-        if serial is not None:
-            a = serial.step()
+        if ref is not None:
+            a = ref.step()
             check(math.isclose(a["loss"], p["loss"], rel_tol=1e-9), f"{lay} loss step {s}")
-    full = par.runner.full_params()  # collective: the whole model, gathered on rank 0
+    got = par.runner.full_params()  # collective: the whole model, gathered on rank 0
     led, dp_ = par.grid.ledger, par.grid.sizes["dp"]
     group = "dp+cp" if dp_ > 1 else "cp"  # the dense gradients: ONE reduction over dp x cp
     op = "allreduce" if cfg.zero == 0 else "reduce_scatter"
@@ -199,9 +239,9 @@ for lay in layouts:
     check(cfg.zero > 0 or calls == 1, f"{lay}: one all-reduce of the gradients per step")
     check(led.bytes(op, "dp") == 0 and (dp_ == 1 or led.bytes(op, "cp") == 0),
           f"{lay}: no reduction over dp or cp alone")
-    if serial is not None:
-        want = serial.runner.full_params()
-        err = max(abs(full[k] - want[k]).max() for k in want)
+    if ref is not None:
+        want = ref.runner.full_params()
+        err = max(abs(got[k] - want[k]).max() for k in want)
         check(err < 1e-12, f"{lay} weights")
         name = " x ".join(f"{k}={v}" for k, v in par.grid.sizes.items() if v > 1)
         extra = ([cfg.cp_algo, cfg.cp_balance] + ["SP"] * cfg.sequence_parallel

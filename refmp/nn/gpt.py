@@ -229,43 +229,55 @@ class GPT:
     def num_params(self) -> int:
         return sum(math.prod(s) for s in param_shapes(self.cfg).values())  # also when sharded
 
-    def forward(self, idx, targets=None, denom=None, dispatch=None):
-        """(loss, cache) given targets (B, T); (logits, None) without them.
+    def forward(self, idx, targets=None, denom=None, dispatch=None, ops: Ops | None = None):
+        """(loss, cache) given targets (B, T); (logits, cache) without them.
 
-        MoE only: ``dispatch`` says where the experts run (default: all here).
+        ``denom``: the token count the loss is a mean over (default: these B T tokens; a
+        rank holding part of the batch passes the global count, so its loss is its share).
+        ``ops``: the pieces the model runs on (default the serial Ops; a layout's
+        refmp.parallel.ops.ParallelOps, with ``self.params`` holding this rank's shards,
+        runs the model split). MoE only: ``dispatch`` says where the experts run (default:
+        all here).
         """
-        cfg, ops = self.cfg, Ops(self.cfg.n_head)
+        cfg = self.cfg
+        ops = Ops(cfg.n_head) if ops is None else ops
         if targets is not None and denom is None:
             denom = idx.size  # the loss is the mean over these tokens
         moe = cfg.moe_context(denom if targets is not None else None, dispatch)
-        x, emb = embed_forward(self.params, idx)  # (B, T, C)
+        x, emb = ops.embed(self.params, idx)  # (B, T, C)
         blocks = []
         for i in range(cfg.n_layer):
             x, c = block_forward(block_params(self.params, i), x, ops,
                                  moe if cfg.is_moe(i) else None)
             blocks.append(c)
-        out, head = head_forward(self.params, x, targets, denom)
+        out, head = ops.head(self.params, x, targets, denom)
         if targets is not None and cfg.n_expert:
             out = out + sum(c.mlp.loss for c in blocks if isinstance(c.mlp, M.MoECache))
         return out, (emb, blocks, head)
 
-    def backward(self, cache, dloss=1.0) -> None:
-        """Accumulate gradients into self.grads (call zero_grad first for a fresh step)."""
-        ops = Ops(self.cfg.n_head)
+    def backward(self, cache, dloss=1.0, ops: Ops | None = None) -> None:
+        """Accumulate gradients into self.grads (call zero_grad first for a fresh step).
+
+        ``ops``: the Ops the forward ran on (default the serial Ops).
+        """
+        ops = Ops(self.cfg.n_head) if ops is None else ops
         emb, blocks, head = cache
-        dx, g = head_backward(dloss, head)
-        self._accumulate(g)
+        dx, g = ops.head_backward(dloss, head)
+        self.accumulate(g)
         for i in reversed(range(self.cfg.n_layer)):
             dx, g = block_backward(dx, blocks[i], ops, dloss=dloss)
-            self._accumulate({f"h.{i}.{k}": v for k, v in g.items()})
-        self._accumulate(embed_backward(dx, emb))  # wte also gets the head's share: tied
+            self.accumulate(g, prefix=f"h.{i}.")
+        self.accumulate(ops.embed_backward(dx, emb))  # wte also gets the head's share: tied
 
     def zero_grad(self) -> None:
         self.grads = {k: None for k in self.params}
 
-    def _accumulate(self, g: dict) -> None:
+    def accumulate(self, g: dict, prefix: str = "") -> None:
+        """Add gradients ``g`` into self.grads; ``prefix`` + name is the parameter's name
+        (``h.{i}.`` for a block's gradients, named inside the block)."""
         for k, v in g.items():
-            self.grads[k] = v if self.grads[k] is None else self.grads[k] + v
+            name = prefix + k
+            self.grads[name] = v if self.grads[name] is None else self.grads[name] + v
 
     @staticmethod
     def moe_stats(cache) -> dict:
