@@ -28,7 +28,7 @@ from refmp.distributed.grid import ProcessGrid
 from refmp.nn import GPT, GPTConfig
 from refmp.nn.params import init_params
 from refmp.parallel.data.accumulate import dp_rows
-from refmp.parallel.data.sharder import Unit
+from refmp.parallel.data.zero import Unit
 from refmp.parallel.placement import units_of
 from refmp.training.datasets import Dataset, get_batch
 from refmp.training.optim import AdamW, clip_grad_norm
