@@ -62,19 +62,24 @@ replica = GPT(mcfg, {k: v.copy() for k, v in full.items()})
 rows = dp_rows(B, dp, dpc.rank)
 _, cache = replica.forward(x[rows], y[rows], denom=B * T)  # my share of the global mean
 replica.backward(cache)
-units = {u: Unit(u, {k: full[k].shape for k in names}, dp, dpc.rank)  # padded to Pp = dp S
+# ZeRO-1 (and ZeRO-2, with one micro-batch): each unit flat, padded to Pp = dp S elements,
+# of which rank r owns [r S, (r+1) S); ZeRO-3 would also keep only that slice of the weights
+# and all-gather a unit just before its forward and its backward
+units = {u: Unit(u, {k: full[k].shape for k in names}, dp, dpc.rank)
          for u, names in units_of(full).items()}  # wte, wpe, h.0, h.1, ln_f
-grads, params = {}, {}  # my slice of each unit: its gradient, its weights (S,)
+grads = {}  # unit -> my slice of its summed gradient (S,)
+params = {}  # unit -> my slice of its weights (S,)
 for u, unit in units.items():
     # reduce-scatter: the sum over dp of the unit's flat gradient, of which I keep my slice
     grads[u] = dpc.reduce_scatter(unit.flatten(replica.grads, np, np.float64))  # (S,)
     params[u] = unit.flatten(replica.params, np, np.float64)[unit.lo : unit.hi]  # (S,)
+# the optimizer's view: parameter name -> my flat piece of it (views of the slices)
 g_mine = {k: v for u, unit in units.items() for k, v in unit.pieces(grads[u]).items()}
 p_mine = {k: v for u, unit in units.items() for k, v in unit.pieces(params[u]).items()}
 # the global norm: each rank sums the squares of its slices, one all-reduce adds them
 clip_grad_norm(g_mine, 0.1, sum_sq=dpc.allreduce_scalar)
 opt = AdamW(p_mine, lr=0.01, decay={k for k in p_mine if k in full and full[k].ndim >= 2})
-opt.step(g_mine)  # updates my slices in place; m and v exist for them only (1/dp of Adam)
+opt.step(g_mine)  # updates my slices in place; m and v exist for them only: 1/dp of them
 for u, unit in units.items():
     # all-gather: every rank's updated slice, so that every rank has the whole unit again
     for k, v in unit.views(dpc.allgather(params[u])).items():  # (Pp,)
