@@ -271,13 +271,13 @@ def test_stage_chunks_in_sequence_equal_the_serial_model(zero, n_expert):
 @settings(max_examples=40)
 @given(pp=st.integers(1, 6), m=st.integers(1, 12), steps=st.integers(1, 4))
 def test_2bw_runs_complete_and_each_step_is_a_consistent_cut(pp, m, steps):
-    """simulate_steps: steps of schedules.two_bw with their boundaries complete (no deadlock);
+    """simulate_steps: steps of pipedream.two_bw with their boundaries complete (no deadlock);
     step t runs only batches t and t+1 (no forward of t+2, whose weights its update makes;
     a send that crosses a boundary is received in the next step) and every backward of
     batch t; the peaks are 1F1B's; a one-step run is 1F1B."""
     from bisect import bisect_right
 
-    from refmp.parallel.pipeline.schedules import two_bw
+    from refmp.parallel.pipeline.pipedream import two_bw
     from refmp.parallel.pipeline.simulate import simulate_steps
 
     tl = simulate_steps("2bw", pp, m, steps)
@@ -298,7 +298,7 @@ def test_2bw_steady_step_leaves_one_idle_step_whatever_pp(pp):
     one idle unit (rank 1's backward that does not fit before the boundary), where 1F1B
     leaves 3(pp - 1): bubble 1/(3m+1), the formula; the later stages run backwards of the
     next batch before the boundary (pp >= 3); pp 1 has no bubble."""
-    from refmp.parallel.pipeline.schedules import lead, two_bw
+    from refmp.parallel.pipeline.pipedream import lead, two_bw
 
     checked = 0
     for m in range(1, 13):
@@ -323,7 +323,7 @@ def test_pipedream_runs_complete_and_follow_the_version_rule(pp, m, steps):
     version the rule names and the labels show; a steady step's bubble is the formula's."""
     from bisect import bisect_right
 
-    from refmp.parallel.pipeline.schedules import pipedream_version
+    from refmp.parallel.pipeline.pipedream import pipedream_version
     from refmp.parallel.pipeline.simulate import simulate_steps
 
     tl = simulate_steps("pipedream", pp, m, steps)

@@ -24,7 +24,8 @@ from refmp.cost.zero import local_shapes, memory_per_rank
 from refmp.nn.params import GPTConfig, param_shapes
 from refmp.parallel.data.compress import compresses
 from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
-from refmp.parallel.pipeline.schedules import ASYNC, V_SHAPED, chunks_per_rank, run_of_steps, schedule
+from refmp.parallel.pipeline.pipedream import run_of_steps
+from refmp.parallel.pipeline.schedules import ASYNC, V_SHAPED, chunks_per_rank, schedule
 from refmp.parallel.placement import padded_vocab, stage_chunks
 
 

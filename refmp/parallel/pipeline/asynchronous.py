@@ -14,8 +14,8 @@ and the weights change under them. What that takes is held here, not in the exec
   that the Sharder computes on when asked (``Sharder.weights(version=)``);
 * the tags: a later batch's micro-batch i keeps its number across the steps it spans.
 
-Micro-batch i of a step's lists is batch t + i // m's micro-batch i % m (schedules.two_bw,
-schedules.pipedream). Each cache remembers the weight version it was made on, and its
+Micro-batch i of a step's lists is batch t + i // m's micro-batch i % m (pipedream.two_bw,
+pipedream.pipedream). Each cache remembers the weight version it was made on, and its
 backward asserts it runs on the same.
 """
 
@@ -26,13 +26,14 @@ from functools import partial
 
 from refmp.distributed.waiting import wait_all
 from refmp.parallel.pipeline.executor import Executor
-from refmp.parallel.pipeline.schedules import Action, pipedream_version
+from refmp.parallel.pipeline.pipedream import pipedream_version
+from refmp.parallel.pipeline.schedules import Action
 from refmp.parallel.pipeline.stage import MoEFigures
 
 
 class GradStash:
     """2BW: takes the gradients of a backward of the next batch run before this step's
-    update (schedules.two_bw; Stage.backward's ``sink``). They are summed here, in the order
+    update (pipedream.two_bw; Stage.backward's ``sink``). They are summed here, in the order
     they come, and added to the Sharder's after the next step's zero_grad (``replay``): the
     same sums in the same order as the serial run's, so the step's gradient is batch t's
     alone."""
@@ -187,7 +188,7 @@ class AsyncExecutor(Executor):
 
 
 class TwoBW(AsyncExecutor):
-    """PipeDream-2BW (schedules.two_bw): batch t runs on W(t-1), its predecessor's weights
+    """PipeDream-2BW (pipedream.two_bw): batch t runs on W(t-1), its predecessor's weights
     (W(-1) = W(0)); batch t+1's first actions, in step t, on W(t). Two versions per stage:
     the Sharder's current buffers and ``previous``."""
 
@@ -226,11 +227,11 @@ class TwoBW(AsyncExecutor):
 
 
 class PipeDream(AsyncExecutor):
-    """PipeDream with weight stashing (schedules.pipedream): every forward runs on the
+    """PipeDream with weight stashing (pipedream.pipedream): every forward runs on the
     current weights W(t); one whose backward comes after this step's update names its
     weights, and at the end of the step W(t) is copied aside for it (``versions``). A
     backward attaches the version its forward ran on, which must be
-    schedules.pipedream_version's."""
+    pipedream.pipedream_version's."""
 
     def __init__(self, stage, comm, dtype, on_forward=None):
         super().__init__(stage, comm, dtype, on_forward)

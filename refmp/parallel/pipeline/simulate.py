@@ -14,7 +14,7 @@ Bubble fraction = idle / (pp * makespan). With those costs (all chunks equal):
   zb-h1 (p-1)/(3m+p-1)  (Qi et al.: bubble (p-1)(F+B-W) instead of (p-1)(F+B+W));
   zb-v, dualpipev (p-1)/(6m+p-1): 2 chunks per rank, each 1/2 a stage, 6m steps of work, and
   p-1 steps idle per rank (the fill of the V), for m >= 2p-1 (ZB-V) and m >= 2p (DualPipeV);
-  2bw 1/(3m+1) in a steady step (for p > 1, where schedules.lead is not capped): the next
+  2bw 1/(3m+1) in a steady step (for p > 1, where pipedream.lead is not capped): the next
   batch's first forwards and backwards fill the cool-down, and the step boundary (the
   global norm needs the whole gradient) falls where every rank is at the same moment of the
   flush-free run, but for rank 1's backward that would not end by then: one idle step;
@@ -24,15 +24,8 @@ Bubble fraction = idle / (pp * makespan). With those costs (all chunks equal):
 
 from __future__ import annotations
 
-from refmp.parallel.pipeline.schedules import (
-    ASYNC,
-    V_SHAPED,
-    Action,
-    chunks_per_rank,
-    pipedream_version,
-    run_of_steps,
-    schedule,
-)
+from refmp.parallel.pipeline.pipedream import pipedream_version, run_of_steps
+from refmp.parallel.pipeline.schedules import ASYNC, V_SHAPED, Action, chunks_per_rank, schedule
 from refmp.parallel.pipeline.timeline import Event, Timeline
 from refmp.parallel.placement import chunk_rank
 
@@ -151,7 +144,7 @@ def simulate_steps(name: str, pp: int, m: int, steps: int = 3,
     fills, the last drains) with the step boundaries between them. Micro-batch g is batch
     g // m's; each event is labelled with the weight version it computes on (``versions``,
     (rank, micro-batch) -> version): 2bw's W(g // m - 1) (W(-1) = W(0)), pipedream's
-    schedules.pipedream_version."""
+    pipedream.pipedream_version."""
     lists = [run_of_steps(name, pp, m, r, steps) for r in range(pp)]
     tl = simulate(lists, pp, steps * m, 1, name, costs, hops=hops)
     rule = pipedream_version if name == "pipedream" else lambda pp, r, t: max(t - 1, 0)
