@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmp.errors import ConfigError
+from refmp.runtime import backend
 
 
 class Sampler:
@@ -37,9 +38,9 @@ class Sampler:
     def pick(self, logits, requests, step: int) -> np.ndarray:
         """The next token (B,) of each row, from its logits (B, V); ``requests`` (B,) are the
         rows' request ids and ``step`` the index of the token being chosen."""
-        logits = np.asarray(logits)
-        if self.temperature == 0:
+        if self.temperature == 0:  # where the logits are (a GPU's stay there)
             return logits.argmax(axis=-1).astype(np.int64)
+        logits = backend.to_host(logits)
         return np.array([self._draw(z, int(g), step) for z, g in zip(logits, requests,
                                                                      strict=True)], np.int64)
 

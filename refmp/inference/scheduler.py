@@ -121,7 +121,6 @@ def serve(dec: Decoder, requests: list[Request], sampler: Sampler, slots: int,
     at = {st.tick: st for st in steps}
     dec.cache = make_cache(dec, slots, max(len(r.prompt) + r.max_new_tokens - 1
                                            for r in requests), block_size)
-    dec.ops.row_by_row = True  # a request's numbers must not depend on its batch
     new, kept = [[] for _ in requests], [[] for _ in requests]
     last = np.zeros(slots, dtype=np.int64)  # each slot's newest token (first and last stage)
     sent, t0 = [], time.perf_counter()  # the sends of the tick before, waited a tick later
@@ -151,14 +150,14 @@ def serve(dec: Decoder, requests: list[Request], sampler: Sampler, slots: int,
                 pos = np.array([[len(requests[i].prompt) + j] for i, _, j in st.decode])
                 logits = dec.forward(last[rows][:, None] if dec.first else None, rows, pos,
                                      prefill=False, decoded=np.array([j for *_, j in st.decode]),
-                                     sends=sending)
+                                     sends=sending, rows_apart=True)
                 for row, (i, s, j) in enumerate(st.decode if dec.last else ()):
                     pick(i, s, j + 1, logits[row])
             for i, s in st.admit:
                 prompt = np.array([requests[i].prompt], dtype=np.int64)
                 logits = dec.forward(prompt if dec.first else None, [s],
                                      np.arange(len(requests[i].prompt)), prefill=True,
-                                     sends=sending)
+                                     sends=sending, rows_apart=True)
                 if dec.last:
                     pick(i, s, 0, logits[0])
             if dec.last and P > 1 and going_on(st):  # the new tokens to the first stage
@@ -172,7 +171,6 @@ def serve(dec: Decoder, requests: list[Request], sampler: Sampler, slots: int,
     for req, _ in sent:
         wait(req)
     seconds = time.perf_counter() - t0
-    dec.ops.row_by_row = False
     if not dec.last:
         return Served(None, None, steps, seconds, dec.cache.nbytes)
     tokens = [np.array(r.prompt + n, dtype=np.int64) for r, n in zip(requests, new, strict=True)]

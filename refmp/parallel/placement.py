@@ -114,6 +114,14 @@ def holds(name: str, blocks, first: bool, last: bool, ep_rank: int = 0, n_expert
     return e is None or expert_owner(e, n_expert, ep) == ep_rank
 
 
+def shards_held(params: dict, blocks, first: bool, last: bool, tp, ep, n_expert: int = 0) -> dict:
+    """From the whole model ``params``: this rank's tp shard (tp_shard) of every parameter it
+    holds (holds), in the model's order. ``tp``, ``ep``: the rank's groups (their rank and
+    size). The engine's and the decoder's selection."""
+    return {k: tp_shard(k, v, tp.rank, tp.size) for k, v in params.items()
+            if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
+
+
 def unit_of(name: str) -> str:
     """The Sharder unit of a parameter: ``wte``, ``wpe``, ``h.{i}``, ``h.{i}.experts``, ``ln_f``.
 
