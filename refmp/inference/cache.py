@@ -132,7 +132,8 @@ class PagedKVCache(_Rows):
         self.length[slot] += t
 
     def view(self, i: int, slot: int, extra: int = 0):
-        n, ids = int(self.length[slot]) + extra, self.table[slot]
+        n = int(self.length[slot]) + extra
+        ids = self.table[slot]
         NH, HS = self.k[i].shape[1], self.k[i].shape[3]
 
         def gather(pool):  # (blocks, NH, bs, HS) -> (NH, blocks * bs, HS), the first n tokens
@@ -142,7 +143,8 @@ class PagedKVCache(_Rows):
 
     def free(self, slot: int) -> None:
         self.pool.extend(reversed(self.table[slot]))
-        self.table[slot], self.length[slot] = [], 0
+        self.table[slot] = []
+        self.length[slot] = 0
 
     def waste(self, slot: int) -> int:
         """Token places the slot's blocks hold but its tokens do not use (at most bs - 1)."""

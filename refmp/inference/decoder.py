@@ -55,7 +55,8 @@ from refmp.parallel.tensor import vocab
 from refmp.runtime import backend
 from refmp.runtime.backend import array_module
 
-TAG_ACT, TAG_TOKEN = 21, 22
+TAG_ACT = 21  # activations stage to stage
+TAG_TOKEN = 22  # the token ids, last stage to first
 
 
 class CachedAttention:
@@ -150,10 +151,12 @@ class Decoder:
     calls that run it on cached tokens. ``params``: the full model (GPT-2 names; host arrays,
     or device arrays on a GPU); ``grid``: a refmp.distributed.grid.ProcessGrid; ``axes``: the
     grid axes the model is split over (tp, pp, cp, ep), the others decode prompts of their
-    own (every axis left out acts as a single rank here)."""
+    own (every axis left out acts as a single rank here). ``capacity``: route to the experts
+    with the model's capacity limit, as training and GPT.generate do (a token's output then
+    depends on the tokens of its sequence, so only decoding without the cache is exact)."""
 
     def __init__(self, mcfg, params: dict, grid, cp_balance: str = "zigzag",
-                 axes: tuple[str, ...] = ("tp", "pp", "cp", "ep")):
+                 axes: tuple[str, ...] = ("tp", "pp", "cp", "ep"), capacity: bool = False):
         self.mcfg = mcfg
         self.cp_balance = cp_balance
         alone = Comm(MPI.COMM_SELF, "self", grid.ledger)
@@ -171,10 +174,10 @@ class Decoder:
         self.dtype = params["wte.weight"].dtype
         self.nh = mcfg.n_head // self.tp.size  # heads here
         self.attention = CachedAttention(self)
-        # experts: every token to its top-k (no capacity limit), sharded over ep if split
+        # experts: every token to its top-k (no capacity limit unless asked), over ep if split
         dispatch = ExpertDispatch(self.ep, mcfg.n_expert) if self.ep.size > 1 else None
-        no_drop = dataclasses.replace(mcfg, capacity_factor=0.0)
-        self.moe = no_drop.moe_context(None, dispatch) if mcfg.n_expert else None
+        routing = mcfg if capacity else dataclasses.replace(mcfg, capacity_factor=0.0)
+        self.moe = routing.moe_context(None, dispatch) if mcfg.n_expert else None
         self.cache = None
         # the call under way (forward sets them; CachedAttention reads them)
         self.mode = "decode"

@@ -94,17 +94,19 @@ def generate(dec: Decoder, prompts: np.ndarray, n_new: int, sampler: Sampler,
 
 class Greedy:
     """The serial model's ``generate(idx, n)`` (refmp.nn.gpt.GPT.generate) on a Decoder:
-    greedy tokens (B, T0 + n) of the prompts ``idx`` (B, T0), through the KV cache, on
-    every rank of the pipeline (the last stage broadcasts them over pp). What training's
-    evaluation decodes with (refmp.training.datasets.AdditionTask.score)."""
+    greedy tokens (B, T0 + n) of the prompts ``idx`` (B, T0), through the KV cache (or
+    without it: ``use_cache``), on every rank of the pipeline (the last stage broadcasts
+    them over pp). What training's evaluation decodes with
+    (refmp.training.datasets.AdditionTask.score)."""
 
-    def __init__(self, dec: Decoder):
+    def __init__(self, dec: Decoder, use_cache: bool = True):
         self.dec = dec
+        self.use_cache = use_cache
 
     def generate(self, idx, n: int):
         """Collective over the Decoder's axes."""
         dec = self.dec
-        tokens = generate(dec, idx, n, Sampler()).tokens  # the last stage's
+        tokens = generate(dec, idx, n, Sampler(), use_cache=self.use_cache).tokens  # last stage's
         if dec.pp.size == 1:
             return tokens
         if not dec.last:

@@ -33,7 +33,10 @@ class Sampler:
             raise ConfigError(f"--top-p must be in (0, 1], got {top_p}")
         if seed < 0:
             raise ConfigError(f"--seed must be >= 0, got {seed}")
-        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.seed = seed
 
     def pick(self, logits, requests, step: int) -> np.ndarray:
         """The next token (B,) of each row, from its logits (B, V); ``requests`` (B,) are the

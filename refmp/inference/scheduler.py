@@ -77,7 +77,8 @@ def plan(requests: list[Request], slots: int, stages: int) -> list[Step]:
     where: list[int | None] = [None] * slots  # slot -> request
     made = [0] * len(requests)  # tokens picked so far, per request
     back = [0] * G  # the tick a group's tokens are back on the first stage
-    steps, t = [], 0
+    steps = []
+    t = 0
     while waiting or any(w is not None for w in where):
         g = t % G
         if t >= back[g]:
@@ -123,7 +124,8 @@ def serve(dec: Decoder, requests: list[Request], sampler: Sampler, slots: int,
                                            for r in requests), block_size)
     new, kept = [[] for _ in requests], [[] for _ in requests]
     last = np.zeros(slots, dtype=np.int64)  # each slot's newest token (first and last stage)
-    sent, t0 = [], time.perf_counter()  # the sends of the tick before, waited a tick later
+    sent = []  # the sends of the tick before, waited a tick later
+    t0 = time.perf_counter()
 
     def going_on(st: Step) -> list[int]:
         """The slots of a turn whose requests want more tokens: the first stage needs their

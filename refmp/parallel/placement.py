@@ -204,7 +204,8 @@ def gather_tp(params: dict, tp, V: int) -> dict:
         if split is None or tp.size == 1:
             out[k] = v
             continue
-        xp, dim = backend.array_module(v), split[0]
+        xp = backend.array_module(v)
+        dim = split[0]
         moved = xp.moveaxis(v, dim, 0)  # split axis first
         got = tp.allgather(xp.ascontiguousarray(moved))  # (tp * n, ...) pieces in rank order
         pieces = [xp.moveaxis(a, 0, dim) for a in got.reshape((tp.size, -1) + moved.shape[1:])]
@@ -214,7 +215,8 @@ def gather_tp(params: dict, tp, V: int) -> dict:
 
 def gather_experts(params: dict, ep, n_expert: int) -> dict:
     """``params`` with every MoE layer's experts gathered over ep (collective over ep)."""
-    xp, out = backend.xp, dict(params)
+    xp = backend.xp
+    out = dict(params)
     layers = sorted({k.split(".")[1] for k in params if M.EXPERT.search(k)}, key=int)
     for i in layers:
         pre = f"h.{i}.mlp.experts."

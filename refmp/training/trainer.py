@@ -270,7 +270,9 @@ class Trainer:
         model, gathered by the runner on rank 0 and broadcast, in the compute dtype (with
         --mixed-precision the masters rounded: the copy training computes on), held by
         refmp.inference's Decoder over this run's tp and pp. The other axes decode prompts of
-        their own."""
+        their own. An MoE model with a capacity limit is decoded without the cache: its
+        capacity, counted over a sequence, reroutes the earlier tokens as the sequence grows,
+        as GPT.generate recomputes them."""
         mcfg = self.model.cfg
         world = self.grid.world
         full = self.runner.full_params()  # the whole model on world rank 0, None elsewhere
@@ -282,7 +284,9 @@ class Trainer:
                    else xp.empty(shape, np.dtype(self.cfg.dtype)))
             buf = world.bcast(buf, root=0)
             whole[k] = buf if compute is None else buf.astype(compute)
-        return Greedy(Decoder(mcfg, whole, self.grid, axes=("tp", "pp")))
+        dropping = bool(mcfg.n_expert) and mcfg.capacity_factor > 0
+        dec = Decoder(mcfg, whole, self.grid, axes=("tp", "pp"), capacity=dropping)
+        return Greedy(dec, use_cache=not dropping)
 
     def evaluate(self) -> tuple[int, int] | None:
         """Held-out exact-match (correct, total) by greedy decoding (``decoder``), the
