@@ -5,10 +5,12 @@ Shapes: B rows (requests) on this rank, T0 prompt tokens, t tokens of one call (
 prefill, 1 in a decode step), Tl = T0/cp prompt tokens per cp rank, C channels, NH = n_head/tp
 heads here, HS head size, V vocabulary, Vl = Vp/tp vocabulary rows here.
 
-A call runs this pipeline stage's blocks on t new tokens per row. The only piece that differs
-from training is the attention core, :class:`CachedAttention`, handed to ParallelOps as its
-``attn``: it appends the new keys and values to the cache and attends over everything cached.
-Each axis splits what it splits in training, and the cache with it:
+A call runs this pipeline stage's blocks on t new tokens per row, on the shards training
+selects (refmp.parallel.placement.shards_held) and through the Ops training builds
+(refmp.parallel.ops.make_ops: their embedding, blocks and head). The only piece that differs
+is the attention core, :class:`CachedAttention`, handed to the Ops as their ``attn``: it
+appends the new keys and values to the cache and attends over everything cached. Each axis
+splits what it splits in training, and the cache with it:
 
 * tp: the linears are column/row parallel (Megatron); a rank keeps the k, v of its NH/tp heads;
   the logits (B, Vl) of the last position are all-gathered into (B, V) to pick the token;
@@ -16,7 +18,8 @@ Each axis splits what it splits in training, and the cache with it:
   stage picks the token and sends its id to the first (B int64);
 * dp: each dp rank decodes its own rows (refmp.parallel.data: whole requests);
 * ep: the MoE MLP sends each token to its experts by all-to-all (refmp.parallel.expert);
-  without a capacity limit: a token's output must not depend on the tokens beside it;
+  without a capacity limit (unless asked: ``capacity``), so that a token's output does not
+  depend on the tokens beside it;
 * cp: the prompt is sharded (ChunkLayout, zig-zag or contiguous) and prefilled by ring
   attention; decoded token j is appended on cp rank j mod cp (round robin), every cp rank
   computes the new token's q and its partial attention over the keys it holds, and the
