@@ -67,15 +67,15 @@ class Stage:
             p.update(weights(u))
         return gpt.block_params(p, i)
 
-    def forward(self, c: int, inp, targets=None, denom=None, ops=None, weights=None,
+    def forward(self, c: int, inp, targets=None, denom=None, weights=None,
                 release: bool = False):
         """Chunk c on one micro-batch: inp is token ids (chunk 0) or the previous chunk's
         output. Returns the output, or on the last chunk the loss share (logits without
-        targets), and the cache the backward needs. ``ops``/``weights`` override the
-        stage's own (decoding runs whole prompts on gathered weights). ``release``: the
+        targets), and the cache the backward needs. ``weights`` overrides the
+        Sharder's current ones (a weight version). ``release``: the
         cache names its weights (as ZeRO-3's do), which the backward attaches again (2BW: a
         forward whose buffer the update overwrites before its backward)."""
-        ops, weights = ops or self.ops, weights or self.sharder.weights
+        ops, weights = self.ops, weights or self.sharder.weights
         train = targets is not None
         release = train and (release or self.sharder.releases_weights)  # names, not arrays
         x, emb, head, blocks = inp, None, None, []
