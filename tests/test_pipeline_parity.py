@@ -59,7 +59,7 @@ class Watch:
             pp.send, par.step = spy, watched
         if s == self.steps - 1:
             self.full = par.runner.full_params()  # collective
-            self.decoded = par.runner.generate(self.prompt, 2)  # collective over pp (and dp)
+            self.decoded = par.decoder().generate(self.prompt, 2)  # collective
 
 
 def check_pipeline_run(cfg: TrainConfig, ds: Dataset) -> None:

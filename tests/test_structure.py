@@ -20,7 +20,8 @@ LAYERS = {
     "nn": 2, "distributed": 2,
     "parallel": 3,
     "checkpoint": 4, "cost": 4,
-    "training": 5, "inference": 5,
+    "inference": 4.5,  # training's evaluation decodes with the inference Decoder
+    "training": 5,
     "cli": 6, "__main__": 7, "__init__": 7,
 }
 

@@ -26,7 +26,7 @@ from refmp.parallel.data.accumulate import activation_bytes
 from refmp.parallel.ops import ParallelOps
 from refmp.parallel.placement import padded_vocab, place, tp_shard
 from refmp.parallel.tensor import linear as tpl
-from refmp.parallel.tensor import vocab
+from refmp.parallel.tensor import sequence, vocab
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -87,10 +87,11 @@ def test_column_then_row_equal_serial_linears(B, t_per, c_in, c_out, sp, seed):
     dy, dBw, db = L.linear_backward(dz, cz)
     dx, dA, da = L.linear_backward(dy, cy)
     cols = slice(comm.rank * H // n, (comm.rank + 1) * H // n)
-    py, pcy = tpl.column_forward(t_shard(x, comm, sp), A[:, cols].copy(), a[cols].copy(), comm, sp)
-    pz, pcz = tpl.row_forward(py, Bw[cols].copy(), b, comm, sp)
-    pdy, pdBw, pdb = tpl.row_backward(t_shard(dz, comm, sp).copy(), pcz, comm)
-    pdx, pdA, pda = tpl.column_backward(pdy, pcy, comm)
+    layers = sequence if sp else tpl  # SP: the same layers on T/tp shards
+    py, pcy = layers.column_forward(t_shard(x, comm, sp), A[:, cols].copy(), a[cols].copy(), comm)
+    pz, pcz = layers.row_forward(py, Bw[cols].copy(), b, comm)
+    pdy, pdBw, pdb = layers.row_backward(t_shard(dz, comm, sp).copy(), pcz, comm)
+    pdx, pdA, pda = layers.column_backward(pdy, pcy, comm)
     if sp:  # the bias saw my positions only: partial over tp
         pdb = comm.allreduce(pdb)
     bad = Mismatches()
@@ -217,10 +218,11 @@ def test_vocab_embedding_head_and_loss_equal_serial(V, C, B, t_per, sp, seed):
     ge = gpt.embed_backward(dx_in, ce)
     # parallel
     mine = {k: tp_shard(k, v, comm.rank, n) for k, v in p.items()}  # wte padded to Vp rows
-    px, pce = vocab.embed_forward(mine, idx, comm, sp)
-    ploss, phc = vocab.head_forward(mine, t_shard(x, comm, sp), tg, denom, comm, V, sp)
-    pdx, pgh = vocab.head_backward(1.0, phc, comm)
-    pge = vocab.embed_backward(t_shard(dx_in, comm, sp).copy(), pce, comm)
+    ends = sequence if sp else vocab  # SP: the same ends on T/tp shards
+    px, pce = ends.embed_forward(mine, idx, comm)
+    ploss, phc = ends.head_forward(mine, t_shard(x, comm, sp), tg, denom, comm, V)
+    pdx, pgh = ends.head_backward(1.0, phc, comm)
+    pge = ends.embed_backward(t_shard(dx_in, comm, sp).copy(), pce, comm)
     if sp:  # replicated parameters saw my positions only
         for g in (pgh["ln_f.weight"], pgh["ln_f.bias"], pge["wpe.weight"]):
             comm.allreduce(g)

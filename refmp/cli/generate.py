@@ -102,7 +102,8 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     from refmp.inference.sources import load_weights, read_prompts
 
     grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
-    world, sampler = grid.world, Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    world = grid.world
+    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     moe = {"top_k": args.moe_top_k, "moe_every": args.moe_every}
     mcfg, params, tok = agreed(world, lambda: load_weights(args.init, args.checkpoint, moe))
     if args.requests is not None:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from refmp.runtime import backend
+
 
 class _Rows:
     """What both layouts share: every row of a batch at once, when the rows hold the same
@@ -45,15 +47,16 @@ class _Rows:
     def view_rows(self, i: int, slots: list[int], extra: int = 0):
         """(k, v) of layer i for the rows ``slots``, of equal lengths: (B, NH, n, HS) each."""
         got = [self.view(i, s, extra) for s in slots]
-        return np.stack([k for k, _ in got]), np.stack([v for _, v in got])
+        xp = backend.array_module(got[0][0])
+        return xp.stack([k for k, _ in got]), xp.stack([v for _, v in got])
 
 
 class KVCache(_Rows):
     """Contiguous: k, v of ``layers`` (their global indices), (S, NH, T, HS) each."""
 
     def __init__(self, layers, S: int, NH: int, T: int, HS: int, dtype):
-        self.k = {i: np.zeros((S, NH, T, HS), dtype) for i in layers}
-        self.v = {i: np.zeros((S, NH, T, HS), dtype) for i in layers}
+        self.k = {i: backend.xp.zeros((S, NH, T, HS), dtype) for i in layers}
+        self.v = {i: backend.xp.zeros((S, NH, T, HS), dtype) for i in layers}
         self.length = np.zeros(S, dtype=np.int64)  # tokens each slot holds (host ints)
 
     def append(self, i: int, slot: int, k, v) -> None:
@@ -103,8 +106,8 @@ class PagedKVCache(_Rows):
 
     def __init__(self, layers, S: int, NH: int, n_blocks: int, block_size: int, HS: int, dtype):
         self.bs = block_size
-        self.k = {i: np.zeros((n_blocks, NH, block_size, HS), dtype) for i in layers}
-        self.v = {i: np.zeros((n_blocks, NH, block_size, HS), dtype) for i in layers}
+        self.k = {i: backend.xp.zeros((n_blocks, NH, block_size, HS), dtype) for i in layers}
+        self.v = {i: backend.xp.zeros((n_blocks, NH, block_size, HS), dtype) for i in layers}
         self.pool = list(range(n_blocks))[::-1]  # free blocks (pop takes the lowest)
         self.table: list[list[int]] = [[] for _ in range(S)]
         self.length = np.zeros(S, dtype=np.int64)
@@ -129,7 +132,8 @@ class PagedKVCache(_Rows):
         self.length[slot] += t
 
     def view(self, i: int, slot: int, extra: int = 0):
-        n, ids = int(self.length[slot]) + extra, self.table[slot]
+        n = int(self.length[slot]) + extra
+        ids = self.table[slot]
         NH, HS = self.k[i].shape[1], self.k[i].shape[3]
 
         def gather(pool):  # (blocks, NH, bs, HS) -> (NH, blocks * bs, HS), the first n tokens
@@ -139,7 +143,8 @@ class PagedKVCache(_Rows):
 
     def free(self, slot: int) -> None:
         self.pool.extend(reversed(self.table[slot]))
-        self.table[slot], self.length[slot] = [], 0
+        self.table[slot] = []
+        self.length[slot] = 0
 
     def waste(self, slot: int) -> int:
         """Token places the slot's blocks hold but its tokens do not use (at most bs - 1)."""

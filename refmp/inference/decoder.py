@@ -5,10 +5,12 @@ Shapes: B rows (requests) on this rank, T0 prompt tokens, t tokens of one call (
 prefill, 1 in a decode step), Tl = T0/cp prompt tokens per cp rank, C channels, NH = n_head/tp
 heads here, HS head size, V vocabulary, Vl = Vp/tp vocabulary rows here.
 
-A call runs this pipeline stage's blocks on t new tokens per row. The only piece that differs
-from training is the attention core, :class:`CachedAttention`, handed to ParallelOps as its
-``attn``: it appends the new keys and values to the cache and attends over everything cached.
-Each axis splits what it splits in training, and the cache with it:
+A call runs this pipeline stage's blocks on t new tokens per row, on the shards training
+selects (refmp.parallel.placement.shards_held) and through the Ops training builds
+(refmp.parallel.ops.make_ops: their embedding, blocks and head). The only piece that differs
+is the attention core, :class:`CachedAttention`, handed to the Ops as their ``attn``: it
+appends the new keys and values to the cache and attends over everything cached. Each axis
+splits what it splits in training, and the cache with it:
 
 * tp: the linears are column/row parallel (Megatron); a rank keeps the k, v of its NH/tp heads;
   the logits (B, Vl) of the last position are all-gathered into (B, V) to pick the token;
@@ -16,7 +18,8 @@ Each axis splits what it splits in training, and the cache with it:
   stage picks the token and sends its id to the first (B int64);
 * dp: each dp rank decodes its own rows (refmp.parallel.data: whole requests);
 * ep: the MoE MLP sends each token to its experts by all-to-all (refmp.parallel.expert);
-  without a capacity limit: a token's output must not depend on the tokens beside it;
+  without a capacity limit (unless asked: ``capacity``), so that a token's output does not
+  depend on the tokens beside it;
 * cp: the prompt is sharded (ChunkLayout, zig-zag or contiguous) and prefilled by ring
   attention; decoded token j is appended on cp rank j mod cp (round robin), every cp rank
   computes the new token's q and its partial attention over the keys it holds, and the
@@ -39,25 +42,30 @@ import dataclasses
 import math
 
 import numpy as np
+from mpi4py import MPI
 
-from refmp.distributed.comm import wait
+from refmp.distributed.comm import Comm, wait
 from refmp.nn import blockwise as BW
 from refmp.nn import gpt
 from refmp.nn import layers as L
 from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.expert import ExpertDispatch
-from refmp.parallel.ops import ParallelOps
+from refmp.parallel.ops import make_ops
 from refmp.parallel.pipeline.partition import partition, piece_costs
-from refmp.parallel.placement import holds, padded_vocab, tp_shard
+from refmp.parallel.placement import padded_vocab, shards_held
 from refmp.parallel.tensor import vocab
+from refmp.runtime import backend
+from refmp.runtime.backend import array_module
 
-TAG_ACT, TAG_TOKEN = 21, 22
+TAG_ACT = 21  # activations stage to stage
+TAG_TOKEN = 22  # the token ids, last stage to first
 
 
 class CachedAttention:
-    """The attention core of one decoder call, on the layer ``decoder.layer`` (ParallelOps'
-    ``attn``: ``forward(qkv, n_head)`` like refmp.nn.layers.attention_forward)."""
+    """The attention core of one decoder call, on the layer ``decoder.layer`` (the Ops'
+    ``attn``, refmp.parallel.ops: ``forward(qkv, n_head)`` like
+    refmp.nn.layers.attention_forward)."""
 
     def __init__(self, decoder: Decoder):
         self.dec = decoder
@@ -79,7 +87,8 @@ class CachedAttention:
             dec.cache.equal(dec.slots)  # a batch of equal prompts
         y, lse = self._rows(q, k, v) if together else self._row_by_row(q, k, v)
         if dec.cp.size > 1:  # merge the cp ranks' partial attentions, in rank order
-            got = dec.cp.allgather(np.concatenate([y, lse[..., None]], axis=-1))
+            xp = array_module(y)
+            got = dec.cp.allgather(xp.concatenate([y, lse[..., None]], axis=-1))
             got = got.reshape(dec.cp.size, B, n_head, 1, hs + 1)
             y, lse = got[0, ..., :hs], got[0, ..., hs]
             for r in range(1, dec.cp.size):
@@ -99,9 +108,10 @@ class CachedAttention:
     def _row_by_row(self, q, k, v):
         """One row at a time: rows of other lengths, free slots (-1) skipped."""
         dec = self.dec
+        xp = array_module(q)
         B, n_head, _, hs = q.shape
-        y = np.zeros((B, n_head, 1, hs), q.dtype)
-        lse = np.full((B, n_head, 1), -np.inf, q.dtype)
+        y = xp.zeros((B, n_head, 1, hs), q.dtype)
+        lse = xp.full((B, n_head, 1), -np.inf, q.dtype)
         for b, slot in enumerate(dec.slots):
             if slot < 0:  # a free slot of a continuous batch: nothing to attend over
                 continue
@@ -114,49 +124,70 @@ class CachedAttention:
         return y, lse
 
 
-class DecodeOps(ParallelOps):
-    """ParallelOps whose linears run one row at a time when ``row_by_row`` is set: a row's
-    product is then the same BLAS call whatever rows share its batch (continuous batching's
-    bitwise promise; BLAS may round a row of a larger product by its place in a tile)."""
+class RowByRow:
+    """A decoder call's Ops (what refmp.nn.gpt.block_forward calls of them) with linears that
+    run one row at a time: a row's product is then the same BLAS call whatever rows share
+    its batch (continuous batching's bitwise promise; BLAS may round a row of a larger
+    product by its place in a tile)."""
 
-    row_by_row = False
+    def __init__(self, ops):
+        self.ops = ops
 
     def column(self, x, w, b):
-        return self._rows(super().column, x, w, b)
+        return self._rows(self.ops.column, x, w, b)
 
     def row(self, x, w, b):
-        return self._rows(super().row, x, w, b)
+        return self._rows(self.ops.row, x, w, b)
+
+    def attention(self, qkv):
+        return self.ops.attention(qkv)
 
     def _rows(self, linear, x, w, b):
-        if not self.row_by_row or x.shape[0] == 1:
+        if x.shape[0] == 1:
             return linear(x, w, b)
-        return np.concatenate([linear(x[i : i + 1], w, b)[0] for i in range(len(x))]), None
+        rows = [linear(x[i : i + 1], w, b)[0] for i in range(len(x))]
+        return array_module(x).concatenate(rows), None
 
 
 class Decoder:
     """This rank's share of the model (its stage's blocks, its tp shard, its experts) and the
-    calls that run it on cached tokens. ``params``: the full model (host arrays, GPT-2 names);
-    ``grid``: a refmp.distributed.grid.ProcessGrid."""
+    calls that run it on cached tokens. ``params``: the full model (GPT-2 names; host arrays,
+    or device arrays on a GPU); ``grid``: a refmp.distributed.grid.ProcessGrid; ``axes``: the
+    grid axes the model is split over (tp, pp, cp, ep), the others decode prompts of their
+    own (every axis left out acts as a single rank here). ``capacity``: route to the experts
+    with the model's capacity limit, as training and GPT.generate do (a token's output then
+    depends on the tokens of its sequence, so only decoding without the cache is exact)."""
 
-    def __init__(self, mcfg, params: dict, grid, cp_balance: str = "zigzag"):
-        self.mcfg, self.grid, self.cp_balance = mcfg, grid, cp_balance
-        self.tp, self.pp, self.cp, self.ep = (grid.comm[a] for a in ("tp", "pp", "cp", "ep"))
+    def __init__(self, mcfg, params: dict, grid, cp_balance: str = "zigzag",
+                 axes: tuple[str, ...] = ("tp", "pp", "cp", "ep"), capacity: bool = False):
+        self.mcfg = mcfg
+        self.cp_balance = cp_balance
+        alone = Comm(MPI.COMM_SELF, "self", grid.ledger)
+        self.tp = grid.comm["tp"] if "tp" in axes else alone
+        self.pp = grid.comm["pp"] if "pp" in axes else alone
+        self.cp = grid.comm["cp"] if "cp" in axes else alone
+        self.ep = grid.comm["ep"] if "ep" in axes else alone
         P, r = self.pp.size, self.pp.rank
         costs = piece_costs(mcfg.n_embd, mcfg.block_size, mcfg.vocab_size)
         self.blocks = partition(mcfg.n_layer, P, costs)[r]  # chunk r on pp rank r
-        self.first, self.last = r == 0, r == P - 1
-        names = [k for k in params if holds(k, set(self.blocks), self.first, self.last,
-                                            self.ep.rank, mcfg.n_expert, self.ep.size)]
-        self.params = {k: tp_shard(k, params[k], self.tp.rank, self.tp.size) for k in names}
+        self.first = r == 0
+        self.last = r == P - 1
+        self.params = shards_held(params, self.blocks, self.first, self.last, self.tp, self.ep,
+                                  mcfg.n_expert)  # as the engine's (refmp.parallel.placement)
         self.dtype = params["wte.weight"].dtype
         self.nh = mcfg.n_head // self.tp.size  # heads here
-        self.ops = DecodeOps(mcfg.n_head, mcfg.vocab_size, self.tp, attn=CachedAttention(self))
-        # experts: every token to its top-k (no capacity limit), sharded over ep if split
+        self.attention = CachedAttention(self)
+        # experts: every token to its top-k (no capacity limit unless asked), over ep if split
         dispatch = ExpertDispatch(self.ep, mcfg.n_expert) if self.ep.size > 1 else None
-        no_drop = dataclasses.replace(mcfg, capacity_factor=0.0)
-        self.moe = no_drop.moe_context(None, dispatch) if mcfg.n_expert else None
+        routing = mcfg if capacity else dataclasses.replace(mcfg, capacity_factor=0.0)
+        self.moe = routing.moe_context(None, dispatch) if mcfg.n_expert else None
         self.cache = None
-        self.mode, self.slots, self.owns, self.layer, self.ring = "decode", [], None, 0, None
+        # the call under way (forward sets them; CachedAttention reads them)
+        self.mode = "decode"
+        self.slots: list[int] = []
+        self.owns = None  # decode: whether this cp rank keeps each row's new token
+        self.layer = 0  # the block being run
+        self.ring = None  # prefill over cp: the ring attention of the prompts' chunks
 
     def kv_tokens(self, T0: int, n_decoded: int) -> int:
         """Tokens of one row this rank's cache holds: its Tl of the prompt and its share of
@@ -171,20 +202,24 @@ class Decoder:
     # --- one call: this stage's blocks on t new tokens of each row -------------------------
 
     def forward(self, ids, slots: list[int], positions, prefill: bool, decoded=None,
-                sends: list | None = None):
+                sends: list | None = None, rows_apart: bool = False):
         """Run this stage on the rows ``slots`` (-1: a free slot, skipped by attention).
 
         ``ids`` (B, t) token ids (first stage; None elsewhere); ``positions`` their global
-        positions, (t,) or (B, t); ``decoded`` (B,) in a decode step: the index j of each
-        row's new token (it decides the cp rank that keeps it). Returns the full logits (B, V)
-        of each row's last position on the last stage, None elsewhere. ``sends``: a list that
-        takes the send to the next stage, (request, buffer), for the caller to wait on;
-        without it the send is waited here.
+        positions, (t,) or (B, t) (host integers); ``decoded`` (B,) in a decode step: the
+        index j of each row's new token (it decides the cp rank that keeps it). Returns the
+        full logits (B, V) of each row's last position on the last stage, None elsewhere.
+        ``sends``: a list that takes the send to the next stage, (request, buffer), for the
+        caller to wait on; without it the send is waited here. ``rows_apart``: the linears
+        and the head run row by row (RowByRow).
         """
-        B, t = len(slots), (1 if not prefill else np.shape(positions)[-1])
-        self.mode, self.slots = ("prefill" if prefill else "decode"), slots
+        B = len(slots)
+        t = np.shape(positions)[-1] if prefill else 1
+        self.mode = "prefill" if prefill else "decode"
+        self.slots = slots
+        self.ring = None
         cp = self.cp
-        self.ring, held = None, np.asarray(positions)
+        held = np.asarray(positions)
         if prefill and cp.size > 1:  # my chunks of every prompt (ChunkLayout), ring attention
             layout = ChunkLayout(t, cp.size, self.cp_balance)
             self.ring = RingAttention(cp, layout)
@@ -192,19 +227,26 @@ class Decoder:
         if not prefill:
             self.owns = np.array([self.owner(j) == cp.rank for j in decoded])
         t_here = len(held) if prefill else 1
+        # the layout's Ops (make_ops, as training's), around the cache, at these positions
+        where = backend.from_host(held)
+        ops = make_ops(self.mcfg.n_head, self.mcfg.vocab_size, self.tp, attn=self.attention,
+                       positions=where)
         if self.first:
-            x = self._embed(ids if not prefill or cp.size == 1 else ids[:, held], held)
+            p = {"wte.weight": self.params["wte.weight"], "wpe.weight": self.params["wpe.weight"]}
+            x, _ = ops.embed(p, ids if not prefill or cp.size == 1 else ids[:, where])  # (B, t, C)
         else:
             x = self.pp.recv((B, t_here, self.mcfg.n_embd), self.dtype, self.pp.rank - 1, TAG_ACT)
+        block_ops = RowByRow(ops) if rows_apart else ops
         for i in self.blocks:
             self.layer = i
             p = gpt.block_params(self.params, i)
-            x, _ = gpt.block_forward(p, x, self.ops, self.moe if self.mcfg.is_moe(i) else None)
+            x, _ = gpt.block_forward(p, x, block_ops, self.moe if self.mcfg.is_moe(i) else None)
         for b, slot in enumerate(slots):
             if slot >= 0:
                 self.cache.advance(slot, t_here if prefill else int(self.owns[b]))
+        xp = array_module(x)
         if not self.last:
-            x = np.ascontiguousarray(x)
+            x = xp.ascontiguousarray(x)
             req = self.pp.send(x, self.pp.rank + 1, TAG_ACT)
             if sends is None:
                 wait(req)
@@ -214,28 +256,22 @@ class Decoder:
         x_last = x[:, -1:, :]  # (B, 1, C)
         if prefill and cp.size > 1:  # the prompt's last token lives on one cp rank
             root = next(r for r in range(cp.size) if t - 1 in layout.positions(r))
-            x_last = (np.ascontiguousarray(x[:, list(held).index(t - 1)][:, None])
-                      if cp.rank == root else np.empty_like(x_last))
+            x_last = (xp.ascontiguousarray(x[:, list(held).index(t - 1)][:, None])
+                      if cp.rank == root else xp.empty_like(x_last))
             x_last = cp.bcast(x_last, root)
-        return self._logits(x_last)
+        return self._logits(ops, x_last, rows_apart)
 
-    def _embed(self, ids, positions):
-        p = {"wte.weight": self.params["wte.weight"], "wpe.weight": self.params["wpe.weight"]}
-        if self.tp.size == 1:
-            return gpt.embed_forward(p, ids, positions=positions)[0]  # (B, t, C)
-        return vocab.embed_forward(p, ids, self.tp, False, positions)[0]
-
-    def _logits(self, x_last):
-        """The full logits (B, V) of x_last (B, 1, C): ln_f, the tied head, and with tp the
-        all-gather of the vocabulary shards."""
+    def _logits(self, ops, x_last, rows_apart: bool = False):
+        """The full logits (B, V) of x_last (B, 1, C): the Ops' head (ln_f, the tied head),
+        and with tp the all-gather of the vocabulary shards."""
+        if rows_apart and len(x_last) > 1:
+            rows = [self._logits(ops, x_last[i : i + 1]) for i in range(len(x_last))]
+            return array_module(x_last).concatenate(rows)
         p = {k: self.params[k] for k in ("ln_f.weight", "ln_f.bias", "wte.weight")}
-        if self.ops.row_by_row and len(x_last) > 1:
-            return np.concatenate([self._logits(x_last[i : i + 1]) for i in range(len(x_last))])
+        logits, _ = ops.head(p, x_last)  # (B, 1, V); with tp my shard (B, 1, Vl)
         if self.tp.size == 1:
-            return gpt.head_forward(p, x_last)[0][:, 0]  # (B, V)
-        mine = vocab.logits_forward(p, x_last, self.tp, self.mcfg.vocab_size)[0][:, 0]  # (B, Vl)
-        every = self.tp.allgather(np.ascontiguousarray(mine.T))  # (Vp, B)
-        return np.ascontiguousarray(every.T[:, : self.mcfg.vocab_size])  # (B, V)
+            return logits[:, 0]  # (B, V)
+        return vocab.gather_logits(logits[:, 0], self.tp, self.mcfg.vocab_size)  # (B, V)
 
     # --- the pipeline's token hand-back ---------------------------------------------------
 
@@ -244,7 +280,8 @@ class Decoder:
         if self.pp.size == 1:
             return tokens
         if self.last:
-            wait(self.pp.send(np.ascontiguousarray(tokens, dtype=np.int64), 0, TAG_TOKEN))
+            tokens = array_module(tokens).ascontiguousarray(tokens.astype(np.int64))
+            wait(self.pp.send(tokens, 0, TAG_TOKEN))
             return None
         if self.first:
             return self.pp.recv((B,), np.int64, self.pp.size - 1, TAG_TOKEN)

@@ -21,6 +21,8 @@ from refmp.errors import ConfigError
 from refmp.inference.cache import KVCache, PagedKVCache
 from refmp.inference.decoder import Decoder
 from refmp.inference.sampling import Sampler
+from refmp.runtime import backend
+from refmp.runtime.backend import array_module
 
 
 class Generated(NamedTuple):
@@ -49,6 +51,7 @@ def generate(dec: Decoder, prompts: np.ndarray, n_new: int, sampler: Sampler,
     """Decode ``n_new`` tokens after each of this rank's ``prompts`` (B, T0) (collective over
     the pipeline, tp, cp and ep). ``requests`` (B,): the rows' global ids (for sampling)."""
     B, T0 = prompts.shape
+    xp = array_module(prompts)
     if n_new < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {n_new}")
     if T0 + n_new - 1 > dec.mcfg.block_size:
@@ -73,7 +76,7 @@ def generate(dec: Decoder, prompts: np.ndarray, n_new: int, sampler: Sampler,
             break
         got = dec.token_to_first(tok if dec.last else None, B)
         if dec.first:
-            seq = np.concatenate([seq, got[:, None]], axis=1)  # (B, T0 + j + 1)
+            seq = xp.concatenate([seq, got[:, None]], axis=1)  # (B, T0 + j + 1)
         if use_cache:
             logits = dec.forward(got[:, None] if dec.first else None, slots, np.array([T0 + j]),
                                  prefill=False, decoded=np.full(B, j))
@@ -85,5 +88,27 @@ def generate(dec: Decoder, prompts: np.ndarray, n_new: int, sampler: Sampler,
     t2 = time.perf_counter()
     if not dec.last:
         return Generated(None, None, t1 - t0, t2 - t1, dec.cache.nbytes)
-    out = np.concatenate([prompts, np.stack(picked, axis=1)], axis=1)  # (B, T0 + N)
-    return Generated(out, np.stack(kept, axis=1), t1 - t0, t2 - t1, dec.cache.nbytes)
+    out = xp.concatenate([prompts, xp.stack(picked, axis=1)], axis=1)  # (B, T0 + N)
+    return Generated(out, xp.stack(kept, axis=1), t1 - t0, t2 - t1, dec.cache.nbytes)
+
+
+class Greedy:
+    """The serial model's ``generate(idx, n)`` (refmp.nn.gpt.GPT.generate) on a Decoder:
+    greedy tokens (B, T0 + n) of the prompts ``idx`` (B, T0), through the KV cache (or
+    without it: ``use_cache``), on every rank of the pipeline (the last stage broadcasts
+    them over pp). What training's evaluation decodes with
+    (refmp.training.datasets.AdditionTask.score)."""
+
+    def __init__(self, dec: Decoder, use_cache: bool = True):
+        self.dec = dec
+        self.use_cache = use_cache
+
+    def generate(self, idx, n: int):
+        """Collective over the Decoder's axes."""
+        dec = self.dec
+        tokens = generate(dec, idx, n, Sampler(), use_cache=self.use_cache).tokens  # last stage's
+        if dec.pp.size == 1:
+            return tokens
+        if not dec.last:
+            tokens = backend.xp.empty((idx.shape[0], idx.shape[1] + n), dtype=np.int64)
+        return dec.pp.bcast(tokens, root=dec.pp.size - 1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmp.errors import ConfigError
+from refmp.runtime import backend
 
 
 class Sampler:
@@ -32,14 +33,17 @@ class Sampler:
             raise ConfigError(f"--top-p must be in (0, 1], got {top_p}")
         if seed < 0:
             raise ConfigError(f"--seed must be >= 0, got {seed}")
-        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.seed = seed
 
     def pick(self, logits, requests, step: int) -> np.ndarray:
         """The next token (B,) of each row, from its logits (B, V); ``requests`` (B,) are the
         rows' request ids and ``step`` the index of the token being chosen."""
-        logits = np.asarray(logits)
-        if self.temperature == 0:
+        if self.temperature == 0:  # where the logits are (a GPU's stay there)
             return logits.argmax(axis=-1).astype(np.int64)
+        logits = backend.to_host(logits)
         return np.array([self._draw(z, int(g), step) for z, g in zip(logits, requests,
                                                                      strict=True)], np.int64)
 

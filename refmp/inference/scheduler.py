@@ -77,7 +77,8 @@ def plan(requests: list[Request], slots: int, stages: int) -> list[Step]:
     where: list[int | None] = [None] * slots  # slot -> request
     made = [0] * len(requests)  # tokens picked so far, per request
     back = [0] * G  # the tick a group's tokens are back on the first stage
-    steps, t = [], 0
+    steps = []
+    t = 0
     while waiting or any(w is not None for w in where):
         g = t % G
         if t >= back[g]:
@@ -121,10 +122,10 @@ def serve(dec: Decoder, requests: list[Request], sampler: Sampler, slots: int,
     at = {st.tick: st for st in steps}
     dec.cache = make_cache(dec, slots, max(len(r.prompt) + r.max_new_tokens - 1
                                            for r in requests), block_size)
-    dec.ops.row_by_row = True  # a request's numbers must not depend on its batch
     new, kept = [[] for _ in requests], [[] for _ in requests]
     last = np.zeros(slots, dtype=np.int64)  # each slot's newest token (first and last stage)
-    sent, t0 = [], time.perf_counter()  # the sends of the tick before, waited a tick later
+    sent = []  # the sends of the tick before, waited a tick later
+    t0 = time.perf_counter()
 
     def going_on(st: Step) -> list[int]:
         """The slots of a turn whose requests want more tokens: the first stage needs their
@@ -151,14 +152,14 @@ def serve(dec: Decoder, requests: list[Request], sampler: Sampler, slots: int,
                 pos = np.array([[len(requests[i].prompt) + j] for i, _, j in st.decode])
                 logits = dec.forward(last[rows][:, None] if dec.first else None, rows, pos,
                                      prefill=False, decoded=np.array([j for *_, j in st.decode]),
-                                     sends=sending)
+                                     sends=sending, rows_apart=True)
                 for row, (i, s, j) in enumerate(st.decode if dec.last else ()):
                     pick(i, s, j + 1, logits[row])
             for i, s in st.admit:
                 prompt = np.array([requests[i].prompt], dtype=np.int64)
                 logits = dec.forward(prompt if dec.first else None, [s],
                                      np.arange(len(requests[i].prompt)), prefill=True,
-                                     sends=sending)
+                                     sends=sending, rows_apart=True)
                 if dec.last:
                     pick(i, s, 0, logits[0])
             if dec.last and P > 1 and going_on(st):  # the new tokens to the first stage
@@ -172,7 +173,6 @@ def serve(dec: Decoder, requests: list[Request], sampler: Sampler, slots: int,
     for req, _ in sent:
         wait(req)
     seconds = time.perf_counter() - t0
-    dec.ops.row_by_row = False
     if not dec.last:
         return Served(None, None, steps, seconds, dec.cache.nbytes)
     tokens = [np.array(r.prompt + n, dtype=np.int64) for r, n in zip(requests, new, strict=True)]

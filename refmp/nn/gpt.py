@@ -108,9 +108,6 @@ class Ops:
     def head_backward(self, dloss, cache):
         return head_backward(dloss, cache)
 
-    def next_token(self, logits_last):
-        return logits_last.argmax(axis=-1)  # (B,) from (B, V)
-
 
 # What one block's backward needs: each piece's cache, in forward order; ``mlp`` is an
 # MLPCache (c_fc, gelu, c_proj), or with a mixture of experts an MoECache (with its loss).

@@ -19,10 +19,8 @@ import math
 from functools import partial
 
 import numpy as np
-from mpi4py import MPI
 
 from refmp.config import ParallelConfig
-from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import wait
 from refmp.nn import gpt
 from refmp.parallel.context.chunks import ChunkLayout
@@ -38,20 +36,19 @@ from refmp.parallel.data.accumulate import (
 from refmp.parallel.data.compress import make_codecs
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
-from refmp.parallel.ops import ParallelOps
+from refmp.parallel.ops import make_ops
 from refmp.parallel.pipeline.asynchronous import ASYNC_EXECUTORS
 from refmp.parallel.pipeline.executor import Executor
 from refmp.parallel.pipeline.schedules import ASYNC, V_SHAPED, chunks_per_rank, schedule
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.placement import (
-    chunk_rank,
     counts_in_norm,
     gather_experts,
     gather_tp,
-    holds,
     place,
     rank_chunks,
+    shards_held,
     tp_shard,
     units_of,
 )
@@ -80,9 +77,8 @@ def context_parallel(grid, layout: ParallelConfig, T: int, keep_scores: bool):
 def take_params(model: gpt.GPT, chunks: dict[int, range], first: bool, last: bool, grid) -> dict:
     """This rank's tp shard of every parameter it holds (placement.holds); frees the model."""
     blocks = {i for c in chunks.values() for i in c}
-    ep, tp, E = grid.comm["ep"], grid.comm["tp"], model.cfg.n_expert
-    names = [k for k in model.params if holds(k, blocks, first, last, ep.rank, E, ep.size)]
-    local = {k: tp_shard(k, model.params[k], tp.rank, tp.size) for k in names}
+    local = shards_held(model.params, blocks, first, last, grid.comm["tp"], grid.comm["ep"],
+                        model.cfg.n_expert)
     model.params, model.grads = {}, {}
     return local
 
@@ -145,8 +141,8 @@ class Engine:
         attn, cp_positions = context_parallel(grid, layout, T, keep_scores)
         self.positions = (None if attn is None  # (Tl,) the global positions of my tokens
                           else backend.from_host(cp_positions[grid.coords["cp"]]))
-        self.ops = ParallelOps(mc.n_head, mc.vocab_size, self.tp, self.sp, attn, self.positions,
-                               keep_scores)
+        self.ops = make_ops(mc.n_head, mc.vocab_size, self.tp, self.sp, attn, self.positions,
+                            keep_scores)
         self.schedule_name = layout.schedule
         self.v = chunks_per_rank(layout.schedule, layout.virtual_stages)  # chunks per rank
         self.n_chunks = self.pp.size * self.v
@@ -170,10 +166,6 @@ class Engine:
         coords = {**grid.coords, "edp": grid.comm["edp"].rank}
         self.counts_in_norm = counts_in_norm(self.sharder.params, local, coords, self.sp,
                                              self.sharder.partitions, self.first, self.last)
-        # evaluation: the ranks that may decode different prompts (ep peers and, when ZeRO-3
-        # gathers weights, every rank of a gather group must run the same forwards)
-        self.eval_comm = (Comm(MPI.COMM_SELF, "self", grid.ledger) if self.sharder.releases_weights
-                          else grid.comm["edp"] if self.ep.size > 1 else grid.group("dp", "cp"))
         self.peak_activations = 0
         self._loss = (0.0, 0.0)  # the last step's (cross-entropy, MoE) loss shares here
         self._scale = 1.0  # mixed precision: the loss scale
@@ -292,33 +284,7 @@ class Engine:
         raw = self.grid.world.allreduce_metrics(raw)
         return gpt.moe_summary([raw[i] for i in range(L) if self.mcfg.is_moe(i)], E)
 
-    # --- decoding and the whole model ---------------------------------------------------------
-
-    def generate(self, idx, n: int):
-        """Greedy decoding through the pipeline (collective over pp, tp, ep): the last stage
-        picks the token and broadcasts it, every stage appends it. Whole prompts: serial
-        attention, no SP; ZeRO-3 gathers the weights once for the call."""
-        sharder, xp = self.sharder, backend.array_module(idx)
-        rank_of = partial(chunk_rank, pp=self.pp.size, v_shape=self.v_shape)
-        full = {u: sharder.weights(u) for u in sharder.units}  # views, or gathered (ZeRO-3)
-        ops, T = self.ops.for_decoding(), self.mcfg.block_size
-        for _ in range(n):
-            ctx = idx[:, -T:]  # (n, t)
-            shape = (ctx.shape[0], ctx.shape[1], self.mcfg.n_embd)
-            x, reqs = None, []
-            for c in sorted(self.stage.chunks):
-                x = ctx if c == 0 else self.pp.recv(shape, self.executor.dtype, rank_of(c - 1), tag=c)
-                x, _ = self.stage.forward(c, x, ops=ops, weights=full.__getitem__)
-                if c < self.n_chunks - 1:
-                    reqs.append(self.pp.send(x, rank_of(c + 1), tag=c + 1))
-            nxt = xp.empty((ctx.shape[0],), dtype=idx.dtype)  # (n,)
-            if self.last:
-                nxt[...] = ops.next_token(xp.ascontiguousarray(x[:, -1, :]))
-            self.pp.bcast(nxt, root=rank_of(self.n_chunks - 1))
-            for req in reqs:
-                wait(req)
-            idx = xp.concatenate([idx, nxt[:, None]], axis=1)
-        return idx
+    # --- the whole model --------------------------------------------------------------------------
 
     def piece_index(self) -> dict:
         """For every owned piece (``params``' names): the global flat index of each of its

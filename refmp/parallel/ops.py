@@ -1,124 +1,139 @@
-"""ParallelOps: the pieces of one block (refmp.nn.gpt.Ops), split for a layout.
+"""The pieces of one block (refmp.nn.gpt.Ops), split for a layout: ``make_ops``.
 
 Shapes: B rows of one micro-batch, T tokens of a sequence this rank holds (T/cp with context
 parallelism), C channels, NH heads, V vocabulary, Vl = Vp/tp vocabulary rows per tp rank.
 
 ``refmp.nn.gpt.block_forward`` / ``block_backward`` are written once, against an Ops object.
 The serial Ops run plain linears, the serial attention core and the serial embedding and
-head. ParallelOps composes what a layout asks for, each axis touching only its own piece:
+head. A layout changes only the pieces its axes split, each axis touching only its own:
 
-* ``tp`` (Megatron, refmp.parallel.tensor.linear): the linears become column- and row-parallel
-  with f and g around them (or, with ``sp``, sequence parallelism's all-gather and
-  reduce-scatter), each rank computes NH/tp heads, and the embedding, tied head and
-  cross-entropy are vocabulary-parallel (refmp.parallel.tensor.vocab);
-* ``attn`` (context parallelism, refmp.parallel.context.chunks): the attention core becomes ring
-  attention or Ulysses over cp, on whatever heads tp left this rank; ``positions`` are the
-  global positions of this rank's tokens, for the position embedding;
+* ``attn`` (context parallelism, refmp.parallel.context; or a decoder's cached attention,
+  refmp.inference.decoder): another attention core, on whatever heads tp left this rank;
+  ``positions`` are the global positions of this rank's tokens, for the position embedding.
+  The linears and the ends stay serial: :class:`ContextOps`;
+* ``tp`` (Megatron, refmp.parallel.tensor.linear): the linears become column- and
+  row-parallel with f and g around them, each rank computes NH/tp heads, and the embedding,
+  tied head and cross-entropy are vocabulary-parallel (refmp.parallel.tensor.vocab):
+  :class:`ParallelOps`, around any of the attention cores above;
+* ``sp`` (over tp): the same ParallelOps with sequence parallelism's layers
+  (refmp.parallel.tensor.sequence: all-gather and reduce-scatter along T for f and g);
 * experts (refmp.parallel.expert) are not here: the MoE MLP takes its dispatch from the
   MoEContext the engine builds, so an MoE block composes with all of the above.
 
-Composition is composition of Ops, not a runner per combination: tp x cp x SP is one object.
+Composition is composition of Ops, not a runner per combination: tp x cp x SP is one object,
+and with tp = 1 the plain Ops (``make_ops``).
 """
 
 from __future__ import annotations
 
 from refmp.distributed.comm import Comm
 from refmp.nn import gpt
-from refmp.parallel.tensor import linear as tpl
-from refmp.parallel.tensor import vocab as vocab
-from refmp.runtime.backend import array_module
+from refmp.nn import layers as L
+from refmp.parallel.tensor import linear, sequence, vocab
 
 
-class ParallelOps(gpt.Ops):
-    """Ops on ``tp`` (None or a size-1 axis: serial linears), with SP, a CP attention core
-    ``attn`` (None: serial), and ``positions`` (None: 0..T-1) for the embedding."""
+def make_ops(n_head: int, V: int, tp: Comm, sp: bool = False, attn=None, positions=None,
+             keep_scores: bool = True) -> gpt.Ops:
+    """The Ops of a layout: ParallelOps over ``tp`` (with SP if ``sp``) when it has more than
+    one rank; else the serial Ops, around cp's attention core ``attn`` and the global
+    ``positions`` of the tokens when given (ContextOps). ``keep_scores`` False: the softmax
+    is recomputed in backward (selective recomputation)."""
+    if tp.size > 1:
+        return ParallelOps(n_head, V, tp, sp, attn, positions, keep_scores)
+    if attn is None and positions is None:
+        return gpt.Ops(n_head, keep_scores)
+    return ContextOps(n_head, attn, positions, keep_scores)
 
-    def __init__(self, n_head: int, V: int, tp: Comm | None = None, sp: bool = False,
-                 attn=None, positions=None, keep_scores: bool = True):
-        self.tp = tp if tp is not None and tp.size > 1 else None
-        super().__init__(n_head // (self.tp.size if self.tp else 1), keep_scores)  # NH/tp here
-        self.V, self.sp, self.attn, self.positions = V, sp and self.tp is not None, attn, positions
 
-    def for_decoding(self) -> ParallelOps:
-        """The same tp split on whole prompts: serial attention, no SP (prompts of any
-        length; SP and CP change where activations live, not the numbers)."""
-        return ParallelOps(self.n_head * (self.tp.size if self.tp else 1), self.V, self.tp)
+class LocalAttention:
+    """The serial attention core (refmp.nn.layers) as an ``attn``: every token of each
+    sequence is here, and the heads the Ops compute."""
+
+    def __init__(self, keep_scores: bool = True):
+        self.keep_scores = keep_scores
+
+    def forward(self, qkv, n_head: int):
+        return L.attention_forward(qkv, n_head, self.keep_scores)  # (B, T, C)
+
+    def backward(self, dout, cache):
+        return L.attention_backward(dout, cache)  # (B, T, 3C)
+
+
+class ContextOps(gpt.Ops):
+    """The serial Ops around another attention core ``attn`` (ring attention or Ulysses over
+    cp, a decoder's cached attention; None: the serial core), with the global ``positions``
+    (T,) of this rank's tokens for the embedding (None: 0..T-1)."""
+
+    def __init__(self, n_head: int, attn=None, positions=None, keep_scores: bool = True):
+        super().__init__(n_head, keep_scores)
+        self.attn = attn if attn is not None else LocalAttention(keep_scores)
+        self.positions = positions
+
+    def attention(self, qkv):
+        return self.attn.forward(qkv, self.n_head)  # (B, T, C/tp) on my tokens
+
+    def attention_backward(self, da, cache):
+        return self.attn.backward(da, cache)
+
+    def embed(self, p: dict, idx):
+        return gpt.embed_forward(p, idx, positions=self.positions)  # (B, T, C)
+
+
+class ParallelOps(ContextOps):
+    """Ops split over ``tp`` (more than one rank): NH/tp heads, column/row-parallel linears,
+    vocabulary-parallel ends; with ``sp`` the sequence-parallel layers; around the attention
+    core ``attn`` and with the ``positions`` of ContextOps."""
+
+    def __init__(self, n_head: int, V: int, tp: Comm, sp: bool = False, attn=None,
+                 positions=None, keep_scores: bool = True):
+        super().__init__(n_head // tp.size, attn, positions, keep_scores)  # NH/tp here
+        self.V = V
+        self.tp = tp
+        # the layers: Megatron's (f and g: identity and all-reduce), or with SP the same
+        # layers split along T (all-gather and reduce-scatter), under the same names
+        self.linear = sequence if sp else linear
+        self.vocab = sequence if sp else vocab
 
     # --- the linears: column-parallel enters the tp region, row-parallel leaves it ------------
 
     def column(self, x, w, b):
-        if self.tp is None:
-            return super().column(x, w, b)
-        y, cache = tpl.column_forward(x, w, b, self.tp, self.sp)  # (B, T, out/tp)
+        y, cache = self.linear.column_forward(x, w, b, self.tp)  # (B, T, out/tp)
         return y, ("column", cache)
 
     def row(self, x, w, b):
-        if self.tp is None:
-            return super().row(x, w, b)
-        z, cache = tpl.row_forward(x, w, b, self.tp, self.sp)  # (B, T, out), or T/tp with SP
+        z, cache = self.linear.row_forward(x, w, b, self.tp)  # (B, T, out), or T/tp with SP
         return z, ("row", cache)
 
     def linear_backward(self, dout, cache):
-        if self.tp is None:
-            return super().linear_backward(dout, cache)
         kind, c = cache
-        back = tpl.column_backward if kind == "column" else tpl.row_backward
+        back = self.linear.column_backward if kind == "column" else self.linear.row_backward
         return back(dout, c, self.tp)  # dx, dw (my shard), db
 
     def linear_backward_input(self, dout, cache):
-        if self.tp is None:
-            return super().linear_backward_input(dout, cache)
         kind, c = cache
-        back = tpl.column_backward_input if kind == "column" else tpl.row_backward_input
-        dx, item = back(dout, c, self.tp)
-        return dx, (kind, item)
+        back = (self.linear.column_backward_input if kind == "column"
+                else self.linear.row_backward_input)
+        dx, deferred = back(dout, c, self.tp)
+        return dx, (kind, deferred)
 
     def linear_backward_weight(self, item):
-        if self.tp is None:
-            return super().linear_backward_weight(item)
-        kind, item = item
-        if kind == "column":
-            return tpl.column_backward_weight(*item, self.tp)
-        return tpl.row_backward_weight(*item)
-
-    # --- the attention core: serial, or ring / Ulysses over cp --------------------------------
-
-    def attention(self, qkv):
-        if self.attn is None:
-            return super().attention(qkv)
-        return self.attn.forward(qkv, self.n_head)  # (B, T, C/tp) on my tokens
-
-    def attention_backward(self, da, cache):
-        if self.attn is None:
-            return super().attention_backward(da, cache)
-        return self.attn.backward(da, cache)
+        kind, deferred = item
+        back = (self.linear.column_backward_weight if kind == "column"
+                else self.linear.row_backward_weight)
+        return back(*deferred)  # dw (my shard), db
 
     # --- the ends: token + position embedding, tied head and loss -----------------------------
 
     def embed(self, p: dict, idx):
-        if self.tp is None:
-            return gpt.embed_forward(p, idx, positions=self.positions)  # (B, T, C)
-        return vocab.embed_forward(p, idx, self.tp, self.sp, self.positions)  # T/tp with SP
+        return self.vocab.embed_forward(p, idx, self.tp, self.positions)  # T/tp with SP
 
     def embed_backward(self, dx, cache) -> dict:
-        if self.tp is None:
-            return gpt.embed_backward(dx, cache)
-        return vocab.embed_backward(dx, cache, self.tp)  # wte (Vl, C); wpe partial with SP
+        return self.vocab.embed_backward(dx, cache, self.tp)  # wte (Vl, C); wpe partial with SP
 
     def head(self, p: dict, x, targets=None, denom=None):
-        if self.tp is None:
-            return gpt.head_forward(p, x, targets, denom)
         if targets is None:  # my logits (B, T, Vl)
-            return vocab.logits_forward(p, x, self.tp, self.V, self.sp)
-        return vocab.head_forward(p, x, targets, denom, self.tp, self.V, self.sp)
+            return self.vocab.logits_forward(p, x, self.tp, self.V)
+        return self.vocab.head_forward(p, x, targets, denom, self.tp, self.V)
 
     def head_backward(self, dloss, cache):
-        if self.tp is None:
-            return gpt.head_backward(dloss, cache)
-        return vocab.head_backward(dloss, cache, self.tp)  # dx like x; my wte rows
-
-    def next_token(self, logits_last):
-        if self.tp is None:
-            return super().next_token(logits_last)
-        # the global argmax over the vocabulary shards (B, Vl): an all-gather over tp
-        return vocab.argmax_forward(array_module(logits_last).ascontiguousarray(logits_last), self.tp)
+        return self.vocab.head_backward(dloss, cache, self.tp)  # dx like x; my wte rows

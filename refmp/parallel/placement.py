@@ -114,6 +114,14 @@ def holds(name: str, blocks, first: bool, last: bool, ep_rank: int = 0, n_expert
     return e is None or expert_owner(e, n_expert, ep) == ep_rank
 
 
+def shards_held(params: dict, blocks, first: bool, last: bool, tp, ep, n_expert: int = 0) -> dict:
+    """From the whole model ``params``: this rank's tp shard (tp_shard) of every parameter it
+    holds (holds), in the model's order. ``tp``, ``ep``: the rank's groups (their rank and
+    size). The engine's and the decoder's selection."""
+    return {k: tp_shard(k, v, tp.rank, tp.size) for k, v in params.items()
+            if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
+
+
 def unit_of(name: str) -> str:
     """The Sharder unit of a parameter: ``wte``, ``wpe``, ``h.{i}``, ``h.{i}.experts``, ``ln_f``.
 
@@ -196,7 +204,8 @@ def gather_tp(params: dict, tp, V: int) -> dict:
         if split is None or tp.size == 1:
             out[k] = v
             continue
-        xp, dim = backend.array_module(v), split[0]
+        xp = backend.array_module(v)
+        dim = split[0]
         moved = xp.moveaxis(v, dim, 0)  # split axis first
         got = tp.allgather(xp.ascontiguousarray(moved))  # (tp * n, ...) pieces in rank order
         pieces = [xp.moveaxis(a, 0, dim) for a in got.reshape((tp.size, -1) + moved.shape[1:])]
@@ -206,7 +215,8 @@ def gather_tp(params: dict, tp, V: int) -> dict:
 
 def gather_experts(params: dict, ep, n_expert: int) -> dict:
     """``params`` with every MoE layer's experts gathered over ep (collective over ep)."""
-    xp, out = backend.xp, dict(params)
+    xp = backend.xp
+    out = dict(params)
     layers = sorted({k.split(".")[1] for k in params if M.EXPERT.search(k)}, key=int)
     for i in layers:
         pre = f"h.{i}.mlp.experts."

@@ -24,12 +24,14 @@ import numpy as np
 
 from refmp.checkpoint.sharded import Checkpointed, Pieces, Stateful, load, save
 from refmp.config import TrainConfig, check_config, lr_at
-from refmp.distributed.comm import Comm
 from refmp.distributed.faults import agreed, check_finite, check_outputs
 from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
-from refmp.nn import GPT, GPTConfig
+from refmp.inference.decoder import Decoder
+from refmp.inference.generate import Greedy
+from refmp.nn import GPT, GPTConfig, gpt
 from refmp.runtime import backend
+from refmp.runtime.precision import mixed_dtypes
 from refmp.training.checks import check_memory
 from refmp.training.datasets import AdditionTask, Dataset, get_batch, load_tokens, shuffle_perm
 from refmp.training.optim import SGD, AdamW, LossScaler, clip_grads
@@ -89,13 +91,12 @@ class Runner(Pieces, Protocol):
     of shards are welcome: the optimizer is elementwise), ``counts_in_norm`` which of them
     this rank counts once (in the gradient norm, and in a checkpoint), ``piece_index()``
     where their elements sit in the full model, ``after_step()``. Besides: ``grads`` their
-    gradients, ``decay`` the names that get weight decay; ``eval_comm`` the ranks that split
-    evaluation prompts; ``stats`` the last step's extra figures for the log (MoE routing).
+    gradients, ``decay`` the names that get weight decay; ``stats`` the last step's extra
+    figures for the log (MoE routing).
     """
 
     grads: dict
     decay: set[str]
-    eval_comm: Comm
     stats: dict
     sharder: Stateful  # the data-parallel sums, whose codec state a checkpoint saves
 
@@ -113,8 +114,6 @@ class Runner(Pieces, Protocol):
     def grad_norm(self) -> float: ...  # the global L2 norm, each element counted once
 
     def loss_total(self) -> float: ...  # the step's global loss
-
-    def generate(self, idx, n: int): ...  # greedy decoding (collective where split)
 
     def full_params(self) -> dict | None: ...  # the whole model on rank 0 (collective)
 
@@ -266,14 +265,39 @@ class Trainer:
         (collective). Returns its manifest."""
         return load(self.checkpointed(), path)
 
+    def decoder(self) -> Greedy:
+        """Greedy decoding of the model as it is now (collective over the world): the whole
+        model, gathered by the runner on rank 0 and broadcast, in the compute dtype (with
+        --mixed-precision the masters rounded: the copy training computes on), held by
+        refmp.inference's Decoder over this run's tp and pp. The other axes decode prompts of
+        their own. An MoE model with a capacity limit is decoded without the cache: its
+        capacity, counted over a sequence, reroutes the earlier tokens as the sequence grows,
+        as GPT.generate recomputes them."""
+        mcfg = self.model.cfg
+        world = self.grid.world
+        full = self.runner.full_params()  # the whole model on world rank 0, None elsewhere
+        compute = mixed_dtypes(self.cfg.parallel)[0]  # None without --mixed-precision
+        xp = backend.xp
+        whole = {}
+        for k, shape in gpt.param_shapes(mcfg).items():
+            buf = (xp.ascontiguousarray(full[k]) if full is not None
+                   else xp.empty(shape, np.dtype(self.cfg.dtype)))
+            buf = world.bcast(buf, root=0)
+            whole[k] = buf if compute is None else buf.astype(compute)
+        dropping = bool(mcfg.n_expert) and mcfg.capacity_factor > 0
+        dec = Decoder(mcfg, whole, self.grid, axes=("tp", "pp"), capacity=dropping)
+        return Greedy(dec, use_cache=not dropping)
+
     def evaluate(self) -> tuple[int, int] | None:
-        """Held-out exact-match (correct, total), split over dp ranks; None without a task."""
+        """Held-out exact-match (correct, total) by greedy decoding (``decoder``), the
+        prompts split over dp x cp; None without a task."""
         task = self.ds.task
         if task is None:
             return None
-        comm = self.runner.eval_comm
+        model = self.decoder()
+        comm = self.grid.group("dp", "cp")  # the ranks that decode prompts of their own
         prompts = np.array_split(task.test_pairs, comm.size)[comm.rank]  # this rank's share
-        correct, total = task.score(self.runner, prompts) if len(prompts) else (0, 0)
+        correct, total = task.score(model, prompts) if len(prompts) else (0, 0)
         return int(comm.allreduce_scalar(correct)), int(comm.allreduce_scalar(total))
 
     def memory(self) -> dict[str, int]:

@@ -170,7 +170,7 @@ def test_generation_and_resume_on_device(on_strict_device, tmp_path_factory):
     kw = dict(pp=2, tp=2, zero=3, microbatches=2)
     tr = Trainer(config(**kw), dataset=data())
     tr.step()
-    out = tr.runner.generate(backend.from_host(np.zeros((1, 2), dtype=np.int64)), 3)
+    out = tr.decoder().generate(backend.from_host(np.zeros((1, 2), dtype=np.int64)), 3)
     root = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if MPI.COMM_WORLD.rank == 0
                                 else None)
     again = Trainer(config(**kw, resume=tr.save_checkpoint(root)), dataset=data())

@@ -99,28 +99,27 @@ class Stage:
             p.update(weights(u))
         return gpt.block_params(p, i)
 
-    def forward(self, c: int, inp, targets=None, denom=None, ops=None, weights=None,
+    def forward(self, c: int, inp, targets=None, denom=None, weights=None,
                 release: bool = False, figures: MoEFigures | None = None):
         """Chunk c on one micro-batch: inp is token ids (chunk 0) or the previous chunk's
         output. Returns the output, or on the last chunk the loss share (logits without
-        targets), and the cache the backward needs. ``ops``/``weights`` override the
-        stage's own (decoding runs whole prompts on gathered weights). ``release``: the
+        targets), and the cache the backward needs. ``weights`` overrides the
+        Sharder's current ones (a weight version). ``release``: the
         cache names its weights (as ZeRO-3's do), which the backward attaches again (2BW: a
         forward whose buffer the update overwrites before its backward). ``figures``: what
         takes the MoE figures (default this step's; a forward that runs ahead keeps its own)."""
-        ops = ops or self.ops
         weights = weights or self.sharder.weights
         figures = figures or self.figures
         train = targets is not None
         release = train and (release or self.sharder.releases_weights)  # names, not arrays
         x, emb, head, blocks = inp, None, None, []
         if c == 0:
-            x, emb = ops.embed({**weights("wte"), **weights("wpe")}, inp)  # (b, T, C)
+            x, emb = self.ops.embed({**weights("wte"), **weights("wpe")}, inp)  # (b, T, C)
         ctx = self.moe(denom if train else None) if self.moe else None
         for i in self.chunks[c]:
             p, moe = self.block_weights(i, weights), ctx if self.cfg.is_moe(i) else None
             x_in = x
-            x, bc = gpt.block_forward(p, x, ops, moe)
+            x, bc = gpt.block_forward(p, x, self.ops, moe)
             if train and isinstance(bc.mlp, M.MoECache):
                 figures.add(i, bc.mlp.loss, bc.mlp.stats["raw"])
             if train and self.recompute:  # full recomputation: the input is all we keep
@@ -128,7 +127,7 @@ class Stage:
             blocks.append(detach(bc, p) if release else bc)
         if c == self.n_chunks - 1:
             p = {**weights("ln_f"), **weights("wte")}
-            x, head = ops.head(p, x, targets, denom)  # loss share, or logits
+            x, head = self.ops.head(p, x, targets, denom)  # loss share, or logits
             head = detach(head, p) if release else head
         return x, (emb, blocks, head)
 
