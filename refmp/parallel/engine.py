@@ -79,7 +79,8 @@ def take_params(model: gpt.GPT, chunks: dict[int, range], first: bool, last: boo
     blocks = {i for c in chunks.values() for i in c}
     local = shards_held(model.params, blocks, first, last, grid.comm["tp"], grid.comm["ep"],
                         model.cfg.n_expert)
-    model.params, model.grads = {}, {}
+    model.params = {}  # the engine keeps only its shards
+    model.grads = {}
     return local
 
 
