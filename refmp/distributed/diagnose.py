@@ -171,6 +171,17 @@ def table(states: dict[int, dict]) -> list[str]:
     return rows
 
 
+def last_calls(state: dict, n: int) -> list[str]:
+    """A rank's last ``n`` calls, a line each, oldest first (``refmp trace --last``)."""
+    rows = [f"rank {state['rank']}: last {min(n, len(state['entries']))} of {state['calls']} calls"]
+    for e in state["entries"][-n:]:
+        peer = f" peer {e['peer']} tag {e['tag']}" if e["peer"] >= 0 else ""
+        rows.append(f"  {e['group']:<14} {e['op']:<14} #{e['seq']:<6} {e['bytes']:>10} B "
+                    f"{e['dtype'] or '':<8} {e['state']:<9} step {e['step']}{peer}  "
+                    f"{_where(e['frame'])}")
+    return rows
+
+
 def report(states: dict[int, dict], world_size: int) -> str:
     """The table, then the findings: what the watchdog and ``refmp trace`` print."""
     return "\n".join([*table(states), *findings(states, world_size)])
