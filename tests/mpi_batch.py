@@ -59,7 +59,7 @@ CHILD = "_PYTEST_MPI_CHILD_PROCESS"  # mpi-pytest's flag: "already under mpiexec
 REPORTS = "REFMP_MPI_REPORTS"  # the directory each rank of a launch writes its reports to
 COLLECTIVE_TIMEOUT = "REFMP_TEST_COLLECTIVE_TIMEOUT"  # overrides COLLECTIVE_TIMEOUT_S
 TEST_LIMIT_S = 60  # a parallel test's time limit, set-up to tear-down, without a marker
-COLLECTIVE_TIMEOUT_S = 30  # a rank without progress for this long: a hang
+COLLECTIVE_TIMEOUT_S = 15  # a rank without progress for this long: a hang (tests/README.md)
 SLACK_S = 60  # a launch's start-up and shut-down, on top of its tests' limits
 LAST_CALLS = 6  # of each rank's flight recorder, in the report of a hang
 
@@ -86,7 +86,12 @@ def in_parent() -> bool:
     return MPI.COMM_WORLD.size == 1 and CHILD not in os.environ
 
 
-def test_limit(item) -> float:
+def collective_timeout() -> float:
+    """COLLECTIVE_TIMEOUT_S, or the environment's REFMP_TEST_COLLECTIVE_TIMEOUT."""
+    return float(os.environ.get(COLLECTIVE_TIMEOUT, COLLECTIVE_TIMEOUT_S))
+
+
+def limit_of(item) -> float:
     """A test's limit under mpiexec: its ``timeout`` marker, else ``--timeout`` as given on
     the command line, else TEST_LIMIT_S (not the ini's 300 s)."""
     marker = item.get_closest_marker("timeout")
@@ -161,7 +166,7 @@ def launch(config, nodeids: list[str], n: int) -> dict:
                "-p", "no:cacheprovider", *(["-s"] if live else []),
                "--timeout", str(config.getoption("timeout") or TEST_LIMIT_S), *nodeids]
         env = {**os.environ, CHILD: "1", REPORTS: d}
-        quiet_s = max(map(test_limit, items)) + SLACK_S
+        quiet_s = max(map(limit_of, items)) + SLACK_S
         with open(os.path.join(d, "output"), "w+") as out:
             job = subprocess.Popen(cmd, cwd=config.rootpath, env=env, text=True,
                                    stdout=None if live else out,
@@ -313,9 +318,8 @@ def watch(limit: float):
 
     rec = recorder.Recorder()
     recorder.install(rec)
-    timeout = float(os.environ.get(COLLECTIVE_TIMEOUT, COLLECTIVE_TIMEOUT_S))
     folder = os.path.join(os.environ[REPORTS], "watchdog")
-    return Watchdog(MPI.COMM_WORLD, rec, timeout, folder, limit=limit).start()
+    return Watchdog(MPI.COMM_WORLD, rec, collective_timeout(), folder, limit=limit).start()
 
 
 def unwatch(watchdog) -> None:
