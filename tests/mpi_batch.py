@@ -229,15 +229,20 @@ def watchdog_report(folder: str, n: int, root) -> str:
 
 
 def stack(frames: list, root) -> list[str]:
-    """The frames from the first one in the repository on (the test's own), with their
-    source lines; the last few if none is (a rank in pytest's own code)."""
+    """The frames in the repository (the test's and refmp's), with their source lines, "..."
+    where others (pytest's, hypothesis') come between; the last few if none is (a rank in
+    pytest's own code, as in mpi-pytest's barrier after a test)."""
     root = str(root)
     ours = [i for i, f in enumerate(frames) if f[0].startswith(root)
             and "site-packages" not in f[0]]
-    out = []
-    for file, line, name in frames[ours[0]:] if ours else frames[-4:]:
+    out, last = [], None
+    for i in ours or range(max(len(frames) - 4, 0), len(frames)):
+        file, line, name = frames[i]
+        if last is not None and i > last + 1:
+            out.append("  ...")
         code = linecache.getline(file, line).strip()
         out.append(f"  {os.path.relpath(file, root)}:{line} {name}: {code}")
+        last = i
     return out
 
 
