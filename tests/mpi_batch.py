@@ -29,8 +29,8 @@ A hang ends the launch, and costs one test. Under mpiexec, pytest-timeout's time
 replaced by refmp's watchdog (refmp.distributed.watchdog), one per test on every rank, over a
 flight recorder that every grid of the test records into (refmp.distributed.recorder.install).
 It fires when a rank has made no progress for ``COLLECTIVE_TIMEOUT_S`` (no communication call
-started or completed), or when the test has run past its limit (its ``timeout`` marker, else
-``TEST_LIMIT_S``, from its set-up to the end of its tear-down); every rank then writes its
+started or completed), or when the test has run past its limit (limit_of: its ``timeout``
+marker, else ``--timeout``, else ``TEST_LIMIT_S``; set-up to tear-down); every rank then writes its
 state to the launch's side channel and the watchdog ends the launch with MPI_Abort. (A timer
 that failed the test on one rank alone would send that rank on to the next test while its
 peers still wait in the old one.) The parent reports the test that was running as failed
@@ -177,10 +177,8 @@ def launch(config, nodeids: list[str], n: int) -> dict:
             output = out.read()
         why = ""
         if job.returncode != 0:
-            why = f"mpiexec exited with {job.returncode}"
+            why = ended or f"mpiexec exited with {job.returncode}"
             hang = watchdog_report(os.path.join(d, "watchdog"), n, config.rootpath)
-            if ended:
-                why = ended
             if hang:
                 why += f": the watchdog ended the launch during this test.\n{hang}"
             elif not live:

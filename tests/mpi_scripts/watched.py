@@ -21,10 +21,13 @@ from refmp.distributed.watchdog import Watchdog
 seconds, target, *args = sys.argv[1:]
 rec = recorder.Recorder()
 recorder.install(rec)
-Watchdog(MPI.COMM_WORLD, rec, float(seconds), None).start()
-if target == "-m":
-    sys.argv, sys.path[0] = [args[0], *args[1:]], os.getcwd()
-    runpy.run_module(args[0], run_name="__main__", alter_sys=True)
-else:
-    sys.argv, sys.path[0] = [target, *args], os.path.dirname(os.path.abspath(target))
-    runpy.run_path(target, run_name="__main__")
+watchdog = Watchdog(MPI.COMM_WORLD, rec, float(seconds), None).start()
+try:
+    if target == "-m":
+        sys.argv, sys.path[0] = [args[0], *args[1:]], os.getcwd()
+        runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv, sys.path[0] = [target, *args], os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+finally:
+    watchdog.stop()  # rank 0 removes the side channel's temporary directory
