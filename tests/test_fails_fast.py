@@ -90,7 +90,7 @@ def test_a_check_failing_on_one_rank_fails_every_rank():
 
 
 PLANTED = "tests/mpi_scripts/planted_hangs.py"
-HANG_TIMEOUT_S = 3  # the planted launches' collective timeout
+HANG_TIMEOUT_S = 2  # the planted launches' collective timeout
 GROUPS = {  # a pytest each: the tests it runs, in order
     "ring": ["test_passes", "test_ring_step_sends_the_wrong_way", "test_passes_after_the_hang"],
     "skip": ["test_one_rank_skips_an_allreduce", "test_passes_after_the_hangs"],
@@ -156,4 +156,4 @@ def test_a_test_raising_on_one_rank_reports_the_error_and_the_waiting_rank(plant
 
 def test_a_test_past_its_limit_ends_though_its_ranks_communicate(planted):
     text = hung(planted, "forever", "test_communicates_forever")
-    assert "(its limit: 4 s)" in text, text
+    assert "(its limit: 3 s)" in text, text

@@ -61,7 +61,7 @@ def test_raises_on_one_rank_between_collectives():
 
 
 @pytest.mark.parallel(nprocs=2)
-@pytest.mark.timeout(4)
+@pytest.mark.timeout(3)
 def test_communicates_forever():
     grid = ProcessGrid()
     while True:
