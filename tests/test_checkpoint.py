@@ -213,6 +213,11 @@ def sub_world(n: int):
     return None if comm == MPI.COMM_NULL else comm
 
 
+def grid_sizes(layout: dict) -> dict:
+    """The grid's sizes among a layout's fields."""
+    return {k: v for k, v in layout.items() if k in ("pp", "dp", "cp", "tp", "ep")}
+
+
 @pytest.mark.parallel(nprocs=4)
 @collective
 def test_resume_where_the_shards_do_not_line_up():
@@ -256,10 +261,6 @@ def test_resume_where_the_shards_do_not_line_up():
         bad.check(np.testing.assert_equal, sorted(met), ["ends on the first", "starts on the last"],
                   err_msg="the cases no longer meet the wanted slices' bounds")
     bad.assert_none()
-
-
-def grid_sizes(layout: dict) -> dict:
-    return {k: v for k, v in layout.items() if k in ("pp", "dp", "cp", "tp", "ep")}
 
 
 # --- finding checkpoints, and the slices' runs (one process) --------------------------------------
