@@ -5,7 +5,8 @@
   so the profile is derandomized, keeps no example database and has no deadline. It is
   loaded explicitly here, for serial and parallel tests alike.
 * The parallel tests of a file that want the same number of ranks run in one mpiexec
-  launch (tests/mpi_batch.py: its hooks, imported here, are this conftest's).
+  launch, each test watched by refmp's watchdog (tests/mpi_batch.py: its hooks, imported
+  here, are this conftest's).
 """
 
 import os
@@ -29,4 +30,8 @@ from mpi_batch import (  # noqa: E402, F401  (pytest finds hooks by name in a co
     pytest_collection_finish,
     pytest_pyfunc_call,
     pytest_runtest_logreport,
+    pytest_runtest_logstart,
+    pytest_runtest_protocol,
+    pytest_timeout_cancel_timer,
+    pytest_timeout_set_timer,
 )

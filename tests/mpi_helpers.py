@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from mpi4py import MPI
+from mpi_batch import collective_timeout
 
 
 def collective(fn):
@@ -40,13 +41,18 @@ def collective(fn):
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WATCHED = os.path.join(REPO, "tests", "mpi_scripts", "watched.py")
 
 
 def mpiexec(n: int, args: list[str], timeout: float = 240, cwd: str | None = None,
             env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``mpiexec -n n <args>`` (args[0] 'python' means this interpreter), with a timeout."""
+    """Run ``mpiexec -n n <args>``, with a timeout. args[0] 'python' means this interpreter,
+    and with n > 1 the program runs under refmp's watchdog (tests/mpi_scripts/watched.py): a
+    hang ends the job in the collective timeout of tests/mpi_batch.py, with the watchdog's
+    report on stderr and status 5."""
     if args and args[0] == "python":
-        args = [sys.executable, *args[1:]]
+        watched = [WATCHED, str(collective_timeout())] if n > 1 else []
+        args = [sys.executable, *watched, *args[1:]]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                 **(env or {})}
     return subprocess.run(["mpiexec", "-n", str(n), *args], capture_output=True, text=True,

@@ -1,4 +1,5 @@
-"""A parity failure fails on every rank at once, with the mismatch in the message.
+"""A failure fails on every rank at once, with the mismatch in the message; a hang fails its
+test in seconds, naming the stuck ranks, and the rest of its launch still runs.
 
 tests/parity.assert_same_run compares on rank 0 only; if rank 0 raised alone, the other ranks
 would go on into the test's next collective (its ledger checks, full_params) and wait there
@@ -7,10 +8,19 @@ perturbed (another seed: other initial weights), and a ``check`` that fails on o
 must raise the same AssertionError on both ranks within seconds. The check fails at the
 last step, so that a helper without the agreement fails these tests quickly too (rank 0
 raises after its loop, rank 1 returns) rather than hanging.
+
+The hangs are planted in tests/mpi_scripts/planted_hangs.py, run by a pytest of their own
+(tests/mpi_batch.py's launches, with a collective timeout of a few seconds): each group,
+one pytest, all at the same time (they mostly wait).
 """
 
+import os
 import re
+import subprocess
+import sys
 import time
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from unittest import mock
 
@@ -18,7 +28,8 @@ import numpy as np
 import parity
 import pytest
 from mpi4py import MPI
-from mpi_helpers import collective
+from mpi_batch import COLLECTIVE_TIMEOUT
+from mpi_helpers import REPO, collective
 
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig
@@ -76,3 +87,73 @@ def test_a_check_failing_on_one_rank_fails_every_rank():
         assert not (step == 2 and MPI.COMM_WORLD.rank == 1), "rank 1 objects at step 2"
 
     raises_everywhere("rank 1: rank 1 objects at step 2", check=check)
+
+
+PLANTED = "tests/mpi_scripts/planted_hangs.py"
+HANG_TIMEOUT_S = 2  # the planted launches' collective timeout
+GROUPS = {  # a pytest each: the tests it runs, in order
+    "ring": ["test_passes", "test_ring_step_sends_the_wrong_way", "test_passes_after_the_hang"],
+    "skip": ["test_one_rank_skips_an_allreduce", "test_passes_after_the_hangs"],
+    "raise": ["test_raises_on_one_rank_between_collectives", "test_passes_after_the_hangs"],
+    "forever": ["test_communicates_forever", "test_passes_after_the_hangs"],
+}
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """{group: ({test: its failure text, "" if it passed}, seconds)}."""
+    d = tmp_path_factory.mktemp("planted")
+
+    def run(name):
+        xml = d / f"{name}.xml"
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={xml}", *(f"{PLANTED}::{t}" for t in GROUPS[name])],
+                       cwd=REPO, capture_output=True, timeout=240,
+                       env={**os.environ, COLLECTIVE_TIMEOUT: str(HANG_TIMEOUT_S)})
+        seconds = time.perf_counter() - t0
+        cases = ET.parse(xml).getroot().iter("testcase")
+        return name, ({c.get("name"): "".join(f.text or "" for f in c.iter("failure"))
+                       for c in cases}, seconds)
+
+    with ThreadPoolExecutor(len(GROUPS)) as pool:
+        return dict(pool.map(run, GROUPS))
+
+
+def hung(planted, group: str, test: str) -> str:
+    """The failure text of the hung ``test``, after checking what every hang shares: it
+    failed, its launch took seconds, and the test after it in the group passed."""
+    results, seconds = planted[group]
+    assert seconds < HANG_TIMEOUT_S + 45, (seconds, results)
+    assert results[GROUPS[group][-1]] == "", results  # launched again, and passed
+    text = results[test]
+    assert "the watchdog ended the launch during this test" in text, text
+    assert "no progress for" in text or "its limit" in text, text
+    return text
+
+
+def test_a_ring_step_sent_the_wrong_way_names_every_waiting_rank(planted):
+    text = hung(planted, "ring", "test_ring_step_sends_the_wrong_way")
+    assert planted["ring"][0]["test_passes"] == ""  # reported from the first launch
+    for r in range(3):
+        assert f"rank {(r - 1) % 3} has not sent message #1 (tag 7) on world that rank {r} " \
+               f"waits for in recv" in text, text
+        assert f"rank {r}'s Python stack" in text
+    assert "planted_hangs.py:22 ring_exchange: got = grid.world.recv(" in text, text
+
+
+def test_a_skipped_allreduce_names_the_rank_that_skipped_it(planted):
+    text = hung(planted, "skip", "test_one_rank_skips_an_allreduce")
+    assert "rank 1 has not entered allreduce@world #2 that rank 0 waits in" in text, text
+    assert "MPI.COMM_WORLD.barrier()" in text  # rank 1's stack: in mpi-pytest's barrier
+
+
+def test_a_test_raising_on_one_rank_reports_the_error_and_the_waiting_rank(planted):
+    text = hung(planted, "raise", "test_raises_on_one_rank_between_collectives")
+    assert "rank 1 (call)" in text and "AssertionError: rank 1 objects" in text, text
+    assert "rank 1 has not entered allreduce@world #2 that rank 0 waits in" in text, text
+
+
+def test_a_test_past_its_limit_ends_though_its_ranks_communicate(planted):
+    text = hung(planted, "forever", "test_communicates_forever")
+    assert "(its limit: 3 s)" in text, text

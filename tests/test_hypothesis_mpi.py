@@ -15,7 +15,7 @@ def test_failure_on_one_rank_fails_every_rank_without_hanging():
     script = os.path.join(HERE, "mpi_scripts", "failing_on_one_rank.py")
     r = mpiexec(2, ["python", "-m", "pytest", script, "-p", "no:cacheprovider", "-q",
                     "--rootdir", HERE, "-c", os.path.join(os.path.dirname(HERE), "pyproject.toml")],
-                timeout=120, env={"PYTHONPATH": HERE})
+                timeout=120, env={"PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])})
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
     # both ranks report the failure, and hypothesis shrank it to the boundary on both

@@ -1,4 +1,6 @@
-"""KV-cached decoding, serial: equal to the uncached forward (float64, logits to 1e-12), the
+"""KV-cached decoding, serial: every decoding path (generate with and without the cache, the
+paged cache, continuous batching) equal to the model's uncached forward of the tokens it
+produced (float64, logits to 1e-12; a greedy token the argmax of the recomputed logits); the
 paged cache bitwise the contiguous one, continuous batching bitwise one request at a time,
 sampling reproducible; ``refmp generate`` end to end, and its refusals (exit 2).
 (Split layouts: tests/test_inference_parallel.py.)"""
@@ -37,15 +39,27 @@ PROMPTS = np.random.default_rng(1).integers(0, 19, (3, 6))
 SAMPLED = Sampler(temperature=0.8, top_k=5, top_p=0.9, seed=7)
 
 
+def assert_uncached(m: GPT, tokens, logits, t0: int, greedy: bool) -> None:
+    """Decoded ``tokens`` (B, T0 + N) and the ``logits`` (B, N, V) their new tokens were
+    picked from, held to the serial model's uncached forward of the same tokens (every
+    position recomputed, no cache): the logits to 1e-12; greedy, each new token their argmax."""
+    full, _ = m.forward(tokens[:, :-1])  # (B, T0 + N - 1, V)
+    np.testing.assert_allclose(logits, full[:, t0 - 1:], rtol=0, atol=1e-12)
+    if greedy:
+        np.testing.assert_array_equal(tokens[:, t0:], full[:, t0 - 1:].argmax(axis=-1))
+
+
 @pytest.mark.parametrize("n_expert", [0, 4])
 def test_cached_decoding_equals_the_uncached_forward(n_expert):
     m = model(n_expert)
     got = generate(decoder(m), PROMPTS, 7, Sampler())
-    full, _ = m.forward(got.tokens[:, :-1])  # every position at once, no cache
-    np.testing.assert_allclose(got.logits, full[:, 5:], rtol=0, atol=1e-12)
+    assert_uncached(m, got.tokens, got.logits, 6, greedy=True)
     np.testing.assert_array_equal(got.tokens, m.generate(PROMPTS, 7))
     again = generate(decoder(m), PROMPTS, 7, Sampler(), use_cache=False)
+    assert_uncached(m, again.tokens, again.logits, 6, greedy=True)
     np.testing.assert_array_equal(again.tokens, got.tokens)
+    sampled = generate(decoder(m), PROMPTS, 7, SAMPLED)
+    assert_uncached(m, sampled.tokens, sampled.logits, 6, greedy=False)
     assert got.kv_cache_bytes == 2 * 2 * 3 * (6 + 6) * 32 * 8  # 2 L B (T0 + N - 1) C w
 
 
@@ -54,6 +68,7 @@ def test_paged_cache_is_bitwise_the_contiguous_one():
     flat = generate(decoder(m), PROMPTS, 7, Sampler())
     for bs in (1, 4, 5):
         paged = generate(decoder(m), PROMPTS, 7, Sampler(), block_size=bs)
+        assert_uncached(m, paged.tokens, paged.logits, 6, greedy=True)
         np.testing.assert_array_equal(paged.logits, flat.logits)
         np.testing.assert_array_equal(paged.tokens, flat.tokens)
 
@@ -64,13 +79,19 @@ REQUESTS = [Request([1, 2, 3], 5, 0), Request([4, 5, 6, 7, 8], 2, 0), Request([9
 
 @pytest.mark.parametrize("block_size", [None, 2])
 def test_continuous_batching_equals_one_request_at_a_time(block_size):
+    """Each request's tokens and logits: those of the model's uncached forward (sampled, and
+    greedy), and bitwise those of the same request served alone."""
     m = model()
     dec = decoder(m)
     both = serve(dec, REQUESTS, SAMPLED, 3, block_size)
     if block_size:  # a request's blocks: at most one not full
         assert all(dec.cache.waste(s) < block_size for s in range(3))
     assert max(len(st.decode) for st in both.trace) == 3
+    greedy = serve(decoder(m), REQUESTS, Sampler(), 3, block_size)
     for i, r in enumerate(REQUESTS):
+        for run, is_greedy in ((both, False), (greedy, True)):
+            assert_uncached(m, run.tokens[i][None], run.logits[i][None], len(r.prompt),
+                            is_greedy)
         alone = serve(decoder(m), [r._replace(arrival=0)], SAMPLED, 3, block_size, ids=[i])
         np.testing.assert_array_equal(both.tokens[i], alone.tokens[0])
         np.testing.assert_array_equal(both.logits[i], alone.logits[0])

@@ -1,6 +1,7 @@
 """KV-cached decoding on split models under real MPI: every layout's tokens equal the serial
-decoder's, its logits the uncached forward's (float64, to 1e-12); the cache's bytes per rank
-and one decode step's messages equal their formulas.
+decoder's, its logits (generate's, paged or not, and continuous batching's) the serial model's
+uncached forward's of the same tokens (float64, to 1e-12); the cache's bytes per rank and one
+decode step's messages equal their formulas.
 
 One launch per rank count: the 8 ranks are split into worlds of 1, 2 and 4 ranks (and one of
 8), each running its layout; every world rank checks what its own layout held.
@@ -111,19 +112,23 @@ REQUESTS = [Request([1, 2, 3], 5, 0), Request([4, 5, 6, 7, 8], 2, 0), Request([9
             Request([3, 3, 2, 1], 4, 2), Request([7, 7], 3, 2), Request([11] * 6, 1, 5)]
 
 
-def serve_layout(world, kw: dict, bad: Mismatches, slots: int = 4) -> None:
-    """Continuous batching with one group in flight per stage: each request's tokens and
-    logits bitwise those of the same request served alone on this layout, and (to 1e-12;
-    bitwise without tp) those of the serial model serving it alone."""
+def serve_layout(world, kw: dict, bad: Mismatches, slots: int = 4, block_size=None) -> None:
+    """Continuous batching with one group in flight per stage: each request's logits those
+    of the serial model's uncached forward of its tokens (to 1e-12); its tokens and logits
+    bitwise those of the same request served alone on this layout, and (to 1e-12; bitwise
+    without tp) those of the serial model serving it alone."""
     m = model()
     grid = ProcessGrid(world, **kw)
     dec = Decoder(m.cfg, m.params, grid)
-    both = serve(dec, REQUESTS, SAMPLED, slots)
+    both = serve(dec, REQUESTS, SAMPLED, slots, block_size)
     one = Decoder(m.cfg, m.params, ProcessGrid(MPI.COMM_SELF))
     for i, r in enumerate(REQUESTS):
-        alone = serve(dec, [r._replace(arrival=0)], SAMPLED, slots, ids=[i])
+        alone = serve(dec, [r._replace(arrival=0)], SAMPLED, slots, block_size, ids=[i])
         if not dec.last:
             continue
+        full, _ = m.forward(both.tokens[i][None, :-1])  # uncached: every position again
+        bad.check(np.testing.assert_allclose, both.logits[i], full[0, len(r.prompt) - 1:],
+                  rtol=0, atol=1e-12, err_msg=f"{kw} request {i} logits against the forward")
         ref = serve(one, [r._replace(arrival=0)], SAMPLED, slots, ids=[i])
         bad.check(np.testing.assert_array_equal, both.tokens[i], alone.tokens[0],
                   err_msg=f"{kw} request {i} tokens")
@@ -158,7 +163,7 @@ def test_every_layout_decodes_like_the_serial_model():
     step_ledger(quarter, dict(ep=2) if w.rank < 4 else dict(pp=2, dp=2, ep=2), bad, n_expert=4)
     pair = w.Split(w.rank // 2, w.rank)
     run_layout(pair, [dict(tp=2), dict(pp=2), dict(cp=2), dict(dp=2)][w.rank // 2], bad)
-    serve_layout(pair, dict(pp=2), bad, slots=3)
+    serve_layout(pair, dict(pp=2), bad, slots=3, block_size=2)  # paged
     run_layout(MPI.COMM_WORLD, dict(pp=2, cp=2, tp=2), bad)
     run_layout(MPI.COMM_WORLD, dict(pp=2, dp=2, cp=2, ep=4), bad, n_expert=4)
     for kw in (dict(pp=2, cp=2, tp=2), dict(dp=2, pp=2, tp=2)):

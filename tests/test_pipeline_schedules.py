@@ -103,6 +103,45 @@ def test_memory_gpipe_holds_m_and_1f1b_at_most_pp_minus_stage(pp, m):
     assert simulate_schedule("naive", pp, m).peak_held == [1] * pp
 
 
+def megatron_interleaved(pp: int, m: int, v: int, rank: int) -> tuple[int, list, list]:
+    """Megatron-core's interleaved 1F1B for one rank (schedules.py,
+    forward_backward_pipelining_with_interleaving; its micro-batch group per virtual stage
+    is pp): the warm-up forwards, and the (micro-batch, chunk) of each forward and backward."""
+    total = m * v  # forwards on this rank: every micro-batch on each of its v chunks
+    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+
+    def model_chunk_id(k: int, forward: bool) -> int:
+        in_group = k % (pp * v)
+        chunk = in_group // pp
+        return chunk if forward else v - 1 - chunk
+
+    def microbatch_id(k: int) -> int:
+        return (k // (pp * v)) * pp + k % pp
+
+    fwd = [(microbatch_id(k), model_chunk_id(k, True) * pp + rank) for k in range(total)]
+    bwd = [(microbatch_id(k), model_chunk_id(k, False) * pp + rank) for k in range(total)]
+    return warmup, fwd, bwd
+
+
+@settings(max_examples=12)
+@given(pp=st.integers(2, 5), k=st.integers(1, 3), v=st.integers(2, 3))
+def test_interleaved_warms_up_and_holds_what_megatron_does(pp, k, v):
+    """Rank r: Megatron's warm-up forwards, then forward-backward pairs, then the backwards
+    owed; its peak of micro-batch chunks in flight (forwards whose backward has not run, as
+    the simulator holds them) one more than its warm-up, or every forward when there is no
+    steady state; each forward and backward on Megatron's micro-batch and chunk."""
+    m = k * pp
+    peaks = simulate_schedule("interleaved", pp, m, v).peak_held
+    for r in range(pp):
+        warmup, fwd, bwd = megatron_interleaved(pp, m, v, r)
+        acts = schedule("interleaved", pp, m, r, v)
+        kinds = "".join(a.kind for a in acts)
+        assert kinds == "F" * warmup + "FB" * (m * v - warmup) + "B" * warmup, (r, kinds)
+        assert peaks[r] == min(warmup + 1, m * v), (r, peaks)
+        assert [(a.mb, a.chunk) for a in acts if a.kind == "F"] == fwd
+        assert [(a.mb, a.chunk) for a in acts if a.kind == "B"] == bwd
+
+
 def test_1f1b_phases_for_4_stages():
     """Rank 0 of 4: three warm-up forwards, then F/B pairs, then the owed backwards."""
     acts = [str(a) for a in schedule("1f1b", 4, 6, 0)]

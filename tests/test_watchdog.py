@@ -149,6 +149,26 @@ def test_recorder_counts_and_report():
     assert "rank 1 is not in MPI" in text and "x.py:3 f" in text
 
 
+def test_a_rank_left_waiting_in_a_collective_the_others_completed():
+    """An all-to-all-v whose counts disagree: rank 1 waits for rows rank 0 never sends, while
+    rank 0 has completed the call and gone on outside MPI."""
+    states = {}
+    for r in (0, 1):
+        rec = Recorder()
+        g = rec.group("ep", (0, 1))
+        rec.done(rec.start(g, "alltoall", 16, np.dtype("int64")))
+        e = rec.start(g, "alltoallv", 64, np.dtype("float64"))
+        if r == 0:
+            rec.done(e)
+        else:
+            rec.waiting = e  # as Comm's wait marks it
+        states[r] = {**rec.dump(), "rank": r, "time": e[11] + 20.0, "stack": [["t.py", 9, "f"]]}
+    text = report(states, 2)
+    assert "rank 1 waits in alltoallv@ep #2, which rank 0 has completed: their counts or sizes " \
+           "disagree with rank 1's" in text, text
+    assert "rank 0 is not in MPI" in text and "rank 1 waits in alltoallv@ep #2 for" in text, text
+
+
 def test_recorder_off_and_its_refusals(monkeypatch):
     """REFMP_RECORDER_CALLS=0 (what docs/faults.md's overhead measurement compares against):
     calls recorded as nothing; the watchdog refuses to run on it; bad values are refused;

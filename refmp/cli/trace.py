@@ -13,7 +13,7 @@ import glob
 import json
 import os
 
-from refmp.distributed.diagnose import report
+from refmp.distributed.diagnose import last_calls, report
 from refmp.errors import ConfigError
 
 
@@ -51,10 +51,5 @@ def run_trace(args: argparse.Namespace) -> None:
     states = read_states(args.paths)
     world = max(s["world_size"] for s in states.values())
     print(report(states, world))
-    for r, st in sorted(states.items()) if args.last > 0 else ():
-        print(f"rank {r}: last {min(args.last, len(st['entries']))} of {st['calls']} calls")
-        for e in st["entries"][-args.last:]:
-            peer = f" peer {e['peer']} tag {e['tag']}" if e["peer"] >= 0 else ""
-            print(f"  {e['group']:<14} {e['op']:<14} #{e['seq']:<6} {e['bytes']:>10} B "
-                  f"{e['dtype'] or '':<8} {e['state']:<9} step {e['step']}{peer}  "
-                  f"{os.path.basename(e['frame'][0])}:{e['frame'][1]} {e['frame'][2]}")
+    for _, st in sorted(states.items()) if args.last > 0 else ():
+        print("\n".join(last_calls(st, args.last)))

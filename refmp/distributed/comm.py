@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from refmp.distributed import callcheck
 from refmp.distributed.ledger import Ledger
-from refmp.distributed.recorder import Recorder
+from refmp.distributed.recorder import Recorder, for_new_grid
 from refmp.distributed.reductions import mpi_op, wire
 from refmp.distributed.waiting import StagedRequest, sleep_until, wait
 from refmp.runtime import backend
@@ -36,7 +36,7 @@ class Comm:
         self.mpi = mpi_comm
         self.axis = axis
         self.ledger = ledger if ledger is not None else Ledger()
-        self.recorder = recorder if recorder is not None else Recorder()
+        self.recorder = recorder if recorder is not None else for_new_grid()
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         # this group's members as world ranks: how the recorder names groups and peers

@@ -11,7 +11,8 @@ The rules, one per kind of wait (the recorder's docstring says why sequence numb
 * a collective #k on group G that a rank waits in (or has started and not seen complete):
   each member of G whose count on G is below k **has not entered** it; a member whose k-th
   call on G is another operation, or the same on another size or dtype, made a
-  **mismatched call**;
+  **mismatched call**; when every other member has **completed** it, the rank waits for
+  data they never send (their counts disagree with its own, as in an all-to-all-v);
 * a receive #k from rank p with tag t: p **has not sent** it when p's count of sends to
   this rank with tag t is below k (a blocking send the same way, with receives);
 * a rank that waits in nothing is **not in MPI** (computing, or blocked outside MPI): its
@@ -102,6 +103,7 @@ def findings(states: dict[int, dict], world_size: int) -> list[str]:
     out: list[str] = []
     named: set[int] = set()
     mismatched: set[tuple] = set()  # (group, seq, rank, rank) said once
+    completed: dict[tuple, set[int]] = {}  # (call text, waiting rank) -> members done with it
     for r, st in sorted(states.items()):
         for e in waits(st):
             if e["peer"] >= 0:  # a message: does its peer's count reach it?
@@ -132,6 +134,8 @@ def findings(states: dict[int, dict], world_size: int) -> list[str]:
                         out.append(f"mismatched calls on {e['group']} #{e['seq']}: rank {r} "
                                    f"{_detail(e)}; rank {m} {_detail(theirs[0])}")
                         named.update((r, m))
+                elif theirs and theirs[0]["state"] == "completed":
+                    completed.setdefault((e["op"], e["group"], e["seq"], r), set()).add(m)
     for (op, group, seq), ranks in sorted(missing.items(), key=lambda kv: kv[0][2]):
         ranks -= waiting[(op, group, seq)]  # a waiter is not missing from its own call
         if ranks:
@@ -139,6 +143,12 @@ def findings(states: dict[int, dict], world_size: int) -> list[str]:
                           f"{op}@{_label(group)} #{seq} that {_ranks(waiting[(op, group, seq)])} "
                           f"wait{'s' if len(waiting[(op, group, seq)]) == 1 else ''} in")
             named |= ranks
+    for (op, group, seq, r), ranks in sorted(completed.items(), key=lambda kv: kv[0][2:]):
+        if ranks == set(_members(group)) - {r}:
+            out.append(f"rank {r} waits in {op}@{_label(group)} #{seq}, which "
+                       f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} completed: "
+                       f"their counts or sizes disagree with rank {r}'s")
+            named |= ranks | {r}
     silent = sorted(set(range(world_size)) - set(states))
     for r in silent:
         out.append(f"rank {r} {_doing(None)}")
@@ -168,6 +178,17 @@ def table(states: dict[int, dict]) -> list[str]:
             rows.append(f"{r:>4}  {'(not in MPI)':<14} {'':<14} {'':>6} "
                         f"{st['time'] - st['progress']:>9.1f} {st['step']:>5} {mb:>3}  "
                         f"{_where(inner)}")
+    return rows
+
+
+def last_calls(state: dict, n: int) -> list[str]:
+    """A rank's last ``n`` calls, a line each, oldest first (``refmp trace --last``)."""
+    rows = [f"rank {state['rank']}: last {min(n, len(state['entries']))} of {state['calls']} calls"]
+    for e in state["entries"][-n:]:
+        peer = f" peer {e['peer']} tag {e['tag']}" if e["peer"] >= 0 else ""
+        rows.append(f"  {e['group']:<14} {e['op']:<14} #{e['seq']:<6} {e['bytes']:>10} B "
+                    f"{e['dtype'] or '':<8} {e['state']:<9} step {e['step']}{peer}  "
+                    f"{_where(e['frame'])}")
     return rows
 
 

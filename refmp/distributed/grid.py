@@ -26,7 +26,7 @@ from mpi4py import MPI
 from refmp.config import check_sizes
 from refmp.distributed.comm import Comm
 from refmp.distributed.ledger import Ledger
-from refmp.distributed.recorder import Recorder
+from refmp.distributed.recorder import for_new_grid
 
 AXES = ("pp", "dp", "cp", "tp")  # slowest to fastest
 
@@ -47,7 +47,7 @@ class ProcessGrid:
         self.mpi = world
         self.sizes = check_sizes(world.Get_size(), pp, dp, cp, tp, ep)
         self.ledger = Ledger()
-        self.recorder = Recorder()
+        self.recorder = for_new_grid()
         self.world = Comm(world, "world", self.ledger, self.recorder)
         self.rank = world.Get_rank()
         self.coords = self.coords_of(self.rank)

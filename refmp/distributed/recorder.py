@@ -21,6 +21,10 @@ turns the ring into JSON only when a report is written.
 ``REFMP_RECORDER_CALLS=N`` sets the ring's size; 0 turns the recorder off (``start`` and
 ``done`` do nothing), for measuring what it costs (docs/faults.md). The watchdog reads the
 recorder, so it refuses to run without one (refmp.distributed.faults.check_outputs).
+
+A grid makes its own recorder, unless one is installed (:func:`install`): then every grid
+made afterwards in the process records into it. That is for a watchdog that watches code
+making grids of its own (the trainer, a test): tests/mpi_batch.py installs one per test.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class Recorder:
         capacity = ring_size() if capacity is None else capacity
         self.ring: deque[list] = deque(maxlen=capacity)
         self.groups: list[tuple[str, tuple[int, ...]]] = []  # group id -> (label, world ranks)
+        self._made: dict[tuple[str, tuple[int, ...]], int] = {}  # (label, ranks) -> groups made
         self.counts: dict[tuple, int] = {}  # group id, or (group id, op, peer, tag) -> calls
         self.calls = 0  # calls recorded since the start (entry ids)
         self.step = -1  # labels set by the trainer and the pipeline executor
@@ -82,8 +87,10 @@ class Recorder:
 
         Another communicator of the same ranks and label gets "label~2" (and so on): every
         rank makes its communicators in the same order, so the names agree across ranks."""
-        same = sum(1 for lab, mem in self.groups if lab.split("~")[0] == label and mem == members)
-        self.groups.append((label if not same else f"{label}~{same + 1}", tuple(members)))
+        members = tuple(members)
+        same = self._made.get((label, members), 0)
+        self._made[(label, members)] = same + 1
+        self.groups.append((label if not same else f"{label}~{same + 1}", members))
         return len(self.groups) - 1
 
     def start(self, group: int, op: str, nbytes: int, dtype, peer: int = -1,
@@ -136,3 +143,17 @@ class Recorder:
                 "entries": [self.entry_dict(e) for e in list(self.ring)],
                 "waiting": None if self.waiting is None else self.waiting[0],
                 "step": self.step, "microbatch": self.microbatch, "progress": self.progress}
+
+
+_installed: Recorder | None = None  # what install() set
+
+
+def install(recorder: Recorder | None) -> None:
+    """Every grid made from now on records into ``recorder`` (None: each into its own)."""
+    global _installed
+    _installed = recorder
+
+
+def for_new_grid() -> Recorder:
+    """The recorder a new grid (or a Comm given none) records into."""
+    return _installed if _installed is not None else Recorder()

@@ -5,10 +5,11 @@ computation, blocked outside MPI, waiting for a message nobody sends, or in a di
 call): nothing fails, the others wait forever. Each rank therefore runs a thread that looks
 at its flight recorder (refmp.distributed.recorder) every ``period`` seconds; when the rank
 has made no progress (no call started or completed) for ``--collective-timeout`` seconds,
-whether it waits in a call or computes, the watchdog fires:
+whether it waits in a call or computes, the watchdog fires (and, given a ``limit``, when the
+watch has lasted that long whatever the progress: a test's time limit, tests/mpi_batch.py):
 
 1. it creates the alarm file in the job's side-channel directory (``O_EXCL``: the first
-   rank to do so leads the report);
+   rank to do so leads the report), and writes its rank and why it fired there;
 2. every rank's thread sees the alarm within a period, writes its state (its recorder, the
    wall time, its main thread's Python stack) as ``rank{r}.json`` there, and prints its
    Python traceback (faulthandler), each line prefixed ``[rank r]``;
@@ -63,13 +64,15 @@ def write_json(path: str, obj) -> None:
 class Watchdog:
     """One rank's watchdog thread (module docstring); :meth:`start` is collective."""
 
-    def __init__(self, mpi_world, recorder: Recorder, timeout: float, trace_dir: str | None):
+    def __init__(self, mpi_world, recorder: Recorder, timeout: float, trace_dir: str | None,
+                 limit: float = 0.0):
         if not recorder.on:  # the same environment on every rank: refused on all
             raise ConfigError("REFMP_RECORDER_CALLS=0 turns off the flight recorder that the "
                               "watchdog reads: give --collective-timeout 0 too")
         self.mpi = mpi_world
         self.recorder = recorder
         self.timeout = float(timeout)
+        self.limit = float(limit)  # seconds from start() to fire at, progress or not (0: none)
         self.rank = mpi_world.Get_rank()
         self.size = mpi_world.Get_size()
         self.period = min(1.0, self.timeout / 4)
@@ -116,26 +119,34 @@ class Watchdog:
 
     def _watch(self) -> None:
         alarm = os.path.join(self.folder, ALARM)
+        started = time.time()
         while not self._stop.wait(self.period):
             if os.path.exists(alarm):
                 self._answer()
                 return
-            idle = time.time() - self.recorder.progress
+            now = time.time()
+            idle = now - self.recorder.progress
             if idle > self.timeout:
-                self._fire(alarm, idle)
+                self._fire(alarm, f"no progress for {idle:.1f} s (--collective-timeout "
+                                  f"{self.timeout:g})")
+                return
+            if self.limit and now - started > self.limit:
+                self._fire(alarm, f"still running after {now - started:.1f} s (its limit: "
+                                  f"{self.limit:g} s)")
                 return
 
-    def _fire(self, alarm: str, idle: float) -> None:
-        try:
-            os.close(os.open(alarm, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    def _fire(self, alarm: str, why: str) -> None:
+        try:  # the alarm says who fired and why (a reader that captures stderr finds it here)
+            fd = os.open(alarm, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, f"rank {self.rank}: {why}\n".encode())
+            os.close(fd)
         except FileExistsError:  # another rank fired first: it leads
             self._answer()
             return
         except OSError:
             pass  # no side channel left (the run is ending): report this rank alone
-        sys.stderr.write(f"[rank {self.rank}] refmp: watchdog: no progress for {idle:.1f} s "
-                         f"(--collective-timeout {self.timeout:g}); asking every rank where it "
-                         f"is\n")
+        sys.stderr.write(f"[rank {self.rank}] refmp: watchdog: {why}; asking every rank where "
+                         f"it is\n")
         sys.stderr.flush()
         self._write_state()
         deadline = time.time() + self.grace
