@@ -5,7 +5,7 @@ Run:  mpiexec -n 4 python tutorials/07_context_parallel.py      (cp = the number
 What it shows, each part checked against the serial model (exit status 1 on a mismatch):
   1. context parallelism by hand: each rank takes its tokens of every row (ChunkLayout), runs
      the serial model (refmp.nn.gpt.GPT) with ring attention as its attention core and its
-     tokens' global positions (ParallelOps), and sums the gradients over cp; the loss and
+     tokens' global positions (ContextOps), and sums the gradients over cp; the loss and
      gradients equal the serial model's, and the ring's bytes the formula;
   2. the ring, step by step: which K/V block each rank holds and which chunk pairs it computes;
   3. the online-softmax merge of two blocks, on numbers;
@@ -36,7 +36,7 @@ from refmp.parallel.context.chunks import ChunkLayout, nbytes_of, ring_attention
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.data.accumulate import allreduce_grads
-from refmp.parallel.ops import ParallelOps
+from refmp.parallel.ops import ContextOps
 from refmp.training.datasets import Dataset, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -73,7 +73,7 @@ model = GPT(mcfg, {k: v.copy() for k, v in full.items()})  # every weight whole 
 # every layer but attention works token by token, on my Tl tokens; attention is the ring:
 # cp steps, in each of which I send the K/V block I hold to rank r+1 and receive rank r-1's
 # while computing my queries against the block (refmp.parallel.context.ring), merging as I go
-ops = ParallelOps(mcfg.n_head, V, attn=RingAttention(cpc, lay), positions=mine)
+ops = ContextOps(mcfg.n_head, attn=RingAttention(cpc, lay), positions=mine)  # serial linears
 loss, cache = model.forward(x[:, mine], y[:, mine], denom=B * T, ops=ops)  # my tokens' share
 # backward: the K/V blocks go round once more, and with each its gradient dK, dV, which
 # collects every rank's share on its way home

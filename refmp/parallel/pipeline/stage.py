@@ -42,8 +42,8 @@ class MoEFigures:
         self.aux = 0.0
         self.raw: dict[int, object] = {}
 
-    def add(self, i: int, loss, raw) -> None:
-        self.aux += float(loss)
+    def add(self, i: int, loss: float, raw) -> None:
+        self.aux += loss
         self.raw[i] = raw if i not in self.raw else self.raw[i] + raw
 
     def merge(self, other: MoEFigures) -> None:
@@ -121,7 +121,7 @@ class Stage:
             x_in = x
             x, bc = gpt.block_forward(p, x, self.ops, moe)
             if train and isinstance(bc.mlp, M.MoECache):
-                figures.add(i, bc.mlp.loss, bc.mlp.stats["raw"])
+                figures.add(i, float(bc.mlp.loss), bc.mlp.stats["raw"])  # a scalar to the host
             if train and self.recompute:  # full recomputation: the input is all we keep
                 bc = Recompute(x_in, moe)
             blocks.append(detach(bc, p) if release else bc)
