@@ -103,11 +103,11 @@ class Stage:
                 release: bool = False, figures: MoEFigures | None = None):
         """Chunk c on one micro-batch: inp is token ids (chunk 0) or the previous chunk's
         output. Returns the output, or on the last chunk the loss share (logits without
-        targets), and the cache the backward needs. ``weights`` overrides the
-        Sharder's current ones (a weight version). ``release``: the
-        cache names its weights (as ZeRO-3's do), which the backward attaches again (2BW: a
-        forward whose buffer the update overwrites before its backward). ``figures``: what
-        takes the MoE figures (default this step's; a forward that runs ahead keeps its own)."""
+        targets), and the cache the backward needs. ``weights`` overrides the Sharder's
+        current ones (a weight version). ``release``: the cache names its weights (as
+        ZeRO-3's do), which the backward attaches again (2BW: a forward whose buffer the
+        update overwrites before its backward). ``figures``: what takes the MoE figures
+        (default this step's; a forward that runs ahead keeps its own)."""
         weights = weights or self.sharder.weights
         figures = figures or self.figures
         train = targets is not None
