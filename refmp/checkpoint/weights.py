@@ -110,11 +110,13 @@ def read_config(path: str, n_head: int | None = None,
     """The GPTConfig a file gives, and notes to print once (on rank 0).
 
     Shapes come from the tensors: V, C from wte, T from wpe, L from the block names, E from a
-    router, moe_every from which blocks have routers. Heads: ``n_head``, else the metadata's,
-    else 4. The other MoE settings: ``moe`` (the flags given, by field name) wins over the
-    metadata, which wins over GPTConfig's defaults; the notes say where a flag overrides the
-    metadata, and which settings the file does not record (a file from another
-    implementation). A given moe_every must put the experts where the file's routers are.
+    router, moe_every from which blocks have routers. Heads: ``n_head``, else the metadata's;
+    a file that does not say them (one from another implementation) is refused, since the
+    tensors alone fit any head count that divides C. The other MoE settings: ``moe`` (the
+    flags given, by field name) wins over the metadata, which wins over GPTConfig's
+    defaults; the notes say where a flag overrides the metadata, and which settings the file
+    does not record (a file from another implementation). A given moe_every must put the
+    experts where the file's routers are.
     """
     shapes, meta = read_shapes(path)
     if "wte.weight" not in shapes or "wpe.weight" not in shapes:
@@ -122,7 +124,11 @@ def read_config(path: str, n_head: int | None = None,
     V, C = shapes["wte.weight"]
     T = shapes["wpe.weight"][0]
     n_layer = len({int(m.group(1)) for k in shapes if (m := re.match(r"h\.(\d+)\.", k))})
-    heads = n_head if n_head is not None else int(meta.get("n_head", 4))
+    if n_head is None and "n_head" not in meta:
+        raise ConfigError(f"--init {path} does not say how many attention heads the model has "
+                          f"(no refmp metadata: a file from another implementation); give "
+                          f"--n-head N, or the Hugging Face directory whose config.json says it")
+    heads = n_head if n_head is not None else int(meta["n_head"])
     routers = sorted(int(m.group(1)) for k in shapes
                      if (m := re.fullmatch(r"h\.(\d+)\.mlp\.router\.weight", k)))
     given, notes, settings = dict(moe or {}), [], {}

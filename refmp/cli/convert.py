@@ -22,6 +22,9 @@ def add_parser(sub) -> None:
     c.add_argument("src", metavar="SRC", help="a checkpoint directory or a .safetensors file")
     c.add_argument("out", metavar="OUT", nargs="?", help="the file or directory to write")
     c.add_argument("--info", action="store_true", help="print what SRC holds; write nothing")
+    c.add_argument("--n-head", type=int, default=None, metavar="N",
+                   help="FILE to DIR: the attention heads of a file that does not say them (a "
+                        "GPT-2 file from another implementation)")
     c.set_defaults(run=run_convert)
 
 
@@ -29,6 +32,8 @@ def run_convert(args: argparse.Namespace) -> None:
     """``refmp convert``: one process, no MPI communication."""
     from refmp.checkpoint import convert
 
+    if args.n_head is not None and not os.path.isfile(args.src):
+        raise ConfigError("--n-head is for a .safetensors SRC; a checkpoint's manifest says it")
     if args.info:
         if args.out is not None:
             raise ConfigError("--info prints what SRC holds and writes nothing: give no OUT")
@@ -37,6 +42,6 @@ def run_convert(args: argparse.Namespace) -> None:
         raise ConfigError(f"convert {args.src}: give OUT (a .safetensors file or a directory), "
                           f"or --info")
     elif os.path.isfile(args.src):
-        print(f"wrote {convert.from_gpt2(args.src, args.out)} (1 rank, step 0) from {args.src}")
+        print(f"wrote {convert.from_gpt2(args.src, args.out, args.n_head)} (1 rank, step 0) from {args.src}")
     else:
         print(f"wrote {args.out} from {convert.to_gpt2(args.src, args.out)}")

@@ -29,6 +29,10 @@ def add_parser(sub) -> None:
                         "Face model directory (config.json and model.safetensors)")
     w.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="a sharded checkpoint (refmp train --checkpoint-dir), any layout")
+    w.add_argument("--n-head", type=int, default=None, metavar="N",
+                   help="attention heads of an --init file that does not say them (a GPT-2 "
+                        "file from another implementation); refmp's files and Hugging Face "
+                        "directories say them")
     w.add_argument("--prompts", default=None, metavar="PATH.npy",
                    help="token ids, an integer array (B, T0)")
     w.add_argument("--prompt", action="append", default=None, metavar="TEXT",
@@ -105,7 +109,8 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     world = grid.world
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     moe = {"top_k": args.moe_top_k, "moe_every": args.moe_every}
-    mcfg, params, tok = agreed(world, lambda: load_weights(args.init, args.checkpoint, moe))
+    mcfg, params, tok = agreed(world, lambda: load_weights(args.init, args.checkpoint, moe,
+                                                           args.n_head))
     if args.requests is not None:
         return run_requests(args, grid, mcfg, params, tok, sampler)
     prompts = agreed(world, lambda: read_prompts(args.prompts, args.prompt, tok,

@@ -38,15 +38,19 @@ class Tokenizer:
         return "".join(self.chars[int(i)] if int(i) < len(self.chars) else "?" for i in ids)
 
 
-def load_weights(init: str | None, checkpoint: str | None, moe: dict | None = None):
+def load_weights(init: str | None, checkpoint: str | None, moe: dict | None = None,
+                 n_head: int | None = None):
     """(GPTConfig, full parameters as host arrays, Tokenizer or None) from ``--init`` (a
     file or a Hugging Face directory) or ``--checkpoint``. ``moe``: the MoE settings given
-    (top_k, moe_every), winning over what the weights say; refused for a dense model."""
+    (top_k, moe_every), winning over what the weights say; refused for a dense model.
+    ``n_head``: the heads of an --init file that does not say them (--n-head)."""
     from refmp.checkpoint.weights import read_model, read_tensors
 
     if (init is None) == (checkpoint is None):
         raise ConfigError("give the weights: --init PATH or --checkpoint DIR (one of them)")
     moe = {k: v for k, v in (moe or {}).items() if v is not None}
+    if checkpoint is not None and n_head is not None:
+        raise ConfigError("--n-head is for an --init file; a checkpoint's manifest says it")
     if checkpoint is not None:
         from refmp.checkpoint.convert import read_params
         from refmp.checkpoint.format import model_config
@@ -54,13 +58,18 @@ def load_weights(init: str | None, checkpoint: str | None, moe: dict | None = No
         man, params = read_params(checkpoint)
         mcfg, vocab = model_config(man), man.get("vocab")
         return with_moe(mcfg, moe, checkpoint), params, tokenizer(vocab, mcfg.vocab_size)
-    path, n_head = init, None
-    if os.path.isdir(init):  # a Hugging Face model directory: config.json + model.safetensors
-        path, n_head = os.path.join(init, "model.safetensors"), hf_heads(init)
+    path = init
+    hf = os.path.isdir(init)  # a Hugging Face model directory: config.json + model.safetensors
+    if hf:
+        path = os.path.join(init, "model.safetensors")
+        said = hf_heads(init)
+        if n_head is not None and n_head != said:
+            raise ConfigError(f"--n-head {n_head}, but {init}/config.json says n_head {said}")
+        n_head = said
     mcfg, params = read_model(path, n_head)
     mcfg = with_moe(mcfg, moe, init)
     meta = read_tensors(path)[1] if os.path.isfile(path) else {}
-    if n_head is not None:
+    if hf:
         with open(os.path.join(init, "config.json")) as f:
             positions = json.load(f).get("n_positions", mcfg.block_size)
         if positions != mcfg.block_size:
