@@ -113,7 +113,8 @@ class AsyncExecutor(Executor):
         """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets,
         ``m`` the step's micro-batches (xs also holds the later batches'). Returns this
         rank's loss share of this step's batch."""
-        stage, last = self.stage, self.stage.n_chunks - 1
+        stage = self.stage
+        last = stage.n_chunks - 1  # the chunk with the head and the loss
         assert all(a.kind != "W" for a in actions), "no zero-bubble split without a flush"
         self.begin()
         caches = dict(self.carry)  # the later batch's forwards of the last step

@@ -111,7 +111,9 @@ class Executor:
     def step(self, actions: list[Action], xs: list, ys: list, denom: int) -> float:
         """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets.
         Returns this rank's loss share (non-zero on the rank holding the last chunk)."""
-        stage, last, final_mb = self.stage, self.stage.n_chunks - 1, len(xs) - 1
+        stage = self.stage
+        last = stage.n_chunks - 1  # the chunk with the head and the loss
+        final_mb = len(xs) - 1  # the step's last micro-batch
         split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}  # B's whose W is listed
         caches: dict = {}  # (micro-batch, chunk) -> the forward's cache, until its backward
         todos: dict = {}  # (micro-batch, chunk) -> what a split backward left for its W
