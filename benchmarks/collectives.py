@@ -25,7 +25,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from refmp.distributed.comm import Comm, wait
+from refmp.distributed.comm import Comm
+from refmp.distributed.waiting import wait
 
 
 def ring(op: str, n: int, nbytes: int) -> tuple[int, float]:

@@ -1,8 +1,8 @@
 """What weight staleness costs: the main job (README's, the addition task) on pp 2 with 1f1b,
 2bw (each step's gradient taken at the weights of a step before) and pipedream (stage s on
-the weights of pp - 1 - s steps before), one after the other: the loss of every step, the held-out exact-match accuracy every --eval-every steps,
-and the measured bubble each schedule leaves (the median over the steps timed), drawn side
-by side in docs/img/pipeline_staleness.png.
+the weights of pp - 1 - s steps before), one after the other: the loss of every step, the
+held-out exact-match accuracy every --eval-every steps, and the measured bubble each schedule
+leaves (the median over the steps timed), drawn side by side in docs/img/pipeline_staleness.png.
 
 Run (a few minutes on 2 cores):  python benchmarks/pipeline_staleness.py
 It launches ``mpiexec -n 2`` with OMP_NUM_THREADS=1 once per schedule (``--run S`` is that

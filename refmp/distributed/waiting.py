@@ -25,7 +25,7 @@ from refmp.runtime import cpu
 
 class StagedRequest(MPI.Request):
     """A request with work left for when it completes: a result to copy from a host staging
-    buffer to the device, the flight recorder's entry to mark completed (Comm._tracked).
+    buffer to the device, the flight recorder's entry to mark completed (Transport._tracked).
 
     :func:`wait` calls ``finish`` once the request completes; ``keep`` holds the host buffer
     alive until then (MPI reads or writes it asynchronously).

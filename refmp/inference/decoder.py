@@ -44,7 +44,8 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from refmp.distributed.comm import Comm, wait
+from refmp.distributed.comm import Comm
+from refmp.distributed.waiting import wait
 from refmp.nn import blockwise as BW
 from refmp.nn import gpt
 from refmp.nn import layers as L

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmp.distributed.comm import wait
+from refmp.distributed.waiting import wait
 from refmp.errors import ConfigError
 from refmp.inference.decoder import TAG_TOKEN, Decoder
 from refmp.inference.generate import make_cache

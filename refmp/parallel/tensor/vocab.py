@@ -165,19 +165,3 @@ def cross_entropy_backward(dout, cache):
     dlogits[rows, local[in_shard]] -= 1.0
     dlogits *= dout / denom
     return dlogits.reshape(shape)  # (B, T, Vl)
-
-
-@autocast
-def argmax_forward(logits_last, comm: Comm):
-    """Global argmax of (B, Vl) vocab shards: all-gather each rank's best (value, id).
-
-    Ties go to the lower id, as NumPy's argmax on the full row does (lower ranks own lower ids).
-    """
-    xp = backend.array_module(logits_last)
-    Vl = logits_last.shape[-1]
-    j = logits_last.argmax(axis=-1)  # (B,) my best column
-    ids = (j + comm.rank * Vl).astype(logits_last.dtype)  # (B,) as global ids
-    best = xp.stack([logits_last[xp.arange(j.size), j], ids])  # (2, B)
-    every = comm.allgather(best).reshape(comm.size, 2, -1)  # (tp, 2, B): each rank's best
-    winner = every[:, 0, :].argmax(axis=0)  # (B,) first rank with the largest value
-    return every[winner, 1, xp.arange(j.size)].astype(xp.int64)  # (B,) global ids
