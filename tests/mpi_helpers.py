@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from mpi4py import MPI
 from mpi_batch import collective_timeout
@@ -62,6 +64,44 @@ def mpiexec(n: int, args: list[str], timeout: float = 240, cwd: str | None = Non
 def refmp(n: int, args: list[str], **kw) -> subprocess.CompletedProcess:
     """``mpiexec -n n python -m refmp <args>``."""
     return mpiexec(n, ["python", "-m", "refmp", *args], **kw)
+
+
+REFUSALS = os.path.join(REPO, "tests", "mpi_scripts", "refusals.py")
+
+
+def refused(n: int, cases: dict[str, list[str]], timeout: float = 120,
+            **kw) -> dict[str, subprocess.CompletedProcess]:
+    """Many ``refmp`` command lines that must be refused, in one launch of ``n`` ranks
+    (tests/mpi_scripts/refusals.py): name -> what ``refmp(n, argv)`` would have given, each
+    rank's exit status (``statuses``; ``returncode`` is the largest) and output in rank
+    order, and ``seconds``, the slowest rank's. A case the launch did not finish on every rank
+    (a hang the watchdog ended, a crash) gets the launch's own status and output."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "cases.json")
+        with open(path, "w") as f:
+            json.dump(cases, f)
+        launch = mpiexec(n, ["python", REFUSALS, path, d], timeout=timeout, **kw)
+        ranks = []
+        for r in range(n):
+            rank_file = os.path.join(d, f"rank-{r}.json")
+            ranks.append(json.load(open(rank_file)) if os.path.exists(rank_file) else {})
+    results = {}
+    for name, argv in cases.items():
+        got = [rank.get(name) for rank in ranks]
+        if None in got:
+            results[name] = subprocess.CompletedProcess(argv, launch.returncode or 1,
+                                                        launch.stdout, launch.stderr)
+            results[name].statuses = None
+            results[name].seconds = float("inf")
+            continue
+        statuses = [g["status"] for g in got]
+        result = subprocess.CompletedProcess(argv, max(statuses),
+                                             "".join(g["stdout"] for g in got),
+                                             "".join(g["stderr"] for g in got))
+        result.statuses = statuses
+        result.seconds = max(g["seconds"] for g in got)
+        results[name] = result
+    return results
 
 
 class Mismatches:

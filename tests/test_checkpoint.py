@@ -19,7 +19,7 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, mpiexec, refmp
+from mpi_helpers import Mismatches, collective, mpiexec, refmp, refused
 from parity import TOL, host, serial_config
 from safetensors import safe_open
 from safetensors.numpy import load_file
@@ -406,13 +406,24 @@ BAD = [  # (what to do to the checkpoint, extra flags, the file the message name
 ]
 
 
+@pytest.fixture(scope="module")
+def bad_resumes(saved, tmp_path_factory):
+    """A copy of the checkpoint spoiled as each of BAD says, resumed on 2 ranks: every case
+    in one launch (mpi_helpers.refused). Case id -> result."""
+    cases = {}
+    for case in BAD:
+        spoil, flags, _, _ = case.values
+        d = str(tmp_path_factory.mktemp(case.id) / "ck")
+        shutil.copytree(saved, d)
+        spoil(d)
+        cases[case.id] = ["train", "--dp", "2", *SMALL, "--steps", "2", "--resume", d, *flags]
+    return refused(2, cases)
+
+
 @pytest.mark.parametrize("spoil,flags,name,words", BAD)
-def test_a_bad_checkpoint_is_refused_with_one_message(saved, tmp_path, spoil, flags, name, words):
-    d = str(tmp_path / "ck")
-    shutil.copytree(saved, d)
-    spoil(d)
-    r = refmp(2, ["train", "--dp", "2", *SMALL, "--steps", "2", "--resume", d, *flags],
-              timeout=60)
+def test_a_bad_checkpoint_is_refused_with_one_message(bad_resumes, request, spoil, flags, name,
+                                                      words):
+    r = bad_resumes[request.node.callspec.id]
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     errors = [line for line in r.stderr.splitlines() if "error" in line]

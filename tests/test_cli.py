@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import refmp
+from mpi_helpers import refmp, refused
 from safetensors.numpy import load_file
 
 from refmp.distributed.grid import ProcessGrid
@@ -66,7 +66,7 @@ def test_text_file_data(tmp_path):
     assert "vocab 256" in r.stdout and "held-out" not in r.stdout
 
 
-@pytest.mark.parametrize("args,message", [
+BAD = [
     (["--dp", "3"], "does not match the 2 MPI processes"),
     (["--data", "/nonexistent/file.txt"], "no such file"),
     (["--n-head", "3", "--n-embd", "16"], "divisible by n_head"),
@@ -74,19 +74,31 @@ def test_text_file_data(tmp_path):
     (["--init", "/nonexistent.safetensors"], "no such file"),
     (["--optimizer", "adam"], "invalid choice"),
     (["--steps", "0"], "at least 1"),
-])
-def test_bad_input_fails_cleanly_on_every_rank(args, message):
-    r = refmp(2, ["train", "--no-progress", *args], timeout=60)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory):
+    """BAD's command lines and an --init file that is not safetensors, each refused on 2
+    ranks, all in one launch (mpi_helpers.refused)."""
+    bad = tmp_path_factory.mktemp("bad") / "bad.safetensors"
+    bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+    cases = {str(args): ["train", "--no-progress", *args] for args, _ in BAD}
+    cases["bad safetensors"] = ["train", "--init", str(bad), "--no-progress"]
+    return refused(2, cases)
+
+
+@pytest.mark.parametrize("args,message", BAD)
+def test_bad_input_fails_cleanly_on_every_rank(bad_runs, args, message):
+    r = bad_runs[str(args)]
     assert r.returncode != 0
     assert message in r.stderr, r.stderr
     assert r.stderr.count(message) == 1  # said once, not once per rank
     assert "Traceback" not in r.stderr
 
 
-def test_bad_safetensors_file(tmp_path):
-    bad = tmp_path / "bad.safetensors"
-    bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
-    r = refmp(2, ["train", "--init", str(bad), "--no-progress"], timeout=60)
+def test_bad_safetensors_file(bad_runs):
+    r = bad_runs["bad safetensors"]
     assert r.returncode == 2 and "not a readable safetensors file" in r.stderr, r.stderr
 
 

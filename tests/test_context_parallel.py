@@ -15,7 +15,7 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, mpiexec, refmp
+from mpi_helpers import Mismatches, collective, mpiexec, refmp, refused
 from parity import assert_same_run, serial_config
 
 from refmp.cost.tensor import comm_bytes_per_step
@@ -253,15 +253,27 @@ SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--batch-size", "4"
          "--no-progress", "--dtype", "float64"]
 
 
-@pytest.mark.cli
-@pytest.mark.parametrize("args,message", [
+BAD_CP = [
     (["--block-size", "6"], "block size 6 is not divisible by 4"),  # zigzag: 2*cp chunks
     (["--block-size", "5", "--cp-balance", "contiguous"], "--cp 2 must divide the block size"),
     (["--cp-algo", "ulysses", "--n-head", "3", "--n-embd", "6", "--block-size", "8"],
      "n_head/tp = 3 heads of a tp rank, which must be divisible by --cp 2"),
-])
-def test_cp_bad_input_fails_cleanly(args, message):
-    r = refmp(2, ["train", "--cp", "2", *SMALL, *args], timeout=60)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_cp_runs():
+    """BAD_CP's command lines, each refused on 2 ranks, all in one launch
+    (mpi_helpers.refused)."""
+    cases = {str(args): ["train", "--cp", "2", *SMALL,*args]
+             for args, *_ in BAD_CP}
+    return refused(2, cases)
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("args,message", BAD_CP)
+def test_cp_bad_input_fails_cleanly(bad_cp_runs, args, message):
+    r = bad_cp_runs[str(args)]
     assert r.returncode == 2, r.stderr
     assert r.stderr.count(message) == 1, r.stderr  # every rank refused; rank 0 says it once
     assert "Traceback" not in r.stderr

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, refmp
+from mpi_helpers import Mismatches, collective, refmp, refused
 from parity import assert_same_run
 from safetensors.numpy import load_file
 from test_context_parallel import assert_ledger
@@ -149,17 +149,28 @@ def test_cp_tp_train_save_and_evaluate(tmp_path):
         close(saved[k], v, **TOL, err_msg=k)
 
 
-@pytest.mark.cli
-@pytest.mark.parametrize("args,message", [
+BAD_CP_TP = [
     (["--cp-algo", "ulysses"], "n_head/tp = 1 heads of a tp rank, which must be divisible"),
     (["--sequence-parallel", "--block-size", "6", "--cp-balance", "contiguous"],
      "--tp 2 must divide the tokens each rank holds, T/cp = 6/2"),
     (["--block-size", "6"], "block size 6 is not divisible by 4"),
     (["--n-head", "3", "--n-embd", "6"], "--tp 2 must divide the number of heads"),
-])
-def test_cp_tp_bad_input_fails_cleanly(args, message):
-    r = refmp(4, ["train", "--cp", "2", "--tp", "2", "--block-size", "8", *SMALL, *args],
-              timeout=60)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_cp_tp_runs():
+    """BAD_CP_TP's command lines, each refused on 4 ranks, all in one launch
+    (mpi_helpers.refused)."""
+    cases = {str(args): ["train", "--cp", "2", "--tp", "2", "--block-size", "8", *SMALL,*args]
+             for args, *_ in BAD_CP_TP}
+    return refused(4, cases)
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("args,message", BAD_CP_TP)
+def test_cp_tp_bad_input_fails_cleanly(bad_cp_tp_runs, args, message):
+    r = bad_cp_tp_runs[str(args)]
     assert r.returncode == 2, r.stderr
     assert r.stderr.count(message) == 1, r.stderr  # every rank refused; rank 0 says it once
     assert "Traceback" not in r.stderr

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, refmp
+from mpi_helpers import Mismatches, collective, refmp, refused
 from parity import assert_same_run
 
 from refmp.cost.tensor import comm_bytes_per_step
@@ -140,8 +140,7 @@ def test_grid_groups_are_cached_and_named_by_their_axes():
     assert not hasattr(g, "dp")  # sizes and coordinates are data: g.sizes, g.coords
 
 
-@pytest.mark.cli
-@pytest.mark.parametrize("n,args,message", [
+ARITHMETIC = [
     (2, ["--tp", "2", "--n-head", "3", "--n-embd", "12"], "must divide the number of heads"),
     (4, ["--cp", "2", "--tp", "2", "--cp-algo", "ulysses", "--n-head", "2",
          "--block-size", "8"], "must be divisible by --cp 2"),
@@ -150,9 +149,25 @@ def test_grid_groups_are_cached_and_named_by_their_axes():
     (2, ["--sequence-parallel"], "it needs --tp > 1"),
     (2, ["--tp", "2", "--cp", "1", "--sequence-parallel", "--block-size", "7"],
      "must divide the tokens each rank"),
-])
-def test_arithmetic_refusals_are_one_message_on_every_rank(n, args, message):
-    r = refmp(n, ["train", "--no-progress", "--steps", "1", *args], timeout=60)
+]
+
+
+@pytest.fixture(scope="module")
+def arithmetic_runs():
+    """ARITHMETIC's command lines, refused on 2 or 4 ranks: one launch per rank count
+    (mpi_helpers.refused)."""
+    runs = {}
+    for n in sorted({n for n, _, _ in ARITHMETIC}):
+        cases = {str(args): ["train", "--no-progress", "--steps", "1", *args]
+                 for m, args, _ in ARITHMETIC if m == n}
+        runs.update({(n, k): r for k, r in refused(n, cases).items()})
+    return runs
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("n,args,message", ARITHMETIC)
+def test_arithmetic_refusals_are_one_message_on_every_rank(arithmetic_runs, n, args, message):
+    r = arithmetic_runs[n, str(args)]
     assert r.returncode != 0
     assert r.stderr.count(message) == 1, r.stderr
     assert "Traceback" not in r.stderr

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, mpiexec, refmp
+from mpi_helpers import Mismatches, collective, mpiexec, refmp, refused
 from parity import assert_same_run
 
 from refmp.distributed.grid import ProcessGrid
@@ -213,16 +213,28 @@ SMALL = ["train", "--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--batch-s
          "--steps", "2", "--no-progress"]
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_EXPERTS = [
     (["--ep", "2", "--n-expert", "3"], "--n-expert (3) must be divisible by --ep (2)"),
     (["--n-expert", "2", "--top-k", "3"], "--top-k (3) must be between 1 and --n-expert (2)"),
     (["--ep", "2"], "--ep 2 needs a mixture-of-experts model"),
     (["--ep", "4", "--n-expert", "4"], "--ep (4) must divide dp * cp (2 * 1)"),
     (["--ep", "4", "--n-expert", "4", "--cp", "2", "--block-size", "8"],
      "--ep (4) must divide dp * cp (1 * 2)"),
-])
-def test_bad_expert_layouts_are_refused_on_every_rank(args, message):
-    r = refmp(2, [*SMALL, *args], timeout=120)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_experts_runs():
+    """BAD_EXPERTS's command lines, each refused on 2 ranks, all in one launch
+    (mpi_helpers.refused)."""
+    cases = {str(args): [*SMALL,*args]
+             for args, *_ in BAD_EXPERTS}
+    return refused(2, cases)
+
+
+@pytest.mark.parametrize("args, message", BAD_EXPERTS)
+def test_bad_expert_layouts_are_refused_on_every_rank(bad_experts_runs, args, message):
+    r = bad_experts_runs[str(args)]
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and r.stderr.count("error:") == 1, r.stderr
     assert "Traceback" not in r.stderr

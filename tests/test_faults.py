@@ -12,12 +12,11 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import REPO, mpiexec, refmp
+from mpi_helpers import REPO, mpiexec, refmp, refused
 
 from refmp.checkpoint.weights import save_model
 from refmp.cost.memory import estimate_memory, need_bytes
@@ -84,20 +83,14 @@ NAMES = [  # the keys of bad_cases, in order (pytest ids)
 
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory):
-    """Every bad-input case under mpiexec -n 2, four at a time: name -> (result, seconds)."""
+    """Every bad-input case under mpiexec -n 2, all in one launch (mpi_helpers.refused):
+    name -> (result, seconds, the words its message must have); result None if the launch
+    ended before the case did (a hang)."""
     cases = bad_cases(str(tmp_path_factory.mktemp("bad")))
     assert sorted(cases) == sorted(NAMES)
-
-    def one(name):
-        t0 = time.perf_counter()
-        try:
-            r = refmp(2, ["train", *SMALL, *cases[name][0]], timeout=60)
-        except subprocess.TimeoutExpired:
-            r = None  # a hang: the test below says so
-        return name, (r, time.perf_counter() - t0, cases[name][1])
-
-    with ThreadPoolExecutor(4) as pool:
-        return dict(pool.map(one, NAMES))
+    runs = refused(2, {name: ["train", *SMALL, *cases[name][0]] for name in NAMES})
+    return {name: (None if r.statuses is None else r, r.seconds, cases[name][1])
+            for name, r in runs.items()}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, mpiexec, refmp
+from mpi_helpers import Mismatches, collective, mpiexec, refmp, refused
 from parity import assert_same_run
 
 from refmp.cost.zero import comm_per_step, memory_per_rank, padded, unit_sizes
@@ -175,16 +175,27 @@ def test_pp2_x_dp2_addition_task_equals_serial():
     check_pipeline_run(TrainConfig(**{**cfg.__dict__, "block_size": ds.task.line_len}), ds)
 
 
-@pytest.mark.parametrize("args, msg", [
+BAD_PIPELINES = [
     (["--pp", "2", "--n-layer", "1"], "only 1 layers"),
     (["--pp", "2", "--n-layer", "4", "--microbatches", "3", "--batch-size", "6",
       "--schedule", "interleaved", "--virtual-stages", "2"], "multiple of --pp"),
     (["--pp", "2", "--n-layer", "2", "--microbatches", "3"], "every micro-batch has the same"),
     (["--pp", "2", "--n-layer", "2", "--stage-layers", "2,1"], "adds up to 3"),
-])
-def test_bad_pipeline_input_through_the_cli(args, msg):
-    out = refmp(2, ["train", "--steps", "1", "--n-embd", "8", "--batch-size", "4", *args],
-                timeout=60)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_pipelines_runs():
+    """BAD_PIPELINES's command lines, each refused on 2 ranks, all in one launch
+    (mpi_helpers.refused)."""
+    cases = {str(args): ["train", "--steps", "1", "--n-embd", "8", "--batch-size", "4",*args]
+             for args, *_ in BAD_PIPELINES}
+    return refused(2, cases)
+
+
+@pytest.mark.parametrize("args, msg", BAD_PIPELINES)
+def test_bad_pipeline_input_through_the_cli(bad_pipelines_runs, args, msg):
+    out = bad_pipelines_runs[str(args)]
     assert out.returncode == 2, out.stderr
     assert msg in out.stderr
     assert out.stderr.count("error:") == 1  # one message, from rank 0

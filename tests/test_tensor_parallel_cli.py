@@ -5,7 +5,7 @@ micro-batches, tp x cp with SP and ZeRO-3."""
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import refmp
+from mpi_helpers import refmp, refused
 from safetensors.numpy import load_file
 
 from refmp.distributed.grid import ProcessGrid
@@ -41,14 +41,26 @@ def test_tp_train_save_and_evaluate(tmp_path, n, layout, T):
         np.testing.assert_allclose(saved[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_TP = [
     (["--tp", "2", "--n-head", "3", "--n-embd", "12"], "--tp 2 must divide the number of heads"),
     (["--tp", "2", "--n-head", "2", "--sequence-parallel"], "must divide the tokens each rank holds"),
     (["--tp", "2", "--n-head", "2", "--batch-size", "3", "--microbatches", "2"],
      "must be divisible by dp * microbatches"),
-])
-def test_tp_bad_input_fails_cleanly_on_every_rank(args, message):
-    r = refmp(2, ["train", "--no-progress", *args], timeout=60)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_tp_runs():
+    """BAD_TP's command lines, each refused on 2 ranks, all in one launch
+    (mpi_helpers.refused)."""
+    cases = {str(args): ["train", "--no-progress",*args]
+             for args, *_ in BAD_TP}
+    return refused(2, cases)
+
+
+@pytest.mark.parametrize("args,message", BAD_TP)
+def test_tp_bad_input_fails_cleanly_on_every_rank(bad_tp_runs, args, message):
+    r = bad_tp_runs[str(args)]
     assert r.returncode == 2
     assert message in r.stderr, r.stderr
     assert r.stderr.count(message) == 1 and "Traceback" not in r.stderr

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, refmp
+from mpi_helpers import Mismatches, collective, refmp, refused
 from parity import assert_same_run
 from safetensors.numpy import load_file
 
@@ -164,14 +164,26 @@ def test_cli_tp2_x_pp2_trains_saves_and_evaluates(tmp_path, layout):
         np.testing.assert_allclose(saved[k], v, rtol=1e-9, atol=1e-12, err_msg=k)
 
 
-@pytest.mark.cli
-@pytest.mark.parametrize("args,message", [
+BAD_TP_PP = [
     (["--n-head", "3", "--n-embd", "12"], "--tp 2 must divide the number of heads"),
     (["--sequence-parallel", "--block-size", "5"], "must divide the tokens each rank holds"),
-])
-def test_tp_x_pp_bad_input_fails_cleanly(args, message):
-    r = refmp(4, ["train", "--tp", "2", "--pp", "2", "--n-layer", "2", "--n-embd", "8",
-                  "--batch-size", "4", "--steps", "1", "--no-progress", *args], timeout=60)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_tp_pp_runs():
+    """BAD_TP_PP's command lines, each refused on 4 ranks, all in one launch
+    (mpi_helpers.refused)."""
+    train = ["train", "--tp", "2", "--pp", "2", "--n-layer", "2", "--n-embd", "8",
+             "--batch-size", "4", "--steps", "1", "--no-progress"]
+    cases = {str(args): [*train, *args] for args, *_ in BAD_TP_PP}
+    return refused(4, cases)
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("args,message", BAD_TP_PP)
+def test_tp_x_pp_bad_input_fails_cleanly(bad_tp_pp_runs, args, message):
+    r = bad_tp_pp_runs[str(args)]
     assert r.returncode == 2, r.stderr
     assert message in r.stderr, r.stderr
     assert r.stderr.count(message) == 1 and "Traceback" not in r.stderr

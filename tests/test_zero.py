@@ -15,7 +15,7 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, mpiexec, refmp
+from mpi_helpers import Mismatches, collective, mpiexec, refused
 from parity import assert_same_run
 
 from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
@@ -121,14 +121,26 @@ def test_formulas_match_the_paper_without_padding():
         {"allreduce": 0, "reduce_scatter": 2 * 4 * n, "allgather": 2 * 4 * gathered}
 
 
-@pytest.mark.cli
-@pytest.mark.parametrize("args, message", [
+BAD_ZERO = [
     (["--zero", "4"], "invalid choice"),
     (["--microbatches", "3", "--batch-size", "8"], "divisible by dp * microbatches"),
     (["--bucket-mb", "-1"], "--bucket-mb must be >= 0"),
-])
-def test_bad_input_is_refused(args, message):
-    r = refmp(2, ["train", "--n-embd", "8", "--steps", "1", "--no-progress", *args], timeout=60)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_zero_runs():
+    """BAD_ZERO's command lines, each refused on 2 ranks, all in one launch
+    (mpi_helpers.refused)."""
+    cases = {str(args): ["train", "--n-embd", "8", "--steps", "1", "--no-progress",*args]
+             for args, *_ in BAD_ZERO}
+    return refused(2, cases)
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("args, message", BAD_ZERO)
+def test_bad_input_is_refused(bad_zero_runs, args, message):
+    r = bad_zero_runs[str(args)]
     assert r.returncode == 2, r.stderr
     assert message in r.stderr
     assert "Traceback" not in r.stderr
