@@ -7,12 +7,26 @@
 * The parallel tests of a file that want the same number of ranks run in one mpiexec
   launch, each test watched by refmp's watchdog (tests/mpi_batch.py: its hooks, imported
   here, are this conftest's).
+* One cache of compiled modules for every process the suite starts: the suite starts
+  hundreds of Python processes (mpiexec's ranks), and each would otherwise compile refmp's
+  modules from source again wherever PYTHONDONTWRITEBYTECODE is set (a tenth of a second
+  of CPU each). The first pytest makes a temporary directory, points PYTHONPYCACHEPREFIX at
+  it for the processes it starts (so nothing is written into the source tree) and removes
+  it at the end.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(var, "1")
+
+if "PYTHONPYCACHEPREFIX" not in os.environ:  # the first pytest: its processes inherit it
+    os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="refmp-tests-pycache-")
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    atexit.register(shutil.rmtree, os.environ["PYTHONPYCACHEPREFIX"], True)
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
