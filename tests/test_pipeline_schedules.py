@@ -12,6 +12,7 @@ from refmp.errors import ConfigError
 from refmp.nn import gpt
 from refmp.parallel.pipeline.partition import balanced_split, check_pipeline, piece_costs
 from refmp.parallel.pipeline.schedules import Action, schedule
+from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.pipeline.simulate import (
     Deadlock,
     bubble_formula,
@@ -232,6 +233,10 @@ def test_schedule_command_prints_timeline_and_writes_files(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("cat") == "F" for e in events) == 4 * 8
+    back = Timeline.from_chrome_trace(json.loads(trace.read_text()))  # what docs/_hooks reads
+    tl = simulate_schedule("1f1b", 4, 8)
+    assert (back.unit, back.makespan, back.bubble()) == (tl.unit, tl.makespan, tl.bubble())
+    assert sorted(back.events) == sorted(tl.events)
 
 
 def test_schedule_command_refuses_bad_input(capsys):
