@@ -12,13 +12,13 @@ from refmp.errors import ConfigError
 from refmp.nn import gpt
 from refmp.parallel.pipeline.partition import balanced_split, check_pipeline, piece_costs
 from refmp.parallel.pipeline.schedules import Action, schedule
-from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.pipeline.simulate import (
     Deadlock,
     bubble_formula,
     simulate,
     simulate_schedule,
 )
+from refmp.parallel.pipeline.timeline import Timeline
 
 FLUSHED = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")  # the V schedules: test_pipeline_v.py
 

@@ -306,7 +306,8 @@ def test_every_strategy_page_shows_its_picture_and_the_explorer_table_is_small(s
 def test_the_explorers_tiny_is_refmp_bench_tiny():
     from refmp.cli.bench import PRESETS
 
-    tiny, bench = hook("explorer").TINY, PRESETS["tiny"]
+    tiny = hook("explorer").TINY
+    bench = PRESETS["tiny"]
     assert (tiny.n_layer, tiny.n_embd, tiny.n_head, tiny.block_size, tiny.vocab_size) == (
         bench["n_layer"], bench["n_embd"], bench["n_head"], bench["block_size"], bench["vocab"])
 

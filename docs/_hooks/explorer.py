@@ -116,12 +116,14 @@ def timelines() -> dict:
 def offered(choice: dict) -> bool:
     """The layouts `refmp plan` searches (refmp.cost.search.candidates): ZeRO 2 and 3 without a
     pipeline, sequence parallelism with tp > 1; a schedule only with a pipeline."""
-    return ((choice["zero"] < 2 or choice["pp"] == 1) and (choice["tp"] > 1 or not choice["sequence_parallel"])
+    return ((choice["zero"] < 2 or choice["pp"] == 1)
+            and (choice["tp"] > 1 or not choice["sequence_parallel"])
             and (choice["pp"] > 1 or choice["schedule"] == "1f1b"))
 
 
 def table() -> dict:
-    layouts, reasons = {}, {}
+    layouts = {}
+    reasons = {}
     for name, mcfg in MODELS.items():
         every = (dict(zip(CHOICES, v, strict=True)) for v in itertools.product(*CHOICES.values()))
         layouts[name] = {}

@@ -73,13 +73,18 @@ def pipeline() -> Svg:
 
 def collectives() -> Svg:
     data = json.loads((DATA / "collectives.json").read_text())
-    n, alpha, beta = data["ranks"], data["alpha_s"], data["beta_s_per_byte"]
+    n = data["ranks"]
+    alpha = data["alpha_s"]
+    beta = data["beta_s_per_byte"]
     ops = list(dict.fromkeys(op for op, _, _ in data["rows"]))
     sizes = sorted({b for _, b, _ in data["rows"]})
     times = [t for _, _, t in data["rows"]]
     lx0, lx1 = math.log10(sizes[0]), math.log10(sizes[-1])
     ly0, ly1 = math.floor(math.log10(min(times) * 1e6)), math.ceil(math.log10(max(times) * 1e6))
-    W, H, X, Y = 560, 300, 70, 40
+    W = 560  # the plot's width and height, and its top left corner
+    H = 300
+    X = 70
+    Y = 40
 
     def at(nbytes: float, sec: float) -> tuple[float, float]:
         return (X + W * (math.log10(nbytes) - lx0) / (lx1 - lx0),

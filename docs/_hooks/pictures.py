@@ -30,14 +30,25 @@ from refmp.cost.zero import comm_per_step, compressed_per_step, local_shapes, me
 from refmp.nn.params import GPTConfig, param_shapes
 from refmp.parallel.context.chunks import ChunkLayout, ring_attention_flops
 from refmp.parallel.data.zero import Unit
-from refmp.parallel.placement import (local_name, padded_vocab, place, rank_chunks, tp_shard, tp_unshard,
-                                      who_holds)
+from refmp.parallel.placement import (
+    local_name,
+    padded_vocab,
+    place,
+    rank_chunks,
+    tp_shard,
+    tp_unshard,
+    who_holds,
+)
 
 
 def tensor_parallel() -> Svg:
     """A block's four weights and wte over tp 2, each cell in the colour of the rank that
     holds it (tp_shard of every rank, glued back by tp_unshard), and SP's activations."""
-    C, NH, V, tp, T = 8, 4, 11, 2, 8
+    C = 8  # a block of 4 heads of size 2, a vocabulary tp does not divide, 8 tokens
+    NH = 4
+    V = 11
+    tp = 2
+    T = 8
     mcfg = GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_head=NH, n_embd=C)
     shapes = param_shapes(mcfg)
     s = Svg(760, 345, "tensor parallelism over 2 ranks: who holds which weights")
@@ -73,7 +84,8 @@ def tensor_parallel() -> Svg:
 
 def context_parallel() -> Svg:
     """The tokens each cp rank holds (ChunkLayout), and the causal attention each computes."""
-    T, cp = 16, 4
+    T = 16
+    cp = 4
     s = Svg(760, 300, "context parallelism over 4 ranks: zig-zag and contiguous chunks")
     s.text(10, 18, f"cp = {cp}, T = {T}: a sequence's tokens by rank, and the causal "
                    "attention (query rows, key columns) each rank computes", 12, bold=True)
@@ -175,16 +187,17 @@ def pipeline() -> Svg:
                                         ("ZB-V, DualPipeV: 2 chunks per rank in a V", 2, True))):
         y = 40 + 48 * k
         s.text(10, y, name, 11)
-        owner, where = {}, {}
+        owner = {}  # piece -> the rank that holds it
         for r in range(pp):
             for c, blocks in rank_chunks(mcfg, 64, r, pp, v, None, vee).items():
-                where[c] = r
-                for i in blocks:
-                    owner[i] = (r, c)
-        S = pp * v
-        pieces = [("emb", where[0], 0)] + [(f"h{i}", *owner[i]) for i in range(8)] \
-            + [("head", where[S - 1], S - 1)]
-        for j, (label, r, c) in enumerate(pieces):
+                owner.update({f"h{i}": r for i in blocks})
+                if c == 0:
+                    owner["emb"] = r
+                if c == pp * v - 1:
+                    owner["head"] = r
+        pieces = [("emb", owner["emb"])] + [(f"h{i}", owner[f"h{i}"]) for i in range(8)] \
+            + [("head", owner["head"])]
+        for j, (label, r) in enumerate(pieces):
             s.rect(10 + 66 * j, y + 6, 62, 24, colour(r), "#ffffff")
             s.text(41 + 66 * j, y + 22, f"{label} r{r}", 10, "middle", fill="#ffffff")
     s.legend(10, 182, [(colour(r), f"pp rank {r}") for r in range(pp)])
@@ -195,7 +208,8 @@ def data_parallel() -> Svg:
     """dp 4: every rank holds every unit (local_shapes of the whole model), and B/dp rows."""
     mcfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
     units = list(local_shapes(mcfg))
-    dp, B = 4, 8
+    dp = 4
+    B = 8
     s = Svg(760, 150, "data parallelism over 4 ranks: a whole model each, its rows of the batch")
     s.text(10, 18, f"dp = {dp}, batch B = {B}: every rank holds every unit whole, and reads "
                    f"rows [r B/dp, (r+1) B/dp) of the batch", 12, bold=True)

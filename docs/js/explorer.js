@@ -98,7 +98,8 @@
       el("td", {"data-bytes": row.need, id: "explorer-need"}, size(row.need))));
     panel.append(table, bar, el("p", {id: "explorer-fits"},
       `${time.fits ? "Fits" : "Does not fit"} in the ${machine.gpu_memory_gb} GB of a GPU; ` +
-      `pipeline stage ${mem.stage} needs the most. dp = ${row.dp}, b = ${row.b} rows a micro-batch.`));
+      `pipeline stage ${mem.stage} needs the most. dp = ${row.dp}, b = ${row.b} ` +
+      `row${row.b > 1 ? "s" : ""} a micro-batch.`));
     return panel;
   }
 

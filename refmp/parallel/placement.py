@@ -144,7 +144,8 @@ def who_holds(mcfg, sizes: dict[str, int], T: int, virtual_stages: int = 1, v_sh
         experts     the experts it holds of each MoE layer (expert_owner)
     """
     rows = []
-    NH, E = mcfg.n_head, mcfg.n_expert
+    NH = mcfg.n_head
+    E = mcfg.n_expert
     Vl = padded_vocab(mcfg.vocab_size, sizes["tp"]) // sizes["tp"]  # wte rows per tp rank
     layout = ChunkLayout(T, sizes["cp"], cp_balance)
     radix = [sizes[a] for a in GRID_ORDER]
@@ -161,7 +162,8 @@ def who_holds(mcfg, sizes: dict[str, int], T: int, virtual_stages: int = 1, v_sh
         last = S - 1 in chunks
         tp_i = coords["tp"]
         rows.append({
-            "rank": rank, **{a: coords[a] for a in GRID_ORDER}, "ep": f % sizes["ep"], "edp": f // sizes["ep"],
+            "rank": rank, **{a: coords[a] for a in GRID_ORDER},
+            "ep": f % sizes["ep"], "edp": f // sizes["ep"],
             "chunks": {c: list(b) for c, b in chunks.items()}, "first": first, "last": last,
             "tokens": [int(t) for t in layout.positions(coords["cp"])],
             "heads": (tp_i * NH // sizes["tp"], (tp_i + 1) * NH // sizes["tp"]),
