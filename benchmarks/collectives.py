@@ -1,6 +1,7 @@
 """Time refmp's collectives (refmp.distributed.comm.Comm) and fit the alpha-beta model to them.
 
     OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/collectives.py [--max-mib 16] [--reps 20]
+        [--json docs/data/collectives.json]
 
 For each operation and message size (from 8 bytes to --max-mib, by factors of 16) every rank
 calls the operation --reps times after a barrier; the median time of rank 0 is kept. Then one
@@ -13,12 +14,15 @@ where ``steps`` is the number of sequential message rounds of a ring algorithm (
 an all-reduce, n-1 for a reduce-scatter, all-gather or all-to-all, 1 for a send) and
 ``wire`` the bytes each rank sends (2 (n-1)/n of the buffer for an all-reduce, (n-1)/n for
 the others, all of it for a send). Prints, as Markdown, the measured and modelled times and
-the fitted alpha and bandwidth (docs/collectives.md).
+the fitted alpha and bandwidth (docs/collectives.md); ``--json PATH`` also writes them as
+{"ranks", "alpha_s", "beta_s_per_byte", "rows": [[op, bytes, seconds], ...]}, which the site
+draws beside the model's lines (docs/_hooks/measured.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -58,6 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-mib", type=float, default=16, help="largest message, MiB (16)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per size (20)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows and the fit")
     args = ap.parse_args()
     world = MPI.COMM_WORLD
     comm, n = Comm(world), world.size
@@ -83,6 +88,10 @@ def main() -> None:
     t = np.array([s for _, _, s in rows])
     # least squares on relative error: every size weighs the same, small or large
     (alpha, beta), *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": n, "alpha_s": float(alpha), "beta_s_per_byte": float(beta),
+                       "rows": [[op, b, s] for op, b, s in rows]}, f, indent=0)
     print(f"{n} ranks; fitted alpha = {alpha * 1e6:.1f} us, bandwidth 1/beta = "
           f"{1 / beta / 1e9:.2f} GB/s\n")
     print("| operation | bytes (ledger) | measured us | alpha-beta model us |")

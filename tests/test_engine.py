@@ -206,3 +206,22 @@ def test_tutorial_08_any_layout():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: any layout == serial" in r.stdout
     assert r.stdout.count("ZeRO-1 owns") == 1 and r.stdout.count("\n7 ") == 1  # 8 rows
+
+
+@pytest.mark.parametrize("sizes", [dict(pp=2, dp=2, cp=2, tp=1, ep=2), dict(pp=3, dp=1, cp=2, tp=2, ep=1),
+                                   dict(pp=1, dp=4, cp=1, tp=2, ep=4)])
+def test_who_holds_numbers_the_ranks_as_the_grid_does(sizes):
+    """placement.who_holds (the guide's pictures) puts each rank where ProcessGrid does;
+    tutorial 8 checks the rest (blocks, tokens, experts) against a running engine."""
+    from refmp.distributed.grid import ProcessGrid
+    from refmp.nn.params import GPTConfig
+    from refmp.parallel.placement import who_holds
+
+    grid = object.__new__(ProcessGrid)  # coords_of and rank_of read the sizes alone
+    grid.sizes = sizes
+    mcfg = GPTConfig(vocab_size=16, block_size=8, n_layer=6, n_head=4, n_embd=8, n_expert=4)
+    rows = who_holds(mcfg, sizes, 8)
+    assert [r["rank"] for r in rows] == list(range(len(rows)))
+    for row in rows:
+        coords = {a: row[a] for a in ("pp", "dp", "cp", "tp")}
+        assert coords == grid.coords_of(row["rank"]) and grid.rank_of(**coords) == row["rank"]

@@ -18,6 +18,7 @@ from refmp.parallel.pipeline.simulate import (
     simulate,
     simulate_schedule,
 )
+from refmp.parallel.pipeline.timeline import Timeline
 
 FLUSHED = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")  # the V schedules: test_pipeline_v.py
 
@@ -232,6 +233,10 @@ def test_schedule_command_prints_timeline_and_writes_files(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("cat") == "F" for e in events) == 4 * 8
+    back = Timeline.from_chrome_trace(json.loads(trace.read_text()))  # what docs/_hooks reads
+    tl = simulate_schedule("1f1b", 4, 8)
+    assert (back.unit, back.makespan, back.bubble()) == (tl.unit, tl.makespan, tl.bubble())
+    assert sorted(back.events) == sorted(tl.events)
 
 
 def test_schedule_command_refuses_bad_input(capsys):

@@ -275,3 +275,151 @@ def test_the_search_finds_a_page(browser):
         "[...document.querySelectorAll('.md-search-result__item a')].map(a => a.href)")
     assert any("pipeline.html" in href for href in found), found
     assert tools.errors() == [], tools.errors()
+
+
+# --- what the hooks draw: pictures from the placement tables, the explorer from refmp.cost ---
+
+STRATEGY_PAGES = ["data_parallel", "pipeline", "tensor_parallel", "experts", "zero", "compression",
+                  "context_parallel", "architecture"]
+
+
+def hook(name: str):
+    """A module of docs/_hooks, imported as mkdocs imports it (its folder on the path)."""
+    sys.path.insert(0, str(DOCS / "_hooks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(DOCS / "_hooks"))
+
+
+def test_every_strategy_page_shows_its_picture_and_the_explorer_table_is_small(site):
+    for page in STRATEGY_PAGES:
+        assert (site / "img" / "holds" / f"{page}.svg").read_text().startswith("<svg"), page
+        assert f'src="img/holds/{page}.svg"' in (site / f"{page}.html").read_text(), page
+    for page, svg in (("pipeline", "pipeline"), ("collectives", "collectives")):
+        assert f'src="img/measured/{svg}.svg"' in (site / f"{page}.html").read_text(), page
+    table = (site / "explorer" / "table.js").read_text()
+    assert table.startswith("window.REFMP_EXPLORER = ") and len(table) < 400_000, len(table)
+    assert not (site / "data").exists()  # the measured files stay out of the site
+
+
+def test_the_explorers_tiny_is_refmp_bench_tiny():
+    from refmp.cli.bench import PRESETS
+
+    tiny = hook("explorer").TINY
+    bench = PRESETS["tiny"]
+    assert (tiny.n_layer, tiny.n_embd, tiny.n_head, tiny.block_size, tiny.vocab_size) == (
+        bench["n_layer"], bench["n_embd"], bench["n_head"], bench["block_size"], bench["vocab"])
+
+
+# (the options chosen on the page, by their text; the Layout of 8 GPUs and a batch of 64 in 8
+# micro-batches that they mean, written out here: dp = 8 / (tp pp), b = 64 / (8 dp))
+EXPLORED = [
+    ("gpt2", {"tp": "4"}, dict(tp=4, dp=2, microbatch_size=4, mixed_precision="none")),
+    ("gpt2", {"tp": "2", "zero": "3", "sequence_parallel": "on", "recompute": "selective",
+              "mixed_precision": "bf16"},
+     dict(tp=2, dp=4, zero=3, sequence_parallel=True, recompute="selective",
+          mixed_precision="bf16", microbatch_size=2)),
+    ("gpt3-6.7b", {"tp": "2", "pp": "2", "zero": "1", "sequence_parallel": "off",
+                   "recompute": "full", "schedule": "interleaved (v = 2)"},
+     dict(tp=2, pp=2, dp=2, zero=1, recompute="full", mixed_precision="bf16",
+          microbatch_size=4, schedule="interleaved", virtual_stages=2)),
+]
+
+SHOWN = """(() => ({
+  memory: Object.fromEntries([...document.querySelectorAll("[id^=explorer-mem-]")]
+                             .map(td => [td.id.slice(13), Number(td.dataset.bytes)])),
+  bytes: [...document.querySelectorAll("#explorer-bytes td[data-axis]")]
+         .map(td => [td.dataset.axis, td.dataset.op, Number(td.dataset.bytes)]),
+  ms: Number(document.getElementById("explorer-step")?.dataset.ms),
+  bubble: document.getElementById("explorer-bubble")?.dataset.bubble ?? null,
+  refused: document.getElementById("explorer-refused")?.textContent ?? null,
+}))()"""
+
+
+def choose(tools: DevTools, name: str, text: str) -> None:
+    """Pick an option of one of the explorer's fields by its text, as a reader does."""
+    assert tools.js(f"""(() => {{
+      const s = document.getElementById("explorer-{name}");
+      const o = [...s.options].find(o => o.text === {json.dumps(text)});
+      if (!o) return false;
+      s.value = o.value;
+      s.dispatchEvent(new Event("change"));
+      return true;
+    }})()"""), (name, text)
+
+
+@needs_chromium
+def test_the_explorer_shows_what_refmp_cost_computes(browser, site):
+    """Change the explorer's fields as a reader does; the memory per rank shown is
+    refmp.cost.memory.memory of that layout, its bytes per axis and step time predict's, its
+    bubble the simulator's; no error, no request to another host, from the server or from disk."""
+    from refmp.cost.machines import MACHINES, MODELS
+    from refmp.cost.memory import memory
+    from refmp.cost.model import Layout, predict
+    from refmp.nn.params import GPTConfig
+    from refmp.parallel.pipeline.simulate import simulate_schedule
+
+    tools, base = browser
+    tools.call("Network.enable")
+    open_page(tools, f"{base}/explorer.html")
+    assert tools.js("document.getElementById('explorer-tp').selectedOptions[0].text") == "1"
+    for model, fields, layout in EXPLORED:
+        choose(tools, "model", model)
+        for name, text in fields.items():
+            choose(tools, name, text)
+        got = tools.js(SHOWN)
+        assert got["refused"] is None, (fields, got["refused"])
+        L, C, NH, V, T = MODELS[model]
+        mcfg = GPTConfig(n_layer=L, n_embd=C, n_head=NH, vocab_size=V, block_size=T)
+        lay = Layout(**layout)
+        want = memory(lay, mcfg, 64)
+        assert got["memory"] == {k: want[k] for k in got["memory"]}, (fields, got["memory"], want)
+        assert len(got["memory"]) == 5
+        pred = predict(lay, mcfg, 64, MACHINES["dgx-a100"])
+        assert sorted(got["bytes"]) == sorted([a, op, b] for a, ops in pred["bytes"][0].items()
+                                              for op, b in ops.items() if b), fields
+        assert got["ms"] == float(f"{1e3 * pred['step_seconds']:.4g}"), fields
+        if lay.pp > 1:
+            sim = simulate_schedule(lay.schedule, lay.pp, 8, lay.virtual_stages)
+            assert float(got["bubble"]) == sim.bubble(), fields
+    choose(tools, "model", "gpt2-xl")  # 25 heads: refmp's own refusal
+    assert "must divide the number of heads" in tools.js(SHOWN)["refused"]
+    # the same page opened from the built site on disk
+    tools.events.clear()
+    tools.call("Page.navigate", url=(site / "explorer.html").as_uri())
+    tools.wait_for("document.getElementById('explorer-mem-params') !== null")
+    choose(tools, "tp", "4")
+    assert tools.js(SHOWN)["memory"]["params"] > 0
+    tools.pump(0.5)
+    hosts = [e["params"]["request"]["url"] for e in tools.events
+             if e.get("method") == "Network.requestWillBeSent"]
+    assert hosts and all(u.startswith(("file://", "data:")) for u in hosts), hosts
+    # from disk the theme's search asks for search/search_index.js, which mkdocs' search
+    # plugin does not write (it serves search_index.json): the one error allowed there
+    assert [e for e in tools.errors() if "search/search_index.js" not in e] == [], tools.errors()
+    tools.call("Page.navigate", url="about:blank")
+    tools.pump(0.2)
+
+
+@needs_chromium
+def test_every_picture_loads_and_nothing_comes_from_another_host(browser):
+    """A strategy page draws its picture; every picture the hooks wrote loads as an image (all
+    of them, from that page); every request went to the site's own server."""
+    tools, base = browser
+    tools.call("Network.enable")
+    open_page(tools, f"{base}/tensor_parallel.html")
+    assert tools.js(PAGE_CHECK)["imgsDrawn"] == tools.js(PAGE_CHECK)["imgs"]
+    svgs = [f"img/holds/{p}.svg" for p in STRATEGY_PAGES] + ["img/measured/pipeline.svg",
+                                                             "img/measured/collectives.svg"]
+    widths = tools.js(f"""Promise.all({json.dumps(svgs)}.map(src => new Promise(done => {{
+      const i = new Image();
+      i.onload = () => done(i.naturalWidth);
+      i.onerror = () => done(0);
+      i.src = src;
+    }})))""")
+    assert all(w > 100 for w in widths), dict(zip(svgs, widths, strict=True))
+    assert tools.errors() == [], tools.errors()
+    urls = [e["params"]["request"]["url"] for e in tools.events
+            if e.get("method") == "Network.requestWillBeSent"]
+    assert urls and all(u.startswith((base, "data:")) for u in urls), sorted(set(urls))

@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from refmp.distributed.grid import ProcessGrid
 from refmp.parallel.expert import expert_index, is_expert
+from refmp.parallel.placement import who_holds
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -62,13 +63,19 @@ mine = {
     "ZeRO-1 owns": f"{owned}/{local}",
 }
 table = world.allgather(mine)
+drawn = who_holds(run.mcfg, grid.sizes, T)[world.rank]  # the table docs/architecture.md draws
+same = world.allgather(sorted(i for c in drawn["chunks"].values() for i in c) == blocks
+                       and drawn["tokens"] == np.asarray(run.positions).tolist()
+                       and drawn["experts"] == experts)
 if world.rank == 0:
     cols = list(table[0])
     width = {k: max(len(k), *(len(str(r[k])) for r in table)) for k in cols}
     print("  ".join(k.ljust(width[k]) for k in cols))
     for r in table:
         print("  ".join(str(r[k]).ljust(width[k]) for k in cols))
-say("\nThe last stage holds wte too (the tied head); ranks with the same tp coordinate hold\n"
+say(f"\nThe guide's picture of this layout (refmp.parallel.placement.who_holds) matches the "
+    f"running engine on {sum(same)} of {len(same)} ranks.")
+say("The last stage holds wte too (the tied head); ranks with the same tp coordinate hold\n"
     "the same heads for other tokens (cp) and other blocks (pp); the two ranks of each ep\n"
     "group split the 4 experts of each MoE layer; ZeRO-1 splits each rank's optimizer state\n"
     "over its dp x cp group (here the 2 cp ranks), the experts' over edp (1 rank).")
@@ -109,7 +116,7 @@ for s in range(1, cfg.steps):
                     *(float(np.abs(grads[k] - sg[k]).max()) for k in sp),
                     *(float(np.abs(params[k] - sp[k]).max()) for k in sp))
         say(f"  step {s}: loss {b['loss']:.10f} (serial {a['loss']:.10f})")
-ok = world.bcast(worst < 1e-10 if world.rank == 0 else None)
+ok = world.bcast(worst < 1e-10 and all(same) if world.rank == 0 else None)
 say(f"\nPart 3. largest difference from the serial run (loss, gradients, weights): {worst:.1e}")
 say("OK: any layout == serial" if ok else "MISMATCH")
 sys.exit(0 if ok else 1)

@@ -16,10 +16,12 @@ Recomputation executes more than the model's FLOPs: the extra forward work is co
 from __future__ import annotations
 
 import math
+from functools import cache
 
 from refmp.nn.params import GPTConfig, param_shapes
 
 
+@cache
 def active_params(cfg: GPTConfig) -> float:
     """N of the FLOP count: parameters in matrix products per token, wpe left out, each
     expert's counted top_k / n_expert (see the module docstring)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 MODELS = {  # (n_layer, n_embd, n_head, vocab, block_size): GPT-2 (Radford 2019), GPT-3 (Brown 2020)
     "gpt2": (12, 768, 12, 50257, 1024), "gpt2-medium": (24, 1024, 16, 50257, 1024),
     "gpt2-large": (36, 1280, 20, 50257, 1024), "gpt2-xl": (48, 1600, 25, 50257, 1024),
-    "gpt3-175b": (96, 12288, 96, 50257, 2048),
+    "gpt3-6.7b": (32, 4096, 32, 50257, 2048), "gpt3-175b": (96, 12288, 96, 50257, 2048),
 }
 
 

@@ -199,7 +199,9 @@ IMPLS = {"refmp": Impl(), "megatron-2021": MEGATRON_2021, "deepspeed-zero3": DEE
 
 def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
             impl: Impl = Impl()) -> dict:
-    """Seconds per step, by term, and the throughput figures (see the module docstring)."""
+    """Seconds per step, by term, and the throughput figures (see the module docstring);
+    ``bytes``: per pipeline stage, the ledger bytes one of its ranks moves in a step, by axis
+    (tp, cp, ep, pp, dp: its dp x cp group) and operation, as the terms time them."""
     L, C, NH, V, T = mcfg.n_layer, mcfg.n_embd, mcfg.n_head, mcfg.vocab_size, mcfg.block_size
     tp, pp, dp, cp, b, v = lay.tp, lay.pp, lay.dp, lay.cp, lay.microbatch_size, lay.virtual_stages
     c = 2 if lay.mixed_precision != "none" else 4
@@ -232,6 +234,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     blocks = split(mcfg, pp * v)
     act = bd * Tl * C * c  # one (b, Tl, C) activation, over the step's micro-batches
     stages = []
+    moved = []  # per stage: ledger bytes per step of one of its ranks, by axis and operation
     for r in range(pp):
         stage_blocks = [i for ch in stage_chunks(r, pp, v) for i in blocks[ch]]
         first, last = r == 0, r == pp - 1
@@ -250,22 +253,26 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
             for op in (("allgather", "reduce_scatter") if lay.sequence_parallel else ("allreduce",)):
                 tpb[op] += 2 * Ls * act
         t_tp = sum(collective(op, x, M * round(x / act), tp, *link(tp)) for op, x in tpb.items())
+        moved.append({"tp": {op: x * (tp > 1) for op, x in tpb.items()}})  # a group of one: none
         # cp: Ulysses' all-to-alls block; the ring's sends travel while the attention core
         # computes, so only what the core does not cover is exposed
         op, nbytes, calls = cp_ledger(lay, bd, Tl, C, Ls, M, c)
         t_cp = collective(op, nbytes, calls, cp, *link(tp * cp))
+        moved[r]["cp"] = {op: nbytes}
         if op == "send" and mach.overlaps_p2p:  # cp-1 transfers, behind the core's steps
             core = M * Ls * 2 * (4 if full else 3) * scores  # q k^T, att v: fwd, 2 bwd, again
             t_cp = max(0.0, t_cp - (cp - 1) / cp * core)
         # experts: dispatch and combine, forward and backward (again with full
         # recomputation), K b Tl C each (ep carved from dp x cp: the group spans tp ep ranks)
         k = 6 if full else 4
-        t_ep = collective("alltoall", k * M * n_moe * K * b * Tl * C * c, k * M * n_moe,
+        moved[r]["ep"] = {"alltoall": k * M * n_moe * K * b * Tl * C * c * (lay.ep > 1)}
+        t_ep = collective("alltoall", moved[r]["ep"]["alltoall"], k * M * n_moe,
                           lay.ep, *link(tp * lay.ep))
         # pipeline boundaries: activations out and gradients back, b Tl C c per micro-batch
         # (neighbours are tp cp dp ranks apart); scatter/gather: 1/tp each, then all-gathered
         x, calls, span = 2 * v * M * b * Tl * C * c, 2 * v * M, 2 * tp * cp * dp
         t_pp = collective("send", x, calls, pp, *link(span))
+        moved[r]["pp"] = {"send": x * (pp > 1)}
         if impl.pp_scatter_gather and pp > 1 and tp > 1:
             t_pp = (collective("send", x / tp, calls, pp, *link(span))
                     + collective("allgather", x, calls, tp, *link(tp)))
@@ -278,6 +285,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         if codec in ("powersgd", "topk"):  # after backward, no overlap
             g = compressed_per_step(local_shapes(mcfg, tp, stage_blocks, first, last), n, codec,
                                     lay.compress_rank, lay.compress_ratio, gw)
+        moved[r]["dp"] = dict(g)
         t_dp = sum(collective(op, x, 1 if lay.zero < 2 else M * len(units), n, *link(tp * n))
                    for op, x in g.items())
         # behind the last micro-batch's backward (PowerSGD and top-k: after it)
@@ -316,7 +324,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     hw = flops + recompute_flops_per_step(lay.recompute, n_blocks, L, T, C, tokens)
     return {"step_seconds": step, "tokens_per_s": tokens / step, "seconds": t,
             "tflops_per_gpu": hw / step / gpus / 1e12,
-            "mfu": flops / step / gpus / (mach.peak_tflops * 1e12)}
+            "mfu": flops / step / gpus / (mach.peak_tflops * 1e12), "bytes": moved}
 
 
 def ring_pass(elements: float, n: int, c: int, bw: float, hop: float) -> float:

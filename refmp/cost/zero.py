@@ -52,6 +52,7 @@ rounded up to a block.
 from __future__ import annotations
 
 import math
+from functools import cache
 
 from refmp.nn.gpt import GPTConfig, param_shapes
 from refmp.parallel.data.compress import compresses
@@ -61,9 +62,16 @@ from refmp.parallel.placement import TP_SPLITS, holds, local_name, padded_vocab,
 def local_shapes(cfg: GPTConfig, tp: int = 1, blocks=None, first: bool = True,
                  last: bool = True, ep: int = 1, ep_rank: int = 0) -> dict[str, dict]:
     """unit -> {parameter: shape} one rank holds: its tp shards of ``blocks`` (default: all),
-    wte and wpe if ``first``, ln_f and wte if ``last``, and its E/ep experts."""
-    blocks = range(cfg.n_layer) if blocks is None else blocks
-    blocks = set(blocks)
+    wte and wpe if ``first``, ln_f and wte if ``last``, and its E/ep experts. Remembered (the
+    planner and the site's explorer ask for the same rank's units many times); a fresh dict."""
+    blocks = frozenset(range(cfg.n_layer) if blocks is None else blocks)
+    return {u: dict(unit) for u, unit in _local_shapes(cfg, tp, blocks, first, last, ep,
+                                                        ep_rank).items()}
+
+
+@cache
+def _local_shapes(cfg: GPTConfig, tp: int, blocks: frozenset, first: bool, last: bool, ep: int,
+                  ep_rank: int) -> dict[str, dict]:
     shapes: dict[str, dict] = {}
     for k, s in param_shapes(cfg).items():
         if not holds(k, blocks, first, last, ep_rank, cfg.n_expert, ep):

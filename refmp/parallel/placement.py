@@ -23,9 +23,11 @@ the first stage (embedding) and, with pp > 1, as a copy on the last (the tied he
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from refmp.nn import experts as M
+from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
 from refmp.runtime import backend
 
@@ -120,6 +122,55 @@ def shards_held(params: dict, blocks, first: bool, last: bool, tp, ep, n_expert:
     size). The engine's and the decoder's selection."""
     return {k: tp_shard(k, v, tp.rank, tp.size) for k, v in params.items()
             if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
+
+
+GRID_ORDER = ("pp", "dp", "cp", "tp")  # refmp.distributed.grid's, slowest to fastest
+
+
+def who_holds(mcfg, sizes: dict[str, int], T: int, virtual_stages: int = 1, v_shape: bool = False,
+              stage_layers: str | None = None, cp_balance: str = "zigzag") -> list[dict]:
+    """Who holds what on a grid of ``sizes`` (pp, dp, cp, tp, ep): one row per world rank, in
+    rank order, from the rules above (tutorials/08_any_layout.py prints the same table from a
+    running engine; docs/_hooks draws it):
+
+        coords      pp, dp, cp, tp (the grid's order: rank = ((pp dp_n + dp) cp_n + cp) tp_n
+                    + tp), and ep, edp: f % ep and f // ep of f = dp cp_n + cp (ep is carved
+                    from dp x cp)
+        chunks      chunk -> its blocks (rank_chunks)
+        first, last whether it holds the embeddings (wte, wpe) / the head (ln_f, the tied wte)
+        tokens      the positions of a sequence it holds (cp's ChunkLayout)
+        heads       [lo, hi) of the attention heads (tp: NH/tp each, TP_SPLITS' "heads")
+        wte_rows    [lo, hi) of the Vp padded vocabulary rows (tp), None off the two ends
+        experts     the experts it holds of each MoE layer (expert_owner)
+    """
+    rows = []
+    NH = mcfg.n_head
+    E = mcfg.n_expert
+    Vl = padded_vocab(mcfg.vocab_size, sizes["tp"]) // sizes["tp"]  # wte rows per tp rank
+    layout = ChunkLayout(T, sizes["cp"], cp_balance)
+    radix = [sizes[a] for a in GRID_ORDER]
+    for rank in range(math.prod(radix)):
+        coords = {}
+        rest = rank
+        for a, n in zip(reversed(GRID_ORDER), reversed(radix), strict=True):  # tp fastest
+            rest, coords[a] = divmod(rest, n)
+        f = coords["dp"] * sizes["cp"] + coords["cp"]  # the rank's place in its dp x cp slice
+        chunks = rank_chunks(mcfg, T, coords["pp"], sizes["pp"], virtual_stages, stage_layers,
+                             v_shape)
+        S = sizes["pp"] * virtual_stages
+        first = 0 in chunks
+        last = S - 1 in chunks
+        tp_i = coords["tp"]
+        rows.append({
+            "rank": rank, **{a: coords[a] for a in GRID_ORDER},
+            "ep": f % sizes["ep"], "edp": f // sizes["ep"],
+            "chunks": {c: list(b) for c, b in chunks.items()}, "first": first, "last": last,
+            "tokens": [int(t) for t in layout.positions(coords["cp"])],
+            "heads": (tp_i * NH // sizes["tp"], (tp_i + 1) * NH // sizes["tp"]),
+            "wte_rows": (tp_i * Vl, (tp_i + 1) * Vl) if first or last else None,
+            "experts": [e for e in range(E) if expert_owner(e, E, sizes["ep"]) == f % sizes["ep"]],
+        })
+    return rows
 
 
 def unit_of(name: str) -> str:

@@ -129,7 +129,21 @@ class Timeline:
                         "args": {"micro_batch": e.mb, "chunk": e.chunk}})
         return {"traceEvents": out, "displayTimeUnit": "ms",
                 "otherData": {"schedule": self.name, "pp": self.pp, "microbatches": self.m,
-                              "virtual_stages": self.v, "bubble": self.bubble()}}
+                              "virtual_stages": self.v, "bubble": self.bubble(),
+                              "unit": self.unit}}
+
+    @classmethod
+    def from_chrome_trace(cls, trace: dict) -> Timeline:
+        """The timeline chrome_trace wrote (``--trace`` of refmp train, bench and schedule),
+        its times from the step's start; a trace without a unit was measured (seconds)."""
+        meta = trace["otherData"]
+        unit = meta.get("unit", "s")
+        scale = 1e6 if unit == "s" else 1e3
+        events = [Event(e["tid"], e["cat"], e["args"]["micro_batch"], e["args"]["chunk"],
+                        e["ts"] / scale, (e["ts"] + e["dur"]) / scale)
+                  for e in trace["traceEvents"] if e["ph"] == "X"]
+        return cls(meta["schedule"], meta["pp"], meta["microbatches"], meta["virtual_stages"],
+                   events, unit)
 
     def write_trace(self, path: str) -> None:
         with open(path, "w") as f:
