@@ -222,4 +222,4 @@ def load_model(path: str, n_head: int | None = None, dtype: str = "float32",
                moe: dict | None = None) -> GPT:
     """A GPT whose configuration is ``read_config(path, n_head, moe)``'s, with the file's weights."""
     cfg, tensors = read_model(path, n_head, moe)
-    return GPT(cfg, {k: backend.from_host(v.astype(dtype)) for k, v in tensors.items()})
+    return GPT(cfg, {k: backend.from_host(v.astype(dtype, copy=False)) for k, v in tensors.items()})
