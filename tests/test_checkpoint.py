@@ -305,9 +305,10 @@ def same_file(a: str, b: str) -> None:
 
 def test_save_every_keep_resume_and_convert(tmp_path):
     """Train on tp2 with a checkpoint every step (keep 2) and --save; convert the last
-    checkpoint: the --save file, and a Hugging Face directory of the same tensors. Drop it (as if the run died after step 3) and resume: on
-    tp2 the same weights bitwise, on dp2 to float64 rounding. Convert the file back to a
-    1-rank checkpoint and resume from that: the run --init would make."""
+    checkpoint: the --save file, and a Hugging Face directory of the same tensors. Drop it
+    (as if the run died after step 3) and resume: on tp2 the same weights bitwise, on dp2 to
+    float64 rounding. Convert the file back to a 1-rank checkpoint and resume from that: the
+    run --init would make."""
     d, a = str(tmp_path / "ck"), str(tmp_path / "a.safetensors")
     r = refmp(2, ["train", "--tp", "2", *SMALL, "--steps", "4", "--checkpoint-dir", d,
                   "--save-every", "1", "--keep", "2", "--save", a])

@@ -18,6 +18,7 @@ import json
 
 import numpy as np
 import pytest
+from extras import reason
 from mpi4py import MPI
 from mpi_helpers import refmp
 from safetensors.numpy import load_file
@@ -71,9 +72,8 @@ def weights(cfg: GPTConfig) -> dict:
 
 
 def test_gpt2_small_step_equals_transformers_and_adamw_serial_and_tp2(tmp_path):
-    torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
-    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) "
-                                                              "is not installed")
+    torch = pytest.importorskip("torch", reason=reason("torch", "hf"))
+    transformers = pytest.importorskip("transformers", reason=reason("transformers", "hf"))
     model_dir = str(tmp_path / "gpt2")
     save_hf(model_dir, weights(GPT2_SMALL), GPT2_SMALL)  # refmp's directory
     gc.collect()

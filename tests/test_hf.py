@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 import pytest
+from extras import reason
 from safetensors.numpy import load_file, save_file
 
 from refmp.checkpoint.hf import save_hf
@@ -52,8 +53,7 @@ def bare_file(path: str, model: GPT) -> str:
 def bpe(tmp_path_factory):
     """A byte-level BPE trained on TEXT by the tokenizers library: the directory holding its
     tokenizer.json, and one holding GPT-2's form of it (vocab.json + merges.txt)."""
-    tokenizers = pytest.importorskip("tokenizers", reason="the text extra (tokenizers) is "
-                                                          "not installed")
+    tokenizers = pytest.importorskip("tokenizers", reason=reason("tokenizers", "text"))
     tok = tokenizers.ByteLevelBPETokenizer()
     tok.train_from_iterator([TEXT], vocab_size=300, min_frequency=2, show_progress=False)
     one = tmp_path_factory.mktemp("tokenizer_json")
@@ -122,9 +122,8 @@ def test_refmps_directory_loads_in_transformers_with_refmps_logits(tmp_path, cap
     """`refmp convert --hf FILE DIR`: GPT2LMHeadModel.from_pretrained(DIR) computes refmp's
     logits (float64, to rounding); the directory reads back bitwise, and holds no lm_head
     (tied); refmp's vocabulary survives in its metadata."""
-    torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
-    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) "
-                                                              "is not installed")
+    torch = pytest.importorskip("torch", reason=reason("torch", "hf"))
+    transformers = pytest.importorskip("transformers", reason=reason("transformers", "hf"))
     cfg = GPTConfig(23, 16, 2, 4, 32)
     m = random_model(cfg)
     path = str(tmp_path / "m.safetensors")
