@@ -83,13 +83,14 @@ def read_params(path: str) -> tuple[dict, dict]:
     return man, {k: v.reshape(shapes[k]) for k, v in full["param"].items()}
 
 
-def from_gpt2(path: str, root: str, n_head: int | None = None) -> str:
+def from_gpt2(path: str, root: str, n_head: int | None = None, top_k: int | None = None) -> str:
     """A 1-rank checkpoint (weights only, step 0) in ``root`` from a GPT-2-named safetensors
-    file: what --resume then reads into any layout, as --init would. ``n_head``: the heads of
-    a file that does not say them (--n-head)."""
+    file or a Hugging Face directory: what --resume then reads into any layout, as --init
+    would. ``n_head``, ``top_k``: the heads, and an MoE model's experts per token, of a file
+    that does not say them (--n-head, --top-k)."""
     from refmp.checkpoint.weights import read_model, read_shapes
 
-    mcfg, params = read_model(path, n_head)
+    mcfg, params = read_model(path, n_head, None if top_k is None else {"top_k": top_k})
     vocab = read_shapes(path)[1].get("vocab")  # the tokenizer the file names, if any
     final, tmp = os.path.join(root, step_name(0)), os.path.join(root, f".{step_name(0)}.tmp")
     try:

@@ -127,10 +127,11 @@ def read_config(path: str, n_head: int | None = None,
     (--n-head); a flag that contradicts the file is refused, and a file that says nothing
     (a bare file from another implementation) is refused without the flag, since the
     tensors alone fit any head count that divides C. The other MoE settings: ``moe`` (the
-    flags given, by field name) wins over the metadata, which wins over GPTConfig's
-    defaults; the notes say where a flag overrides the metadata, and which settings the file
-    does not record (a file from another implementation). A given moe_every must put the
-    experts where the file's routers are.
+    flags given, by field name) wins over the metadata; top_k, which changes what the model
+    computes, is refused when neither says it; the training settings (capacity factor, the
+    losses' weights) fall back to GPTConfig's defaults. The notes say where a flag overrides
+    the metadata, and which of those settings the file does not record (a file from another
+    implementation). A given moe_every must put the experts where the file's routers are.
     """
     shapes, meta = read_shapes(path)
     if "wte.weight" not in shapes or "wpe.weight" not in shapes:
@@ -162,7 +163,11 @@ def read_config(path: str, n_head: int | None = None,
                 settings[k] = said
             elif k != "moe_every":  # the tensors say moe_every
                 unsaid.append(k)
-        if unsaid:
+        if "top_k" in unsaid:  # what the forward computes: never a default
+            raise ConfigError(f"--init {path} does not say how many experts each token goes "
+                              f"to (no refmp metadata: a file from another implementation); "
+                              f"give --top-k K (refmp generate: --moe-top-k K)")
+        if unsaid:  # the training settings (capacity, the losses' weights), noted
             notes.append(f"{path} does not record {', '.join(unsaid)}: using the defaults "
                          + ", ".join(f"{flag[k]} {getattr(GPTConfig, k)}" for k in unsaid))
     cfg = GPTConfig(V, T, n_layer, heads, C, **settings)

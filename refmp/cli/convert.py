@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
     c.add_argument("--n-head", type=int, default=None, metavar="N",
                    help="weights SRC: the attention heads of a file that does not say them (a "
                         "GPT-2 file from another implementation)")
+    c.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="weights SRC to a checkpoint: an MoE model's experts per token, for a "
+                        "file that does not say them")
     c.set_defaults(run=run_convert)
 
 
@@ -54,6 +57,10 @@ def run_convert(args: argparse.Namespace) -> None:
     if args.n_head is not None and not weights:
         raise ConfigError("--n-head is for a .safetensors file or Hugging Face directory SRC; "
                           "a checkpoint's manifest says it")
+    if args.top_k is not None and (not weights or args.hf):
+        raise ConfigError("--top-k is for an MoE .safetensors file SRC written as a checkpoint "
+                          "(a checkpoint's manifest says it; a Hugging Face directory has no "
+                          "experts)")
     if args.info:
         if args.out is not None or args.hf:
             raise ConfigError("--info prints what SRC holds and writes nothing: give no OUT "
@@ -68,7 +75,8 @@ def run_convert(args: argparse.Namespace) -> None:
         convert.weights_to_hf(args.src, args.out, args.n_head)
         print(f"wrote {args.out} (a Hugging Face directory) from {args.src}")
     elif weights:
-        print(f"wrote {convert.from_gpt2(args.src, args.out, args.n_head)} (1 rank, step 0) from {args.src}")
+        done = convert.from_gpt2(args.src, args.out, args.n_head, args.top_k)
+        print(f"wrote {done} (1 rank, step 0) from {args.src}")
     else:
         form = "a Hugging Face directory" if saves_directory(args.out) else "one GPT-2 file"
         print(f"wrote {args.out} ({form}) from {convert.to_gpt2(args.src, args.out)}")

@@ -63,7 +63,7 @@ def load_weights(init: str | None, checkpoint: str | None, moe: dict | None = No
         mcfg = model_config(man)
         tok = pick_tokenizer(tokenizer, man.get("vocab"), None, mcfg.vocab_size, text)
         return with_moe(mcfg, moe, checkpoint), params, tok
-    mcfg, params = read_model(init, n_head)  # the head count from the file, config.json or flag
+    mcfg, params = read_model(init, n_head, {k: v for k, v in moe.items() if k == "top_k"})
     mcfg = with_moe(mcfg, moe, init)
     meta = read_shapes(init)[1]
     vocab = json.loads(meta["vocab"]) if "vocab" in meta else None
