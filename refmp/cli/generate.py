@@ -26,13 +26,14 @@ def add_parser(sub) -> None:
     w = g.add_argument_group("weights and prompts")
     w.add_argument("--init", default=None, metavar="PATH",
                    help="a GPT-2-named safetensors file (refmp train --save), or a Hugging "
-                        "Face model directory (config.json and model.safetensors)")
+                        "Face model directory (config.json, model.safetensors and its "
+                        "tokenizer's files)")
     w.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="a sharded checkpoint (refmp train --checkpoint-dir), any layout")
     w.add_argument("--n-head", type=int, default=None, metavar="N",
                    help="attention heads of an --init file that does not say them (a GPT-2 "
-                        "file from another implementation); refmp's files and Hugging Face "
-                        "directories say them")
+                        "file from another implementation); refmp's files, Hugging Face "
+                        "directories and a config.json beside the file say them")
     w.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a Hugging Face tokenizer (tokenizer.json, or vocab.json and "
                         "merges.txt; the text extra) for --prompt TEXT and the printed "
