@@ -32,6 +32,13 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def saves_directory(path: str) -> bool:
+    """Where refmp writes a whole model (``--save``, ``refmp convert``): a path ending in
+    ``.safetensors`` is one GPT-2 file, any other a Hugging Face directory (config.json and
+    model.safetensors; refmp.checkpoint.hf)."""
+    return not path.endswith(".safetensors")
+
+
 def flag(default, help: str, group: str = LAYOUT, kind: type | None = None,
          choices: tuple | None = None, metavar: str | None = None, plan: dict | None = None):
     """A layout field with its flag: ``kind`` the flag's type (default: the default's; a bool
@@ -172,6 +179,7 @@ class TrainConfig(ParallelConfig):
     dtype: str = "float32"
     seed: int = 0
     data: str | None = None
+    tokenizer: str | None = None  # a Hugging Face tokenizer's directory for a text --data file
     shuffle: bool = False
     digits: int = 3
     device: str = "cpu"  # cpu (NumPy) or gpu (CuPy)
@@ -259,3 +267,6 @@ def check_config(cfg: TrainConfig) -> None:
                           f"{cfg.collective_timeout}")
     if not 1 <= cfg.digits <= 6:
         raise ConfigError(f"--digits must be between 1 and 6, got {cfg.digits}")
+    if cfg.tokenizer is not None and (cfg.data is None or cfg.data.endswith((".npy", ".bin"))):
+        raise ConfigError(f"--tokenizer {cfg.tokenizer} tokenizes a text --data file; "
+                          f"{'no --data was given' if cfg.data is None else cfg.data + ' is tokens already'}")

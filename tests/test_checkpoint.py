@@ -25,6 +25,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from refmp.checkpoint import format as ckpt_format
+from refmp.checkpoint.weights import read_model
+from refmp.cli.main import main
 from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
 from refmp.training.datasets import Dataset
@@ -303,9 +305,10 @@ def same_file(a: str, b: str) -> None:
 
 def test_save_every_keep_resume_and_convert(tmp_path):
     """Train on tp2 with a checkpoint every step (keep 2) and --save; convert the last
-    checkpoint: the --save file. Drop it (as if the run died after step 3) and resume: on
-    tp2 the same weights bitwise, on dp2 to float64 rounding. Convert the file back to a
-    1-rank checkpoint and resume from that: the run --init would make."""
+    checkpoint: the --save file, and a Hugging Face directory of the same tensors. Drop it
+    (as if the run died after step 3) and resume: on tp2 the same weights bitwise, on dp2 to
+    float64 rounding. Convert the file back to a 1-rank checkpoint and resume from that: the
+    run --init would make."""
     d, a = str(tmp_path / "ck"), str(tmp_path / "a.safetensors")
     r = refmp(2, ["train", "--tp", "2", *SMALL, "--steps", "4", "--checkpoint-dir", d,
                   "--save-every", "1", "--keep", "2", "--save", a])
@@ -315,6 +318,12 @@ def test_save_every_keep_resume_and_convert(tmp_path):
     r = mpiexec(1, ["python", "-m", "refmp", "convert", d, c])
     assert r.returncode == 0, r.stderr
     same_file(a, c)
+    h = str(tmp_path / "hf")  # OUT not ending in .safetensors: a Hugging Face directory
+    assert main(["convert", d, h]) == 0
+    hf_cfg, hf_params = read_model(h)  # its config.json gives the heads
+    assert hf_cfg.n_head == 2 and sorted(os.listdir(h)) == ["config.json", "model.safetensors"]
+    for k, v in load_file(a).items():
+        np.testing.assert_array_equal(hf_params[k], v, err_msg=k)
     r = mpiexec(1, ["python", "-m", "refmp", "convert", "--info", d])
     assert r.returncode == 0, r.stderr
     assert "step 4" in r.stdout and "tp=2" in r.stdout and "rank-00001.safetensors" in r.stdout

@@ -35,6 +35,7 @@ MOE = ["--n-expert", "2", "--top-k", "1"]
 def bad_cases(tmp) -> dict[str, tuple[list[str], str]]:
     """name: (flags, what the one message must say). Paths under ``tmp`` are made here."""
     os.makedirs(f"{tmp}/a_dir", exist_ok=True)
+    os.makedirs(f"{tmp}/a_dir.safetensors", exist_ok=True)  # --save's name says: one file
     trunc = f"{tmp}/truncated.safetensors"
     save_model(trunc, GPT.create(GPTConfig(13, 13, 1, 2, 8), 0).params, GPTConfig(13, 13, 1, 2, 8))
     data = open(trunc, "rb").read()
@@ -60,7 +61,7 @@ def bad_cases(tmp) -> dict[str, tuple[list[str], str]]:
         "bucket nan": (["--bucket-mb", "nan"], "--bucket-mb must be >= 0 and finite"),
         "save: no dir": (["--save", "/nonexistent/dir/x.safetensors"],
                          "--save /nonexistent/dir/x.safetensors: the directory /nonexistent/dir"),
-        "save: a dir": (["--save", f"{tmp}/a_dir"], "is a directory"),
+        "save: a dir": (["--save", f"{tmp}/a_dir.safetensors"], "is a directory"),
         "save: read-only": (["--save", "/proc/refmp.safetensors"], "cannot write in /proc"),
         "log: no dir": (["--log-json", "/nonexistent/l.jsonl"], "--log-json /nonexistent/l.jsonl"),
         "log: a dir": (["--log-json", f"{tmp}/a_dir"], "is a directory"),

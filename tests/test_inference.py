@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+from extras import reason
 from mpi4py import MPI
 from mpi_helpers import mpiexec, refmp
 
@@ -233,8 +234,8 @@ def test_matches_hugging_face_generate(tmp_path, capsys):
     decoded by `refmp generate --init DIR`: the tokens equal transformers' greedy generate with
     its cache, the logits its cached forward's (caught at lm_head) to 1e-12, and the float32
     logits generate returns to their rounding."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch", reason=reason("torch", "hf"))
+    transformers = pytest.importorskip("transformers", reason=reason("transformers", "hf"))
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=23, n_positions=24, n_embd=32, n_layer=2,
                                   n_head=4, bos_token_id=None, eos_token_id=None)

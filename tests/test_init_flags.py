@@ -41,8 +41,11 @@ def test_flags_apply_to_a_file_without_metadata(tmp_path):
     assert (cfg.aux_loss_coef, cfg.z_loss_coef) == (GPTConfig.aux_loss_coef, GPTConfig.z_loss_coef)
     _, notes = read_config(path, 2, moe={"top_k": 1, "capacity_factor": 0})
     assert len(notes) == 1 and "does not record aux_loss_coef, z_loss_coef" in notes[0], notes
-    cfg = loaded(path, n_head=2, aux_loss_coef=0.5, z_loss_coef=0.25)
-    assert (cfg.aux_loss_coef, cfg.z_loss_coef, cfg.top_k) == (0.5, 0.25, GPTConfig.top_k)
+    cfg = loaded(path, n_head=2, top_k=2, aux_loss_coef=0.5, z_loss_coef=0.25)
+    assert (cfg.aux_loss_coef, cfg.z_loss_coef, cfg.top_k) == (0.5, 0.25, 2)
+    with pytest.raises(ConfigError, match="does not say how many experts each token goes to.*"
+                                          "--top-k K"):  # what the forward computes
+        loaded(path, n_head=2)
 
 
 def test_given_flag_wins_over_metadata_and_is_noted(tmp_path):
@@ -57,11 +60,11 @@ def test_given_flag_wins_over_metadata_and_is_noted(tmp_path):
 
 def test_moe_every_must_match_the_routers(tmp_path):
     path = moe_file(tmp_path, metadata=False)
-    assert loaded(path, n_head=2, moe_every=2).moe_every == 2
+    assert loaded(path, n_head=2, top_k=2, moe_every=2).moe_every == 2
     for every, blocks in ((1, "[0, 1, 2, 3]"), (3, "[0, 3]")):
         with pytest.raises(ConfigError, match=rf"--moe-every {every} puts experts in blocks "
                                               rf"\{blocks}, but .* routers in blocks \[0, 2\]"):
-            loaded(path, n_head=2, moe_every=every)
+            loaded(path, n_head=2, top_k=2, moe_every=every)
 
 
 def test_moe_flags_on_a_dense_file_are_noted(tmp_path):
@@ -92,13 +95,13 @@ def test_a_file_that_does_not_say_its_heads_is_refused_until_they_are_given(tmp_
     with pytest.raises(ConfigError, match="does not say how many attention heads.*--n-head N"):
         read_config(path)
     with pytest.raises(ConfigError, match="--n-head N"):
-        loaded(path)
-    assert read_config(path, 2)[0].n_head == 2
+        loaded(path, top_k=2)
+    assert read_config(path, 2, moe={"top_k": 2})[0].n_head == 2
     assert read_config(moe_file(tmp_path))[0].n_head == SAVED.n_head  # refmp's file says it
     path = moe_file(tmp_path, metadata=False)
     with pytest.raises(ConfigError, match="--n-head N"):
         from_gpt2(path, str(tmp_path / "ck"))
-    assert from_gpt2(path, str(tmp_path / "ck"), n_head=2).endswith("step-00000000")
+    assert from_gpt2(path, str(tmp_path / "ck"), n_head=2, top_k=2).endswith("step-00000000")
 
 
 @pytest.mark.cli

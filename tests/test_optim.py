@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+from extras import reason
 
 from refmp.runtime.arrays import global_grad_norm
 from refmp.training.optim import SGD, AdamW, clip_grad_norm, decay_names
@@ -84,7 +85,7 @@ def test_decay_names():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                    reason="PyTorch not installed (optional cross-check)")
+                    reason=reason("torch", "hf"))
 def test_adamw_and_clip_against_torch():
     import torch
 

@@ -1,5 +1,6 @@
 """``refmp convert``: a sharded checkpoint (refmp.checkpoint.sharded) to one GPT-2-named
-safetensors file (the ``--save`` format) and back, and what a checkpoint holds (``--info``).
+safetensors file or a Hugging Face directory (the ``--save`` formats) and back, weights to a
+Hugging Face directory, and what a checkpoint holds (``--info``).
 
 One process, no MPI: the checkpoint's files are read through their manifest, each tensor
 assembled from the slices the files hold (refmp.checkpoint.format.assemble), as any layout's
@@ -30,21 +31,41 @@ from refmp.checkpoint.format import (
     write_json,
     write_rank_file,
 )
+from refmp.config import saves_directory
 from refmp.errors import ConfigError
 from refmp.nn.params import param_shapes
 
 
 def to_gpt2(path: str, out: str) -> str:
-    """Write the checkpoint at (or latest in) ``path`` as one GPT-2-named safetensors file
-    (the --save format). Returns the checkpoint read."""
+    """Write the checkpoint at (or latest in) ``path`` as --save writes a model: one
+    GPT-2-named safetensors file, or for an ``out`` not ending in .safetensors a Hugging
+    Face directory (refmp.config.saves_directory). Returns the checkpoint read."""
+    from refmp.checkpoint.hf import save_hf
     from refmp.checkpoint.weights import save_model
 
     man, params = read_params(path)
+    if saves_directory(out):
+        save_hf(out, params, model_config(man), man.get("vocab"), flag="convert")
+        return man["dir"]
     try:
         save_model(out, params, model_config(man), man.get("vocab"))
     except OSError as e:
         raise file_error("cannot write", out, e) from e
     return man["dir"]
+
+
+def weights_to_hf(path: str, out: str, n_head: int | None = None) -> None:
+    """Write the weights ``path`` (a GPT-2 file or a Hugging Face directory) as the Hugging
+    Face directory ``out``, with the tokenizer they name or their directory holds."""
+    from refmp.checkpoint.hf import save_hf
+    from refmp.checkpoint.tokenizer import tokenizer_files
+    from refmp.checkpoint.weights import read_model, read_shapes
+
+    mcfg, params = read_model(path, n_head)
+    vocab = read_shapes(path)[1].get("vocab")
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    save_hf(out, params, mcfg, None if vocab is None else json.loads(vocab),
+            folder if tokenizer_files(folder) else None, flag="convert")
 
 
 def read_params(path: str) -> tuple[dict, dict]:
@@ -62,13 +83,14 @@ def read_params(path: str) -> tuple[dict, dict]:
     return man, {k: v.reshape(shapes[k]) for k, v in full["param"].items()}
 
 
-def from_gpt2(path: str, root: str, n_head: int | None = None) -> str:
+def from_gpt2(path: str, root: str, n_head: int | None = None, top_k: int | None = None) -> str:
     """A 1-rank checkpoint (weights only, step 0) in ``root`` from a GPT-2-named safetensors
-    file: what --resume then reads into any layout, as --init would. ``n_head``: the heads of
-    a file that does not say them (--n-head)."""
+    file or a Hugging Face directory: what --resume then reads into any layout, as --init
+    would. ``n_head``, ``top_k``: the heads, and an MoE model's experts per token, of a file
+    that does not say them (--n-head, --top-k)."""
     from refmp.checkpoint.weights import read_model, read_shapes
 
-    mcfg, params = read_model(path, n_head)
+    mcfg, params = read_model(path, n_head, None if top_k is None else {"top_k": top_k})
     vocab = read_shapes(path)[1].get("vocab")  # the tokenizer the file names, if any
     final, tmp = os.path.join(root, step_name(0)), os.path.join(root, f".{step_name(0)}.tmp")
     try:

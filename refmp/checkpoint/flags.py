@@ -9,7 +9,7 @@ from refmp.errors import ConfigError
 
 MATH_FIELDS = ("batch_size", "optimizer", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio",
                "weight_decay", "beta1", "beta2", "momentum", "grad_clip", "dtype", "seed", "data",
-               "shuffle", "digits", "steps")  # the settings that change a step's numbers
+               "tokenizer", "shuffle", "digits", "steps")  # the settings that change a step's numbers
 
 
 def config_notes(man: dict, cfg: TrainConfig) -> list[str]:

@@ -2,9 +2,10 @@
 
 ``save_model`` writes the full model (host arrays, the model's dtype) plus metadata giving
 the shape that the tensors alone do not say (n_head, and an MoE model's top_k, capacity
-factor, loss weights). ``load_model`` reads refmp's files and GPT-2 state dicts saved as
-safetensors: a ``transformer.`` prefix is stripped, and the attention-mask buffers and the
-tied ``lm_head.weight`` are ignored. ``read_config`` says what configuration a file gives,
+factor, loss weights). ``load_model`` reads refmp's files, GPT-2 state dicts saved as
+safetensors, and Hugging Face directories (refmp.checkpoint.hf): a ``transformer.`` prefix is
+stripped, the attention-mask buffers are ignored, and a ``lm_head.weight`` must be the tied
+``wte.weight`` (refmp's head is tied). ``read_config`` says what configuration a file gives,
 with the flags the user gave winning over its metadata, and notes where they differ.
 Sharded checkpoints (one file per rank, any layout reads any other's) are refmp.checkpoint.sharded.
 """
@@ -17,6 +18,7 @@ import re
 
 import numpy as np
 
+from refmp.checkpoint.hf import read_hf_config, weights_path
 from refmp.errors import ConfigError
 from refmp.nn.gpt import GPT, GPTConfig, param_shapes
 from refmp.runtime import backend
@@ -79,9 +81,11 @@ def check_complete(path: str, flag: str = "--init") -> None:
 
 
 def _open(path: str, read):
-    """``read(f)`` on the opened file; clear errors if it is missing, truncated or unreadable."""
+    """``read(f)`` on the opened file (``path``, or a directory's model.safetensors); clear
+    errors if it is missing, truncated or unreadable."""
     from safetensors import safe_open
 
+    path = weights_path(path)
     if not os.path.isfile(path):
         raise ConfigError(f"--init {path}: no such file")
     check_complete(path)
@@ -93,9 +97,16 @@ def _open(path: str, read):
 
 
 def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors by GPT-2 name, metadata) from a safetensors file; clear errors if unreadable."""
+    """(tensors by GPT-2 name, metadata) from a safetensors file or a Hugging Face directory;
+    clear errors if unreadable. A ``lm_head.weight`` that is not ``wte.weight`` is refused:
+    refmp's logits are h wte^T, and a separate head would be dropped."""
     raw, meta = _open(path, lambda f: ({k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}))
-    return {n: v for k, v in raw.items() if (n := gpt2_name(k)) is not None}, meta
+    tensors = {n: v for k, v in raw.items() if (n := gpt2_name(k)) is not None}
+    head = raw.get("lm_head.weight")
+    if head is not None and not np.array_equal(head, tensors.get("wte.weight")):
+        raise ConfigError(f"--init {path}: its lm_head.weight is not wte.weight (an untied "
+                          f"head); refmp's GPT-2 ties them")
+    return tensors, meta
 
 
 def read_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
@@ -109,14 +120,18 @@ def read_config(path: str, n_head: int | None = None,
                 moe: dict | None = None) -> tuple[GPTConfig, list[str]]:
     """The GPTConfig a file gives, and notes to print once (on rank 0).
 
-    Shapes come from the tensors: V, C from wte, T from wpe, L from the block names, E from a
-    router, moe_every from which blocks have routers. Heads: ``n_head``, else the metadata's;
-    a file that does not say them (one from another implementation) is refused, since the
+    ``path``: a safetensors file or a Hugging Face directory. Shapes come from the tensors:
+    V, C from wte, T from wpe, L from the block names, E from a router, moe_every from which
+    blocks have routers. Heads: what the file says (refmp's metadata, else the config.json in
+    the directory or beside the file, refmp.checkpoint.hf.read_hf_config), else ``n_head``
+    (--n-head); a flag that contradicts the file is refused, and a file that says nothing
+    (a bare file from another implementation) is refused without the flag, since the
     tensors alone fit any head count that divides C. The other MoE settings: ``moe`` (the
-    flags given, by field name) wins over the metadata, which wins over GPTConfig's
-    defaults; the notes say where a flag overrides the metadata, and which settings the file
-    does not record (a file from another implementation). A given moe_every must put the
-    experts where the file's routers are.
+    flags given, by field name) wins over the metadata; top_k, which changes what the model
+    computes, is refused when neither says it; the training settings (capacity factor, the
+    losses' weights) fall back to GPTConfig's defaults. The notes say where a flag overrides
+    the metadata, and which of those settings the file does not record (a file from another
+    implementation). A given moe_every must put the experts where the file's routers are.
     """
     shapes, meta = read_shapes(path)
     if "wte.weight" not in shapes or "wpe.weight" not in shapes:
@@ -124,11 +139,8 @@ def read_config(path: str, n_head: int | None = None,
     V, C = shapes["wte.weight"]
     T = shapes["wpe.weight"][0]
     n_layer = len({int(m.group(1)) for k in shapes if (m := re.match(r"h\.(\d+)\.", k))})
-    if n_head is None and "n_head" not in meta:
-        raise ConfigError(f"--init {path} does not say how many attention heads the model has "
-                          f"(no refmp metadata: a file from another implementation); give "
-                          f"--n-head N, or the Hugging Face directory whose config.json says it")
-    heads = n_head if n_head is not None else int(meta["n_head"])
+    heads = _heads(path, meta, {"vocab_size": V, "n_positions": T, "n_embd": C,
+                                "n_layer": n_layer}, n_head)
     routers = sorted(int(m.group(1)) for k in shapes
                      if (m := re.fullmatch(r"h\.(\d+)\.mlp\.router\.weight", k)))
     given, notes, settings = dict(moe or {}), [], {}
@@ -151,7 +163,11 @@ def read_config(path: str, n_head: int | None = None,
                 settings[k] = said
             elif k != "moe_every":  # the tensors say moe_every
                 unsaid.append(k)
-        if unsaid:
+        if "top_k" in unsaid:  # what the forward computes: never a default
+            raise ConfigError(f"--init {path} does not say how many experts each token goes "
+                              f"to (no refmp metadata: a file from another implementation); "
+                              f"give --top-k K (refmp generate: --moe-top-k K)")
+        if unsaid:  # the training settings (capacity, the losses' weights), noted
             notes.append(f"{path} does not record {', '.join(unsaid)}: using the defaults "
                          + ", ".join(f"{flag[k]} {getattr(GPTConfig, k)}" for k in unsaid))
     cfg = GPTConfig(V, T, n_layer, heads, C, **settings)
@@ -162,6 +178,30 @@ def read_config(path: str, n_head: int | None = None,
             raise ConfigError(f"--moe-every {given['moe_every']} puts experts in blocks {blocks}, "
                               f"but {path} has routers in blocks {routers}")
     return cfg, notes
+
+
+def _heads(path: str, meta: dict, sizes: dict, n_head: int | None) -> int:
+    """The head count: what the file says (its metadata; a directory's config.json, or the
+    one beside a file whose metadata does not say it), which a given ``n_head`` must equal;
+    else ``n_head``; else refused, naming --n-head."""
+    said = int(meta["n_head"]) if "n_head" in meta else None  # the head count the file says
+    where = f"{path}'s metadata"  # and where it says it
+    conf = read_hf_config(path, sizes) if os.path.isdir(path) or said is None else None
+    if conf is not None:
+        if said is not None and conf["n_head"] != said:
+            raise ConfigError(f"--init {path}: its metadata says n_head {said}, {conf['path']} "
+                              f"says {conf['n_head']}")
+        said = conf["n_head"]
+        where = conf["path"]
+    if n_head is not None and said is not None and n_head != said:
+        raise ConfigError(f"--n-head {n_head}, but {where} says n_head {said} (give no "
+                          f"--n-head: the file says it)")
+    if said is None and n_head is None:
+        raise ConfigError(f"--init {path} does not say how many attention heads the model has "
+                          f"(no refmp metadata, no config.json beside it: a file from another "
+                          f"implementation); give --n-head N, or put the Hugging Face "
+                          f"config.json that says it beside the file")
+    return said if said is not None else n_head
 
 
 def read_model(path: str, n_head: int | None = None,
@@ -187,4 +227,4 @@ def load_model(path: str, n_head: int | None = None, dtype: str = "float32",
                moe: dict | None = None) -> GPT:
     """A GPT whose configuration is ``read_config(path, n_head, moe)``'s, with the file's weights."""
     cfg, tensors = read_model(path, n_head, moe)
-    return GPT(cfg, {k: backend.from_host(v.astype(dtype)) for k, v in tensors.items()})
+    return GPT(cfg, {k: backend.from_host(v.astype(dtype, copy=False)) for k, v in tensors.items()})

@@ -80,7 +80,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, metavar="PATH",
                    help="token file: .npy (1-D ints), .bin (uint16, nanoGPT) or any other file "
-                        "as bytes (vocab 256). Default: the built-in addition task")
+                        "as bytes (vocab 256), or with --tokenizer as text. Default: the "
+                        "built-in addition task")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenize a text --data file with this Hugging Face tokenizer "
+                        "(tokenizer.json, or vocab.json and merges.txt; the text extra), "
+                        "cached as FILE.tokens.bin beside it")
     g.add_argument("--digits", type=int, default=D.digits,
                    help="addition task: digits per operand (%(default)s)")
     g.add_argument("--shuffle", action="store_true", help="seeded shuffle of the windows")
@@ -113,10 +118,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "are fixed choices of the search; --stage-layers is refused. Nothing "
                         "fits: exit 2")
     g = p.add_argument_group("files")
-    g.add_argument("--init", default=None, metavar="PATH.safetensors",
-                   help="start from these weights; the model shape is read from them")
-    g.add_argument("--save", default=None, metavar="PATH.safetensors",
-                   help="write the trained model (full, GPT-2 names) once at the end")
+    g.add_argument("--init", default=None, metavar="PATH",
+                   help="start from these weights (a .safetensors file or a Hugging Face "
+                        "directory); the model shape is read from them")
+    g.add_argument("--save", default=None, metavar="PATH",
+                   help="write the trained model (full, GPT-2 names) once at the end: a PATH "
+                        "ending in .safetensors is one file, any other a Hugging Face "
+                        "directory (config.json, model.safetensors, the --tokenizer's files)")
     g.add_argument("--log-json", default=None, metavar="PATH",
                    help="one JSON object per step, then a summary object")
     g = p.add_argument_group("checkpoints (docs/checkpoints.md)")

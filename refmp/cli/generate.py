@@ -26,18 +26,25 @@ def add_parser(sub) -> None:
     w = g.add_argument_group("weights and prompts")
     w.add_argument("--init", default=None, metavar="PATH",
                    help="a GPT-2-named safetensors file (refmp train --save), or a Hugging "
-                        "Face model directory (config.json and model.safetensors)")
+                        "Face model directory (config.json, model.safetensors and its "
+                        "tokenizer's files)")
     w.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="a sharded checkpoint (refmp train --checkpoint-dir), any layout")
     w.add_argument("--n-head", type=int, default=None, metavar="N",
                    help="attention heads of an --init file that does not say them (a GPT-2 "
-                        "file from another implementation); refmp's files and Hugging Face "
-                        "directories say them")
+                        "file from another implementation); refmp's files, Hugging Face "
+                        "directories and a config.json beside the file say them")
+    w.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a Hugging Face tokenizer (tokenizer.json, or vocab.json and "
+                        "merges.txt; the text extra) for --prompt TEXT and the printed "
+                        "continuation; default: the one the weights name or their directory "
+                        "holds")
     w.add_argument("--prompts", default=None, metavar="PATH.npy",
                    help="token ids, an integer array (B, T0)")
     w.add_argument("--prompt", action="append", default=None, metavar="TEXT",
-                   help="a prompt as text (repeatable; equal lengths), in the weights' "
-                        "tokenizer: the addition task's characters or bytes")
+                   help="a prompt as text (repeatable; equal lengths in tokens), in the "
+                        "weights' tokenizer: the addition task's characters, bytes, or a "
+                        "Hugging Face tokenizer (--tokenizer, or the weights' directory's)")
     w.add_argument("--requests", default=None, metavar="PATH.jsonl",
                    help="continuous batching: one request a line, {\"prompt\": ids or text, "
                         "\"max_new_tokens\": N, \"arrival\": step}")
@@ -109,8 +116,9 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     world = grid.world
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     moe = {"top_k": args.moe_top_k, "moe_every": args.moe_every}
+    text = args.prompt is not None or args.requests is not None  # prompts that may be text
     mcfg, params, tok = agreed(world, lambda: load_weights(args.init, args.checkpoint, moe,
-                                                           args.n_head))
+                                                           args.n_head, args.tokenizer, text))
     if args.requests is not None:
         return run_requests(args, grid, mcfg, params, tok, sampler)
     prompts = agreed(world, lambda: read_prompts(args.prompts, args.prompt, tok,

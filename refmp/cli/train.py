@@ -17,6 +17,7 @@ from dataclasses import asdict, fields
 import numpy as np
 
 from refmp.cli.flags import add_train_args, check_flags, given_flags
+from refmp.config import saves_directory
 from refmp.distributed.faults import inject_fault
 from refmp.distributed.preemption import Preempted, Preemption
 from refmp.distributed.watchdog import Watchdog
@@ -61,6 +62,7 @@ def run(cfg: TrainConfig) -> dict:
     """Train for cfg.steps steps; print progress and a summary on rank 0; return the summary."""
     from refmp.checkpoint.flags import check_flags
     from refmp.checkpoint.format import complete_steps
+    from refmp.checkpoint.hf import save_hf
     from refmp.checkpoint.weights import save_model
 
     check_flags(cfg)
@@ -129,7 +131,9 @@ def run(cfg: TrainConfig) -> dict:
     memory = tr.grid.world.allgather_obj(tr.memory())
     if cfg.save:
         full = tr.runner.full_params()  # collective where the model is split; rank 0 gets it
-        if rank0:
+        if rank0 and saves_directory(cfg.save):  # a Hugging Face directory, with the tokenizer
+            save_hf(cfg.save, full, tr.model.cfg, tr.ds.vocab, tr.ds.tokenizer)
+        elif rank0:
             save_model(cfg.save, full, tr.model.cfg, tr.ds.vocab)
         tr.grid.world.barrier()
     summary = {

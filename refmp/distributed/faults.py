@@ -35,6 +35,7 @@ import sys
 import time
 import traceback
 
+from refmp.config import saves_directory
 from refmp.errors import ConfigError, TrainingError
 
 ABORT_GRACE_S = 1.0  # between a failing rank's traceback and MPI_Abort (abort_job)
@@ -111,10 +112,13 @@ def check_writable_dir(path: str, flag: str) -> None:
 
 
 def check_outputs(cfg) -> None:
-    """What rank 0 writes (--save, --log-json, --trace files; the --checkpoint-dir and
-    --trace-dir folders, which every rank writes into): writable, before any step; and
-    --trace-dir only where the watchdog that writes it runs."""
-    for flag, path in (("--save", cfg.save), ("--log-json", cfg.log_json), ("--trace", cfg.trace)):
+    """What rank 0 writes (--save, a file or a Hugging Face directory; --log-json, --trace
+    files; the --checkpoint-dir and --trace-dir folders, which every rank writes into):
+    writable, before any step; and --trace-dir only where the watchdog that writes it runs."""
+    if cfg.save is not None:
+        check = check_writable_dir if saves_directory(cfg.save) else check_writable_file
+        check(cfg.save, "--save")
+    for flag, path in (("--log-json", cfg.log_json), ("--trace", cfg.trace)):
         if path is not None:
             check_writable_file(path, flag)
     for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--trace-dir", cfg.trace_dir)):

@@ -2,9 +2,11 @@
 model directory, or a sharded checkpoint of any layout), the tokenizer they were trained
 with, and the prompts (token ids, text, or a request file for continuous batching).
 
-Tokenizers: the characters ``refmp train --save`` records in the file's metadata (``vocab``:
-the built-in addition task's ``0123456789+=\\n``), or raw bytes (``"bytes"``: a text file
-trained on, or any model of vocabulary 256 without metadata).
+Tokenizers (pick_tokenizer): a Hugging Face tokenizer (--tokenizer DIR, or the one in the
+weights' directory: refmp.checkpoint.tokenizer), the characters ``refmp train --save``
+records in the file's metadata (``vocab``: the built-in addition task's
+``0123456789+=\\n``), or raw bytes (``"bytes"``: a text file trained on, or any model of
+vocabulary 256 that names no tokenizer).
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ class Tokenizer:
 
 
 def load_weights(init: str | None, checkpoint: str | None, moe: dict | None = None,
-                 n_head: int | None = None):
-    """(GPTConfig, full parameters as host arrays, Tokenizer or None) from ``--init`` (a
+                 n_head: int | None = None, tokenizer: str | None = None, text: bool = True):
+    """(GPTConfig, full parameters as host arrays, tokenizer or None) from ``--init`` (a
     file or a Hugging Face directory) or ``--checkpoint``. ``moe``: the MoE settings given
     (top_k, moe_every), winning over what the weights say; refused for a dense model.
-    ``n_head``: the heads of an --init file that does not say them (--n-head)."""
-    from refmp.checkpoint.weights import read_model, read_tensors
+    ``n_head``: the heads of an --init file that does not say them (--n-head).
+    ``tokenizer``: --tokenizer DIR; ``text``: whether prompts may be text (see pick_tokenizer).
+    """
+    from refmp.checkpoint.weights import read_model, read_shapes
 
     if (init is None) == (checkpoint is None):
         raise ConfigError("give the weights: --init PATH or --checkpoint DIR (one of them)")
@@ -56,27 +60,37 @@ def load_weights(init: str | None, checkpoint: str | None, moe: dict | None = No
         from refmp.checkpoint.format import model_config
 
         man, params = read_params(checkpoint)
-        mcfg, vocab = model_config(man), man.get("vocab")
-        return with_moe(mcfg, moe, checkpoint), params, tokenizer(vocab, mcfg.vocab_size)
-    path = init
-    hf = os.path.isdir(init)  # a Hugging Face model directory: config.json + model.safetensors
-    if hf:
-        path = os.path.join(init, "model.safetensors")
-        said = hf_heads(init)
-        if n_head is not None and n_head != said:
-            raise ConfigError(f"--n-head {n_head}, but {init}/config.json says n_head {said}")
-        n_head = said
-    mcfg, params = read_model(path, n_head)
+        mcfg = model_config(man)
+        tok = pick_tokenizer(tokenizer, man.get("vocab"), None, mcfg.vocab_size, text)
+        return with_moe(mcfg, moe, checkpoint), params, tok
+    mcfg, params = read_model(init, n_head, {k: v for k, v in moe.items() if k == "top_k"})
     mcfg = with_moe(mcfg, moe, init)
-    meta = read_tensors(path)[1] if os.path.isfile(path) else {}
-    if hf:
-        with open(os.path.join(init, "config.json")) as f:
-            positions = json.load(f).get("n_positions", mcfg.block_size)
-        if positions != mcfg.block_size:
-            raise ConfigError(f"--init {init}: config.json says n_positions {positions}, "
-                              f"wpe.weight has {mcfg.block_size} rows")
+    meta = read_shapes(init)[1]
     vocab = json.loads(meta["vocab"]) if "vocab" in meta else None
-    return mcfg, params, tokenizer(vocab, mcfg.vocab_size)
+    folder = init if os.path.isdir(init) else os.path.dirname(os.path.abspath(init))
+    return mcfg, params, pick_tokenizer(tokenizer, vocab, folder, mcfg.vocab_size, text)
+
+
+def pick_tokenizer(given: str | None, vocab: str | None, folder: str | None, V: int,
+                   text: bool):
+    """The tokenizer, first found of: --tokenizer DIR (``given``); the one refmp recorded
+    with the weights (``vocab``: the addition task's characters, or "bytes"); the Hugging
+    Face tokenizer in the weights' directory (``folder``: tokenizer.json, or vocab.json and
+    merges.txt); raw bytes for a vocabulary of 256; else None (ids only).
+
+    A directory's tokenizer needs the tokenizers library: without it, refused when prompts
+    may be ``text``, else None (ids in, ids out)."""
+    from refmp.checkpoint.tokenizer import TextTokenizer, have_library, tokenizer_files
+
+    if given is not None:
+        return TextTokenizer(given, "--tokenizer")
+    if vocab is not None:
+        return Tokenizer(None if vocab == "bytes" else vocab)
+    if folder is not None and tokenizer_files(folder) is not None:
+        if text or have_library():
+            return TextTokenizer(folder, "the weights' tokenizer in")
+        return None
+    return Tokenizer(None) if V == 256 else None
 
 
 def with_moe(mcfg, moe: dict, path: str):
@@ -102,29 +116,6 @@ def with_moe(mcfg, moe: dict, path: str):
     return out
 
 
-def tokenizer(vocab: str | None, V: int) -> Tokenizer | None:
-    """The tokenizer a file names (its characters, or "bytes"); bytes for a vocabulary of
-    256 that names none; None (ids only) otherwise."""
-    if vocab is None and V == 256:
-        vocab = "bytes"
-    return None if vocab is None else Tokenizer(None if vocab == "bytes" else vocab)
-
-
-def hf_heads(d: str) -> int:
-    """n_head from a Hugging Face GPT-2 directory's config.json (GELU: its tanh form)."""
-    path = os.path.join(d, "config.json")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--init {d}: no readable config.json ({e})") from e
-    act = cfg.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ConfigError(f"--init {d}: activation_function {act!r}; refmp's GPT-2 uses the "
-                          f"tanh GELU (gelu_new)")
-    return int(cfg["n_head"])
-
-
 def read_prompts(path: str | None, texts: list[str] | None, tok: Tokenizer | None, V: int):
     """The prompts as a list of id lists, from ``--prompts PATH.npy`` (B, T0) or ``--prompt``."""
     if (path is None) == (not texts):
@@ -140,8 +131,10 @@ def read_prompts(path: str | None, texts: list[str] | None, tok: Tokenizer | Non
         rows = [list(map(int, r)) for r in arr]
     else:
         if tok is None:
-            raise ConfigError("--prompt TEXT needs a tokenizer the weights name (refmp train "
-                              "--save records it); give token ids with --prompts PATH.npy")
+            raise ConfigError("--prompt TEXT needs a tokenizer: the weights name none (refmp "
+                              "train --save records the addition task's or bytes; a Hugging "
+                              "Face directory holds its own); give --tokenizer DIR, or token "
+                              "ids with --prompts PATH.npy")
         rows = [tok.encode(t) for t in texts]
     for r in rows:
         if not r:

@@ -7,12 +7,15 @@ y = tokens[w*T+1 : w*T+T+1]. Data-parallel rank r of dp takes rows [r*B/dp, (r+1
 optional seeded shuffle permutes the window indices, the same on every rank. Nothing here
 depends on the layout except which rows a rank asks for.
 
-Sources: the built-in addition task (no download), a text file (bytes, vocabulary 256), a
-.npy 1-D integer array, or a nanoGPT-style .bin of uint16 tokens.
+Sources: the built-in addition task (no download), a text file (bytes, vocabulary 256, or
+tokenized by a Hugging Face tokenizer: :func:`tokenize_text`), a .npy 1-D integer array, or
+a nanoGPT-style .bin of uint16 tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -30,6 +33,7 @@ class Dataset:
     name: str
     task: AdditionTask | None = field(default=None, repr=False)
     vocab: str | None = None  # the characters of the ids, or "bytes" (None: not text)
+    tokenizer: str | None = None  # the directory of the Hugging Face tokenizer that made them
 
     def n_windows(self, T: int) -> int:
         return (len(self.tokens) - 1) // T
@@ -132,10 +136,13 @@ class AdditionTask:
 # --- files ----------------------------------------------------------------------------------
 
 
-def load_tokens(path: str) -> Dataset:
-    """Read a token file: .npy (1-D ints), .bin (uint16, nanoGPT), anything else as bytes."""
+def load_tokens(path: str, tokenizer: str | None = None) -> Dataset:
+    """Read a token file: .npy (1-D ints), .bin (uint16, nanoGPT), anything else as bytes, or
+    with ``tokenizer`` (a directory) as text that tokenizer encodes."""
     if not os.path.isfile(path):
         raise ConfigError(f"--data {path}: no such file")
+    if tokenizer is not None:
+        return _checked(tokenize_text(path, tokenizer), path)
     try:
         if path.endswith(".npy"):
             arr = np.load(path, allow_pickle=False)
@@ -167,3 +174,67 @@ def _checked(ds: Dataset, path: str) -> Dataset:
     if len(ds.tokens) < 2:
         raise ConfigError(f"--data {path}: needs at least 2 tokens, found {len(ds.tokens)}")
     return ds
+
+
+def tokenize_text(path: str, tokenizer: str) -> Dataset:
+    """The UTF-8 text file ``path`` as the ids of the Hugging Face tokenizer in ``tokenizer``
+    (nanoGPT's prepare step: the whole text in one call, so no token is cut at a chunk's edge).
+
+    Cached beside the text: ``{path}.tokens.bin`` (the ids, uint16 as nanoGPT's .bin) and
+    ``{path}.tokens.json`` (what they were made from: the text's sha256, the tokenizer's
+    fingerprint, the token count). The cache is used when the text and the tokenizer are
+    the ones it records, else made again; each file is written whole or not at all, so
+    ranks that tokenize at once each leave the same complete files.
+    """
+    from refmp.checkpoint.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(tokenizer, "--tokenizer")
+    if tok.vocab_size > 2**16:
+        raise ConfigError(f"--tokenizer {tokenizer}: {tok.vocab_size} ids do not fit the uint16 "
+                          f"tokens of a .bin cache; tokenize elsewhere and give a .npy --data")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"--data {path}: cannot read it ({e.strerror})") from e
+    made_from = {"text_sha256": hashlib.sha256(raw).hexdigest(), "tokenizer": tok.fingerprint}
+    cache = f"{path}.tokens.bin"
+    record = f"{path}.tokens.json"
+    tokens = _cached(cache, record, made_from)
+    if tokens is None:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--data {path}: not UTF-8 text ({e}); --tokenizer reads text") from e
+        tokens = np.array(tok.encode(text), dtype=np.uint16)  # (n,)
+        try:
+            _write_whole(cache, tokens.tobytes())
+            _write_whole(record, json.dumps({**made_from, "tokens": int(tokens.size)}).encode())
+        except OSError as e:
+            raise ConfigError(f"--data {path}: cannot write the token cache {cache} "
+                              f"({e.strerror})") from e
+    name = f"text {os.path.basename(path)} ({os.path.basename(os.path.abspath(tokenizer))})"
+    return Dataset(tokens.astype(np.int64), tok.vocab_size, name, tokenizer=tokenizer)
+
+
+def _cached(cache: str, record: str, made_from: dict) -> np.ndarray | None:
+    """The cached ids (n,) uint16 if the record says they were made from ``made_from`` and
+    the cache holds all of them; else None."""
+    try:
+        with open(record) as f:
+            said = json.load(f)
+        tokens = np.fromfile(cache, dtype=np.uint16)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(said, dict) or any(said.get(k) != v for k, v in made_from.items()) \
+            or said.get("tokens") != tokens.size:
+        return None
+    return tokens
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed over it."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -40,7 +40,7 @@ from refmp.training.optim import SGD, AdamW, LossScaler, clip_grads
 def build_dataset(cfg: TrainConfig) -> Dataset:
     if cfg.data is None:
         return AdditionTask(cfg.digits, cfg.seed).dataset()
-    return load_tokens(cfg.data)
+    return load_tokens(cfg.data, cfg.tokenizer)
 
 
 def model_config(cfg: TrainConfig, ds: Dataset) -> GPTConfig:
