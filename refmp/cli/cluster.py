@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from refmp.errors import ConfigError
 
@@ -38,7 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write the nodes and their link counters to FILE")
     p.add_argument("--clean", action="store_true",
-                   help="remove every cluster left behind by a killed run, and exit")
+                   help="remove the clusters whose run was killed (their owner is gone), and exit")
     p.add_argument("program", nargs=argparse.REMAINDER,
                    help="-- then the program and its arguments, as mpiexec takes them")
     p.set_defaults(run=run_cluster)
@@ -48,7 +49,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     from refmp.cli import netns
 
     if args.clean:
-        ids = netns.clean(everything=True)
+        ids = netns.clean()
         print(f"refmp cluster: removed {len(ids)} cluster(s) {' '.join(ids)}".rstrip())
         return 0
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
@@ -104,28 +105,32 @@ def _run(args: argparse.Namespace, program: list[str]) -> int:
 
 
 class _Stop:
-    """Ctrl-C and SIGTERM while the program runs: passed on to mpiexec (which ends its
-    ranks), then the cluster comes down; a second signal does not wait for mpiexec."""
+    """Ctrl-C and SIGTERM while the program runs: passed on to mpiexec as Ctrl-C (it ends its
+    ranks), again after 2 s if it lingers, SIGKILL after 4 s; then the cluster comes down."""
 
     def __init__(self):
-        self.proc: subprocess.Popen | None = None
+        self.since: float | None = None  # when the first signal came
 
     def wait(self, proc: subprocess.Popen) -> int:
-        self.proc = proc
-        old = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        def forward(signum, frame):  # (only signals here: Popen.wait holds its lock)
+            if self.since is None:
+                self.since = time.time()
+                print(f"refmp cluster: stopped by signal {signum}; removing the nodes",
+                      file=sys.stderr, flush=True)
+            proc.send_signal(signal.SIGINT)
+
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            status = proc.wait()
+            while True:
+                try:
+                    return proc.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+                late = 0.0 if self.since is None else time.time() - self.since
+                if late > 4:
+                    proc.kill()
+                elif late > 2:  # hydra's mpiexec may wait for a second Ctrl-C
+                    proc.send_signal(signal.SIGINT)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
-        return status
-
-    def _forward(self, signum, frame) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        print(f"refmp cluster: stopped by signal {signum}; removing the nodes", file=sys.stderr,
-              flush=True)

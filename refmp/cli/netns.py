@@ -103,6 +103,16 @@ class Cluster:
         self.nodes: list[Node] = []
         self.n = nodes
 
+    @classmethod
+    def recorded(cls, state: dict, folder: str) -> Cluster:
+        """The cluster a state directory's record describes (to remove it)."""
+        c = cls(max(1, len(state["nodes"])))
+        c.id = state["id"]
+        c.bridge = state["bridge"]
+        c.dir = folder
+        c.nodes = [Node(**n) for n in state["nodes"]]
+        return c
+
     # --- up and down -------------------------------------------------------------------------
 
     def __enter__(self) -> Cluster:
@@ -270,22 +280,17 @@ def leftovers(cluster_id: str) -> list[str]:
     return names
 
 
-def clean(everything: bool = False) -> list[str]:
-    """Remove the clusters whose owner process is gone (``everything``: all of them); returns
-    their ids."""
+def clean() -> list[str]:
+    """Remove the clusters whose owner process is gone (a run killed outright); their ids."""
     removed = []
     for record in Path(tempfile.gettempdir()).glob(f"{STATE}*/cluster.json"):
         try:
             state = json.loads(record.read_text())
         except (OSError, ValueError):
             continue
-        if not everything and alive(state["pid"]):
+        if alive(state["pid"]):
             continue
-        c = Cluster(max(1, len(state["nodes"])))
-        c.id = state["id"]
-        c.bridge = state["bridge"]
-        c.dir = str(record.parent)
-        c.nodes = [Node(**n) for n in state["nodes"]]
+        c = Cluster.recorded(state, str(record.parent))
         try:
             c.down()
         except RuntimeError as e:
