@@ -28,6 +28,7 @@ Names are unique per run (a random id), so two clusters can run at once.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -259,10 +260,8 @@ def stop_processes(netns: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = [int(p) for p in run("ip", "netns", "pids", netns, check=False).stdout.split()]
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.time() + 2.0
         while pids and time.time() < deadline and run(
                 "ip", "netns", "pids", netns, check=False).stdout.split():
@@ -288,7 +287,7 @@ def clean() -> list[str]:
             state = json.loads(record.read_text())
         except (OSError, ValueError):
             continue
-        if alive(state["pid"]):
+        if Path(f"/proc/{state['pid']}").exists():  # its owner still runs
             continue
         c = Cluster.recorded(state, str(record.parent))
         try:
@@ -298,12 +297,3 @@ def clean() -> list[str]:
         removed.append(state["id"])
     return removed
 
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
