@@ -1,29 +1,24 @@
-"""A cluster on one machine: nodes made of Linux network namespaces, joined by a bridge over
-links shaped to a given bandwidth, for ``refmp cluster`` and the tests that prove refmp runs
-across nodes. Root only (``ip netns``, ``tc``, ``mount``).
+"""A cluster on one machine, for ``refmp cluster`` and the tests that run refmp across nodes:
+nodes made of Linux network namespaces, joined by a bridge, their links shaped. Root only.
 
-Each node is a network namespace with its own address and a veth pair to a bridge on the
-host; inside it, a process also gets its own hostname (a UTS namespace, so MPI's
-``Get_processor_name`` and refmp's reports tell the nodes apart) and its own ``/tmp`` (a
-mount namespace: a node's temporary files are its own, as on a real cluster; ``share`` makes
-directories under /tmp common to all nodes, a shared file system's stand-in; the rest of
-the file system is shared, as a cluster's home and scratch are). The link of a node is
-shaped in both directions by a token bucket (``tc qdisc ... tbf rate R``) on each end of its
-veth, so traffic between two nodes moves at R at most; within a node, MPI uses shared memory
-and nothing touches the veth.
+Each node is a network namespace with its own address and a veth pair to the bridge; a
+process in it also gets the node's hostname (a UTS namespace: MPI's ``Get_processor_name``
+and refmp's reports tell the nodes apart) and the node's own ``/tmp`` (a mount namespace, as
+on a real cluster; ``share`` makes directories under /tmp common, a shared file system's
+stand-in; the rest of the file system is shared, as a cluster's home is). A node's link is
+shaped both ways by a token bucket (``tc qdisc ... tbf rate R``) on each end of its veth.
 
 Hydra (the ``mpich`` wheel's mpiexec) starts a proxy on each host through ssh; here
-``-bootstrap-exec`` names a script, written for the cluster, that is called as ssh is
-(``script -x HOST COMMAND``) and runs the command inside that node's namespaces. Two traps,
-both handled by :meth:`Cluster.mpiexec`: the proxies reach mpiexec only through the bridge
-(``-iface``), and UCX (MPICH's network layer) recognizes processes of one machine whatever
-their hostnames and would move their data through shared memory, past the veth; it is told
-to use TCP (``UCX_TLS=tcp,self``). The veth counters say what crossed: check them.
+``-bootstrap-exec`` names a script, written for the cluster, called as ssh is (``script -x
+HOST COMMAND``), that runs the command in that node's namespaces. Two traps, handled by
+:meth:`Cluster.mpiexec`: the proxies reach mpiexec only through the bridge (``-iface``), and
+UCX (MPICH's network layer) recognizes processes of one machine whatever their hostnames and
+would move their data through shared memory, past the veth (``UCX_TLS=tcp,self``). The veth
+counters say what crossed: check them.
 
-Teardown always runs (:meth:`Cluster.down`: on leaving the ``with`` block, on an exception,
-on Ctrl-C); a run killed outright (SIGKILL) leaves its namespaces, which the next cluster
-removes (:func:`clean`: those whose owner process is gone) or ``refmp cluster --clean``.
-Names are unique per run (a random id), so two clusters can run at once.
+Teardown always runs (:meth:`Cluster.down`: leaving the ``with`` block, an exception,
+Ctrl-C); a run killed outright leaves its nodes to the next cluster (:func:`clean`: those
+whose owner process is gone) or to ``refmp cluster --clean``. Names are unique per run.
 """
 
 from __future__ import annotations

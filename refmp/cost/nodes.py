@@ -40,12 +40,16 @@ from refmp.nn.params import GPTConfig
 from refmp.parallel.placement import stage_chunks
 
 
+PAYLOAD = 1448 / 1514  # TCP over Ethernet: a full frame's data, without its 66 header bytes
+
+
 def cluster(host: Machine, ranks_per_node: int, link_gbit: float,
             link_latency_us: float) -> Machine:
     """``host``'s rates (refmp plan --machine cpu: measured), as nodes of ``ranks_per_node``
-    ranks, each node's link ``link_gbit`` each way (the tbf rate), its G ranks a share each."""
-    return replace(host, name=f"{host.name}-cluster", gpus_per_node=ranks_per_node,
-                   inter_node_gbs=link_gbit / 8 / ranks_per_node,
+    ranks, each node's link ``link_gbit`` each way (the tbf rate: frames, so PAYLOAD of it
+    is data, as a shaped link paces TCP into full frames), its G ranks a share each."""
+    return replace(host, gpus_per_node=ranks_per_node,
+                   inter_node_gbs=link_gbit / 8 * PAYLOAD / ranks_per_node,
                    inter_latency_us=link_latency_us)
 
 
