@@ -21,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 
 from plan_vs_bench import spearman
 
@@ -54,13 +55,17 @@ def on_cluster(link: float, program: list[str]) -> str:
     return lines[-1]
 
 
-def predicted(lay: dict, link: float, intra, inter, calib: dict) -> float:
+def predicted(lay: dict, link: float, intra, inter, calib: dict, measured_link: bool = False) -> float:
+    """The plan's step seconds; ``measured_link``: a rank's share of the link as measured
+    (inter: both pairs' exchanges at once, measure_links), not the tbf rate's."""
     mcfg = GPTConfig(n_layer=MODEL["n_layer"], n_embd=MODEL["n_embd"], n_head=MODEL["n_head"],
                      vocab_size=MODEL["vocab"], block_size=MODEL["block_size"])
     B, dp, M = MODEL["batch_size"], lay.get("dp", 1), lay.get("M", 1)
     mine = {k: v for k, v in lay.items() if k not in ("M", "dp_reduce")}
     layout = Layout(**mine, mixed_precision="none", microbatch_size=B // (dp * M))
     mach = cluster(cpu_machine(4, tuple(intra), calib), 2, link, inter[1])
+    if measured_link:
+        mach = replace(mach, inter_node_gbs=min(inter[0], mach.inter_node_gbs))
     return predict_on_nodes(layout, mcfg, B, mach, lay.get("dp_reduce", "flat"))["step_seconds"]
 
 
@@ -84,23 +89,30 @@ def main(argv: list[str] | None = None) -> dict:
     links = [float(x) for x in args.links.split(",")]
     names = list(LAYOUTS)
     plans = {(lk, n): [] for lk in links for n in names}
+    seen = {(lk, n): [] for lk in links for n in names}  # the plan on the measured link
     runs = {(lk, n): [] for lk in links for n in names}
     loads = []
+    links_seen: dict[float, list] = {}
     for r in range(args.rounds):
         for lk in links:
             intra, inter, calib = json.loads(on_cluster(lk, [sys.executable, "-c", PROBE]))
+            links_seen.setdefault(lk, []).append(inter)
             for n in names[r % len(names):] + names[:r % len(names)]:
                 plans[(lk, n)].append(1e3 * predicted(LAYOUTS[n], lk, intra, inter, calib))
+                seen[(lk, n)].append(1e3 * predicted(LAYOUTS[n], lk, intra, inter, calib, True))
                 runs[(lk, n)].append(measured(LAYOUTS[n], lk, args))
                 loads.append(os.getloadavg()[0])
     out = {"model": MODEL, "rounds": args.rounds, "steps": args.steps,
            "load": [min(loads), statistics.median(loads), max(loads)], "links": []}
     for lk in links:
         plan_ms = {n: statistics.median(plans[(lk, n)]) for n in names}
+        seen_ms = {n: statistics.median(seen[(lk, n)]) for n in names}
         bench_ms = {n: statistics.median(runs[(lk, n)]) for n in names}
         rho = spearman([plan_ms[n] for n in names], [bench_ms[n] for n in names])
-        out["links"].append({"gbit": lk, "spearman": rho, "layouts": [
-            {"layout": n, "plan_ms": plan_ms[n], "bench_ms": bench_ms[n],
+        out["links"].append({"gbit": lk, "spearman": rho, "link_measured_gbs": [
+            inter[0] for inter in links_seen[lk]], "layouts": [
+            {"layout": n, "plan_ms": plan_ms[n], "plan_measured_link_ms": seen_ms[n],
+             "bench_ms": bench_ms[n],
              "ratio": plan_ms[n] / bench_ms[n], "bench_runs_ms": runs[(lk, n)],
              "plan_runs_ms": plans[(lk, n)]} for n in names]})
     if args.json:
@@ -110,10 +122,12 @@ def main(argv: list[str] | None = None) -> dict:
           f"load {out['load'][0]:.1f}-{out['load'][2]:.1f} (median {out['load'][1]:.1f})")
     for row in out["links"]:
         print(f"link {row['gbit']:g} Gbit/s: Spearman {row['spearman']:+.2f}")
-        print(f"{'layout':>10} {'plan ms':>9} {'bench ms':>9} {'plan/bench':>10}  bench runs")
+        print(f"{'layout':>10} {'plan ms':>9} {'bench ms':>9} {'plan/bench':>10} "
+              f"{'measured link':>13}  bench runs")
         for x in sorted(row["layouts"], key=lambda x: x["bench_ms"]):
             print(f"{x['layout']:>10} {x['plan_ms']:>9.1f} {x['bench_ms']:>9.1f} "
-                  f"{x['ratio']:>10.2f}  {', '.join(f'{v:.0f}' for v in x['bench_runs_ms'])}")
+                  f"{x['ratio']:>10.2f} {x['plan_measured_link_ms'] / x['bench_ms']:>13.2f}  "
+                  f"{', '.join(f'{v:.0f}' for v in x['bench_runs_ms'])}")
     return out
 
 

@@ -25,6 +25,8 @@ from refmp.distributed.ledger import Ledger
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig
 from refmp.parallel.data.hierarchical import check_nodes
+from refmp.parallel.layout import check_layout
+from refmp.training.trainer import TrainConfig
 
 pytestmark = pytest.mark.cli
 WHY = netns.unavailable()
@@ -50,6 +52,9 @@ def test_which_groups_cross_nodes():
     check_nodes(sizes(dp=4), two, ("dp", "cp"))  # 2 and 2: fine
     with pytest.raises(ConfigError, match="same number"):
         check_nodes(sizes(dp=3), (0, 0, 1), ("dp", "cp"))
+    with pytest.raises(ConfigError, match="ZeRO 0's all-reduce"):  # ZeRO 1-3: refused
+        check_layout(TrainConfig(dp=4, zero=1, dp_reduce="hierarchical"),
+                     GPTConfig(13, 13, 2, 4, 64), 4)
 
 
 def test_the_ledger_says_intra_or_inter_only_on_several_nodes():

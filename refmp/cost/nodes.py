@@ -39,7 +39,6 @@ from refmp.cost.zero import comm_per_step
 from refmp.nn.params import GPTConfig
 from refmp.parallel.placement import stage_chunks
 
-
 PAYLOAD = 1448 / 1514  # TCP over Ethernet: a full frame's data, without its 66 header bytes
 
 
