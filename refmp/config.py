@@ -89,6 +89,10 @@ class ParallelConfig:
                            choices=("zigzag", "contiguous"))
     bucket_mb: float = flag(25.0, "data parallel: gradient all-reduce bucket size in MB, overlapped with "
                                   "backward (0: one all-reduce after backward; default %(default)g)")
+    dp_reduce: str = flag("flat", "the data-parallel gradient all-reduce: flat over the whole group, or "
+                                  "hierarchical across nodes (reduce-scatter inside a node, all-reduce "
+                                  "of 1/G across nodes, all-gather inside; ZeRO 0; docs/nodes.md) "
+                                  "(%(default)s)", choices=("flat", "hierarchical"))
     grad_dtype: str = flag("compute", "with --mixed-precision: accumulate and reduce gradients in the "
                                       "compute dtype or in fp32 (%(default)s)", PRECISION,
                            choices=("compute", "fp32"))

@@ -4,7 +4,8 @@ Rank 0 trains the serial model itself (on MPI.COMM_SELF, the whole batch) beside
 data-parallel engine (on COMM_WORLD, each rank its rows of the batch): loss, norm, every
 gradient after the all-reduce and clipping, every weight after each step (tests/parity.py).
 Then the ledger: the gradients are all-reduced once per step in total (8 bytes per parameter
-in float64), in as many calls as the Sharder's bucket rule forms buckets.
+in float64), in as many calls as the Sharder's bucket rule forms buckets. The hierarchical
+all-reduce on simulated nodes equals the flat one bitwise (tests/test_nodes.py: real ones).
 """
 
 from dataclasses import replace
@@ -14,13 +15,13 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import collective
+from mpi_helpers import Mismatches, collective
 from parity import assert_same_run
 
 from refmp.cost.zero import unit_sizes
 from refmp.nn import GPTConfig
 from refmp.training.datasets import Dataset
-from refmp.training.trainer import TrainConfig
+from refmp.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi
 
@@ -96,3 +97,36 @@ def test_dp_addition_task_equals_serial():
     sizes = unit_sizes(GPTConfig(ds.vocab_size, ds.task.line_len, 2, 2, 16))
     mb = 8 * (sizes["h.0"] + sizes["ln_f"] / 2) / 2**20
     assert assert_same_run_and_ledger(replace(cfg, bucket_mb=mb, steps=2), ds) == 3
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_hierarchical_all_reduce_equals_flat_bitwise(monkeypatch):
+    """--dp-reduce hierarchical over 2 nodes of 2 ranks (simulated: REFMP_RANKS_PER_NODE,
+    refmp.distributed.topology): every step's loss and norm and the final weights are the
+    flat all-reduce's, bitwise (refmp.parallel.data.hierarchical says why); the ledger: the
+    whole gradient reduce-scattered and all-gathered inside a node, half of it all-reduced
+    across, and each group labelled intra- or inter-node."""
+    monkeypatch.setenv("REFMP_RANKS_PER_NODE", "2")
+    ds = Dataset(np.random.default_rng(0).integers(0, 11, 300), 11, "random")
+    cfg = TrainConfig(dp=4, n_layer=2, n_head=2, n_embd=8, block_size=5, batch_size=8, steps=3,
+                      lr=0.01, warmup_steps=1, dtype="float64", progress=False)
+    runs = {}
+    for red in ("flat", "hierarchical"):
+        tr = Trainer(replace(cfg, dp_reduce=red), dataset=ds)
+        steps = [tr.step() for _ in range(cfg.steps)]
+        runs[red] = ([(r["loss"], r["grad_norm"]) for r in steps], tr.runner.full_params(),
+                     tr.grid.ledger.as_dict())
+    bad = Mismatches()
+    flat, hier = runs["flat"], runs["hierarchical"]
+    bad.check(np.testing.assert_equal, hier[0], flat[0], err_msg="(loss, norm) of each step")
+    if MPI.COMM_WORLD.rank == 0:
+        for k, w in flat[1].items():
+            bad.check(np.testing.assert_array_equal, hier[1][k], w, err_msg=k)
+    P = 8 * sum(unit_sizes(GPTConfig(11, 5, 2, 2, 8)).values())  # the gradient's bytes
+    whole = flat[2]["allreduce@dp[inter]"]["bytes"]
+    bad.check(np.testing.assert_equal, whole, 3 * P)
+    bad.check(np.testing.assert_equal, [hier[2].get(k, {}).get("bytes") for k in (
+        "reduce_scatter@dp.node[intra]", "allgather@dp.node[intra]", "allreduce@dp.cross[inter]")],
+        [whole, whole, whole // 2])  # P even: no padding
+    bad.assert_none(MPI.COMM_WORLD)

@@ -18,3 +18,21 @@ def test_02_data_parallel(n):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: data parallel == serial" in r.stdout
     assert r.stdout.count("step 4:") == 1  # rank 0 alone narrates
+
+
+def test_15_across_nodes():
+    """As root: 2 nodes made of network namespaces (it runs mpiexec itself); else skipped."""
+    import subprocess
+    import sys
+
+    from mpi_helpers import REPO
+
+    from refmp.cli.netns import unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"no local cluster: {why}")
+    r = subprocess.run([sys.executable, "tutorials/15_across_nodes.py"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: the same sums; the slow link carries G = 2 times less" in r.stdout

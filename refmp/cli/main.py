@@ -1,5 +1,6 @@
 """The ``refmp`` command: ``refmp train``, ``bench``, ``schedule``, ``plan``, ``convert``,
-``generate`` and ``trace`` (also ``python -m refmp``), each in its own module of refmp.cli;
+``generate``, ``trace`` and ``cluster`` (also ``python -m refmp``), each in its own module of
+refmp.cli;
 this one holds the parser's root, the exit codes and the rank-0 printing.
 
 Run it under MPI for more than one rank: ``mpiexec -n 2 refmp train --dp 2``.
@@ -44,11 +45,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from refmp.cli import bench, convert, generate, plan, schedule, trace, train
+    from refmp.cli import bench, cluster, convert, generate, plan, schedule, trace, train
 
     p = Parser(prog="refmp", description="refmp: GPT-2 in NumPy, split across MPI ranks.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for command in (train, bench, schedule, plan, convert, generate, trace):
+    for command in (train, bench, schedule, plan, convert, generate, trace, cluster):
         command.add_parser(sub)
     return p
 
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":  # --layout auto reads which flags were given
             args.run(args, (sys.argv[1:] if argv is None else argv)[1:])
+        elif args.command == "cluster":  # the program's exit status
+            return args.run(args)
         else:
             args.run(args)
     except (ConfigError, TrainingError) as e:  # raised on every rank: said once, rank 0

@@ -18,6 +18,7 @@ from refmp.config import TrainConfig, flag_name
 from refmp.cost.machines import MACHINES, MODELS, Machine
 from refmp.cost.memory import size
 from refmp.cost.model import IMPLS, SEARCHED, Layout, elementwise_bytes, gemm, parallel_fields
+from refmp.cost.nodes import cluster
 from refmp.cost.search import search, table
 from refmp.errors import ConfigError
 from refmp.nn import gpt
@@ -48,6 +49,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     for name in ("gpus_per_node", "gpu_memory_gb", "peak_tflops", "hbm_gbs", "gemm_efficiency",
                  "intra_node_gbs", "inter_node_gbs", "intra_latency_us", "inter_latency_us"):
         g.add_argument(flag_name(name), type=float, default=None, help="override the machine's")
+    g.add_argument("--link-gbit", type=float, default=None,
+                   help="nodes with one link each, of this many Gbit/s each way, shared by "
+                        "their --gpus-per-node ranks (refmp cluster's): --inter-node-gbs is "
+                        "a rank's share of it (docs/nodes.md)")
     g = p.add_argument_group("layout (each fixes that choice; the rest is searched)")
     for f in fields(Layout):  # refmp.config's searched fields (refmp.cost.model)
         m, plan = f.metadata, f.metadata["plan"]
@@ -83,7 +88,12 @@ def machine_of(args) -> Machine:
             and k != "name" and v is not None}
     if "gpus_per_node" in over:
         over["gpus_per_node"] = int(over["gpus_per_node"])
-    return replace(mach, **over)
+    mach = replace(mach, **over)
+    if args.link_gbit is not None:
+        if "inter_node_gbs" in over or not args.link_gbit > 0:
+            raise ConfigError("--link-gbit (positive) sets --inter-node-gbs: give one of them")
+        mach = cluster(mach, mach.gpus_per_node, args.link_gbit, mach.inter_latency_us)
+    return mach
 
 
 def cpu_machine(ranks: int, links: tuple[float, float] | None = None,

@@ -20,6 +20,7 @@ from refmp.cli.flags import add_train_args, check_flags, given_flags
 from refmp.config import saves_directory
 from refmp.distributed.faults import inject_fault
 from refmp.distributed.preemption import Preempted, Preemption
+from refmp.distributed.topology import crossing_notes
 from refmp.distributed.watchdog import Watchdog
 from refmp.errors import ConfigError, TrainingError
 from refmp.training.trainer import TrainConfig, Trainer
@@ -84,7 +85,10 @@ def run(cfg: TrainConfig) -> dict:
         m = tr.model.cfg
         print(f"refmp train: {tr.ds.name}, {len(tr.ds.tokens):,} tokens, vocab {m.vocab_size}; "
               f"GPT {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {tr.T}, "
-              f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}", flush=True)
+              f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}"
+              f"{_on_nodes(tr.grid.nodes)}", flush=True)
+        for note in crossing_notes(tr.grid.sizes, tr.grid.nodes):  # before the first step
+            print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)
     if rank0 and tr.resumed:
         _print_resume(tr.resumed, cfg)
     watchdog = (Watchdog(tr.grid.mpi, tr.grid.recorder, cfg.collective_timeout, cfg.trace_dir)
@@ -154,6 +158,15 @@ def run(cfg: TrainConfig) -> dict:
     if watchdog is not None:
         watchdog.stop()
     return summary
+
+
+def _on_nodes(nodes: tuple[int, ...]) -> str:
+    """" on 2 nodes (ranks 0-1, 2-3)" when the ranks are on several nodes, else ""."""
+    if len(set(nodes)) == 1:
+        return ""
+    ranks = [[r for r, n in enumerate(nodes) if n == k] for k in sorted(set(nodes))]
+    return (f" on {len(ranks)} nodes (ranks "
+            + ", ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else f"{g[0]}" for g in ranks) + ")")
 
 
 def _preempted(tr: Trainer, cfg: TrainConfig, signame: str, log, bar) -> None:
@@ -240,7 +253,7 @@ def _print_summary(s: dict, score) -> None:
             print(f"  MoE layer {i}: tokens per expert {n}, dropped {100 * d:.1f}%")
     print("communication (bytes, calls):")
     for key, v in s["comm"].items():
-        print(f"  {key:<24} {v['bytes']:>14,} B  {v['count']:>6} calls")
+        print(f"  {key:<32} {v['bytes']:>14,} B  {v['count']:>6} calls")
     print_memory(s["memory_per_rank"])
 
 

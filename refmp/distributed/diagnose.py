@@ -152,8 +152,10 @@ def findings(states: dict[int, dict], world_size: int) -> list[str]:
     silent = sorted(set(range(world_size)) - set(states))
     for r in silent:
         out.append(f"rank {r} {_doing(None)}")
+    hosts = {st.get("host") for st in states.values()}  # on several nodes: say which
     for r in sorted(named - set(silent)):
-        out.append(f"rank {r} {_doing(states[r])}")
+        on = f" on {states[r].get('host')}" if len(hosts) > 1 else ""
+        out.append(f"rank {r}{on} {_doing(states[r])}")
     if not out:
         idle = [r for r, st in states.items() if not waits(st)]
         out.append(f"no rank waits for another; {_ranks(idle)} made no progress" if idle

@@ -14,6 +14,9 @@ ranks holding the same experts, which sum their gradients) is the rest of dp x c
 
 Non-expert weights stay replicated over all of dp x cp.
 
+On several nodes (``nodes``, refmp.distributed.topology) a group's ledger label says whether
+it stays inside a node or crosses between nodes: ``dp[inter]``.
+
 The grid is an object passed explicitly; there is no module-level global. Validation is a
 pure function of the sizes (:func:`check_sizes`), so every rank refuses a bad layout with the
 same message before any communication.
@@ -24,6 +27,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from refmp.config import check_sizes
+from refmp.distributed import topology
 from refmp.distributed.comm import Comm
 from refmp.distributed.ledger import Ledger
 from refmp.distributed.recorder import for_new_grid
@@ -48,7 +52,8 @@ class ProcessGrid:
         self.sizes = check_sizes(world.Get_size(), pp, dp, cp, tp, ep)
         self.ledger = Ledger()
         self.recorder = for_new_grid()
-        self.world = Comm(world, "world", self.ledger, self.recorder)
+        self.nodes = topology.node_ids(world)  # each world rank's node (MPI's shared memory)
+        self.world = self._comm(world, "world")
         self.rank = world.Get_rank()
         self.coords = self.coords_of(self.rank)
         self._groups: dict[tuple[str, ...], Comm] = {}
@@ -57,10 +62,8 @@ class ProcessGrid:
         ep_size, n = self.sizes["ep"], world.Get_size()
         f = self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
         base = self.rank_of(**{**self.coords, "dp": 0, "cp": 0})  # names the (pp, tp) slice
-        self.comm["ep"] = Comm(world.Split(base + (f // ep_size) * n, f % ep_size),
-                               "ep", self.ledger, self.recorder)
-        self.comm["edp"] = Comm(world.Split(base + (f % ep_size) * n, f // ep_size),
-                                "edp", self.ledger, self.recorder)
+        self.comm["ep"] = self._comm(world.Split(base + (f // ep_size) * n, f % ep_size), "ep")
+        self.comm["edp"] = self._comm(world.Split(base + (f % ep_size) * n, f // ep_size), "edp")
 
     def group(self, *axes: str) -> Comm:
         """The ranks that differ from this one only along ``axes`` (cached; collective the
@@ -73,10 +76,15 @@ class ProcessGrid:
             for a in key:
                 index = index * self.sizes[a] + self.coords[a]
             label = "+".join(a for a in key if self.sizes[a] > 1) or key[0]
-            self._groups[key] = Comm(self.mpi.Split(colour, index), label, self.ledger,
-                                     self.recorder)
+            self._groups[key] = self._comm(self.mpi.Split(colour, index), label)
             self._groups[key].cuda_aware = self.world.cuda_aware
         return self._groups[key]
+
+    def _comm(self, mpi_comm: MPI.Comm, label: str) -> Comm:
+        comm = Comm(mpi_comm, label, self.ledger, self.recorder)
+        if len(set(self.nodes)) > 1:  # on several nodes: "intra" or "inter" in the ledger
+            self.ledger.spans[label] = topology.span(comm.world_ranks, self.nodes)
+        return comm
 
     def size(self, *axes: str) -> int:
         """How many ranks ``group(*axes)`` holds (no communication)."""

@@ -5,6 +5,10 @@ the full logical tensor the operation acts on, as seen from one rank (all-reduce
 all-gather: the gathered result; reduce-scatter: the input before scattering; send/recv: the
 message). Multiply by the algorithm's factor (a ring all-reduce moves 2 (n-1)/n of it per
 rank) to get wire traffic.
+
+On several nodes, each group's label says whether it stays inside a node or crosses between
+nodes (``spans``, set by the grid: refmp.distributed.topology): ``allreduce@dp[inter]``;
+``bytes``/``count`` of axis "dp" count "dp[inter]" too.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ class Ledger:
 
     def __init__(self):
         self.entries: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        self.spans: dict[str, str] = {}  # label -> "intra" | "inter" (only on several nodes)
 
     def record(self, op: str, axis: str, nbytes: int) -> None:
+        if axis in self.spans:
+            axis = f"{axis}[{self.spans[axis]}]"
         entry = self.entries[(op, axis)]
         entry[0] += int(nbytes)
         entry[1] += 1
@@ -27,13 +34,13 @@ class Ledger:
         """Total bytes of the entries matching op and axis (None matches any)."""
         return sum(
             b for (o, a), (b, _) in self.entries.items()
-            if (op is None or o == op) and (axis is None or a == axis)
+            if (op is None or o == op) and (axis is None or axis in (a, a.split("[")[0]))
         )
 
     def count(self, op: str | None = None, axis: str | None = None) -> int:
         return sum(
             c for (o, a), (_, c) in self.entries.items()
-            if (op is None or o == op) and (axis is None or a == axis)
+            if (op is None or o == op) and (axis is None or axis in (a, a.split("[")[0]))
         )
 
     def as_dict(self) -> dict[str, dict[str, int]]:

@@ -34,6 +34,7 @@ from refmp.parallel.data.accumulate import (
     unflatten_into,
 )
 from refmp.parallel.data.compress import make_codecs
+from refmp.parallel.data.hierarchical import HierarchicalComm, check_nodes
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
 from refmp.parallel.ops import make_ops
@@ -88,6 +89,9 @@ def build_sharder(local: dict, grid, layout: ParallelConfig, seed: int) -> Shard
     """The Sharder over ``local``: its units (placement.units_of), each over the group its
     gradient is summed over (placement's "reduce": dp x cp, or edp for experts)."""
     dense, edp = grid.group("dp", "cp"), grid.comm["edp"]
+    if layout.dp_reduce == "hierarchical":  # sums inside each node first (data/hierarchical.py)
+        check_nodes(grid.sizes, grid.nodes, ("dp", "cp"))
+        dense = HierarchicalComm(dense, grid.nodes)
     units = units_of(local)
     groups = {u: edp if "edp" in place(names[0], False).reduce else dense
               for u, names in units.items()}

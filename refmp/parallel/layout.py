@@ -26,6 +26,9 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.bucket_mb < 0:
         raise ConfigError(f"--bucket-mb must be >= 0, got {cfg.bucket_mb}")
+    if cfg.dp_reduce == "hierarchical" and cfg.zero > 0:
+        raise ConfigError(f"--dp-reduce hierarchical is ZeRO 0's all-reduce; --zero {cfg.zero} "
+                          f"reduce-scatters and all-gathers over the flat group (use --zero 0)")
     if cfg.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"--recompute must be none, selective or full, got {cfg.recompute!r}")
     if M < 1:

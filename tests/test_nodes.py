@@ -1,0 +1,192 @@
+"""refmp across nodes (docs/nodes.md): the topology rules (pure), and on a cluster made of
+network namespaces on this machine (refmp cluster; root only, skipped elsewhere with the
+reason): the cluster always comes down, training on 2 nodes x 2 ranks equals the one-host
+run bitwise, a checkpoint written on 2 nodes resumes on one host, the watchdog names a stuck
+rank on the other node, and the bytes on each node's link are what the ledger and the
+formulas say, halved by the hierarchical all-reduce. Simulated nodes on one host:
+tests/test_dp_parity.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from mpi_helpers import REPO
+
+from refmp.cli import netns
+from refmp.cost.zero import comm_per_step, unit_sizes
+from refmp.distributed import topology
+from refmp.distributed.ledger import Ledger
+from refmp.errors import ConfigError
+from refmp.nn.params import GPTConfig
+from refmp.parallel.data.hierarchical import check_nodes
+from refmp.parallel.layout import check_layout
+from refmp.training.trainer import TrainConfig
+
+pytestmark = pytest.mark.cli
+WHY = netns.unavailable()
+needs_cluster = pytest.mark.skipif(WHY is not None, reason=f"no local cluster: {WHY}")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def sizes(**axes) -> dict:
+    return {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1, **axes}
+
+
+def test_which_groups_cross_nodes():
+    two = (0, 0, 1, 1)  # 2 nodes of 2 ranks
+    assert topology.members(1, sizes(dp=2, tp=2), ("dp",)) == [1, 3]
+    assert topology.members(2, sizes(pp=2, dp=2), ("pp", "dp")) == [0, 1, 2, 3]
+    assert topology.crossing(sizes(dp=2, tp=2), two) == []  # tp inside, dp between
+    assert topology.crossing(sizes(tp=4), two) == ["tp"]
+    assert topology.crossing(sizes(cp=2, tp=2), two) == ["cp"]
+    assert topology.crossing(sizes(tp=4), (0, 0, 0, 0)) == []
+    note = topology.crossing_notes(sizes(tp=4), two)
+    assert len(note) == 1 and "--tp 4 spans nodes" in note[0] and "refmp plan" in note[0]
+    assert topology.span([0, 1], two) == "intra" and topology.span([1, 2], two) == "inter"
+    check_nodes(sizes(dp=4), two, ("dp", "cp"))  # 2 and 2: fine
+    with pytest.raises(ConfigError, match="same number"):
+        check_nodes(sizes(dp=3), (0, 0, 1), ("dp", "cp"))
+    with pytest.raises(ConfigError, match="ZeRO 0's all-reduce"):  # ZeRO 1-3: refused
+        check_layout(TrainConfig(dp=4, zero=1, dp_reduce="hierarchical"),
+                     GPTConfig(13, 13, 2, 4, 64), 4)
+
+
+def test_the_ledger_says_intra_or_inter_only_on_several_nodes():
+    led = Ledger()
+    led.record("allreduce", "tp", 8)
+    led.spans["dp"] = "inter"
+    led.record("allreduce", "dp", 16)
+    assert led.as_dict() == {"allreduce@dp[inter]": {"bytes": 16, "count": 1},
+                             "allreduce@tp": {"bytes": 8, "count": 1}}
+    assert led.bytes("allreduce", "dp") == led.bytes("allreduce", "dp[inter]") == 16
+
+
+def launch(*args: str, env: dict = ENV) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "refmp", "cluster", *args], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def cluster_id(proc: subprocess.Popen) -> str:
+    """The id refmp cluster prints first ("refmp cluster ID: ...")."""
+    line = proc.stdout.readline()
+    assert line.startswith("refmp cluster "), line
+    return line.split()[2].rstrip(":")
+
+
+@needs_cluster
+def test_the_cluster_comes_down_whatever_happens(monkeypatch):
+    # a failure while the nodes are made: what was made goes
+    real = netns.run
+
+    def failing(*cmd, check=True):
+        if cmd[:2] == ("tc", "-n"):  # the first node's link, shaped from inside
+            raise RuntimeError("planted failure")
+        return real(*cmd, check=check)
+
+    c = netns.Cluster(2, 1.0)
+    with monkeypatch.context() as m:
+        m.setattr(netns, "run", failing)
+        with pytest.raises(RuntimeError, match="planted"):
+            with c:
+                pass
+    assert netns.leftovers(c.id) == []
+    # the program fails: its status, each node its own hostname and /tmp
+    p = launch("--nodes", "2", "--", "sh", "-c", "echo host $(hostname) $(ls /tmp | wc -l); exit 3")
+    ident = cluster_id(p)
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 3, out
+    assert "host node0 0" in out and "host node1 0" in out, out
+    assert netns.leftovers(ident) == []
+    # two at once: their own names and subnets; Ctrl-C ends one, SIGKILL the other (its
+    # nodes stay until clean(), which every new cluster runs first)
+    a = launch("--nodes", "2", "--link-gbit", "1", "--", "sleep", "60")
+    b = launch("--nodes", "2", "--", "sleep", "60")
+    ids = [cluster_id(a), cluster_id(b)]
+    assert ids[0] != ids[1]
+    deadline = time.time() + 30
+    while time.time() < deadline and not all(len(netns.leftovers(i)) == 6 for i in ids):
+        time.sleep(0.1)  # 2 namespaces, 2 veths, a bridge, a state directory each
+    assert [len(netns.leftovers(i)) for i in ids] == [6, 6]
+    a.send_signal(signal.SIGINT)
+    b.kill()
+    out = a.communicate(timeout=60)[0]
+    b.wait(timeout=60)  # (its orphaned mpiexec keeps the pipe open until clean() below)
+    b.stdout.close()
+    assert a.returncode != 0 and "removing the nodes" in out, out
+    assert netns.leftovers(ids[0]) == []
+    assert netns.leftovers(ids[1]) != []  # SIGKILL: nothing could run
+    assert ids[1] in netns.clean()
+    assert netns.leftovers(ids[1]) == []
+
+
+def crossing_bytes(ledger: dict, group_sizes: dict) -> int:
+    """What one rank's collectives on groups that span nodes send to another node, from its
+    ledger: a group of 2 (one rank a node) sends each all-reduce's buffer once (any
+    algorithm: ring, recursive doubling or halving), a metric of the world its buffer once."""
+    total = 0
+    for key, v in ledger.items():
+        op, label = key.split("@")
+        if label.endswith("[inter]"):
+            n = group_sizes[label[: -len("[inter]")]]
+            assert n == 2 or op == "metric", key  # a formula for these only
+            total += v["bytes"]
+    return total
+
+
+@needs_cluster
+@pytest.mark.timeout(180)
+def test_training_across_nodes_equals_one_host(tmp_path):
+    out = str(tmp_path)
+    # the flat all-reduce of dp 4 as recursive doubling: every rank exchanges its whole
+    # buffer with a rank on the other node (MPICH's choice for short messages)
+    env = {**ENV, "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM": "sched_recursive_doubling"}
+    p = launch("--nodes", "2", "--ranks-per-node", "2", "--share", out, "--", sys.executable,
+               "tests/mpi_scripts/across_nodes.py", "cluster", out, env=env)
+    ident = cluster_id(p)
+    text = p.communicate(timeout=150)[0]
+    assert netns.leftovers(ident) == []
+    # the watchdog ended the job at the planted hang, naming rank 3 on node1
+    assert p.returncode == 5, text
+    assert "rank 3 has not entered barrier@world" in text, text
+    assert "rank 3 on node1 is not in MPI" in text, text
+    with open(os.path.join(out, "cluster.json")) as f:
+        r = json.load(f)
+    assert r["hosts"] == ["node0", "node0", "node1", "node1"] and r["nodes"] == [0, 0, 1, 1]
+    assert r["crossing"] == {"dp2tp2": [], "tp4": ["tp"], "cp2tp2": ["cp"]}
+    # bytes on the link: the ledger's, and the formula's (refmp.cost.zero)
+    mcfg = GPTConfig(**r["model"])
+    per_rank = comm_per_step(unit_sizes(mcfg, tp=2), 2, 0, itemsize=8)["allreduce"]  # a step
+    for run in ("dp2tp2", "dp2tp2_rest"):
+        m = r[run]
+        assert m["ledger"][0]["allreduce@dp[inter]"]["bytes"] == 2 * per_rank
+        assert "[intra]" in next(k for k in m["ledger"][0] if k.startswith("allreduce@tp"))
+        for node, ranks in ((0, (0, 1)), (1, (2, 3))):
+            want = sum(crossing_bytes(m["ledger"][q], {"dp": 2, "world": 4}) for q in ranks)
+            got = m["sent"][ranks[0]]
+            assert want <= got <= 1.03 * want + 16384, (run, node, got, want)
+            assert abs(want - 2 * 2 * per_rank) < 1024  # 2 ranks, 2 steps, and the metrics
+    # flat and hierarchical: the same sums bitwise; the link carries 1/G of the flat bytes
+    flat, hier = r["flat"], r["hierarchical"]
+    assert flat["steps"] == hier["steps"] and flat["weights"] == hier["weights"]
+    whole = comm_per_step(unit_sizes(mcfg, tp=1), 4, 0, itemsize=8)["allreduce"]  # P w
+    for ranks in ((0, 1), (2, 3)):
+        h = hier["sent"][ranks[0]]
+        want = sum(crossing_bytes(hier["ledger"][q], {"dp.cross": 2, "world": 4}) for q in ranks)
+        assert want <= h <= 1.03 * want + 16384, (h, want)
+        assert abs(want - 3 * whole) < 1024  # 2 (N-1)/N P w a node, 3 steps
+        assert 1.95 < flat["sent"][ranks[0]] / h < 2.05  # G = 2
+    # the one-host run: the same from scratch, and from the checkpoint written on 2 nodes
+    q = subprocess.run(["mpiexec", "-n", "4", sys.executable, "tests/mpi_scripts/across_nodes.py",
+                        "host", out], cwd=REPO, env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert q.returncode == 0, q.stdout + q.stderr
+    with open(os.path.join(out, "host.json")) as f:
+        h = json.load(f)
+    assert h == {"nodes": [0, 0, 0, 0], "start": 2, "fresh_equal": True, "weights_equal": True,
+                 "resumed_equal": True, "resumed_weights_equal": True}
