@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import cache
 
 from refmp.config import TrainConfig
 from refmp.cost.model import Layout, split, train_config
@@ -200,8 +201,14 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     mem["workspace"] = max([rebuilt + moe] + ([head] if S - 1 in chunks else []))
     if cfg.zero == 3:  # and the whole unit gathered for the forward or backward running now
         mem["workspace"] += w * max(units.values())
-    mem["setup"] = w * sum(math.prod(s) for s in param_shapes(mcfg).values())
+    mem["setup"] = w * model_elements(mcfg)
     return mem
+
+
+@cache
+def model_elements(mcfg: GPTConfig) -> int:
+    """Elements of the whole model, every parameter (remembered: the planner asks per layout)."""
+    return sum(math.prod(s) for s in param_shapes(mcfg).values())
 
 
 def need_bytes(mem: dict) -> int:
