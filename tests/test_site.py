@@ -299,7 +299,10 @@ def test_every_strategy_page_shows_its_picture_and_the_explorer_table_is_small(s
     for page, svg in (("pipeline", "pipeline"), ("collectives", "collectives")):
         assert f'src="img/measured/{svg}.svg"' in (site / f"{page}.html").read_text(), page
     table = (site / "explorer" / "table.js").read_text()
-    assert table.startswith("window.REFMP_EXPLORER = ") and len(table) < 400_000, len(table)
+    assert table.startswith("window.REFMP_EXPLORER = ") and len(table) < 50_000, len(table)
+    for name in hook("explorer").MODELS:  # one file a model, each loaded on its own
+        text = (site / "explorer" / f"{name}.js").read_text()
+        assert text.startswith("window.REFMP_EXPLORER.layouts[") and len(text) < 300_000, name
     assert not (site / "data").exists()  # the measured files stay out of the site
 
 
@@ -312,8 +315,9 @@ def test_the_explorers_tiny_is_refmp_bench_tiny():
         bench["n_layer"], bench["n_embd"], bench["n_head"], bench["block_size"], bench["vocab"])
 
 
-# (the options chosen on the page, by their text; the Layout of 8 GPUs and a batch of 64 in 8
-# micro-batches that they mean, written out here: dp = 8 / (tp pp), b = 64 / (8 dp))
+# (the options chosen on the page, by their text, one after another; the Layout of 8 GPUs and a
+# batch of 64 in M micro-batches that they mean, written out here: dp = 8 / (tp pp cp),
+# b = 64 / (M dp); tiny-moe is refmp bench's tiny with 4 experts)
 EXPLORED = [
     ("gpt2", {"tp": "4"}, dict(tp=4, dp=2, microbatch_size=4, mixed_precision="none")),
     ("gpt2", {"tp": "2", "zero": "3", "sequence_parallel": "on", "recompute": "selective",
@@ -324,7 +328,28 @@ EXPLORED = [
                    "recompute": "full", "schedule": "interleaved (v = 2)"},
      dict(tp=2, pp=2, dp=2, zero=1, recompute="full", mixed_precision="bf16",
           microbatch_size=4, schedule="interleaved", virtual_stages=2)),
+    ("tiny-moe", {"mixed_precision": "fp32", "tp": "1", "pp": "1", "schedule": "1f1b",
+                  "zero": "0", "recompute": "none", "cp": "2", "ep": "2"},
+     dict(cp=2, ep=2, dp=4, mixed_precision="none", microbatch_size=2)),
+    ("gpt2", {"mixed_precision": "bf16", "pp": "2", "cp": "1", "microbatches": "16",
+              "zero": "1", "recompute": "selective"},
+     dict(pp=2, dp=4, zero=1, recompute="selective", mixed_precision="bf16", microbatch_size=1)),
 ]
+
+
+def model_of(name: str):
+    """The explorer's model: refmp plan's preset, or refmp bench's tiny (with 4 experts)."""
+    from refmp.cli.bench import PRESETS
+    from refmp.cost.machines import MODELS
+    from refmp.nn.params import GPTConfig
+
+    if name.startswith("tiny"):
+        t = PRESETS["tiny"]
+        return GPTConfig(n_layer=t["n_layer"], n_embd=t["n_embd"], n_head=t["n_head"],
+                         vocab_size=t["vocab"], block_size=t["block_size"],
+                         n_expert=4 if name == "tiny-moe" else 0)
+    L, C, NH, V, T = MODELS[name]
+    return GPTConfig(n_layer=L, n_embd=C, n_head=NH, vocab_size=V, block_size=T)
 
 SHOWN = """(() => ({
   memory: Object.fromEntries([...document.querySelectorAll("[id^=explorer-mem-]")]
@@ -347,6 +372,7 @@ def choose(tools: DevTools, name: str, text: str) -> None:
       s.dispatchEvent(new Event("change"));
       return true;
     }})()"""), (name, text)
+    tools.wait_for("document.getElementById('explorer-loading') === null")  # a model's table
 
 
 @needs_chromium
@@ -354,10 +380,9 @@ def test_the_explorer_shows_what_refmp_cost_computes(browser, site):
     """Change the explorer's fields as a reader does; the memory per rank shown is
     refmp.cost.memory.memory of that layout, its bytes per axis and step time predict's, its
     bubble the simulator's; no error, no request to another host, from the server or from disk."""
-    from refmp.cost.machines import MACHINES, MODELS
+    from refmp.cost.machines import MACHINES
     from refmp.cost.memory import memory
     from refmp.cost.model import Layout, predict
-    from refmp.nn.params import GPTConfig
     from refmp.parallel.pipeline.simulate import simulate_schedule
 
     tools, base = browser
@@ -370,8 +395,7 @@ def test_the_explorer_shows_what_refmp_cost_computes(browser, site):
             choose(tools, name, text)
         got = tools.js(SHOWN)
         assert got["refused"] is None, (fields, got["refused"])
-        L, C, NH, V, T = MODELS[model]
-        mcfg = GPTConfig(n_layer=L, n_embd=C, n_head=NH, vocab_size=V, block_size=T)
+        mcfg = model_of(model)
         lay = Layout(**layout)
         want = memory(lay, mcfg, 64)
         assert got["memory"] == {k: want[k] for k in got["memory"]}, (fields, got["memory"], want)
@@ -381,8 +405,10 @@ def test_the_explorer_shows_what_refmp_cost_computes(browser, site):
                                               for op, b in ops.items() if b), fields
         assert got["ms"] == float(f"{1e3 * pred['step_seconds']:.4g}"), fields
         if lay.pp > 1:
-            sim = simulate_schedule(lay.schedule, lay.pp, 8, lay.virtual_stages)
+            M = 64 // (lay.dp * lay.microbatch_size)
+            sim = simulate_schedule(lay.schedule, lay.pp, M, lay.virtual_stages)
             assert float(got["bubble"]) == sim.bubble(), fields
+    choose(tools, "tp", "2")
     choose(tools, "model", "gpt2-xl")  # 25 heads: refmp's own refusal
     assert "must divide the number of heads" in tools.js(SHOWN)["refused"]
     # the same page opened from the built site on disk

@@ -1,6 +1,7 @@
 // The layout explorer (docs/explorer.md). It looks figures up in window.REFMP_EXPLORER, the
-// table docs/_hooks/explorer.py computed with refmp's cost model while the site was built, and
-// draws them; it computes no figure of its own (only units for people, and bar widths).
+// table docs/_hooks/explorer.py computed with refmp's cost model while the site was built (a
+// model's layouts in explorer/<model>.js, loaded when the model is chosen), and draws them; it
+// computes no figure of its own (only units for people, and bar widths).
 (function () {
   "use strict";
   const T = window.REFMP_EXPLORER;
@@ -11,11 +12,24 @@
   const FIELDS = Object.keys(T.choices);
   const LABELS = {
     model: "model", machine: "machine", tp: "tensor parallel, tp", pp: "pipeline stages, pp",
+    cp: "context parallel, cp", ep: "expert parallel, ep", microbatches: "micro-batches, M",
     sequence_parallel: "sequence parallel", zero: "ZeRO stage", recompute: "recomputation",
     mixed_precision: "precision", schedule: "schedule",
   };
   const state = {model: "gpt2", machine: Object.keys(T.machines)[0]};
   FIELDS.forEach((f) => { state[f] = 0; });  // the index of each field's choice
+  state.microbatches = T.choices.microbatches.indexOf(8);
+
+  function load(model) {  // a model's layouts, by a script tag (it works from disk too)
+    if (T.layouts[model] || document.getElementById(`explorer-data-${model}`)) {
+      return;
+    }
+    const here = document.currentScript || document.querySelector("script[src$='explorer.js']");
+    const s = el("script", {id: `explorer-data-${model}`,
+                            src: new URL(`../explorer/${model}.js`, here.src).href});
+    s.addEventListener("load", render);
+    document.head.append(s);
+  }
 
   function el(tag, attrs, ...children) {
     const e = document.createElement(tag);
@@ -54,6 +68,15 @@
     s.value = current;
     s.addEventListener("change", () => {
       state[name] = name === "model" || name === "machine" ? s.value : Number(s.value);
+      if (name === "model") {
+        const moe = T.models[s.value].n_expert > 0;
+        const ep = document.getElementById("explorer-ep");
+        ep.disabled = !moe;  // ep > 1 only with experts
+        if (!moe) {
+          ep.value = 0;
+          state.ep = 0;
+        }
+      }
       render();
     });
     return el("label", {}, el("span", {}, LABELS[name]), s);
@@ -80,8 +103,9 @@
   const out = el("div", {class: "explorer-out", id: "explorer-out"});
   root.replaceChildren(controls, out);
 
-  function memoryPanel(row, time, machine) {
+  function memoryPanel(data, row, time, machine) {
     const mem = named(T.memory_columns, row.memory);
+    Object.assign(mem, named(T.state_columns, data.states[mem.state]));
     const panel = el("section", {id: "explorer-memory"},
       el("h3", {}, "Memory per rank ", formula("Memory per rank")));
     const kinds = ["params", "grads", "optimizer", "activations", "workspace"];
@@ -103,15 +127,15 @@
     return panel;
   }
 
-  function bytesPanel(row) {
+  function bytesPanel(moved) {
     const panel = el("section", {id: "explorer-bytes"},
       el("h3", {}, "Bytes per step, by axis ", formula("Bytes per step")));
     const table = el("table", {}, el("tr", {}, el("th", {}, "axis"), el("th", {}, "operation"),
       el("th", {}, "bytes a rank of stage 0 moves")));
-    Object.entries(row.bytes).forEach(([axis, ops]) => Object.entries(ops).forEach(([op, b]) =>
+    Object.entries(moved).forEach(([axis, ops]) => Object.entries(ops).forEach(([op, b]) =>
       table.append(el("tr", {}, el("td", {}, axis === "dp" ? "dp (dp x cp)" : axis),
         el("td", {}, op), el("td", {"data-bytes": b, "data-axis": axis, "data-op": op}, size(b))))));
-    if (!Object.keys(row.bytes).length) {
+    if (!Object.keys(moved).length) {
       table.append(el("tr", {}, el("td", {colspan: 3}, "nothing: one rank holds the whole model")));
     }
     panel.append(table);
@@ -136,12 +160,13 @@
   function timelinePanel() {
     const pp = T.choices.pp[state.pp];
     const schedule = T.choices.schedule[state.schedule];
-    const tl = T.timelines[`${pp}/${schedule}`];
+    const M = T.choices.microbatches[state.microbatches];
+    const tl = T.timelines[`${pp}/${schedule}/${M}`];
     const panel = el("section", {id: "explorer-timeline"},
       el("h3", {}, "The pipeline's timeline ", formula("The pipeline")));
     if (!tl) {
-      panel.append(el("p", {}, "No pipeline (pp = 1): the 8 micro-batches run one after another " +
-                               "(gradient accumulation), no bubble."));
+      panel.append(el("p", {}, `No pipeline (pp = 1): the ${M} micro-batches run one after ` +
+                               "another (gradient accumulation), no bubble."));
       return panel;
     }
     const ns = "http://www.w3.org/2000/svg";
@@ -167,31 +192,42 @@
       svg.append(t);
     }
     panel.append(svg, el("p", {id: "explorer-bubble", "data-bubble": tl.bubble},
-      `${schedule}, pp ${pp}, ${T.microbatches} micro-batches: bubble ${tl.bubble.toFixed(3)} ` +
+      `${schedule}, pp ${pp}, ${M} micro-batches: bubble ${tl.bubble.toFixed(3)} ` +
       "(forward blue, backward orange; each one step of simulated time)"));
     return panel;
   }
 
   function render() {
-    const key = FIELDS.map((f) => state[f]).join("");
-    const entry = T.layouts[state.model][key];
+    const data = T.layouts[state.model];
     out.replaceChildren();
+    if (!data) {
+      out.append(el("p", {id: "explorer-loading"}, `Loading ${state.model}'s table...`));
+      load(state.model);
+      return;
+    }
+    const key = FIELDS.map((f) => state[f]).join("");
+    const entry = data.layouts[key];
     if (entry === undefined) {
       out.append(el("p", {class: "explorer-refused", id: "explorer-refused"},
-        "Not among the layouts refmp plan searches: ZeRO 2 and 3 only without a pipeline, " +
-        "sequence parallelism with tp > 1, a schedule with a pipeline."));
+        "Not in the table (see what is offered below the explorer): ZeRO 2 and 3 only without " +
+        "a pipeline, sequence parallelism with tp > 1, a schedule with a pipeline, tp pp cp " +
+        `at most ${T.gpus}, a micro-batch count other than 8 only with a pipeline and cp = 1, ` +
+        `${T.bench.join(" and ")} in fp32.`));
       return;
     }
     if (typeof entry === "number") {
       out.append(el("p", {class: "explorer-refused", id: "explorer-refused"},
-        `refmp refuses this layout: ${T.reasons[entry]}`));
+        `refmp refuses this layout: ${data.reasons[entry]}`));
       return;
     }
     const row = named(T.columns, entry);
-    const time = named(T.time_columns, row.time[state.machine]);
+    const index = Object.keys(T.machines).indexOf(state.machine);
+    const time = named(T.time_columns, row.time[index]);
     const machine = T.machines[state.machine];
-    out.append(memoryPanel(row, time, machine), bytesPanel(row), timePanel(time), timelinePanel());
+    out.append(memoryPanel(data, row, time, machine), bytesPanel(data.bytes[row.bytes]),
+               timePanel(time), timelinePanel());
   }
 
+  document.getElementById("explorer-ep").disabled = !(T.models[state.model].n_expert > 0);
   render();
 })();
