@@ -107,7 +107,7 @@ def linear_backward_weight(dout, cache):
 def layernorm_forward(x, w, b):
     """Normalize each token's C channels, then scale and shift (Ba et al. 2016)."""
     xp = array_module(x)
-    xhat, out = xp.empty(x.shape, x.dtype), xp.empty(x.shape, x.dtype)  # (B, T, C)
+    xhat, out = xp.empty_like(x, order="C"), xp.empty_like(x, order="C")  # (B, T, C)
     rstd = xp.empty((*x.shape[:-1], 1), dtype=x.dtype)  # (B, T, 1)
     rows(functools.partial(_layernorm, w=w, b=b), *tokens(x, xhat, rstd, out))
     return out, (xhat, rstd, w)
@@ -133,7 +133,7 @@ def layernorm_backward(dout, cache):
     xhat, rstd, w = cache
     xp = array_module(dout)
     lead = tuple(range(dout.ndim - 1))
-    dx, dout_xhat = xp.empty(dout.shape, dout.dtype), xp.empty(dout.shape, dout.dtype)  # (B, T, C)
+    dx, dout_xhat = xp.empty_like(dout, order="C"), xp.empty_like(dout, order="C")  # (B, T, C)
     rows(functools.partial(_layernorm_grad, w=w), *tokens(dout, xhat, rstd, dx, dout_xhat))
     dw = dout_xhat.sum(axis=lead)  # (C,)  forward was: out = xhat * w + b
     db = dout.sum(axis=lead)  # (C,)
@@ -160,7 +160,7 @@ def _layernorm_grad(dout, xhat, rstd, dx, dout_xhat, *, w):
 def gelu_forward(x):
     """gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi)."""
     xp = array_module(x)
-    th, out = xp.empty(x.shape, x.dtype), xp.empty(x.shape, x.dtype)  # (B, T, 4C)
+    th, out = xp.empty_like(x, order="C"), xp.empty_like(x, order="C")  # (B, T, 4C)
     rows(_gelu, *tokens(x, th, out))
     return out, (x, th)
 
@@ -189,7 +189,7 @@ def gelu_backward(dout, cache):
     """
     x, th = cache
     xp = array_module(dout)
-    dx = xp.empty(th.shape, th.dtype)  # (B, T, 4C)
+    dx = xp.empty_like(th, order="C")  # (B, T, 4C)
     rows(_gelu_grad, *tokens(dout, x, th, dx))
     return dx
 
