@@ -1,9 +1,11 @@
 """Where a serial training step's wall time goes, layer by layer (ms per step).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/step_parts.py [--steps 30]
+        [--warmup 3] [--preset small|tiny|gpt2]
 
 Wraps each layer function of refmp.nn.layers (and the optimizer and clipping) in a
-perf_counter timer, runs training steps of the `small` preset in one process (its threads:
+perf_counter timer, runs training steps of a `refmp bench` preset (default `small`) in one
+process (its threads:
 REFMP_THREADS / OMP_NUM_THREADS, else every core) and prints the median step and each part's
 mean share of it. Nested parts (the LM head holds a LayerNorm) are counted in both. With
 ``--torch`` it prints PyTorch eager's operator table for the same model instead
@@ -37,16 +39,19 @@ PARTS = {L: ["linear_forward", "linear_backward_input", "linear_backward_weight"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30, help="timed steps (30)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                    help="refmp bench's presets (gpt2: GPT-2 small's real shape)")
     ap.add_argument("--torch", action="store_true", help="PyTorch's operator table instead")
     args = ap.parse_args()
-    s = PRESETS["small"]
+    s = PRESETS[args.preset]
     cfg = GPTConfig(s["vocab"], s["block_size"], s["n_layer"], s["n_head"], s["n_embd"])
     model = GPT.create(cfg, seed=0, dtype="float32")
     rng = np.random.default_rng(1)
     x = rng.integers(0, s["vocab"], (s["batch_size"], s["block_size"]))
     y = rng.integers(0, s["vocab"], (s["batch_size"], s["block_size"]))
     if args.torch:
-        return torch_table(model, cfg, x, y, args.steps)
+        return torch_table(model, cfg, x, y, args.steps, args.warmup)
     spent: dict[str, float] = collections.defaultdict(float)
 
     def timed(name, fn):
@@ -70,7 +75,7 @@ def main() -> None:
         clip(model.grads, 1.0)
         adamw(model.grads)
 
-    for _ in range(3):
+    for _ in range(args.warmup):
         step()
     spent.clear()
     times = []
@@ -83,7 +88,7 @@ def main() -> None:
         print(f"  {name:24s} {1e3 * t / args.steps:6.1f}")
 
 
-def torch_table(model, cfg, x, y, steps: int) -> None:
+def torch_table(model, cfg, x, y, steps: int, warmup: int) -> None:
     import torch  # noqa: PLC0415
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
     from torch_anchor import TorchGPT, torch_adamw  # noqa: PLC0415  (benchmarks/ is on the path)
@@ -99,7 +104,7 @@ def torch_table(model, cfg, x, y, steps: int) -> None:
         torch.nn.utils.clip_grad_norm_(tm.parameters(), 1.0)
         opt.step()
 
-    for _ in range(3):
+    for _ in range(warmup):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):

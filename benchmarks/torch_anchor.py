@@ -1,6 +1,6 @@
 """The speed anchor for `refmp bench`: the same GPT-2 in PyTorch eager, timed beside refmp.
 
-    python benchmarks/torch_anchor.py [--preset small] [--steps 20] [--rounds 3] [--device gpu]
+    python benchmarks/torch_anchor.py [--preset small|tiny|gpt2] [--steps 20] [--rounds 3] [--device gpu]
     OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/torch_anchor.py   (data parallel)
 
 PyTorch is not a refmp dependency; install it to run this (`pip install torch`). The script

@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/torch_peers.py [--preset small]
         [--steps 5] [--rounds 3] [--layouts zero3,pp_1f1b,pp_zb,tp_sp,cp_ring] [--json]
+        [--n-layer --n-embd --n-head --block-size --batch-size --vocab: override the preset]
 
 PyTorch is not a refmp dependency; install it to run this. Each layout runs refmp's own
 training step (``refmp.training.trainer.Trainer``, what ``refmp train`` and ``refmp bench``
@@ -284,6 +285,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (3)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of: " + ", ".join(LAYOUTS))
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "vocab"):
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                        help="override the preset (as torch_anchor.py)")
     args = ap.parse_args()
     names = args.layouts.split(",")
     world = MPI.COMM_WORLD
@@ -296,6 +300,7 @@ def main():
     torch.set_num_threads(1)
     init_gloo(world)
     s = dict(PRESETS[args.preset])
+    s.update({k: getattr(args, k) for k in s if getattr(args, k, None) is not None})
     out = {"preset": args.preset, "model": s, "ranks": world.size, "torch_threads": 1,
            "numpy_threads": os.environ.get("OMP_NUM_THREADS"), "layouts": {}}
     for name in names:

@@ -40,6 +40,13 @@ def test_zero_1_shards_over_dp():
     assert "allreduce" not in dp
     for op in ("reduce_scatter", "allgather"):
         assert dp[op]["bytes"] == out["steps"] * 4 * TINY_PARAMS, op
+    # every rank's memory: what it holds is the formulas' figure, exactly; its process more
+    state = ("params", "grads", "optimizer", "activations")
+    assert len(out["memory_per_rank"]) == 2
+    for mem in out["memory_per_rank"]:
+        assert [mem["measured"][k] for k in state] == [mem["formula"][k] for k in state], mem
+        assert mem["measured"]["optimizer"] == 8 * TINY_PARAMS // 2  # AdamW's 2 moments, 1/dp
+        assert mem["peak_rss"] > mem["formula_peak"] > sum(mem["measured"][k] for k in state)
 
 
 def test_text_report_has_one_line_per_axis():
@@ -47,8 +54,10 @@ def test_text_report_has_one_line_per_axis():
               timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("refmp bench:") == 1
+    assert r.stdout.count("    rank ") == 2  # a memory line per rank
     assert "cp=2" in r.stdout and "cp ulysses contiguous" in r.stdout
-    lines = [x.split() for x in r.stdout.splitlines() if x.startswith("    ")]
+    ledger = r.stdout.split("communication per step")[1]
+    lines = [x.split() for x in ledger.splitlines() if x.startswith("    ")]
     assert [x[0] for x in lines] == ["cp", "world"]  # axis, bytes per step, "B", (calls)
     cp_bytes = int(lines[0][1].replace(",", ""))
     assert cp_bytes > 0 and "alltoall" in r.stdout

@@ -17,12 +17,20 @@ see the cores they really share), and the peaks are summed.
 Communication: rank 0's byte ledger (refmp.distributed.ledger.Ledger) over the timed steps only, grouped
 by axis ("tp", "dp", "dp+cp", ...), then by operation: the figures a ledger entry counts, as
 seen from one rank (with --pp, other stages' sends and receives may differ).
+
+Memory, every rank's: what it holds (Trainer.memory: parameters, gradients, optimizer state,
+the peak of its activations) beside the formulas' figures for its stage
+(refmp.cost.memory.stage_memory, what ``refmp plan`` sizes a layout by, and their peak,
+need_bytes), and the process's peak resident set (the operating system's count: the
+interpreter, NumPy, MPI and every temporary included).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
+import sys
 import time
 from collections import defaultdict
 from dataclasses import fields
@@ -32,6 +40,7 @@ import numpy as np
 from refmp.cli.flags import add_layout_args, add_moe_args
 from refmp.config import ParallelConfig, flag_name
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
+from refmp.cost.memory import need_bytes, size, stage_memory
 from refmp.runtime.device import measure_peak
 from refmp.training.datasets import Dataset
 
@@ -40,6 +49,8 @@ PRESETS = {
                   dtype="float32"),
     "tiny": dict(n_layer=2, n_embd=64, n_head=4, block_size=64, batch_size=8, vocab=256,
                  dtype="float32"),
+    "gpt2": dict(n_layer=12, n_embd=768, n_head=12, block_size=1024, batch_size=1, vocab=50257,
+                 dtype="float32"),  # GPT-2 small's real shape, 124M parameters
 }
 
 
@@ -50,7 +61,9 @@ def add_parser(sub) -> None:
     # the model preset and the timing; the rest is train's own flags
     p.add_argument("--preset", choices=sorted(PRESETS), default="small",
                    help="small: 4 layers, n_embd 256, 8 heads, block 128, batch 8, vocab 256, "
-                        "float32 (default)")
+                        "float32 (default); tiny: 2 layers, n_embd 64, 4 heads, block 64; "
+                        "gpt2: GPT-2 small, 12 layers, n_embd 768, 12 heads, block 1024, "
+                        "batch 1, vocab 50257")
     for name in ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "vocab"):
         p.add_argument(flag_name(name), type=int, default=None, help="override the preset")
     p.add_argument("--dtype", choices=["float32", "float64"], default=None)
@@ -139,6 +152,7 @@ def run_bench(args) -> dict:
         "ledger": ledger_by_axis(sent),  # rank 0's, summed over the timed steps
         "recompute": cfg.recompute, "recompute_gflops": extra / sec / 1e9,
         "hardware_gflops": (flops + extra) / sec / 1e9,
+        "memory_per_rank": world.allgather_obj(memory_report(tr, cfg)),
     }
     if args.pp > 1:  # the timed steps' measured timelines against the schedule's formula
         out.update(pipeline_report(timelines, args))
@@ -150,6 +164,15 @@ def run_bench(args) -> dict:
         else:
             print_report(out, args)
     return out
+
+
+def memory_report(tr, cfg) -> dict:
+    """This rank's bytes: held (Trainer.memory), the formulas' for its stage, and its peak
+    resident set (see the module docstring)."""
+    formula = stage_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords["pp"])
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"measured": tr.memory(), "formula": formula, "formula_peak": need_bytes(formula),
+            "peak_rss": rss if sys.platform == "darwin" else 1024 * rss}
 
 
 def pipeline_report(timelines: list, args) -> dict:
@@ -222,6 +245,12 @@ def print_report(out: dict, args) -> None:
         print(f"    a message's cost (us): {hops}")
         print(f"    idle: recv {idle['recv']:.4f}, send {idle['send']:.4f}, "
               f"between actions {idle['other']:.4f}")
+    print("  memory per rank, held (formula): params, grads, optimizer, activations; peak "
+          "resident (the formulas' peak)")
+    for r, mem in enumerate(out["memory_per_rank"]):
+        held = ", ".join(f"{size(mem['measured'].get(k, 0))} ({size(mem['formula'][k])})"
+                         for k in ("params", "grads", "optimizer", "activations"))
+        print(f"    rank {r}: {held}; {size(mem['peak_rss'])} ({size(mem['formula_peak'])})")
     print("  communication per step, rank 0 (bytes; calls by operation):")
     for axis, ops in out["ledger"].items():
         total = sum(v["bytes"] for v in ops.values()) // args.steps

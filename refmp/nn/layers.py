@@ -14,11 +14,11 @@ arrays it computes in fp32 (BLAS has no bf16 kernel; LayerNorm statistics, softm
 cross-entropy want fp32 anyway) and rounds what it returns, caches included, to that dtype.
 Given fp32 or fp64 arrays it is the plain function.
 
-Speed: the elementwise and row-wise layers (LayerNorm, GELU, and attention, whose batch
-elements are independent) write their math once, as a ``_kernel(inputs..., outputs...)`` that
-fills given output arrays in place, and run it with refmp.runtime.cpu.rows: on row blocks in parallel
-threads for NumPy, in one call otherwise. Results are bitwise the same either way (each row is
-computed by the same operations).
+Speed: the elementwise and row-wise layers (LayerNorm and GELU, whose tokens are independent,
+and attention, whose heads are) write their math once, as a ``_kernel(inputs..., outputs...)``
+that fills given output arrays in place, and run it with refmp.runtime.cpu.rows: on blocks of
+tokens (of heads) in parallel threads for NumPy, in one call otherwise. Results are bitwise the
+same either way (each row is computed by the same operations).
 """
 
 from __future__ import annotations
@@ -32,6 +32,13 @@ from refmp.runtime.precision import autocast
 
 LN_EPS = 1e-5
 GELU_K = math.sqrt(2.0 / math.pi)
+
+
+def tokens(*arrays) -> list:
+    """Each (..., X) array as (N, X), a row per token, for rows() to split the tokens (also
+    of one sequence) over threads. The outputs are made C-contiguous, so theirs are views (an
+    input that is not may be copied: it is only read)."""
+    return [a.reshape(-1, a.shape[-1]) for a in arrays]
 
 
 # --- embedding: out[b, t] = w[idx[b, t]] --------------------------------------------------
@@ -100,9 +107,9 @@ def linear_backward_weight(dout, cache):
 def layernorm_forward(x, w, b):
     """Normalize each token's C channels, then scale and shift (Ba et al. 2016)."""
     xp = array_module(x)
-    xhat, out = xp.empty_like(x), xp.empty_like(x)  # (B, T, C)
+    xhat, out = xp.empty_like(x, order="C"), xp.empty_like(x, order="C")  # (B, T, C)
     rstd = xp.empty((*x.shape[:-1], 1), dtype=x.dtype)  # (B, T, 1)
-    rows(functools.partial(_layernorm, w=w, b=b), x, xhat, rstd, out)
+    rows(functools.partial(_layernorm, w=w, b=b), *tokens(x, xhat, rstd, out))
     return out, (xhat, rstd, w)
 
 
@@ -126,8 +133,8 @@ def layernorm_backward(dout, cache):
     xhat, rstd, w = cache
     xp = array_module(dout)
     lead = tuple(range(dout.ndim - 1))
-    dx, dout_xhat = xp.empty_like(dout), xp.empty_like(dout)  # (B, T, C)
-    rows(functools.partial(_layernorm_grad, w=w), dout, xhat, rstd, dx, dout_xhat)
+    dx, dout_xhat = xp.empty_like(dout, order="C"), xp.empty_like(dout, order="C")  # (B, T, C)
+    rows(functools.partial(_layernorm_grad, w=w), *tokens(dout, xhat, rstd, dx, dout_xhat))
     dw = dout_xhat.sum(axis=lead)  # (C,)  forward was: out = xhat * w + b
     db = dout.sum(axis=lead)  # (C,)
     return dx, dw, db
@@ -153,8 +160,8 @@ def _layernorm_grad(dout, xhat, rstd, dx, dout_xhat, *, w):
 def gelu_forward(x):
     """gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi)."""
     xp = array_module(x)
-    th, out = xp.empty_like(x), xp.empty_like(x)
-    rows(_gelu, x, th, out)
+    th, out = xp.empty_like(x, order="C"), xp.empty_like(x, order="C")  # (B, T, 4C)
+    rows(_gelu, *tokens(x, th, out))
     return out, (x, th)
 
 
@@ -182,8 +189,8 @@ def gelu_backward(dout, cache):
     """
     x, th = cache
     xp = array_module(dout)
-    dx = xp.empty_like(th)
-    rows(_gelu_grad, dout, x, th, dx)
+    dx = xp.empty_like(th, order="C")  # (B, T, 4C)
+    rows(_gelu_grad, *tokens(dout, x, th, dx))
     return dx
 
 

@@ -57,7 +57,7 @@ from refmp.runtime import backend
 from refmp.runtime.arrays import global_grad_norm
 from refmp.runtime.precision import mixed_dtypes
 
-TIED_TAG = 32767  # MPI guarantees tags up to 32767; the executor's stay below (check_pipeline)
+TIED_TAG = 32767  # MPI guarantees tags up to 32767; the executor's are below 2 x chunks
 
 
 # --- the build steps -------------------------------------------------------------------------

@@ -11,8 +11,10 @@ and the weights change under them. What that takes is held here, not in the exec
   (``carry``, ``stash``, ``pending``), and their loss and MoE figures;
 * weight versions: 2BW's W(t-1) (``previous``; Narayanan et al. ICML 2021), PipeDream's
   stashed W(k) (``versions``; Narayanan et al. SOSP 2019), copies of the Sharder's buffers
-  that the Sharder computes on when asked (``Sharder.weights(version=)``);
-* the tags: a later batch's micro-batch i keeps its number across the steps it spans.
+  that the Sharder computes on when asked (``Sharder.weights(version=)``).
+The tags need nothing more: each chunk's forwards, and its backwards, run in batch and
+micro-batch order across the steps too, so the executor's tags (receiving chunk and
+direction) hold across the step boundary.
 
 Micro-batch i of a step's lists is batch t + i // m's micro-batch i % m (pipedream.two_bw,
 pipedream.pipedream). Each cache remembers the weight version it was made on, and its
@@ -94,10 +96,6 @@ class AsyncExecutor(Executor):
         """Sharder.weights for weight version ``version`` (None: the current buffers)."""
         raise NotImplementedError
 
-    def tag_of(self, i: int, m: int) -> int:
-        """The tag number of the step's micro-batch i (the same in every step it spans)."""
-        raise NotImplementedError
-
     def after_backwards(self) -> None:
         """At the end of a step, before its update: keep what later steps compute on."""
         raise NotImplementedError
@@ -129,10 +127,9 @@ class AsyncExecutor(Executor):
             ahead = i >= m  # a later batch's micro-batch
             sends = self.pending if ahead else pending
             self.comm.recorder.microbatch = i  # the flight recorder's label of each call
-            mb_tag = self.tag_of(i, m)
             shape = stage.act_shape(*xs[i].shape)  # (b_i, T, C); T/tp with SP
             if a.kind == "F":
-                inp = xs[i] if c == 0 else self.recv_forward(shape, mb_tag, c)
+                inp = xs[i] if c == 0 else self.recv_forward(shape, i, c)
                 t0 = time.perf_counter()
                 version = self.forward_version(ahead)
                 out, cache = stage.forward(c, inp, ys[i], denom, weights=self.weights_of(version),
@@ -149,9 +146,9 @@ class AsyncExecutor(Executor):
                 elif c == last:
                     loss += float(out)
                 else:
-                    self.send_forward(out, shape, mb_tag, c, sends)
+                    self.send_forward(out, shape, i, c, sends)
             else:  # B
-                dout = None if c == last else self.recv_backward(shape, mb_tag, c)
+                dout = None if c == last else self.recv_backward(shape, i, c)
                 t0 = time.perf_counter()
                 made_on, released, cache = caches.pop((i, c))
                 self.check_version(i, made_on, ahead)
@@ -162,7 +159,7 @@ class AsyncExecutor(Executor):
                 self.stash_bytes = max(self.stash_bytes, self.stash.nbytes())
                 self._event("B", i, c, t0)
                 if dx is not None:
-                    self.send_backward(dx, shape, mb_tag, c, sends)
+                    self.send_backward(dx, shape, i, c, sends)
         self.carry_on = len(xs) > m
         self.comm.recorder.microbatch = -1
         t0 = time.perf_counter()
@@ -213,9 +210,6 @@ class TwoBW(AsyncExecutor):
             return None  # the current buffers
         return partial(self.sharder.weights, version=self.previous)
 
-    def tag_of(self, i: int, m: int) -> int:
-        return (self.updates * m + i) % (2 * m)  # by batch parity
-
     def after_backwards(self) -> None:
         self.previous = self.sharder.snapshot(into=self.previous)  # the update makes W(t+1)
 
@@ -256,9 +250,6 @@ class PipeDream(AsyncExecutor):
     def stashed(self, version: int) -> dict | None:
         """The buffers of weight version ``version`` (None: the current one)."""
         return None if version == self.updates else self.versions[version]
-
-    def tag_of(self, i: int, m: int) -> int:
-        return ((self.updates + i // m) % self.comm.size) * m + i % m  # by batch mod pp
 
     def after_backwards(self) -> None:
         """Keep W(t) for the carried caches; drop what no cache names."""

@@ -18,8 +18,21 @@ Sends are nonblocking (finished at the end of the step), so a rank blocks only i
 and only on the message its next action needs: the simulator proved such lists complete.
 Receives sleep between tests (Comm.recv). Each receive makes a new array that belongs to one
 micro-batch's cache; no buffer is reused, so no cache can alias another micro-batch's data.
-The tag names the micro-batch, the chunk and the direction, and the receiver states the shape
-and dtype it expects (Comm.recv refuses a message of another size).
+The receiver states the shape and dtype it expects (Comm.recv refuses a message of another
+size).
+
+The tag is the receiving chunk and the direction, tag(c, grad) = 2c + grad, never the
+micro-batch: it stays below 2S however many micro-batches a step has. Why that is safe: MPI
+messages do not overtake (MPI standard, sec. 3.5): between two ranks on one communicator, the
+k-th receive posted with a tag matches the k-th message sent with it, and a rank posts its
+receives one at a time, in its list's order. Every schedule runs each chunk's forwards, and
+its backwards, in micro-batch order (the asynchronous ones across steps too), so the messages
+into one chunk in one direction are sent in the order they are received. The direction is
+needed: in a V, rank r sends rank r+1 both an activation (into chunk r+1) and a gradient
+(into chunk 2pp-2-r). The chunk keeps the argument to one chunk's order, whatever order a
+schedule gives different chunks on neighbouring ranks. test_pipeline_schedules.py checks
+every schedule's streams. The tied embedding's swap (32767) and the fault hook's receive
+(32766) use tags no pipeline message has.
 
 The step ends with every gradient of the step's batch accumulated (the flush): the
 asynchronous schedules, which do not flush, build on this class in asynchronous.py.
@@ -38,9 +51,10 @@ from refmp.parallel.pipeline.timeline import Event
 from refmp.parallel.placement import chunk_rank
 
 
-def tag(mb: int, chunk: int, n_chunks: int, grad: bool) -> int:
-    """A tag per (micro-batch, receiving chunk, direction): messages cannot be confused."""
-    return 2 * (mb * n_chunks + chunk) + int(grad)
+def tag(chunk: int, grad: bool) -> int:
+    """The tag of a message into chunk ``chunk``: its input (an activation) or, with ``grad``,
+    its output's gradient. One per (receiving chunk, direction); see the module docstring."""
+    return 2 * chunk + int(grad)
 
 
 class Executor:
@@ -87,13 +101,13 @@ class Executor:
         if x.shape != shape or x.dtype != self.dtype:  # the receiver expects exactly this
             raise ValueError(f"rank {self.comm.rank}: micro-batch {mb} for chunk {chunk} is "
                              f"{x.shape} {x.dtype}, expected {shape} {self.dtype}")
-        pending.append((self.comm.send(x, dest, tag(mb, chunk, self.stage.n_chunks, grad)), x))
+        pending.append((self.comm.send(x, dest, tag(chunk, grad)), x))
         self._event("send", mb, chunk, t0)
 
     def _recv(self, shape, mb: int, chunk: int, grad: bool):
         t0 = time.perf_counter()
         src = chunk_rank(chunk + (1 if grad else -1), self.comm.size, self.v_shape)
-        x = self.comm.recv(shape, self.dtype, src, tag(mb, chunk, self.stage.n_chunks, grad))
+        x = self.comm.recv(shape, self.dtype, src, tag(chunk, grad))
         self._event("recv", mb, chunk, t0)
         return x  # a fresh array, owned by micro-batch mb alone
 

@@ -164,10 +164,6 @@ def check_pipeline(n_layer: int, pp: int, microbatches: int, schedule: str, virt
         if sum(stage_layers) != n_layer:
             raise ConfigError(f"--stage-layers {','.join(map(str, stage_layers))} adds up to "
                               f"{sum(stage_layers)}, but the model has {n_layer} layers")
-    span = {"2bw": 2, "pipedream": pp}.get(schedule, 1)  # batches told apart by the tags
-    if 2 * span * microbatches * chunks >= 32767:  # executor tags (MPI guarantees up to 32767)
-        raise ConfigError(f"{microbatches} micro-batches x {chunks} stages"
-                          + (f" x {span} batches in flight" if span > 1 else "") + " is too many")
     if rows < microbatches:
         raise ConfigError(f"{rows} sequences per pipeline cannot make {microbatches} "
                           f"micro-batches; raise --batch-size or lower --microbatches")

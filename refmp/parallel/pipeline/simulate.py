@@ -56,7 +56,7 @@ def check_actions(lists: list[list[Action]], pp: int, m: int, v: int,
     if got != want:
         raise ValueError("the schedule does not run every action exactly once")
     for r, acts in enumerate(lists):
-        if any(chunk_rank(a.chunk, pp, v_shape) != r for a in acts):
+        if any(chunk_rank(c, pp, v_shape) != r for c in {a.chunk for a in acts}):
             raise ValueError(f"rank {r} is given a chunk it does not hold")
     return split
 
@@ -102,11 +102,12 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
                           and b.chunk != a.chunk and (b.mb, b.chunk) not in split)
                 group = [a, b] if paired else [a]
                 deps = [d for g in group for d in depends_on(g, chunks) if d not in group]
-                if any(d not in done for d in deps):
+                try:
+                    start = t0 = max([free[r]] + [done[d] for d in deps])
+                except KeyError:  # an input not made yet: the rank waits for it
                     break
-                start = t0 = max([free[r]] + [done[d] for d in deps])
                 send, recv = hops[r] if hops else (0.0, 0.0)
-                if any(d.chunk != a.chunk for d in deps):  # a message from another chunk
+                if hops and any(d.chunk != a.chunk for d in deps):  # a message from another chunk
                     start = t0 = start + recv
                 for g in group:
                     whole = g.kind == "B" and (g.mb, g.chunk) not in split  # B + W in one pass

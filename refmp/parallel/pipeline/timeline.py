@@ -57,7 +57,8 @@ class Timeline:
 
     def bubble(self) -> float:
         """Fraction of rank-time not spent computing: 1 - sum_r busy_r / (pp * makespan)."""
-        return 1.0 - sum(self.busy(r) for r in range(self.pp)) / (self.pp * self.makespan)
+        busy = sum(e.end - e.start for e in self.events if e.kind in COMPUTE)  # all ranks'
+        return 1.0 - busy / (self.pp * self.makespan)
 
     def spans(self, kinds) -> dict[tuple[int, str], list[float]]:
         """{(rank, kind): sorted durations} of the events of ``kinds`` about one micro-batch."""
