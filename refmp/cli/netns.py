@@ -5,7 +5,9 @@ Each node is a network namespace with its own address and a veth pair to the bri
 process in it also gets the node's hostname (a UTS namespace: MPI's ``Get_processor_name``
 and refmp's reports tell the nodes apart) and the node's own ``/tmp`` (a mount namespace, as
 on a real cluster; ``share`` makes directories under /tmp common, a shared file system's
-stand-in; the rest of the file system is shared, as a cluster's home is). A node's link is
+stand-in, and this Python's environment, refmp's source and the working directory are shared
+that way too when they lie under /tmp; the rest of the file system is shared, as a cluster's
+home is). A node's link is
 shaped both ways by a token bucket (``tc qdisc ... tbf rate R``) on each end of its veth.
 
 Hydra (the ``mpich`` wheel's mpiexec) starts a proxy on each host through ssh; here
@@ -78,6 +80,18 @@ class Node:
     tmp: str
 
 
+def shared_dirs(share) -> tuple[str, ...]:
+    """``share``, and what every node needs to run refmp where it lies under /tmp (which each
+    node has its own of): this Python's environment, refmp's source and the working directory.
+    Outermost first, none inside another."""
+    needed = [sys.prefix, str(Path(__file__).resolve().parents[2]), os.getcwd()]
+    dirs = {os.path.realpath(d) for d in share}
+    dirs |= {os.path.realpath(d) for d in needed
+             if os.path.realpath(d).startswith("/tmp/")}
+    return tuple(d for d in sorted(dirs)
+                 if not any(d.startswith(other + "/") for other in dirs))
+
+
 class Cluster:
     """``nodes`` namespaces on a bridge, links shaped to ``link_gbit`` Gbit/s each way (None:
     unshaped); ``share``: directories (under /tmp) every node sees as the host does.
@@ -92,7 +106,7 @@ class Cluster:
             raise ValueError(f"the link rate must be positive, not {link_gbit}")
         self.id = secrets.token_hex(3)
         self.link_gbit = link_gbit
-        self.share = tuple(os.path.realpath(s) for s in share)
+        self.share = shared_dirs(share)
         self.dir = ""  # the state directory (the bootstrap script, the nodes' /tmp)
         self.bridge = f"{LINK}{self.id}"
         self.subnet = ""
