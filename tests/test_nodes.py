@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -96,10 +97,14 @@ def test_the_cluster_comes_down_whatever_happens(monkeypatch):
             with c:
                 pass
     assert netns.leftovers(c.id) == []
-    # the program fails: its status, each node its own hostname and /tmp
-    p = launch("--nodes", "2", "--", "sh", "-c", "echo host $(hostname) $(ls /tmp | wc -l); exit 3")
+    # the program fails: its status, each node its own hostname and /tmp (it does not see a
+    # file of the host's /tmp)
+    mark = tempfile.NamedTemporaryFile(prefix="refmp-host-only-", dir="/tmp")
+    p = launch("--nodes", "2", "--", "sh", "-c",
+               "echo host $(hostname) $(ls /tmp | grep -c refmp-host-only-); exit 3")
     ident = cluster_id(p)
     out = p.communicate(timeout=60)[0]
+    mark.close()
     assert p.returncode == 3, out
     assert "host node0 0" in out and "host node1 0" in out, out
     assert netns.leftovers(ident) == []
