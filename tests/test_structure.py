@@ -87,6 +87,9 @@ SEAMS = {
                                                 "nn/attention.py, beside nn/blockwise.py"),
     "refmp/parallel/data/sharder.py": ("WeightRef", "ZeRO-3's detached weights (WeightRef, "
                                                     "detach, attach) into data/release.py"),
+    "refmp/cli/netns.py": ("leftovers", "finding and removing what a killed cluster left "
+                                        "(stop_processes, leftovers, clean) into "
+                                        "cli/netns_clean.py"),
     "refmp/parallel/engine.py": ("Engine.piece_index", "gathering the whole model (piece_index, "
                                                        "full_params, full_grads, _whole) into "
                                                        "parallel/gather.py"),
