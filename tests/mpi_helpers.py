@@ -104,6 +104,12 @@ def refused(n: int, cases: dict[str, list[str]], timeout: float = 120,
     return results
 
 
+def refused_each(n: int, prefix: list[str], bad: list) -> dict[str, subprocess.CompletedProcess]:
+    """:func:`refused` of ``prefix`` + each case's arguments (a case: ``(args, ...)``, as a
+    test's parametrize list gives it), keyed by ``str(args)``."""
+    return refused(n, {str(args): [*prefix, *args] for args, *_ in bad})
+
+
 class Mismatches:
     """Collects comparison failures so a test can keep communicating and assert at the end."""
 

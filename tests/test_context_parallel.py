@@ -15,7 +15,7 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, mpiexec, refmp, refused
+from mpi_helpers import Mismatches, collective, mpiexec, refmp, refused_each
 from parity import assert_same_run, serial_config
 
 from refmp.cost.tensor import comm_bytes_per_step
@@ -265,9 +265,7 @@ BAD_CP = [
 def bad_cp_runs():
     """BAD_CP's command lines, each refused on 2 ranks, all in one launch
     (mpi_helpers.refused)."""
-    cases = {str(args): ["train", "--cp", "2", *SMALL,*args]
-             for args, *_ in BAD_CP}
-    return refused(2, cases)
+    return refused_each(2, ["train", "--cp", "2", *SMALL], BAD_CP)
 
 
 @pytest.mark.cli

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, mpiexec, refmp, refused
+from mpi_helpers import Mismatches, collective, mpiexec, refmp, refused_each
 from parity import assert_same_run
 
 from refmp.distributed.grid import ProcessGrid
@@ -227,9 +227,7 @@ BAD_EXPERTS = [
 def bad_experts_runs():
     """BAD_EXPERTS's command lines, each refused on 2 ranks, all in one launch
     (mpi_helpers.refused)."""
-    cases = {str(args): [*SMALL,*args]
-             for args, *_ in BAD_EXPERTS}
-    return refused(2, cases)
+    return refused_each(2, SMALL, BAD_EXPERTS)
 
 
 @pytest.mark.parametrize("args, message", BAD_EXPERTS)

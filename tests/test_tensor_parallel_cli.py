@@ -5,7 +5,7 @@ micro-batches, tp x cp with SP and ZeRO-3."""
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import refmp, refused
+from mpi_helpers import refmp, refused_each
 from safetensors.numpy import load_file
 
 from refmp.distributed.grid import ProcessGrid
@@ -53,9 +53,7 @@ BAD_TP = [
 def bad_tp_runs():
     """BAD_TP's command lines, each refused on 2 ranks, all in one launch
     (mpi_helpers.refused)."""
-    cases = {str(args): ["train", "--no-progress",*args]
-             for args, *_ in BAD_TP}
-    return refused(2, cases)
+    return refused_each(2, ["train", "--no-progress"], BAD_TP)
 
 
 @pytest.mark.parametrize("args,message", BAD_TP)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective, refmp, refused
+from mpi_helpers import Mismatches, collective, refmp, refused_each
 from parity import assert_same_run
 from safetensors.numpy import load_file
 
@@ -176,8 +176,7 @@ def bad_tp_pp_runs():
     (mpi_helpers.refused)."""
     train = ["train", "--tp", "2", "--pp", "2", "--n-layer", "2", "--n-embd", "8",
              "--batch-size", "4", "--steps", "1", "--no-progress"]
-    cases = {str(args): [*train, *args] for args, *_ in BAD_TP_PP}
-    return refused(4, cases)
+    return refused_each(4, train, BAD_TP_PP)
 
 
 @pytest.mark.cli

@@ -26,7 +26,13 @@ from mkdocs.structure.files import File
 from svg import INK, SHARED, Svg, cells, colour
 
 from refmp.cost.memory import codec_bytes
-from refmp.cost.zero import comm_per_step, compressed_per_step, local_shapes, memory_per_rank
+from refmp.cost.zero import (
+    comm_per_step,
+    compressed_per_step,
+    local_shapes,
+    memory_per_rank,
+    unit_sizes,
+)
 from refmp.nn.params import GPTConfig, param_shapes
 from refmp.parallel.context.chunks import ChunkLayout, ring_attention_flops
 from refmp.parallel.data.zero import Unit
@@ -140,7 +146,7 @@ def zero() -> Svg:
     """What each ZeRO stage keeps per rank (memory_per_rank) and which slice (Unit.lo, hi)."""
     mcfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
     shapes = local_shapes(mcfg)
-    sizes = {u: sum(math.prod(x) for x in unit.values()) for u, unit in shapes.items()}
+    sizes = unit_sizes(mcfg)
     n = 4
     whole = memory_per_rank(sizes, n, 0)
     padded = {u: Unit(u, shapes[u], n, 0).padded for u in shapes}
@@ -232,7 +238,7 @@ def compression() -> Svg:
     """Bytes a rank sends per step and keeps between steps, by codec, for bench's small model."""
     mcfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=256)
     shapes = local_shapes(mcfg)
-    sizes = {u: sum(math.prod(x) for x in unit.values()) for u, unit in shapes.items()}
+    sizes = unit_sizes(mcfg)
     n = 4
     rows = [("none (fp32)", sum(comm_per_step(sizes, n, 0).values()), 0),
             ("bf16", sum(comm_per_step(sizes, n, 0, itemsize=2).values()), 0),
