@@ -84,7 +84,11 @@ def refused(n: int, cases: dict[str, list[str]], timeout: float = 120,
         ranks = []
         for r in range(n):
             rank_file = os.path.join(d, f"rank-{r}.json")
-            ranks.append(json.load(open(rank_file)) if os.path.exists(rank_file) else {})
+            if not os.path.exists(rank_file):  # the launch ended before this rank wrote
+                ranks.append({})
+                continue
+            with open(rank_file) as f:
+                ranks.append(json.load(f))
     results = {}
     for name, argv in cases.items():
         got = [rank.get(name) for rank in ranks]
