@@ -9,9 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmp.parallel.data.accumulate import activation_bytes
 from refmp.parallel.data.sharder import WeightRef, attach, detach
-from refmp.runtime.arrays import leaves, map_leaves
+from refmp.runtime.arrays import activation_bytes, leaves, map_leaves
 from refmp.runtime.precision import BF16, autocast
 
 

@@ -18,6 +18,7 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refmp, refused_each
 from parity import assert_same_run, serial_config
 
+from refmp.cost.flops import ring_attention_flops
 from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import comm_per_step, unit_sizes
 from refmp.distributed.comm import Comm
@@ -25,11 +26,11 @@ from refmp.distributed.grid import ProcessGrid
 from refmp.distributed.ledger import Ledger
 from refmp.nn import layers as L
 from refmp.nn.gpt import GPT
-from refmp.parallel.context.chunks import ChunkLayout, nbytes_of, ring_attention_flops
+from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
-from refmp.parallel.data.accumulate import activation_bytes
 from refmp.parallel.placement import place
+from refmp.runtime.arrays import activation_bytes, nbytes_of
 from refmp.training.datasets import AdditionTask, Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from refmp.cost.flops import ring_attention_flops
 from refmp.errors import ConfigError
 from refmp.nn import blockwise as BW
 from refmp.nn import layers as L
-from refmp.parallel.context.chunks import ChunkLayout, ring_attention_flops
+from refmp.parallel.context.chunks import ChunkLayout
 
 pytestmark = pytest.mark.nn
 

@@ -31,7 +31,7 @@ def test_the_reading_path_is_the_code():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-CORE_LINES = 3000  # the teaching core's bound (docs/reading.md)
+CORE_LINES = 2600  # the teaching core's bound: about 2,500 (docs/reading.md)
 
 
 def test_the_teaching_core_stays_small():

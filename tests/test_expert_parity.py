@@ -19,12 +19,13 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refmp, refused_each
 from parity import assert_same_run
 
+from refmp.cost.expert import alltoallv_bytes
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import moe as M
 from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.data.accumulate import dp_rows
-from refmp.parallel.expert import alltoallv_bytes, expert_index, is_expert
+from refmp.parallel.expert import expert_index, is_expert
 from refmp.training.datasets import Dataset, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 

@@ -12,6 +12,7 @@ import pytest
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 
+from refmp.cost.expert import alltoallv_bytes
 from refmp.distributed.grid import ProcessGrid
 from refmp.inference.cache import cache_bytes
 from refmp.inference.decoder import Decoder, decode_step_bytes
@@ -20,7 +21,6 @@ from refmp.inference.sampling import Sampler
 from refmp.inference.scheduler import Request, serve
 from refmp.nn.gpt import GPT, GPTConfig
 from refmp.nn.moe import MoECache
-from refmp.parallel.expert import alltoallv_bytes
 
 pytestmark = pytest.mark.mpi
 

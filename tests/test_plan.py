@@ -14,7 +14,7 @@ from mpi4py import MPI
 from mpi_helpers import REPO, Mismatches, collective, mpiexec
 
 from refmp.cli import plan as plan_cli
-from refmp.cost import model
+from refmp.cost import model, nodes
 from refmp.cost import search as plan_search
 from refmp.cost.machines import MACHINES
 from refmp.cost.memory import memory, stage_memory, total
@@ -164,6 +164,44 @@ def test_more_gpus_per_tp_group_cost_inter_node_bandwidth():
     inside = model.predict(Layout(tp=8, dp=4), wide, 64, MACHINE)
     across = model.predict(Layout(tp=16, dp=2), wide, 64, MACHINE)
     assert across["seconds"]["tp"] > 5 * inside["seconds"]["tp"]
+
+
+def test_allreduce_across_nodes_by_hand():
+    """4 ranks on 2 nodes of 2: recursive doubling crosses the whole X once (one step inside
+    the node, one across); the hierarchy crosses X / 2 in a two-node ring (half of it, twice),
+    after and before its reduce-scatter and all-gather inside the node."""
+    mach = replace(MACHINE, gpus_per_node=2, intra_node_gbs=10, inter_node_gbs=1,
+                   intra_latency_us=2, inter_latency_us=50)
+    X = 8e6
+    flat = (X / 10e9 + 2e-6) + (X / 1e9 + 50e-6)
+    hier = (2 * 0.5 * X / 10e9 + 2 * 2e-6) + (2 * 0.5 * (X / 2) / 1e9 + 2 * 50e-6)
+    assert nodes.allreduce_across(X, 4, 2, mach, False) == pytest.approx(flat, rel=1e-12)
+    assert nodes.allreduce_across(X, 4, 2, mach, True) == pytest.approx(hier, rel=1e-12)
+
+
+def test_a_shared_link_prices_what_crosses_it_and_picks_the_reduce():
+    """--link-gbit: the search times each layout on the nodes' shared link (refmp.cost.nodes)
+    and gives it the faster dp all-reduce: hierarchical where dp crosses a slow link, flat
+    where a node holds one rank of each dp group or there is no dp."""
+    mcfg = GPTConfig(n_layer=2, n_embd=384, n_head=4, vocab_size=256, block_size=32)
+    slow = nodes.cluster(replace(MACHINE, gpus_per_node=2), 2, 0.1, 50.0)
+    assert slow.shared_link and slow.inter_node_gbs == pytest.approx(0.1 / 8 * 1448 / 1514 / 2)
+    fits, _ = plan_search.search(mcfg, 4, 4, slow, {"zero": 0, "mixed_precision": "none"},
+                                 top=50)
+    by = {(r["dp"], r["tp"], r["pp"]): r for r in fits if r["microbatch_size"] * r["dp"] == 4}
+    dp4, dp2 = by[4, 1, 1], by[2, 2, 1]
+    assert dp4["dp_reduce"] == "hierarchical"
+    # one rank of each dp group on a node: nothing to reduce inside it, one latency fewer flat
+    assert dp2["dp_reduce"] == "flat"
+    assert by[1, 2, 2]["dp_reduce"] == "flat"  # no dp: nothing to choose
+    for r in (dp4, dp2):  # the time is refmp.cost.nodes' for that reduce, not the ring's
+        lay = Layout(**{f: r[f] for f in Layout.__dataclass_fields__})
+        own = nodes.predict_on_nodes(lay, mcfg, 4, slow, r["dp_reduce"])
+        assert r["step_seconds"] == own["step_seconds"]
+        flat = nodes.predict_on_nodes(lay, mcfg, 4, slow)["step_seconds"]
+        assert r["step_seconds"] < flat if r is dp4 else r["step_seconds"] == flat
+    plain = plan_search.search(mcfg, 4, 4, replace(MACHINE, gpus_per_node=2), {"zero": 0})[0]
+    assert all("dp_reduce" not in r for r in plain)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -59,7 +59,7 @@ def test_recompute_saves_exactly_what_it_does_not_keep():
     # what a block's cache holds beyond its input, measured on one block of the same shapes
     from refmp.nn import gpt
     from refmp.nn.params import GPTConfig, init_params
-    from refmp.parallel.data.accumulate import activation_bytes
+    from refmp.runtime.arrays import activation_bytes
 
     mc = GPTConfig(17, T, 1, NH, C)
     p = gpt.block_params(init_params(mc, 0, "float64"), 0)

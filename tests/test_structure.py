@@ -82,7 +82,6 @@ SEAMS = {
     "refmp/cost/model.py": ("collective", "the per-term costs (collective, bubble, gemm, "
                                           "elementwise_bytes, cp_ledger, numpy_calls) into "
                                           "cost/terms.py; Layout and predict stay"),
-    "refmp/nn/gpt.py": ("Ops", "the serial Ops that a layout replaces into nn/ops.py"),
     "refmp/nn/layers.py": ("attention_forward", "attention's forward, weights and backward into "
                                                 "nn/attention.py, beside nn/blockwise.py"),
     "refmp/parallel/data/sharder.py": ("WeightRef", "ZeRO-3's detached weights (WeightRef, "

@@ -22,11 +22,11 @@ from refmp.cost.tensor import comm_bytes_per_step
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import layers as L
-from refmp.parallel.data.accumulate import activation_bytes
 from refmp.parallel.ops import ParallelOps
 from refmp.parallel.placement import padded_vocab, place, tp_shard
 from refmp.parallel.tensor import linear as tpl
 from refmp.parallel.tensor import sequence, vocab
+from refmp.runtime.arrays import activation_bytes
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 

@@ -20,8 +20,8 @@ from parity import assert_same_run
 
 from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
 from refmp.nn import GPT, GPTConfig
-from refmp.parallel.data.accumulate import activation_bytes
 from refmp.parallel.engine import Engine
+from refmp.runtime.arrays import activation_bytes
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig
 

@@ -19,12 +19,13 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
+from refmp.cost.expert import alltoallv_bytes
 from refmp.distributed.comm import Comm
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import moe as M
 from refmp.parallel.data.accumulate import allreduce_grads, dp_rows
-from refmp.parallel.expert import ExpertDispatch, alltoallv_bytes, is_expert
+from refmp.parallel.expert import ExpertDispatch, is_expert
 from refmp.parallel.placement import holds
 from refmp.training.datasets import ADD_CHARS, AdditionTask, get_batch
 from refmp.training.trainer import TrainConfig, Trainer

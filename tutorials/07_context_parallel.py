@@ -25,6 +25,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from refmp.cost.flops import ring_attention_flops
 from refmp.distributed.comm import Comm
 from refmp.distributed.grid import ProcessGrid
 from refmp.distributed.ledger import Ledger
@@ -32,11 +33,12 @@ from refmp.nn import GPT, GPTConfig
 from refmp.nn import blockwise as BW
 from refmp.nn import layers as L
 from refmp.nn.params import init_params
-from refmp.parallel.context.chunks import ChunkLayout, nbytes_of, ring_attention_flops
+from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.data.accumulate import allreduce_grads
 from refmp.parallel.ops import ContextOps
+from refmp.runtime.arrays import nbytes_of
 from refmp.training.datasets import Dataset, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 

@@ -25,6 +25,7 @@ import numpy as np
 from mkdocs.structure.files import File
 from svg import INK, SHARED, Svg, cells, colour
 
+from refmp.cost.flops import ring_attention_flops
 from refmp.cost.memory import codec_bytes
 from refmp.cost.zero import (
     comm_per_step,
@@ -34,7 +35,7 @@ from refmp.cost.zero import (
     unit_sizes,
 )
 from refmp.nn.params import GPTConfig, param_shapes
-from refmp.parallel.context.chunks import ChunkLayout, ring_attention_flops
+from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.data.zero import Unit
 from refmp.parallel.placement import (
     local_name,

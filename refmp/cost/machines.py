@@ -42,6 +42,9 @@ class Machine:
     # a point-to-point message moves while its ranks compute (NCCL's copy engines); False on
     # a CPU, where MPICH makes the copy inside the receiver's wait (docs/plan.md)
     overlaps_p2p: bool = True
+    # each node has one link that its ranks share (refmp cluster's, --link-gbit): the
+    # all-reduces that cross nodes are priced by MPI's algorithms on it (refmp.cost.nodes)
+    shared_link: bool = False
 
 
 MACHINES = {  # NVIDIA's data sheets: A100 SXM 312 TFLOP/s bf16, 2.0 TB/s, NVLink 600 GB/s

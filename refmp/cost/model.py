@@ -20,6 +20,8 @@ schedule), then the exposed dp/ZeRO traffic and the optimizer's pass over its st
     2 (n-1)/n X / bw + 2 (n-1) lat; reduce-scatter, all-gather, all-to-all (n-1)/n X / bw +
     (n-1) lat; send X / bw + lat. bw is intra-node while the group fits in a node (ranks
     are tp fastest, then cp, dp, pp), else inter-node.
+  pp: a send per micro-batch and boundary each way (b Tl C c), and on the first and the last
+    stage the tied wte's gradient, swapped between them once a step (V C / tp g; ZeRO: owned)
 Impl says what the timed implementation does beyond the layout (refmp's own by default;
 MEGATRON_2021 for the published comparison).
 """
@@ -288,6 +290,12 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         moved[r]["dp"] = dict(g)
         t_dp = sum(collective(op, x, 1 if lay.zero < 2 else M * len(units), n, *link(tp * n))
                    for op, x in g.items())
+        if pp > 1 and (first or last) and "wte" in units:  # the tied wte's two copies
+            # swap their gradients after the sums (refmp.parallel.engine's tied embedding; a
+            # codec's: before, whole): a send each way, of what the rank owns
+            owned_wte = units["wte"] / (n if lay.zero and codec not in ("powersgd", "topk") else 1)
+            t_pp += collective("send", owned_wte * gw, 1, pp, *link(pp * tp * cp * dp))
+            moved[r]["pp"]["send"] += owned_wte * gw
         # behind the last micro-batch's backward (PowerSGD and top-k: after it)
         if impl.dp_overlap and lay.zero in (0, 2) and codec in ("none", "bf16"):
             t_dp = max(0.0, t_dp - (2 * fwd + again + Ls * elem))

@@ -33,7 +33,7 @@ import math
 from dataclasses import replace
 
 from refmp.cost.machines import Machine
-from refmp.cost.model import Layout, predict, split, units_of
+from refmp.cost.model import Impl, Layout, predict, split, units_of
 from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import comm_per_step
 from refmp.nn.params import GPTConfig
@@ -49,7 +49,7 @@ def cluster(host: Machine, ranks_per_node: int, link_gbit: float,
     is data, as a shaped link paces TCP into full frames), its G ranks a share each."""
     return replace(host, gpus_per_node=ranks_per_node,
                    inter_node_gbs=link_gbit / 8 * PAYLOAD / ranks_per_node,
-                   inter_latency_us=link_latency_us)
+                   inter_latency_us=link_latency_us, shared_link=True)
 
 
 def allreduce_across(X: float, n: int, g: int, mach: Machine, hierarchical: bool) -> float:
@@ -65,10 +65,10 @@ def allreduce_across(X: float, n: int, g: int, mach: Machine, hierarchical: bool
 
 
 def predict_on_nodes(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
-                     dp_reduce: str = "flat") -> dict:
+                     dp_reduce: str = "flat", impl: Impl | None = None) -> dict:
     """refmp.cost.model.predict, with tp's and dp's all-reduces re-priced where their groups
     cross nodes (``mach``: :func:`cluster`'s). Same keys; ``seconds`` by term."""
-    pred = predict(lay, mcfg, batch, mach)
+    pred = predict(lay, mcfg, batch, mach, impl or Impl())
     t = dict(pred["seconds"])
     G, tp, pp, n = mach.gpus_per_node, lay.tp, lay.pp, lay.dp * lay.cp
     c = 2 if lay.mixed_precision != "none" else 4
@@ -100,3 +100,15 @@ def predict_on_nodes(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     pred["seconds"] = t
     pred["tokens_per_s"] = batch * mcfg.block_size / pred["step_seconds"]
     return pred
+
+
+def best_reduce(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
+                impl: Impl | None = None) -> tuple[str, dict]:
+    """(--dp-reduce, prediction): the faster of the flat and the hierarchical all-reduce for
+    ``lay`` on ``mach``'s nodes (flat where they tie: dp inside a node, or ZeRO, whose
+    collectives are not all-reduces)."""
+    flat = predict_on_nodes(lay, mcfg, batch, mach, "flat", impl)
+    if lay.zero or lay.dp * lay.cp * lay.tp <= mach.gpus_per_node:
+        return "flat", flat
+    hier = predict_on_nodes(lay, mcfg, batch, mach, "hierarchical", impl)
+    return ("hierarchical", hier) if hier["step_seconds"] < flat["step_seconds"] else ("flat", flat)

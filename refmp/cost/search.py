@@ -1,6 +1,8 @@
 """``refmp plan``'s search: every layout the fixed choices allow, checked, timed, sized and
 ranked (refmp.cost.model times a layout, refmp.cost.memory sizes it), and the table the
-command prints (docs/plan.md; the command itself: refmp.cli.plan).
+command prints (docs/plan.md; the command itself: refmp.cli.plan). On nodes that share one
+link (``--link-gbit``) refmp.cost.nodes times it, and each layout gets the faster of the flat
+and the hierarchical data-parallel all-reduce (its ``dp_reduce``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import fields
 from refmp.cost.machines import Machine
 from refmp.cost.memory import memory, need_bytes, size, total
 from refmp.cost.model import Impl, Layout, predict, train_config
+from refmp.cost.nodes import best_reduce
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig
 from refmp.parallel.layout import check_layout
@@ -60,6 +63,14 @@ def schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
     return [("1f1b", 1)] + ([("interleaved", 2)] if pp > 1 else [])
 
 
+def timed(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine, impl: Impl) -> dict:
+    """The step-time prediction of ``lay``; on a shared link, with its ``dp_reduce``."""
+    if not mach.shared_link:
+        return predict(lay, mcfg, batch, mach, impl)
+    reduce, pred = best_reduce(lay, mcfg, batch, mach, impl)
+    return {**pred, "dp_reduce": reduce}
+
+
 def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | None = None,
            top: int = 10, dtype: str = "float32",
            impl: Impl | None = None) -> tuple[list[dict], list[dict]]:
@@ -84,14 +95,14 @@ def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | 
         except ConfigError as e:
             bad.append(row(lay, None, None, str(e)))
             continue
-        ok.append((predict(lay, mcfg, batch, mach, impl)["step_seconds"], lay))
-    ok.sort(key=lambda x: x[0])
+        ok.append((timed(lay, mcfg, batch, mach, impl), lay))
+    ok.sort(key=lambda x: x[0]["step_seconds"])
     fits, cap = [], mach.gpu_memory_gb * 1e9
-    for _, lay in ok:
+    for pred, lay in ok:
         mem = memory(lay, mcfg, batch, dtype)
         # refmp on this host also holds the full model at set-up (its own check, need_bytes)
         need = need_bytes(mem) if mach.name == "cpu" else total(mem) + mem["workspace"]
-        r = row(lay, mem, predict(lay, mcfg, batch, mach, impl), None)
+        r = row(lay, mem, pred, None)
         if need > cap:
             r["reason"] = (f"needs {size(need)} per rank on stage {mem['stage']} (params "
                            f"{size(mem['params'])}, grads {size(mem['grads'])}, optimizer "
@@ -112,7 +123,8 @@ def row(lay: Layout, mem: dict | None, pred: dict | None, reason: str | None) ->
         r["memory_bytes"] = {k: mem[k] for k in ("params", "grads", "optimizer", "error_feedback",
                                                  "activations")}
     if pred is not None:
-        r.update({k: pred[k] for k in ("step_seconds", "tokens_per_s", "tflops_per_gpu", "mfu")})
+        keys = ("step_seconds", "tokens_per_s", "tflops_per_gpu", "mfu", "dp_reduce")
+        r.update({k: pred[k] for k in keys if k in pred})
         r["seconds"] = pred["seconds"]
     if reason is not None:
         r["reason"] = reason
@@ -138,7 +150,8 @@ def table(fits: list[dict], bad: list[dict]) -> str:
     head = (f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>4} {'cp':>3} {'ep':>3} {'zero':>4} {'sp':>3} "
             f"{'recompute':>9} {'mp':>4} {'b':>2} {'schedule':>11} {'v':>2} {'GB/rank':>8} "
             f"{'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}")
-    lines = [head]
+    reduce = any("dp_reduce" in r for r in fits)  # nodes on a shared link: flat or hierarchical
+    lines = [head + (f" {'dp-reduce':>12}" if reduce else "")]
     for i, r in enumerate(fits):
         gb = sum(r["memory_bytes"].values()) / 1e9
         lines.append(f"{i + 1:>2} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['cp']:>3} "
@@ -146,7 +159,8 @@ def table(fits: list[dict], bad: list[dict]) -> str:
                      f"{r['recompute']:>9} {r['mixed_precision']:>4} {r['microbatch_size']:>2} "
                      f"{r['schedule']:>11} {r['virtual_stages']:>2} {gb:>8.2f} "
                      f"{r['step_seconds']:>8.3f} {r['tokens_per_s']:>10.0f} "
-                     f"{r['tflops_per_gpu']:>8.3g} {100 * r['mfu']:>5.1f}%")
+                     f"{r['tflops_per_gpu']:>8.3g} {100 * r['mfu']:>5.1f}%"
+                     + (f" {r['dp_reduce']:>12}" if reduce else ""))
     if len(fits) >= 2:
         lines.append(why(fits[0], fits[1]))
     if not fits:

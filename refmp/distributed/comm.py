@@ -7,7 +7,9 @@ returns a request leaves the wait to the caller (refmp.distributed.waiting.wait)
 
 What every call does around MPI (the flight recorder's entry, staging device arrays through
 host memory, the polite wait) is :class:`refmp.distributed.transport.Transport`'s, so each
-method here says only which MPI call moves which bytes.
+method here says only which MPI call moves which bytes. The calls on small Python values
+(a loss, a count, an object every rank must agree on, a barrier) are
+:class:`refmp.distributed.host_values.HostValues`'.
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from refmp.distributed.host_values import HostValues
 from refmp.distributed.ledger import Ledger
 from refmp.distributed.recorder import Recorder, for_new_grid
 from refmp.distributed.reductions import mpi_op, wire
-from refmp.distributed.transport import Transport
 from refmp.distributed.waiting import sleep_until
 from refmp.runtime import backend
 
 
-class Comm(Transport):
+class Comm(HostValues):
     """An MPI communicator for one grid axis, with checked, counted, politely-waiting calls."""
 
     def __init__(self, mpi_comm: MPI.Comm, axis: str = "world", ledger: Ledger | None = None,
@@ -117,37 +119,6 @@ class Comm(Transport):
             self._wait(self._tracked(self.mpi.Ibcast(wire(m), root=root), entry))
             self._finish(buf, m)
         return buf
-
-    # --- small Python values (metrics, agreement), counted like the rest ---------------------
-
-    def allreduce_scalar(self, value: float, op: str = "sum") -> float:
-        """All-reduce one float (a loss or a count); ledgered as op "metric", not "allreduce"."""
-        return float(self.allreduce_metrics([value], op)[0])
-
-    def allreduce_metrics(self, values, op: str = "sum") -> np.ndarray:
-        """All-reduce a few host floats (losses, counts, statistics), as op "metric"."""
-        buf = np.array(values, dtype=np.float64)
-        self.ledger.record("metric", self.axis, buf.nbytes)
-        if self.size > 1:
-            entry = self._record("metric", buf.nbytes, buf.dtype)
-            self._wait(self._tracked(self.mpi.Iallreduce(MPI.IN_PLACE, buf,
-                                                         op=mpi_op(op, buf.dtype)), entry))
-        return buf
-
-    def allgather_obj(self, obj) -> list:
-        """Gather a small picklable object from every rank (used for agreement, not data)."""
-        self.ledger.record("allgather_obj", self.axis, 0)
-        if self.size == 1:
-            return [obj]
-        entry = self._record("allgather_obj", 0, None)
-        # sleep in the barrier rather than busy-poll inside allgather
-        self._wait(self._tracked(self.mpi.Ibarrier(), entry))
-        return self.mpi.allgather(obj)
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            entry = self._record("barrier", 0, None)
-            self._wait(self._tracked(self.mpi.Ibarrier(), entry))
 
     # --- point-to-point ----------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ Messages of one decode step, B rows on a dp rank, w bytes per element, L blocks 
     cp: allgather L cp B NH (HS + 1) w
     pp: send/recv B C w to/from the neighbouring stages, and the token ids, B 8 bytes
     ep: per MoE layer, alltoall E 8 bytes of counts and alltoallv (M + R) C w of rows, M and
-        R from the routing (refmp.parallel.expert.alltoallv_bytes, the forward half)
+        R from the routing (refmp.cost.expert.alltoallv_bytes, the forward half)
 """
 
 from __future__ import annotations

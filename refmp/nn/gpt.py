@@ -276,12 +276,6 @@ class GPT:
             name = prefix + k
             self.grads[name] = v if self.grads[name] is None else self.grads[name] + v
 
-    @staticmethod
-    def moe_stats(cache) -> dict:
-        """The MoE layers' routing statistics of a forward (empty for a dense model)."""
-        return moe_summary([c.mlp.stats["raw"] for c in cache[1]
-                            if isinstance(c.mlp, M.MoECache)])
-
     def generate(self, idx, max_new_tokens: int, dispatch=None):
         """Greedy decoding: append the most likely next token, max_new_tokens times.
 
@@ -296,15 +290,3 @@ class GPT:
             idx = xp.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
         return idx
 
-
-def moe_summary(raws: list, E: int | None = None) -> dict:
-    """{"moe": per-layer tokens per expert and dropped fraction, summed aux and z losses}
-    from each MoE layer's [assigned (E), kept (E), aux, z] (refmp.nn.moe.routing_summary)."""
-    if not raws:
-        return {}
-    E = (len(raws[0]) - 2) // 2 if E is None else E
-    layers = [M.routing_summary(r, E) for r in raws]
-    return {"moe": {"tokens_per_expert": [s["tokens_per_expert"] for s in layers],
-                    "dropped": [s["dropped"] for s in layers],
-                    "aux_loss": sum(s["aux_loss"] for s in layers),
-                    "z_loss": sum(s["z_loss"] for s in layers)}}

@@ -64,6 +64,7 @@ import numpy as np
 
 from refmp.nn import layers as L
 from refmp.nn.experts import LocalExperts
+from refmp.nn.routing import routing_summary
 from refmp.runtime import backend
 from refmp.runtime.precision import autocast
 
@@ -144,13 +145,6 @@ class MoECache(NamedTuple):
     stats: dict  # this rank's routing figures; "raw": [assigned (E), kept (E), aux, z]
 
 
-def routing_summary(raw, E: int) -> dict:
-    """Logged figures from [assigned (E), kept (E), aux, z] (one rank's, or summed)."""
-    return {"tokens_per_expert": [int(v) for v in raw[E:2 * E]],
-            "dropped": float(1.0 - raw[E:2 * E].sum() / max(1.0, raw[:E].sum())),
-            "aux_loss": float(raw[-2]), "z_loss": float(raw[-1]), "raw": raw}
-
-
 @autocast
 def moe_forward(p: dict, h, ctx: MoEContext):
     """The MoE MLP on h (B, T, C); returns (out (B, T, C), MoECache). See the module doc."""
@@ -195,7 +189,7 @@ def moe_forward(p: dict, h, ctx: MoEContext):
         aux = ctx.aux_loss_coef * E * (f * probs.reshape(B, T, E).sum(axis=1)).sum() / ctx.denom
         z = ctx.z_loss_coef * (lse * lse).sum() / ctx.denom  # my share
         loss = aux + z
-    # --- this rank's routing figures, for logs (the engine sums them over ranks)
+    # --- this rank's routing figures, for logs (refmp.nn.routing; the engine sums them)
     assigned = backend.to_host(xp.bincount(flat, minlength=E))  # (E,) before dropping
     raw = np.concatenate([assigned, counts, [float(aux), float(z)]]).astype(np.float64)
     stats = routing_summary(raw, E)

@@ -23,11 +23,11 @@ import numpy as np
 from refmp.config import ParallelConfig
 from refmp.distributed.waiting import wait
 from refmp.nn import gpt
+from refmp.nn.routing import moe_summary
 from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.data.accumulate import (
-    activation_bytes,
     dp_rows,
     flatten,
     split_microbatches,
@@ -54,7 +54,7 @@ from refmp.parallel.placement import (
     units_of,
 )
 from refmp.runtime import backend
-from refmp.runtime.arrays import global_grad_norm
+from refmp.runtime.arrays import activation_bytes, global_grad_norm
 from refmp.runtime.precision import mixed_dtypes
 
 TIED_TAG = 32767  # MPI guarantees tags up to 32767; the executor's are below 2 x chunks
@@ -287,7 +287,7 @@ class Engine:
         if self.tp.rank != 0 and not self.sp:
             raw[:] = 0  # tp ranks routed the same tokens: count them once
         raw = self.grid.world.allreduce_metrics(raw)
-        return gpt.moe_summary([raw[i] for i in range(L) if self.mcfg.is_moe(i)], E)
+        return moe_summary([raw[i] for i in range(L) if self.mcfg.is_moe(i)], E)
 
     # --- the whole model --------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""Functions over many arrays at once: nested caches walked leaf by leaf, and the global
-gradient norm of a dict of gradient pieces.
+"""Functions over many arrays at once: nested caches walked leaf by leaf, the bytes they hold
+(the activation memory the ledgers count), and the global gradient norm of a dict of
+gradient pieces.
 
 A cache (what a forward keeps for its backward; a layer's arguments and results) is a nest
 of tuples (NamedTuples too), lists and dicts whose *leaves* are arrays, scalars and other
@@ -58,3 +59,30 @@ def global_grad_norm(grads: dict, sum_sq: Callable[[float], float] | None = None
     # and the pieces added on the device in Python's order; one read of the total
     local = float(sum(((g * g).sum().astype(np.float64) for g in grads.values()), 0.0))
     return math.sqrt(sum_sq(local) if sum_sq is not None else local)
+
+
+def activation_bytes(cache, exclude=()) -> int:
+    """Bytes of the distinct arrays a forward cache keeps alive, parameters excluded.
+
+    Views count as their base buffer, once; ``exclude`` holds parameter arrays (or views of
+    parameter buffers), which caches reference but which are not activations.
+    """
+    def root(a):
+        while getattr(a, "base", None) is not None:
+            a = a.base
+        return a
+
+    skip = {id(root(a)) for a in exclude}
+    seen: dict[int, int] = {}
+    for leaf in leaves(cache):
+        if hasattr(leaf, "nbytes") and hasattr(leaf, "shape"):
+            r = root(leaf)
+            if id(r) not in skip:
+                seen[id(r)] = int(r.nbytes)
+    return sum(seen.values())
+
+
+def nbytes_of(obj) -> int:
+    """Bytes of every array in a (nested) cache: the activation memory it holds (views and
+    repeats counted each time, unlike activation_bytes)."""
+    return sum(int(getattr(o, "nbytes", 0)) for o in leaves(obj))

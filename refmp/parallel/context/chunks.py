@@ -34,7 +34,6 @@ from __future__ import annotations
 import numpy as np
 
 from refmp.errors import ConfigError
-from refmp.runtime.arrays import leaves
 
 ALGOS = ("ring", "ulysses")
 BALANCES = ("zigzag", "contiguous")
@@ -63,21 +62,3 @@ class ChunkLayout:
     def positions(self, r: int) -> np.ndarray:
         """Global positions of rank r's tokens, (Tl,)."""
         return np.concatenate([np.arange(k * self.c, (k + 1) * self.c) for k in self.chunks(r)])
-
-
-def ring_attention_flops(layout: ChunkLayout, r: int, B: int, n_head: int, hs: int) -> int:
-    """Attention FLOPs rank r executes in ring attention's forward (a closed form).
-
-    A block of c queries over c keys costs 4 B NH c^2 HS (q k^T and p v, 2 FLOPs per
-    multiply-add); diagonal blocks are computed in full, then masked. Contiguous: rank r
-    computes r full blocks and its diagonal. Zigzag: its early chunk r sees r earlier chunks,
-    its late chunk 2cp-1-r sees 2cp-1-r, plus two diagonals: 2cp+1 blocks on every rank.
-    """
-    blocks = r + 1 if layout.balance == "contiguous" else 2 * layout.cp + 1
-    return blocks * 4 * B * n_head * layout.c ** 2 * hs
-
-
-def nbytes_of(obj) -> int:
-    """Bytes of every array in a (nested) cache: the activation memory it holds (views and
-    repeats counted each time, unlike accumulate.activation_bytes)."""
-    return sum(int(getattr(o, "nbytes", 0)) for o in leaves(obj))

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from refmp.distributed.comm import Comm
 from refmp.errors import ConfigError
-from refmp.runtime.arrays import leaves
 from refmp.runtime.backend import array_module
 
 
@@ -69,27 +68,6 @@ def allreduce_grads(grads: dict, comm: Comm) -> None:
     flat = flatten(arrays)  # (P,) all gradients
     comm.allreduce(flat)  # sum of the ranks' shares = the global gradient
     unflatten_into(flat, arrays)
-
-
-def activation_bytes(cache, exclude=()) -> int:
-    """Bytes of the distinct arrays a forward cache keeps alive, parameters excluded.
-
-    Views count as their base buffer, once; ``exclude`` holds parameter arrays (or views of
-    parameter buffers), which caches reference but which are not activations.
-    """
-    def root(a):
-        while getattr(a, "base", None) is not None:
-            a = a.base
-        return a
-
-    skip = {id(root(a)) for a in exclude}
-    seen: dict[int, int] = {}
-    for leaf in leaves(cache):
-        if hasattr(leaf, "nbytes") and hasattr(leaf, "shape"):
-            r = root(leaf)
-            if id(r) not in skip:
-                seen[id(r)] = int(r.nbytes)
-    return sum(seen.values())
 
 
 def split_microbatches(x, y, M: int) -> list:

@@ -27,10 +27,10 @@ import time
 from functools import partial
 
 from refmp.distributed.waiting import wait_all
+from refmp.nn.routing import MoEFigures
 from refmp.parallel.pipeline.executor import Executor
 from refmp.parallel.pipeline.pipedream import pipedream_version
 from refmp.parallel.pipeline.schedules import Action
-from refmp.parallel.pipeline.stage import MoEFigures
 
 
 class GradStash:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from refmp.nn import gpt
 from refmp.nn import moe as M
+from refmp.nn.routing import MoEFigures
 from refmp.parallel.data.sharder import attach, detach
 from refmp.parallel.placement import unit_of
 
@@ -31,26 +32,6 @@ class Recompute(NamedTuple):
 
     x: Any
     moe: Any
-
-
-class MoEFigures:
-    """The MoE layers' losses and routing figures of a step's forwards on this rank: ``aux``
-    this rank's share of the auxiliary losses, ``raw`` block -> summed routing figures
-    (refmp.nn.moe.routing_summary's input)."""
-
-    def __init__(self):
-        self.aux = 0.0
-        self.raw: dict[int, object] = {}
-
-    def add(self, i: int, loss: float, raw) -> None:
-        self.aux += loss
-        self.raw[i] = raw if i not in self.raw else self.raw[i] + raw
-
-    def merge(self, other: MoEFigures) -> None:
-        """Add another step's figures (forwards that ran ahead, in an earlier step)."""
-        self.aux += other.aux
-        for i, raw in other.raw.items():
-            self.raw[i] = raw if i not in self.raw else self.raw[i] + raw
 
 
 class Stage:
