@@ -9,7 +9,8 @@ doubling (MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM=sched_recursive_doubling, as refm
 prices it). The table: medians over rounds, plan / bench, and Spearman's rank correlation
 of the layouts at each speed.
 
-Run (root, a few minutes):  flock /tmp/refmp-bench.lock python benchmarks/plan_vs_cluster.py
+Run (root, about 12 minutes):  flock /tmp/refmp-bench.lock python benchmarks/plan_vs_cluster.py \
+    --rounds 5 --steps 4 --links 0.1,0.3,1
 A smoke run:  python benchmarks/plan_vs_cluster.py --steps 1 --warmup 0 --rounds 1 --links 1
 """
 
