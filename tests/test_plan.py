@@ -100,6 +100,14 @@ def test_memory_is_the_measured_ledger_on_four_ranks(grid, zero, recompute, mp, 
     led = tr.grid.ledger.entries.get((op, "cp"), [0, 0])
     bad.check(np.testing.assert_equal, list(led), [nbytes, calls],
               err_msg=f"{lay} rank {tr.grid.rank}: cp ledger")
+    if pp > 1:  # the tied wte's swap between the two ends: one send beside the boundaries'
+        c, M = (2 if mp != "none" else 4), batch // (dp * b)
+        msg = b * (16 // cp // (tp if lay.sequence_parallel else 1)) * mcfg.n_embd * c
+        sent, count = tr.grid.ledger.entries[("send", "pp")]
+        pp_bytes = model.predict(lay, mcfg, batch, MACHINE)["bytes"][r]["pp"]["send"]
+        plan_tied = pp_bytes - 2 * v * M * b * (16 // cp) * mcfg.n_embd * c
+        bad.check(np.testing.assert_equal, sent - (count - 1) * msg, plan_tied,
+                  err_msg=f"{lay} rank {tr.grid.rank}: the tied wte's swap")
     most = max(MPI.COMM_WORLD.allgather(sum(got[k] for k in STATE)))
     bad.check(np.testing.assert_equal, total(memory(lay, mcfg, batch)), most,
               err_msg=f"{lay}: the plan's max over ranks")
