@@ -8,6 +8,7 @@ tests/test_dp_parity.py."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -19,7 +20,8 @@ import time
 import pytest
 from mpi_helpers import REPO
 
-from refmp.cli import netns
+import refmp
+from refmp.cli import cluster, netns, netns_ssh
 from refmp.cost.zero import comm_per_step, unit_sizes
 from refmp.distributed import topology
 from refmp.distributed.ledger import Ledger
@@ -32,6 +34,8 @@ from refmp.training.trainer import TrainConfig
 pytestmark = pytest.mark.cli
 WHY = netns.unavailable()
 needs_cluster = pytest.mark.skipif(WHY is not None, reason=f"no local cluster: {WHY}")
+WHY_SSH = netns_ssh.unavailable()
+needs_ssh = pytest.mark.skipif(WHY_SSH is not None, reason=f"no launch over ssh: {WHY_SSH}")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
@@ -144,20 +148,41 @@ def crossing_bytes(ledger: dict, group_sizes: dict) -> int:
     return total
 
 
+# the flat all-reduce of dp 4 as recursive doubling: every rank exchanges its whole buffer
+# with a rank on the other node (MPICH's choice for short messages)
+DOUBLING = {**ENV, "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM": "sched_recursive_doubling"}
+
+
+def finish(p: subprocess.Popen, timeout: float) -> str:
+    """The output of a ``refmp cluster`` run; past ``timeout`` it is stopped (Ctrl-C: its
+    nodes come down) and the test fails."""
+    try:
+        return p.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGINT)
+        text = p.communicate(timeout=30)[0]
+        pytest.fail(f"refmp cluster still ran after {timeout} s:\n{text}")
+
+
+@pytest.fixture(scope="module")
+def across(tmp_path_factory):
+    """across_nodes.py's cluster part on 2 nodes of 2 ranks (the default launcher): its
+    directory, the cluster's id, status and output."""
+    out = str(tmp_path_factory.mktemp("across"))
+    p = launch("--nodes", "2", "--ranks-per-node", "2", "--share", out, "--", sys.executable,
+               "tests/mpi_scripts/across_nodes.py", "cluster", out, env=DOUBLING)
+    ident = cluster_id(p)
+    text = finish(p, 150)
+    return out, ident, p.returncode, text
+
+
 @needs_cluster
 @pytest.mark.timeout(180)
-def test_training_across_nodes_equals_one_host(tmp_path):
-    out = str(tmp_path)
-    # the flat all-reduce of dp 4 as recursive doubling: every rank exchanges its whole
-    # buffer with a rank on the other node (MPICH's choice for short messages)
-    env = {**ENV, "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM": "sched_recursive_doubling"}
-    p = launch("--nodes", "2", "--ranks-per-node", "2", "--share", out, "--", sys.executable,
-               "tests/mpi_scripts/across_nodes.py", "cluster", out, env=env)
-    ident = cluster_id(p)
-    text = p.communicate(timeout=150)[0]
+def test_training_across_nodes_equals_one_host(across):
+    out, ident, status, text = across
     assert netns.leftovers(ident) == []
     # the watchdog ended the job at the planted hang, naming rank 3 on node1
-    assert p.returncode == 5, text
+    assert status == 5, text
     assert "rank 3 has not entered barrier@world" in text, text
     assert "rank 3 on node1 is not in MPI" in text, text
     with open(os.path.join(out, "cluster.json")) as f:
@@ -195,3 +220,49 @@ def test_training_across_nodes_equals_one_host(tmp_path):
         h = json.load(f)
     assert h == {"nodes": [0, 0, 0, 0], "start": 2, "fresh_equal": True, "weights_equal": True,
                  "resumed_equal": True, "resumed_weights_equal": True}
+
+
+@needs_cluster
+@needs_ssh
+@pytest.mark.timeout(240)
+def test_training_launched_over_ssh_equals_the_cluster_run(across):
+    # the recipe for a real cluster: Hydra over ssh, to an sshd in each node; dp 2 x tp 2
+    # from scratch, against the default launch's run (which equals the one-host run)
+    out = across[0]
+    counters = os.path.join(out, "ssh-counters.json")
+    p = launch("--launcher", "ssh", "--nodes", "2", "--ranks-per-node", "2", "--share", out,
+               "--json", counters, "--", sys.executable, "tests/mpi_scripts/across_nodes.py",
+               "ssh", out, env=DOUBLING)
+    ident = cluster_id(p)
+    text = finish(p, 60)
+    assert p.returncode == 0, text
+    assert f"mpiexec -hosts node0,node1 -ppn 2 -n 4 -iface rfmp{ident} -launcher ssh" in text
+    assert netns.leftovers(ident) == []
+    assert netns_ssh.processes(f"{netns.STATE}{ident}-") == [], "an sshd or ssh is left"
+    with open(os.path.join(out, "ssh.json")) as f:
+        r = json.load(f)
+    assert r["hosts"] == ["node0", "node0", "node1", "node1"]
+    assert r["python"] == [sys.executable] * 4  # mpiexec's environment reached the ranks
+    assert r["refmp"] == [refmp.__file__] * 4
+    assert r["steps_equal"] and r["weights_equal"]
+    # the bytes crossed the link: what the ledger says, on each node's eth0 during the steps
+    # and on its veth over the whole run (with ssh's and MPI's own traffic)
+    with open(counters) as f:
+        veth = json.load(f)["nodes"]
+    for node, ranks in (("node0", (0, 1)), ("node1", (2, 3))):
+        want = sum(crossing_bytes(r["ledger"][q], {"dp": 2, "world": 4}) for q in ranks)
+        assert want > 0
+        assert want <= r["sent"][ranks[0]] <= 1.03 * want + 16384, (node, r["sent"], want)
+        assert veth[node]["sent"] >= want and veth[node]["received"] >= want, (node, veth)
+
+
+def test_the_ssh_launcher_is_refused_without_sshd_before_any_node(monkeypatch):
+    made = []
+    monkeypatch.setattr(netns, "unavailable", lambda: None)
+    monkeypatch.setattr(netns, "Cluster", lambda *a, **k: made.append(a))
+    monkeypatch.setattr(netns_ssh, "sshd_path", lambda: None)
+    args = argparse.Namespace(clean=False, program=["--", "true"], nodes=2, ranks_per_node=1,
+                              link_gbit=None, share=[], launcher="ssh", json=None)
+    with pytest.raises(ConfigError, match="--launcher ssh: no OpenSSH server .* openssh-server"):
+        cluster.run_cluster(args)
+    assert made == []

@@ -108,6 +108,7 @@ class Cluster:
         self.link_gbit = link_gbit
         self.share = shared_dirs(share)
         self.dir = ""  # the state directory (the bootstrap script, the nodes' /tmp)
+        self.common = ""  # in it, a directory every node sees (a launcher's files)
         self.bridge = f"{LINK}{self.id}"
         self.subnet = ""
         self.nodes: list[Node] = []
@@ -137,11 +138,15 @@ class Cluster:
         self.down()
 
     def up(self) -> None:
-        """Make the bridge, the nodes and their links, the bootstrap script (partial state is
-        for :meth:`down` to remove: call it whatever happens)."""
+        """Make the bridge, the nodes and their links, the bootstrap script, and the
+        directory every node sees (:attr:`common`; partial state is for :meth:`down` to
+        remove: call it whatever happens)."""
         clean()  # what killed runs left
         self.dir = tempfile.mkdtemp(prefix=f"{STATE}{self.id}-")
         self._save()
+        self.common = os.path.join(self.dir, "common")
+        os.mkdir(self.common, mode=0o700)
+        self.share = shared_dirs((*self.share, self.common))
         lock = os.open(tempfile.gettempdir(), os.O_RDONLY)  # two clusters starting at once
         try:  # take two subnets: one chooses and takes its own while the other waits
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -221,15 +226,18 @@ class Cluster:
             'case "$host" in', *cases,
             '  *) echo "refmp cluster: no node $host" >&2; exit 255 ;;',
             "esac", ""])
-        path = os.path.join(self.dir, "bootstrap")
-        Path(path).write_text(script)
-        os.chmod(path, 0o755)
+        Path(self.bootstrap).write_text(script)
+        os.chmod(self.bootstrap, 0o755)
+
+    @property
+    def bootstrap(self) -> str:
+        """The script that runs a command on a node: ``bootstrap -x HOST COMMAND``."""
+        return os.path.join(self.dir, "bootstrap")
 
     def mpiexec(self, ranks_per_node: int, program: list[str]) -> list[str]:
         """The mpiexec command that runs ``program`` as ``ranks_per_node`` ranks on each node,
         ranks 0..G-1 on node0, then node1 (so with tp = G, tp stays inside a node)."""
-        return ["mpiexec", "-iface", self.bridge, "-bootstrap-exec",
-                os.path.join(self.dir, "bootstrap"),
+        return ["mpiexec", "-iface", self.bridge, "-bootstrap-exec", self.bootstrap,
                 "-hosts", ",".join(n.ip for n in self.nodes), "-ppn", str(ranks_per_node),
                 "-n", str(ranks_per_node * len(self.nodes)),
                 "-genv", "UCX_TLS", "tcp,self", *program]
