@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from mpi_helpers import REPO
@@ -132,6 +133,33 @@ def test_the_cluster_comes_down_whatever_happens(monkeypatch):
     assert netns.leftovers(ids[1]) != []  # SIGKILL: nothing could run
     assert ids[1] in netns.clean()
     assert netns.leftovers(ids[1]) == []
+
+
+@needs_cluster
+@needs_ssh
+def test_each_node_has_its_own_sshd_until_the_launch_ends():
+    home_ssh = os.path.expanduser("~/.ssh")
+    had = os.path.exists(home_ssh) and sorted(os.listdir(home_ssh))
+    mark = tempfile.NamedTemporaryFile(prefix="refmp-host-only-", dir="/tmp")
+    with mark, netns.Cluster(2) as c:
+        with netns_ssh.SshLaunch(c) as s:
+            sshd = [Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+                    for pid in netns_ssh.processes(s.dir)]  # an sshd a node, on its address
+            assert sorted(cmd.split("ListenAddress=")[1].split()[0] for cmd in sshd) == [
+                n.ip for n in c.nodes]
+            for node in c.nodes:  # the node answers over ssh, by name, as itself
+                there = subprocess.run([s.path("ssh"), node.hostname, "hostname; ls /tmp"],
+                                       capture_output=True, text=True, timeout=20)
+                assert there.returncode == 0, there.stderr
+                assert there.stdout.split()[0] == node.hostname
+                assert "refmp-host-only" not in there.stdout  # its own /tmp
+            refused = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+                                      "-o", "StrictHostKeyChecking=no", "-o",
+                                      "UserKnownHostsFile=/dev/null", c.nodes[0].ip, "true"],
+                                     capture_output=True, text=True, timeout=20)
+            assert refused.returncode == 255  # without the cluster's key: refused at once
+        assert netns_ssh.processes(s.dir) == [] and not os.path.exists(s.dir)
+    assert (os.path.exists(home_ssh) and sorted(os.listdir(home_ssh))) == had
 
 
 def crossing_bytes(ledger: dict, group_sizes: dict) -> int:

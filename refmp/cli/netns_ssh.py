@@ -36,7 +36,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -162,14 +161,15 @@ class SshLaunch:
             ""])
 
     def _wait_listening(self, ip: str, hostname: str, server: subprocess.Popen) -> None:
+        """Until the node's sshd says it listens (its log; a test connection would leave a
+        child of sshd behind for a while)."""
+        log_file = Path(self.path(f"sshd-{hostname}.log"))
         deadline = time.time() + READY_S
-        while time.time() < deadline:
-            if server.poll() is not None:
-                break
-            with contextlib.suppress(OSError), socket.create_connection((ip, 22), timeout=0.5):
+        while time.time() < deadline and server.poll() is None:
+            if f"Server listening on {ip} port 22" in log_file.read_text():
                 return
-            time.sleep(0.05)
-        log = Path(self.path(f"sshd-{hostname}.log")).read_text().strip()
+            time.sleep(0.02)
+        log = log_file.read_text().strip()
         state = "did not listen" if server.poll() is None else f"exited ({server.returncode})"
         raise RuntimeError(f"refmp cluster {self.cluster.id}: sshd on {hostname} {state} "
                            f"within {READY_S:g} s: {log or 'nothing logged'}")
