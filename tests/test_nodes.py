@@ -272,6 +272,8 @@ def test_training_launched_over_ssh_equals_the_cluster_run(across):
     assert r["hosts"] == ["node0", "node0", "node1", "node1"]
     assert r["python"] == [sys.executable] * 4  # mpiexec's environment reached the ranks
     assert r["refmp"] == [refmp.__file__] * 4
+    passed = ("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "OMP_NUM_THREADS", "PYTHONPATH")
+    assert r["env"] == [{k: DOUBLING.get(k) for k in passed}] * 4
     assert r["steps_equal"] and r["weights_equal"]
     # the bytes crossed the link: what the ledger says, on each node's eth0 during the steps
     # and on its veth over the whole run (with ssh's and MPI's own traffic)

@@ -14,7 +14,8 @@ cluster (4 ranks on node0, node0, node1, node1):
 host: the same dp 2 x tp 2 run from scratch, and from the checkpoint the cluster wrote after
   step 2; each compared bitwise with the cluster's: a mismatch exits 1.
 ssh: the same dp 2 x tp 2 run from scratch, compared bitwise with the cluster's; the ledger
-  and the bytes each node's eth0 sent during its steps; each rank's host, Python and refmp.
+  and the bytes each node's eth0 sent during its steps; each rank's host, Python, refmp and
+  the variables the test set for mpiexec.
 Results: OUT/cluster.json, OUT/host.json, OUT/ssh.json (rank 0).
 """
 
@@ -115,12 +116,16 @@ def host() -> dict:
             "resumed_weights_equal": hashes(resumed) == there["dp2tp2_rest"]["weights"]}
 
 
+SET_BY_TEST = ("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "OMP_NUM_THREADS", "PYTHONPATH")
+
+
 def over_ssh() -> dict:
     with open(os.path.join(out, "cluster.json")) as f:
         there = json.load(f)
     m = measured(Trainer(BASE), 4)
     return {"hosts": world.allgather(MPI.Get_processor_name()),
             "python": world.allgather(sys.executable), "refmp": world.allgather(refmp.__file__),
+            "env": world.allgather({k: os.environ.get(k) for k in SET_BY_TEST}),
             "ledger": m["ledger"], "sent": m["sent"],
             "steps_equal": m["steps"] == there["dp2tp2"]["steps"] + there["dp2tp2_rest"]["steps"],
             "weights_equal": m["weights"] == there["dp2tp2_rest"]["weights"]}
