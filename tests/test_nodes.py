@@ -3,8 +3,9 @@ network namespaces on this machine (refmp cluster; root only, skipped elsewhere 
 reason): the cluster always comes down, training on 2 nodes x 2 ranks equals the one-host
 run bitwise, a checkpoint written on 2 nodes resumes on one host, the watchdog names a stuck
 rank on the other node, and the bytes on each node's link are what the ledger and the
-formulas say, halved by the hierarchical all-reduce. Simulated nodes on one host:
-tests/test_dp_parity.py."""
+formulas say, halved by the hierarchical all-reduce; launched over ssh (an sshd in each node;
+skipped without sshd), the same training equals it bitwise and no sshd is left. Simulated
+nodes on one host: tests/test_dp_parity.py."""
 
 from __future__ import annotations
 

@@ -22,16 +22,17 @@ Nothing is written to ~/.ssh or /etc/ssh. The launch is the recipe for a real cl
     mpiexec -hosts node0,node1 -ppn G -n 2G -iface BRIDGE -launcher ssh -launcher-exec ssh/ssh
 
 Hydra hands each rank mpiexec's environment (``-genvall``, its default), so the ranks run
-the same Python and refmp as over the bootstrap script, though an ssh session starts with
-a login's environment. sshd's privilege separation needs its empty directory (``/run/sshd``
-on Debian); where it is missing it is made, as the system's ssh service makes it at start.
+the same Python and refmp as over the bootstrap script, though a command run over ssh starts
+with a login's environment. sshd's privilege separation needs its empty directory
+(``/run/sshd`` on Debian); where it is missing it is made, as the system's ssh service makes
+it at start. The system's service itself is neither started nor used.
 """
 
 from __future__ import annotations
 
 import contextlib
-import getpass
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -48,6 +49,11 @@ READY_S = 10.0  # how long a node's sshd may take to listen
 
 def sshd_path() -> str | None:
     return shutil.which("sshd", path=os.environ.get("PATH", "") + ":" + SBIN)
+
+
+def user() -> str:
+    """Who runs the cluster (its uid's name: under sudo, root), whom ssh logs in as."""
+    return pwd.getpwuid(os.geteuid()).pw_name
 
 
 def unavailable() -> str | None:
@@ -109,10 +115,9 @@ class SshLaunch:
         os.chmod(wrapper, 0o755)
         check_config(self.path("sshd_config"))
         for node in c.nodes:
-            log = open(self.path(f"sshd-{node.hostname}.log"), "w")
             cmd = "exec " + shlex.join([sshd_path(), "-D", "-e", "-f", self.path("sshd_config"),
                                         "-o", f"ListenAddress={node.ip}"])  # the Popen's pid
-            with log:
+            with open(self.path(f"sshd-{node.hostname}.log"), "w") as log:
                 self.servers.append(subprocess.Popen(
                     [c.bootstrap, "-x", node.ip, cmd], stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, start_new_session=True))  # not Ctrl-C's
@@ -125,7 +130,7 @@ class SshLaunch:
             "Port 22",
             f"HostKey {self.path('host_key')}",
             f"AuthorizedKeysFile {self.path('authorized_keys')}",
-            f"AllowUsers {getpass.getuser()}",
+            f"AllowUsers {user()}",
             "StrictModes no",  # the keys lie under /tmp, which everyone may write
             "PubkeyAuthentication yes",
             "PasswordAuthentication no",
@@ -147,7 +152,7 @@ class SshLaunch:
         return "\n".join([
             f"# refmp cluster {self.cluster.id}: ssh to its nodes", *hosts,
             "Host *",
-            f"    User {getpass.getuser()}",
+            f"    User {user()}",
             f"    IdentityFile {self.path('client_key')}",
             "    IdentitiesOnly yes",
             "    IdentityAgent none",
@@ -195,17 +200,11 @@ class SshLaunch:
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
-        left = processes(self.dir)  # a connection's sshd, an ssh: ending with the server
-        deadline = time.time() + 2.0
-        while left and time.time() < deadline:
-            time.sleep(0.05)
-            left = processes(self.dir)
-        for pid in left:
+        for pid in lingering(self.dir, 2.0):  # a connection's sshd, an ssh: ending by now
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.dir, ignore_errors=True)
-        time.sleep(0.05 if left else 0)
-        left = processes(self.dir)
+        left = lingering(self.dir, 1.0)
         if left:
             raise RuntimeError(f"refmp cluster {self.cluster.id}: processes of its ssh launch "
                                f"still run: {', '.join(map(str, left))}")
@@ -225,6 +224,16 @@ def processes(mark: str) -> list[int]:
         if stat.rsplit(")", 1)[1].split()[0] != "Z":
             running.append(int(pid))
     return running
+
+
+def lingering(mark: str, seconds: float) -> list[int]:
+    """:func:`processes` naming ``mark`` still there after up to ``seconds``."""
+    deadline = time.time() + seconds
+    left = processes(mark)
+    while left and time.time() < deadline:
+        time.sleep(0.05)
+        left = processes(mark)
+    return left
 
 
 def check_config(config: str) -> None:
