@@ -6,9 +6,10 @@ process in it also gets the node's hostname (a UTS namespace: MPI's ``Get_proces
 and refmp's reports tell the nodes apart) and the node's own ``/tmp`` (a mount namespace, as
 on a real cluster; ``share`` makes directories under /tmp common, a shared file system's
 stand-in, and this Python's environment, refmp's source and the working directory are shared
-that way too when they lie under /tmp; the rest of the file system is shared, as a cluster's
-home is). A node's link is
-shaped both ways by a token bucket (``tc qdisc ... tbf rate R``) on each end of its veth.
+that way too when they lie under /tmp, and the cluster's own :attr:`Cluster.common`, for a
+launcher's files; the rest of the file system is shared, as a cluster's home is). A node's
+link is shaped both ways by a token bucket (``tc qdisc ... tbf rate R``) on each end of its
+veth.
 
 Hydra (the ``mpich`` wheel's mpiexec) starts a proxy on each host through ssh; here
 ``-bootstrap-exec`` names a script, written for the cluster, called as ssh is (``script -x
@@ -16,7 +17,8 @@ HOST COMMAND``), that runs the command in that node's namespaces. Two traps, han
 :meth:`Cluster.mpiexec`: the proxies reach mpiexec only through the bridge (``-iface``), and
 UCX (MPICH's network layer) recognizes processes of one machine whatever their hostnames and
 would move their data through shared memory, past the veth (``UCX_TLS=tcp,self``). The veth
-counters say what crossed: check them.
+counters say what crossed: check them. ``refmp cluster --launcher ssh`` launches over ssh
+instead, to an sshd in each node (refmp.cli.netns_ssh).
 
 Teardown always runs (:meth:`Cluster.down`: leaving the ``with`` block, an exception,
 Ctrl-C); a run killed outright leaves its nodes to the next cluster (:func:`clean`: those
