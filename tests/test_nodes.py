@@ -3,11 +3,13 @@ network namespaces on this machine (refmp cluster; root only, skipped elsewhere 
 reason): the cluster always comes down, training on 2 nodes x 2 ranks equals the one-host
 run bitwise, a checkpoint written on 2 nodes resumes on one host, the watchdog names a stuck
 rank on the other node, and the bytes on each node's link are what the ledger and the
-formulas say, halved by the hierarchical all-reduce. Simulated nodes on one host:
-tests/test_dp_parity.py."""
+formulas say, halved by the hierarchical all-reduce; launched over ssh (an sshd in each node;
+skipped without sshd), the same training equals it bitwise and no sshd is left. Simulated
+nodes on one host: tests/test_dp_parity.py."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -15,11 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from mpi_helpers import REPO
 
-from refmp.cli import netns
+import refmp
+from refmp.cli import cluster, netns, netns_ssh
 from refmp.cost.zero import comm_per_step, unit_sizes
 from refmp.distributed import topology
 from refmp.distributed.ledger import Ledger
@@ -32,6 +36,8 @@ from refmp.training.trainer import TrainConfig
 pytestmark = pytest.mark.cli
 WHY = netns.unavailable()
 needs_cluster = pytest.mark.skipif(WHY is not None, reason=f"no local cluster: {WHY}")
+WHY_SSH = netns_ssh.unavailable()
+needs_ssh = pytest.mark.skipif(WHY_SSH is not None, reason=f"no launch over ssh: {WHY_SSH}")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
@@ -130,6 +136,33 @@ def test_the_cluster_comes_down_whatever_happens(monkeypatch):
     assert netns.leftovers(ids[1]) == []
 
 
+@needs_cluster
+@needs_ssh
+def test_each_node_has_its_own_sshd_until_the_launch_ends():
+    home_ssh = os.path.expanduser("~/.ssh")
+    had = os.path.exists(home_ssh) and sorted(os.listdir(home_ssh))
+    mark = tempfile.NamedTemporaryFile(prefix="refmp-host-only-", dir="/tmp")
+    with mark, netns.Cluster(2) as c:
+        with netns_ssh.SshLaunch(c) as s:
+            sshd = [Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+                    for pid in netns_ssh.processes(s.dir)]  # an sshd a node, on its address
+            assert sorted(cmd.split("ListenAddress=")[1].split()[0] for cmd in sshd) == [
+                n.ip for n in c.nodes]
+            for node in c.nodes:  # the node answers over ssh, by name, as itself
+                there = subprocess.run([s.path("ssh"), node.hostname, "hostname; ls /tmp"],
+                                       capture_output=True, text=True, timeout=20)
+                assert there.returncode == 0, there.stderr
+                assert there.stdout.split()[0] == node.hostname
+                assert "refmp-host-only" not in there.stdout  # its own /tmp
+            refused = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+                                      "-o", "StrictHostKeyChecking=no", "-o",
+                                      "UserKnownHostsFile=/dev/null", c.nodes[0].ip, "true"],
+                                     capture_output=True, text=True, timeout=20)
+            assert refused.returncode == 255  # without the cluster's key: refused at once
+        assert netns_ssh.processes(s.dir) == [] and not os.path.exists(s.dir)
+    assert (os.path.exists(home_ssh) and sorted(os.listdir(home_ssh))) == had
+
+
 def crossing_bytes(ledger: dict, group_sizes: dict) -> int:
     """What one rank's collectives on groups that span nodes send to another node, from its
     ledger: a group of 2 (one rank a node) sends each all-reduce's buffer once (any
@@ -144,20 +177,41 @@ def crossing_bytes(ledger: dict, group_sizes: dict) -> int:
     return total
 
 
+# the flat all-reduce of dp 4 as recursive doubling: every rank exchanges its whole buffer
+# with a rank on the other node (MPICH's choice for short messages)
+DOUBLING = {**ENV, "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM": "sched_recursive_doubling"}
+
+
+def finish(p: subprocess.Popen, timeout: float) -> str:
+    """The output of a ``refmp cluster`` run; past ``timeout`` it is stopped (Ctrl-C: its
+    nodes come down) and the test fails."""
+    try:
+        return p.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGINT)
+        text = p.communicate(timeout=30)[0]
+        pytest.fail(f"refmp cluster still ran after {timeout} s:\n{text}")
+
+
+@pytest.fixture(scope="module")
+def across(tmp_path_factory):
+    """across_nodes.py's cluster part on 2 nodes of 2 ranks (the default launcher): its
+    directory, the cluster's id, status and output."""
+    out = str(tmp_path_factory.mktemp("across"))
+    p = launch("--nodes", "2", "--ranks-per-node", "2", "--share", out, "--", sys.executable,
+               "tests/mpi_scripts/across_nodes.py", "cluster", out, env=DOUBLING)
+    ident = cluster_id(p)
+    text = finish(p, 150)
+    return out, ident, p.returncode, text
+
+
 @needs_cluster
 @pytest.mark.timeout(180)
-def test_training_across_nodes_equals_one_host(tmp_path):
-    out = str(tmp_path)
-    # the flat all-reduce of dp 4 as recursive doubling: every rank exchanges its whole
-    # buffer with a rank on the other node (MPICH's choice for short messages)
-    env = {**ENV, "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM": "sched_recursive_doubling"}
-    p = launch("--nodes", "2", "--ranks-per-node", "2", "--share", out, "--", sys.executable,
-               "tests/mpi_scripts/across_nodes.py", "cluster", out, env=env)
-    ident = cluster_id(p)
-    text = p.communicate(timeout=150)[0]
+def test_training_across_nodes_equals_one_host(across):
+    out, ident, status, text = across
     assert netns.leftovers(ident) == []
     # the watchdog ended the job at the planted hang, naming rank 3 on node1
-    assert p.returncode == 5, text
+    assert status == 5, text
     assert "rank 3 has not entered barrier@world" in text, text
     assert "rank 3 on node1 is not in MPI" in text, text
     with open(os.path.join(out, "cluster.json")) as f:
@@ -195,3 +249,51 @@ def test_training_across_nodes_equals_one_host(tmp_path):
         h = json.load(f)
     assert h == {"nodes": [0, 0, 0, 0], "start": 2, "fresh_equal": True, "weights_equal": True,
                  "resumed_equal": True, "resumed_weights_equal": True}
+
+
+@needs_cluster
+@needs_ssh
+@pytest.mark.timeout(240)
+def test_training_launched_over_ssh_equals_the_cluster_run(across):
+    # the recipe for a real cluster: Hydra over ssh, to an sshd in each node; dp 2 x tp 2
+    # from scratch, against the default launch's run (which equals the one-host run)
+    out = across[0]
+    counters = os.path.join(out, "ssh-counters.json")
+    p = launch("--launcher", "ssh", "--nodes", "2", "--ranks-per-node", "2", "--share", out,
+               "--json", counters, "--", sys.executable, "tests/mpi_scripts/across_nodes.py",
+               "ssh", out, env=DOUBLING)
+    ident = cluster_id(p)
+    text = finish(p, 60)
+    assert p.returncode == 0, text
+    assert f"mpiexec -hosts node0,node1 -ppn 2 -n 4 -iface rfmp{ident} -launcher ssh" in text
+    assert netns.leftovers(ident) == []
+    assert netns_ssh.processes(f"{netns.STATE}{ident}-") == [], "an sshd or ssh is left"
+    with open(os.path.join(out, "ssh.json")) as f:
+        r = json.load(f)
+    assert r["hosts"] == ["node0", "node0", "node1", "node1"]
+    assert r["python"] == [sys.executable] * 4  # mpiexec's environment reached the ranks
+    assert r["refmp"] == [refmp.__file__] * 4
+    passed = ("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "OMP_NUM_THREADS", "PYTHONPATH")
+    assert r["env"] == [{k: DOUBLING.get(k) for k in passed}] * 4
+    assert r["steps_equal"] and r["weights_equal"]
+    # the bytes crossed the link: what the ledger says, on each node's eth0 during the steps
+    # and on its veth over the whole run (with ssh's and MPI's own traffic)
+    with open(counters) as f:
+        veth = json.load(f)["nodes"]
+    for node, ranks in (("node0", (0, 1)), ("node1", (2, 3))):
+        want = sum(crossing_bytes(r["ledger"][q], {"dp": 2, "world": 4}) for q in ranks)
+        assert want > 0
+        assert want <= r["sent"][ranks[0]] <= 1.03 * want + 16384, (node, r["sent"], want)
+        assert veth[node]["sent"] >= want and veth[node]["received"] >= want, (node, veth)
+
+
+def test_the_ssh_launcher_is_refused_without_sshd_before_any_node(monkeypatch):
+    made = []
+    monkeypatch.setattr(netns, "unavailable", lambda: None)
+    monkeypatch.setattr(netns, "Cluster", lambda *a, **k: made.append(a))
+    monkeypatch.setattr(netns_ssh, "sshd_path", lambda: None)
+    args = argparse.Namespace(clean=False, program=["--", "true"], nodes=2, ranks_per_node=1,
+                              link_gbit=None, share=[], launcher="ssh", json=None)
+    with pytest.raises(ConfigError, match="--launcher ssh: no OpenSSH server .* openssh-server"):
+        cluster.run_cluster(args)
+    assert made == []

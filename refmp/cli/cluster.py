@@ -7,13 +7,17 @@ its link; and the teardown, always (also on failure and Ctrl-C).
 
 Ranks are placed in blocks, 0..G-1 on node0, G..2G-1 on node1, ...: with Megatron's rank
 order (tp fastest), tp stays inside a node and dp goes between nodes (docs/nodes.md).
+``--launcher ssh`` starts an OpenSSH server in each node and launches over ssh, as on a real
+cluster (refmp.cli.netns_ssh).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,6 +25,7 @@ import time
 
 from refmp.errors import ConfigError
 
+LAUNCHERS = ("netns", "ssh")  # refmp.cli.netns's bootstrap script; refmp.cli.netns_ssh
 
 def add_parser(sub) -> None:
     p = sub.add_parser("cluster", help="run an MPI program across nodes made on this machine "
@@ -36,6 +41,11 @@ def add_parser(sub) -> None:
     p.add_argument("--share", action="append", default=[], metavar="DIR",
                    help="a directory under /tmp that every node sees (each node's /tmp is its "
                         "own; the rest of the file system is shared); repeatable")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="netns",
+                   help="how mpiexec starts its proxies on the nodes: netns, a script that "
+                        "enters a node's namespaces (Hydra's -bootstrap-exec; the default), "
+                        "or ssh, an OpenSSH server in each node with throwaway keys (Hydra's "
+                        "-launcher ssh, as on a real cluster; needs openssh-server)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write the nodes and their link counters to FILE")
     p.add_argument("--clean", action="store_true",
@@ -69,6 +79,12 @@ def run_cluster(args: argparse.Namespace) -> int:
     why = netns.unavailable()
     if why:
         raise ConfigError(f"cannot make a cluster here: {why}")
+    if args.launcher == "ssh":
+        from refmp.cli import netns_ssh
+
+        why = netns_ssh.unavailable()
+        if why:
+            raise ConfigError(f"--launcher ssh: {why}")
     signal.signal(signal.SIGTERM, _interrupt)  # while the nodes are made or removed
     try:
         return _run(args, program)
@@ -90,7 +106,11 @@ def _run(args: argparse.Namespace, program: list[str]) -> int:
         print(f"refmp cluster {c.id}: {args.nodes} node(s) on bridge {c.bridge}, "
               f"{args.ranks_per_node} rank(s) each, links {link}: "
               + ", ".join(f"{n.hostname} {n.ip}" for n in c.nodes), flush=True)
-        status = stop.wait(subprocess.Popen(c.mpiexec(args.ranks_per_node, program)))
+        with _launcher(args.launcher, c) as launch:  # (over ssh: its servers stop here)
+            cmd = launch.mpiexec(args.ranks_per_node, program)
+            if args.launcher == "ssh":
+                print(f"refmp cluster {c.id}: sshd on each node; {shlex.join(cmd)}", flush=True)
+            status = stop.wait(subprocess.Popen(cmd))
         counters = c.counters()
         for host, k in counters.items():
             print(f"refmp cluster: {host} sent {k['sent']:,} B and received "
@@ -102,6 +122,16 @@ def _run(args: argparse.Namespace, program: list[str]) -> int:
                            "nodes": {n.hostname: {"ip": n.ip, **counters[n.hostname]}
                                      for n in c.nodes}, "status": status}, f, indent=1)
     return status
+
+
+def _launcher(name: str, cluster):
+    """What builds the mpiexec command (``.mpiexec(ranks_per_node, program)``): the cluster
+    itself (its bootstrap script), or sshd in each node (a context that stops them)."""
+    if name == "ssh":
+        from refmp.cli.netns_ssh import SshLaunch
+
+        return SshLaunch(cluster)
+    return contextlib.nullcontext(cluster)
 
 
 class _Stop:

@@ -6,9 +6,10 @@ process in it also gets the node's hostname (a UTS namespace: MPI's ``Get_proces
 and refmp's reports tell the nodes apart) and the node's own ``/tmp`` (a mount namespace, as
 on a real cluster; ``share`` makes directories under /tmp common, a shared file system's
 stand-in, and this Python's environment, refmp's source and the working directory are shared
-that way too when they lie under /tmp; the rest of the file system is shared, as a cluster's
-home is). A node's link is
-shaped both ways by a token bucket (``tc qdisc ... tbf rate R``) on each end of its veth.
+that way too when they lie under /tmp, and the cluster's own :attr:`Cluster.common`, for a
+launcher's files; the rest of the file system is shared, as a cluster's home is). A node's
+link is shaped both ways by a token bucket (``tc qdisc ... tbf rate R``) on each end of its
+veth.
 
 Hydra (the ``mpich`` wheel's mpiexec) starts a proxy on each host through ssh; here
 ``-bootstrap-exec`` names a script, written for the cluster, called as ssh is (``script -x
@@ -16,7 +17,8 @@ HOST COMMAND``), that runs the command in that node's namespaces. Two traps, han
 :meth:`Cluster.mpiexec`: the proxies reach mpiexec only through the bridge (``-iface``), and
 UCX (MPICH's network layer) recognizes processes of one machine whatever their hostnames and
 would move their data through shared memory, past the veth (``UCX_TLS=tcp,self``). The veth
-counters say what crossed: check them.
+counters say what crossed: check them. ``refmp cluster --launcher ssh`` launches over ssh
+instead, to an sshd in each node (refmp.cli.netns_ssh).
 
 Teardown always runs (:meth:`Cluster.down`: leaving the ``with`` block, an exception,
 Ctrl-C); a run killed outright leaves its nodes to the next cluster (:func:`clean`: those
@@ -108,6 +110,7 @@ class Cluster:
         self.link_gbit = link_gbit
         self.share = shared_dirs(share)
         self.dir = ""  # the state directory (the bootstrap script, the nodes' /tmp)
+        self.common = ""  # in it, a directory every node sees (a launcher's files)
         self.bridge = f"{LINK}{self.id}"
         self.subnet = ""
         self.nodes: list[Node] = []
@@ -137,11 +140,15 @@ class Cluster:
         self.down()
 
     def up(self) -> None:
-        """Make the bridge, the nodes and their links, the bootstrap script (partial state is
-        for :meth:`down` to remove: call it whatever happens)."""
+        """Make the bridge, the nodes and their links, the bootstrap script, and the
+        directory every node sees (:attr:`common`; partial state is for :meth:`down` to
+        remove: call it whatever happens)."""
         clean()  # what killed runs left
         self.dir = tempfile.mkdtemp(prefix=f"{STATE}{self.id}-")
         self._save()
+        self.common = os.path.join(self.dir, "common")
+        os.mkdir(self.common, mode=0o700)
+        self.share = shared_dirs((*self.share, self.common))
         lock = os.open(tempfile.gettempdir(), os.O_RDONLY)  # two clusters starting at once
         try:  # take two subnets: one chooses and takes its own while the other waits
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -221,15 +228,18 @@ class Cluster:
             'case "$host" in', *cases,
             '  *) echo "refmp cluster: no node $host" >&2; exit 255 ;;',
             "esac", ""])
-        path = os.path.join(self.dir, "bootstrap")
-        Path(path).write_text(script)
-        os.chmod(path, 0o755)
+        Path(self.bootstrap).write_text(script)
+        os.chmod(self.bootstrap, 0o755)
+
+    @property
+    def bootstrap(self) -> str:
+        """The script that runs a command on a node: ``bootstrap -x HOST COMMAND``."""
+        return os.path.join(self.dir, "bootstrap")
 
     def mpiexec(self, ranks_per_node: int, program: list[str]) -> list[str]:
         """The mpiexec command that runs ``program`` as ``ranks_per_node`` ranks on each node,
         ranks 0..G-1 on node0, then node1 (so with tp = G, tp stays inside a node)."""
-        return ["mpiexec", "-iface", self.bridge, "-bootstrap-exec",
-                os.path.join(self.dir, "bootstrap"),
+        return ["mpiexec", "-iface", self.bridge, "-bootstrap-exec", self.bootstrap,
                 "-hosts", ",".join(n.ip for n in self.nodes), "-ppn", str(ranks_per_node),
                 "-n", str(ranks_per_node * len(self.nodes)),
                 "-genv", "UCX_TLS", "tcp,self", *program]

@@ -1,5 +1,7 @@
 """refmp across nodes, for tests/test_nodes.py: ``across_nodes.py cluster OUT`` on 2 nodes of
-2 ranks (refmp cluster), then ``across_nodes.py host OUT`` on one host, 4 ranks.
+2 ranks (refmp cluster), then ``across_nodes.py host OUT`` on one host, 4 ranks, and
+``across_nodes.py ssh OUT`` on 2 nodes of 2 ranks launched over ssh (refmp cluster
+--launcher ssh).
 
 cluster (4 ranks on node0, node0, node1, node1):
   1. dp 2 x tp 2 (tp inside a node, dp between): 4 steps, a checkpoint after step 2; each
@@ -11,7 +13,10 @@ cluster (4 ranks on node0, node0, node1, node1):
      (--trace-dir OUT/trace, a directory every node shares) names rank 3 and ends the job.
 host: the same dp 2 x tp 2 run from scratch, and from the checkpoint the cluster wrote after
   step 2; each compared bitwise with the cluster's: a mismatch exits 1.
-Results: OUT/cluster.json, OUT/host.json (rank 0).
+ssh: the same dp 2 x tp 2 run from scratch, compared bitwise with the cluster's; the ledger
+  and the bytes each node's eth0 sent during its steps; each rank's host, Python, refmp and
+  the variables the test set for mpiexec.
+Results: OUT/cluster.json, OUT/host.json, OUT/ssh.json (rank 0).
 """
 
 import hashlib
@@ -24,6 +29,7 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
+import refmp
 from refmp.distributed import recorder, topology
 from refmp.distributed.watchdog import Watchdog
 from refmp.training.trainer import TrainConfig, Trainer
@@ -63,10 +69,10 @@ def measured(tr: Trainer, steps: int) -> dict:
     """Train, counting what this node sent meanwhile (the first rank of each node reads)."""
     tr.grid.world.barrier()
     tr.grid.ledger.reset()
-    before = sent() if mode == "cluster" else 0
+    before = sent() if mode != "host" else 0
     recs = train(tr, steps)
     tr.grid.world.barrier()
-    after = sent() if mode == "cluster" else 0
+    after = sent() if mode != "host" else 0
     ledger = tr.grid.ledger.as_dict()
     return {"steps": recs, "ledger": world.allgather(ledger), "sent": world.allgather(after - before),
             "weights": hashes(tr)}
@@ -110,11 +116,26 @@ def host() -> dict:
             "resumed_weights_equal": hashes(resumed) == there["dp2tp2_rest"]["weights"]}
 
 
+SET_BY_TEST = ("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "OMP_NUM_THREADS", "PYTHONPATH")
+
+
+def over_ssh() -> dict:
+    with open(os.path.join(out, "cluster.json")) as f:
+        there = json.load(f)
+    m = measured(Trainer(BASE), 4)
+    return {"hosts": world.allgather(MPI.Get_processor_name()),
+            "python": world.allgather(sys.executable), "refmp": world.allgather(refmp.__file__),
+            "env": world.allgather({k: os.environ.get(k) for k in SET_BY_TEST}),
+            "ledger": m["ledger"], "sent": m["sent"],
+            "steps_equal": m["steps"] == there["dp2tp2"]["steps"] + there["dp2tp2_rest"]["steps"],
+            "weights_equal": m["weights"] == there["dp2tp2_rest"]["weights"]}
+
+
 rec = recorder.Recorder()
 recorder.install(rec)  # every grid records into it: the watchdog reads it
 trace = os.path.join(out, "trace")  # on a directory every node shares (refmp cluster --share)
 watchdog = Watchdog(world, rec, 20.0, trace).start()  # a hang in the runs above ends the job
-result = cluster() if mode == "cluster" else host()
+result = {"cluster": cluster, "host": host, "ssh": over_ssh}[mode]()
 if world.rank == 0:
     with open(os.path.join(out, f"{mode}.json"), "w") as f:
         json.dump(result, f, indent=1)
