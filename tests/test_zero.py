@@ -18,7 +18,8 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refused_each
 from parity import assert_same_run
 
-from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
+from refmp.cost.memory import stage_memory
+from refmp.cost.zero import comm_per_step, hpz_per_step, memory_per_rank, unit_sizes
 from refmp.nn import GPT, GPTConfig
 from refmp.parallel.engine import Engine
 from refmp.runtime.arrays import activation_bytes
@@ -95,6 +96,35 @@ def test_training_equals_serial(zero, M, bucket_mb, n_layer, n_head, hs, V, T, c
     bad.assert_none()
 
 
+@pytest.mark.mpi
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_hpz_gathers_inside_its_blocks_and_equals_serial():
+    """ZeRO-3 with hpZ in blocks of 2 of the 4 ranks, two micro-batches: the serial run's
+    weights; the gathers of every use on the blocks ("dp.hpz"), with ZeRO-3's bytes; the
+    refresh across blocks Pp w / G a step; S (1 + n/G) weights held (cost.zero.hpz_per_step)
+    and the plan's memory estimate the same."""
+    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=6, block_size=5, batch_size=8, steps=3,
+                      lr=0.01, warmup_steps=1, dtype="float64", seed=3, progress=False, zero=3,
+                      microbatches=2, hpz_size=2)
+    ds = Dataset(np.random.default_rng(3).integers(0, 11, 120), 11, "random")
+    with ledger_of_the_steps():
+        par = assert_same_run(cfg, ds)
+    sizes = unit_sizes(GPTConfig(11, 5, 2, 2, 6))
+    led, n, bad = par.grid.ledger, 4, Mismatches()
+    want = comm_per_step(sizes, n, 3, 2, 8)
+    hpz = hpz_per_step(sizes, n, 2, 8)
+    for label, op, nbytes in (("dp.hpz", "allgather", cfg.steps * want["allgather"]),
+                              ("dp", "allgather", 0),
+                              ("dp", "reduce_scatter", cfg.steps * want["reduce_scatter"]),
+                              ("dp.hpz-cross", "allgather", cfg.steps * hpz["refresh"])):
+        bad.check(np.testing.assert_equal, led.bytes(op, label), nbytes, err_msg=f"{op}@{label}")
+    bad.check(np.testing.assert_equal, par.memory()["params"], hpz["params"], err_msg="params")
+    plan = stage_memory(cfg, par.model.cfg, par.grid.sizes, 0)
+    bad.check(np.testing.assert_equal, plan["params"], hpz["params"], err_msg="plan's params")
+    bad.assert_none()
+
+
 def test_formulas_match_the_paper_without_padding():
     """With no padding (every unit divisible by dp): 4+4+8 bytes per parameter, divided by
     stage; stages 1 and 2 move what plain DP moves, stage 3 gathers every unit again."""
@@ -125,6 +155,9 @@ BAD_ZERO = [
     (["--zero", "4"], "invalid choice"),
     (["--microbatches", "3", "--batch-size", "8"], "divisible by dp * microbatches"),
     (["--bucket-mb", "-1"], "--bucket-mb must be >= 0"),
+    (["--hpz-size", "2"], "add --zero 3"),  # on 2 ranks:
+    (["--zero", "3", "--hpz-size", "2"], "must divide the dp x cp ranks of a ZeRO group (2)"),
+    (["--zero", "3", "--hpz-size", "3"], "--hpz-size 3 must divide"),
 ]
 
 

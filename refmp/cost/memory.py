@@ -21,7 +21,7 @@ from functools import cache
 
 from refmp.config import TrainConfig
 from refmp.cost.model import Layout, split, train_config
-from refmp.cost.zero import local_shapes, memory_per_rank
+from refmp.cost.zero import hpz_per_step, local_shapes, memory_per_rank
 from refmp.nn.params import GPTConfig, param_shapes
 from refmp.parallel.data.compress import compresses
 from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
@@ -168,6 +168,8 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     dense = {u: n for u, n in units.items() if not u.endswith(".experts")}
     expert = {u: n for u, n in units.items() if u.endswith(".experts")}
     mem = memory_per_rank(dense, dp * cp, cfg.zero, w)
+    if cfg.hpz_size > 1:  # hpZ: the secondary slices too
+        mem["params"] = hpz_per_step(dense, dp * cp, cfg.hpz_size, w)["params"]
     for k, n in memory_per_rank(expert, dp * cp // ep, cfg.zero, w).items():
         mem[k] += n
     if cfg.optimizer == "sgd":

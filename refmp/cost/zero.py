@@ -163,6 +163,15 @@ def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int =
             "allgather": M * w * gathered}
 
 
+def hpz_per_step(sizes: dict[str, int], n: int, G: int, itemsize: int = 4) -> dict[str, int]:
+    """ZeRO++'s hpZ beside ZeRO-3 (refmp.parallel.data.hpz), blocks of G of the n ranks:
+    ``refresh`` the ledger bytes of the once-a-step all-gather across blocks, Pp w / G a unit
+    (on ``{axis}.hpz-cross``; the gathers of every use keep comm_per_step's bytes, on
+    ``{axis}.hpz``); ``params`` the weight bytes a rank holds, S (1 + n/G) a unit."""
+    n_pad = sum(padded(s, n) for s in sizes.values())
+    return {"refresh": itemsize * n_pad // G, "params": itemsize * n_pad // n * (1 + n // G)}
+
+
 LINEARS = (3, 1, 4, 4)  # a block's weights in C^2 / tp: qkv, the projection, fc, fc2
 
 

@@ -27,6 +27,7 @@ from refmp.nn.routing import moe_summary
 from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
+from refmp.parallel.data import hpz
 from refmp.parallel.data.accumulate import (
     dp_rows,
     flatten,
@@ -97,8 +98,13 @@ def build_sharder(local: dict, grid, layout: ParallelConfig, seed: int) -> Shard
               for u, names in units.items()}
     compute, grad_dtype = mixed_dtypes(layout)  # None, None without --mixed-precision
     codec, gather = make_codecs(layout, seed)
+    secondary = {}  # hpZ: the dense units' gathers inside blocks of --hpz-size ranks
+    if layout.hpz_size > 1:
+        pair = hpz.blocks(dense, layout.hpz_size, grid.nodes)
+        secondary = {u: pair for u, g in groups.items() if g is dense}
     return Sharder(local, units, groups, layout.zero, bucket_mb=layout.bucket_mb,
-                   compute=compute, grad_dtype=grad_dtype, codec=codec, gather=gather)
+                   compute=compute, grad_dtype=grad_dtype, codec=codec, gather=gather,
+                   hpz=secondary)
 
 
 def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list):

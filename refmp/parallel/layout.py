@@ -29,6 +29,7 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
     if cfg.dp_reduce == "hierarchical" and cfg.zero > 0:
         raise ConfigError(f"--dp-reduce hierarchical is ZeRO 0's all-reduce; --zero {cfg.zero} "
                           f"reduce-scatters and all-gathers over the flat group (use --zero 0)")
+    check_hpz(cfg, dp * cp)
     if cfg.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"--recompute must be none, selective or full, got {cfg.recompute!r}")
     if M < 1:
@@ -102,3 +103,19 @@ def check_compression(cfg) -> None:
         raise ConfigError("--weight-gather int8 quantizes ZeRO-3's all-gathers of the weights for "
                           "each use; other stages keep whole weights (their all-gather after the "
                           "step is the update itself): add --zero 3")
+
+
+def check_hpz(cfg, n: int) -> None:
+    """--hpz-size G: ZeRO-3's, G dividing the n = dp x cp ranks of a ZeRO group, below n."""
+    G = cfg.hpz_size
+    if G == 1:
+        return
+    if cfg.zero != 3:
+        raise ConfigError(f"--hpz-size partitions ZeRO-3's weights a second time; --zero {cfg.zero} "
+                          f"gathers none for each use: add --zero 3, or leave --hpz-size 1")
+    if G < 1 or n % G or G >= n:
+        raise ConfigError(f"--hpz-size {G} must divide the dp x cp ranks of a ZeRO group ({n}) and "
+                          f"be below it (a node's ranks of the group)")
+    if cfg.weight_gather == "int8":
+        raise ConfigError("--hpz-size with --weight-gather int8: the int8 gathers run over the whole "
+                          "group; use one of the two")

@@ -47,6 +47,7 @@ import numpy as np
 
 from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import progress, wait
+from refmp.parallel.data.hpz import block_gather, secondary
 from refmp.parallel.data.zero import Unit
 from refmp.runtime.arrays import map_leaves
 from refmp.runtime.backend import array_module
@@ -77,16 +78,19 @@ class Sharder:
 
     Options: ``bucket_mb`` stage 0's all-reduce buckets (0: one after backward); ``compute``
     and ``grad_dtype`` mixed precision's dtypes (None: the parameters'); ``codec`` a gradient
-    codec and ``gather`` ZeRO-3's weight-gather codec (refmp.parallel.data.compress)."""
+    codec and ``gather`` ZeRO-3's weight-gather codec (refmp.parallel.data.compress);
+    ``hpz`` unit -> (inner, outer): ZeRO-3's gathers of that unit inside its inner group, from
+    a secondary partition (refmp.parallel.data.hpz)."""
 
     def __init__(self, local: dict, units: dict[str, list[str]], groups: dict[str, Comm],
                  stage: int, *, bucket_mb: float = 25.0, compute=None, grad_dtype=None,
-                 codec=None, gather=None):
+                 codec=None, gather=None, hpz: dict | None = None):
         self.stage = stage
         self.groups = groups
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.codec = codec
         self.gather = gather
+        self.hpz = hpz or {}
         self.step = -1  # zero_grad() calls - 1
         p0 = next(iter(local.values()))
         self.xp = array_module(p0)
@@ -99,6 +103,7 @@ class Sharder:
                       for u, ks in units.items()}
         self.pbuf: dict = {}  # unit -> the weights the model computes on (Pp,), stage 3: (S,)
         self.gbuf: dict = {}  # unit -> its gradient (Pp,), stages 2-3: the owned slice (S,)
+        self.sbuf: dict = {}  # hpZ: unit -> its secondary slice (N S,)
         self.work: dict = {}  # stages 2-3: a micro-batch's full gradient until reduce-scattered
         self.master: dict = {}  # mixed precision: the fp32 owned slices (S,)
         self.mgrad: dict = {}  # and their fp32 unscaled gradients
@@ -110,6 +115,9 @@ class Sharder:
                 self.master[u] = full[unit.lo : unit.hi].copy()  # (S,) fp32
                 full = full.astype(self.compute)  # (Pp,) bf16 / fp16
             self.pbuf[u] = full if stage < 3 else full[unit.lo : unit.hi].copy()  # stage 3: (S,)
+            if u in self.hpz:
+                self.sbuf[u] = secondary(full, self.hpz[u][0].size, self.hpz[u][0].rank,
+                                             unit.shard)
             self.gbuf[u] = self.xp.zeros(unit.padded if stage < 2 else unit.shard, self.gdtype)
             owned = self.pbuf[u][unit.lo : unit.hi] if stage < 3 else self.pbuf[u]
             self.params.update(unit.pieces(self.master[u] if self.mixed else owned))
@@ -163,6 +171,8 @@ class Sharder:
             return unit.views(buf)  # (alone, int8 still rounds: the serial run of the codec)
         if self.gather is not None and not exact:
             return unit.views(self.gather.allgather(group, buf))
+        if u in self.hpz and version is None:  # inside the block, from its secondaries
+            return unit.views(block_gather(self.hpz[u][0], self.sbuf[u], unit.shard))
         return unit.views(group.allgather(buf))
 
     def snapshot(self, into: dict | None = None) -> dict:
@@ -303,6 +313,8 @@ class Sharder:
             for u, unit in self.units.items():
                 if self.groups[u].size > 1:
                     self.pbuf[u][...] = self.groups[u].allgather(self.pbuf[u][unit.lo : unit.hi])
+        for u, (_, outer) in self.hpz.items():  # hpZ: the updated primaries to the blocks
+            self.sbuf[u][...] = outer.allgather(self.pbuf[u])
         # stage 0: every rank made the same update; stage 3: weights stay sharded
 
     def state(self) -> dict:
@@ -320,7 +332,8 @@ class Sharder:
     def memory(self) -> dict[str, int]:
         """Bytes of the parameter (compute copy), gradient and fp32 master buffers this rank
         keeps between steps, and the codec's error buffers."""
-        return {"params": sum(int(b.nbytes) for b in self.pbuf.values()),
+        held = [*self.pbuf.values(), *self.sbuf.values()]
+        return {"params": sum(int(b.nbytes) for b in held),
                 "grads": sum(int(b.nbytes) for b in self.gbuf.values()),
                 "masters": sum(int(b.nbytes) for b in self.master.values()),
                 "error_feedback": self.codec.memory() if self.codec is not None else 0}
