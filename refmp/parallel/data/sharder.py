@@ -116,8 +116,8 @@ class Sharder:
                 full = full.astype(self.compute)  # (Pp,) bf16 / fp16
             self.pbuf[u] = full if stage < 3 else full[unit.lo : unit.hi].copy()  # stage 3: (S,)
             if u in self.hpz:
-                self.sbuf[u] = secondary(full, self.hpz[u][0].size, self.hpz[u][0].rank,
-                                             unit.shard)
+                inner = self.hpz[u][0]
+                self.sbuf[u] = secondary(full, inner.size, inner.rank, unit.shard)  # (N S,)
             self.gbuf[u] = self.xp.zeros(unit.padded if stage < 2 else unit.shard, self.gdtype)
             owned = self.pbuf[u][unit.lo : unit.hi] if stage < 3 else self.pbuf[u]
             self.params.update(unit.pieces(self.master[u] if self.mixed else owned))
