@@ -94,9 +94,9 @@ class ParallelConfig:
                                   "of 1/G across nodes, all-gather inside; ZeRO 0; docs/nodes.md) "
                                   "(%(default)s)", choices=("flat", "hierarchical"))
     hpz_size: int = flag(1, "ZeRO-3: ZeRO++'s hierarchical partition (hpZ): a second copy of the weights "
-                            "partitioned over blocks of this many consecutive dp x cp ranks (give a "
-                            "node's), so the weight all-gathers of every use stay inside a block; "
-                            "1: off (%(default)s)")
+                            "partitioned over blocks of this many consecutive dp x cp ranks (give "
+                            "those on a node: the ranks per node over tp), so the weight all-gathers "
+                            "of every use stay inside a block; 1: off (%(default)s)")
     grad_dtype: str = flag("compute", "with --mixed-precision: accumulate and reduce gradients in the "
                                       "compute dtype or in fp32 (%(default)s)", PRECISION,
                            choices=("compute", "fp32"))

@@ -8,6 +8,7 @@ refmp.cost.zero, exactly, on the Sharder's units (zero_cost.unit_sizes).
 """
 
 import contextlib
+from dataclasses import replace
 from unittest import mock
 
 import numpy as np
@@ -20,13 +21,26 @@ from parity import assert_same_run
 
 from refmp.cost.memory import stage_memory
 from refmp.cost.zero import comm_per_step, hpz_per_step, memory_per_rank, unit_sizes
+from refmp.errors import ConfigError
 from refmp.nn import GPT, GPTConfig
+from refmp.parallel.data.hpz import block_notes
 from refmp.parallel.engine import Engine
+from refmp.parallel.layout import check_hpz
 from refmp.runtime.arrays import activation_bytes
 from refmp.training.datasets import Dataset
-from refmp.training.trainer import TrainConfig
+from refmp.training.trainer import TrainConfig, Trainer
 
 OPS = ("allreduce", "reduce_scatter", "allgather")
+STATE = ("params", "grads", "optimizer", "activations")
+
+
+@contextlib.contextmanager
+def kept_out(ledger):
+    """What ``ledger`` records inside the block is left out of it."""
+    kept = {key: list(entry) for key, entry in ledger.entries.items()}
+    yield
+    ledger.entries.clear()
+    ledger.entries.update(kept)
 
 
 @contextlib.contextmanager
@@ -37,11 +51,8 @@ def ledger_of_the_steps():
 
     def unrecorded(gather):
         def run(self):
-            kept = {key: list(entry) for key, entry in self.grid.ledger.entries.items()}
-            out = gather(self)
-            self.grid.ledger.entries.clear()
-            self.grid.ledger.entries.update(kept)
-            return out
+            with kept_out(self.grid.ledger):
+                return gather(self)
         return run
 
     with mock.patch.object(Engine, "full_grads", unrecorded(Engine.full_grads)), \
@@ -96,33 +107,120 @@ def test_training_equals_serial(zero, M, bucket_mb, n_layer, n_head, hs, V, T, c
     bad.assert_none()
 
 
+HPZ = {  # a ZeRO group of 4 ranks in blocks of 2, nodes of 2 ranks (REFMP_RANKS_PER_NODE)
+    "dp 4, 2 micro-batches": dict(microbatches=2),
+    "dp 2 x cp 2": dict(dp=2, cp=2),  # the ZeRO group is dp x cp
+    "dp 4, bf16, 2bw": dict(dtype="float32", mixed_precision="bf16", schedule="2bw"),
+}  # 2BW (at pp 1 too) computes on the weights of the step before: a weight version
+
+
+def same_as_zero3(cfg: TrainConfig, ds: Dataset, version: dict):
+    """(``check(par, s)`` for assert_same_run, the plain ZeRO-3 Trainer it steps): plain
+    ZeRO-3 (no hpZ) steps beside the run on the same data, and its whole gradient and
+    weights are the run's after every step, bitwise. After the first step it also keeps, out
+    of the ledger, a weight version of the run (Sharder.snapshot) and the weights it gathers
+    then, in ``version``."""
+    plain = Trainer(replace(cfg, hpz_size=1), dataset=ds)
+
+    def check(par, s):
+        plain.step()
+        runs = [(what, r.runner.full_grads() if what == "gradient" else r.runner.full_params())
+                for what in ("gradient", "weight") for r in (par, plain)]
+        if s == 0:
+            sharder = par.runner.sharder
+            with kept_out(par.grid.ledger):
+                version["snapshot"] = sharder.snapshot()
+                version["weights"] = {u: {k: w.copy() for k, w in sharder.weights(u).items()}
+                                      for u in sharder.units}
+        for (what, got), (_, want) in zip(runs[::2], runs[1::2], strict=True):
+            for k in want or {}:  # the whole model is on rank 0
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"{what} {k}, step {s}")
+
+    return check, plain
+
+
 @pytest.mark.mpi
 @pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("case", HPZ)
 @collective
-def test_hpz_gathers_inside_its_blocks_and_equals_serial():
-    """ZeRO-3 with hpZ in blocks of 2 of the 4 ranks, two micro-batches: the serial run's
-    weights; the gathers of every use on the blocks ("dp.hpz"), with ZeRO-3's bytes; the
-    refresh across blocks Pp w / G a step; S (1 + n/G) weights held (cost.zero.hpz_per_step)
-    and the plan's memory estimate the same."""
-    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=6, block_size=5, batch_size=8, steps=3,
-                      lr=0.01, warmup_steps=1, dtype="float64", seed=3, progress=False, zero=3,
-                      microbatches=2, hpz_size=2)
+def test_hpz_gathers_inside_its_blocks_and_equals_zero3(case, monkeypatch):
+    """ZeRO-3 with hpZ in blocks of 2 of the 4 ranks: the serial run's losses and weights
+    (float64; bf16's ZeRO-3 is held to the serial run in tests/test_mixed_precision.py, 2BW's
+    in tests/test_async_pipeline.py), and plain ZeRO-3's bitwise; the gathers of every use
+    on the blocks ("dp.hpz", inside a node), with ZeRO-3's bytes, none on the whole group;
+    the refresh across blocks (the only weight bytes between nodes) Pp w / G a step;
+    S (1 + n/G) weights held, and the plan's estimate of every buffer the same
+    (refmp.cost.zero.hpz_per_step, refmp.cost.memory.stage_memory); a weight version
+    copies the secondaries and gathers the weights it was taken at, inside the blocks."""
+    monkeypatch.setenv("REFMP_RANKS_PER_NODE", "2")
+    cfg = TrainConfig(**{**dict(n_layer=2, n_head=2, n_embd=6, block_size=4, batch_size=8,
+                                steps=3, lr=0.01, warmup_steps=1, dtype="float64", seed=3,
+                                progress=False, zero=3, hpz_size=2), **HPZ[case]})
     ds = Dataset(np.random.default_rng(3).integers(0, 11, 120), 11, "random")
+    version = {}
+    bad = Mismatches()
+    check, plain = same_as_zero3(cfg, ds, version)
     with ledger_of_the_steps():
-        par = assert_same_run(cfg, ds)
-    sizes = unit_sizes(GPTConfig(11, 5, 2, 2, 6))
-    led, n, bad = par.grid.ledger, 4, Mismatches()
-    want = comm_per_step(sizes, n, 3, 2, 8)
-    hpz = hpz_per_step(sizes, n, 2, 8)
-    for label, op, nbytes in (("dp.hpz", "allgather", cfg.steps * want["allgather"]),
-                              ("dp", "allgather", 0),
-                              ("dp", "reduce_scatter", cfg.steps * want["reduce_scatter"]),
-                              ("dp.hpz-cross", "allgather", cfg.steps * hpz["refresh"])):
-        bad.check(np.testing.assert_equal, led.bytes(op, label), nbytes, err_msg=f"{op}@{label}")
-    bad.check(np.testing.assert_equal, par.memory()["params"], hpz["params"], err_msg="params")
+        if cfg.mixed_precision == "none":
+            par = assert_same_run(cfg, ds, check=check)
+        else:
+            par = Trainer(cfg, dataset=ds)
+            for s in range(cfg.steps):
+                par.step()
+                bad.check(check, par, s)
+    w = 2 if cfg.mixed_precision == "bf16" else 8  # the weights' and gradients' bytes
+    sizes = unit_sizes(par.model.cfg)
+    n = 4  # the ZeRO group: dp x cp
+    led = par.grid.ledger
+    label = par.grid.group("dp", "cp").axis  # "dp", or "dp+cp"
+    want = comm_per_step(sizes, n, 3, cfg.microbatches, w)
+    hpz = hpz_per_step(sizes, n, 2, w)
+    for run, key, nbytes in (
+            (par, f"allgather@{label}.hpz[intra]", cfg.steps * want["allgather"]),
+            (par, f"allgather@{label}[inter]", 0),
+            (par, f"reduce_scatter@{label}[inter]", cfg.steps * want["reduce_scatter"]),
+            (par, f"allgather@{label}.hpz-cross[inter]", cfg.steps * hpz["refresh"]),
+            (plain, f"allgather@{label}[inter]", cfg.steps * want["allgather"])):  # ZeRO-3's
+        got = run.grid.ledger.as_dict().get(key, {"bytes": 0})["bytes"]
+        bad.check(np.testing.assert_equal, got, nbytes, err_msg=f"{key} {run.cfg.hpz_size}")
+    mem = par.memory()
+    bad.check(np.testing.assert_equal, mem["params"], hpz["params"], err_msg="params")
     plan = stage_memory(cfg, par.model.cfg, par.grid.sizes, 0)
-    bad.check(np.testing.assert_equal, plan["params"], hpz["params"], err_msg="plan's params")
+    kinds = (*STATE, "versions")
+    bad.check(np.testing.assert_equal, [plan[k] for k in kinds], [mem.get(k, 0) for k in kinds],
+              err_msg=f"the plan's {kinds}")
+    sharder = par.runner.sharder
+    before = led.bytes("allgather", label)
+    then = {u: sharder.weights(u, version=version["snapshot"]) for u in sharder.units}
+    bad.check(np.testing.assert_equal, led.bytes("allgather", label), before,
+              err_msg="a version's gathers on the whole group")
+    bad.check(np.testing.assert_equal, sum(b.nbytes for b in version["snapshot"].values()),
+              hpz["secondary"], err_msg="a version's bytes")
+    for u, ws in version["weights"].items():
+        for k, w0 in ws.items():
+            bad.check(np.testing.assert_array_equal, then[u][k], w0, err_msg=f"version: {k}")
     bad.assert_none()
+
+
+def test_hpz_blocks_and_sizes():
+    """--hpz-size's rule on groups the refusal batch's 2 ranks cannot make, and the warning
+    when a block spans nodes (pure: what every rank decides alike)."""
+    for n, G, ok in ((4, 2, True), (4, 3, False), (6, 3, True), (6, 4, False), (8, 8, False)):
+        cfg = TrainConfig(zero=3, hpz_size=G)
+        if ok:
+            check_hpz(cfg, n)
+        else:
+            with pytest.raises(ConfigError, match=f"--hpz-size {G} must divide"):
+                check_hpz(cfg, n)
+    two = (0, 0, 1, 1)  # 2 nodes of 2 ranks
+    grid = {"pp": 1, "dp": 4, "cp": 1, "tp": 1, "ep": 1}
+    assert block_notes(grid, two, 2) == [] and block_notes(grid, two, 1) == []
+    note = block_notes(grid, (0, 1, 2, 3), 2)  # a node per rank: every block crosses
+    assert len(note) == 1 and "world ranks 0, 1 spans nodes" in note[0]
+    assert "leave --hpz-size 1" in note[0]
+    tp2 = {**grid, "tp": 2}  # 8 ranks; rank 0's dp group: 0, 2, 4, 6; 4 ranks a node
+    assert "(here 2)" in block_notes(tp2, (0,) * 4 + (1,) * 4, 4)[0]
+    assert block_notes(tp2, (0,) * 4 + (1,) * 4, 2) == []
 
 
 def test_formulas_match_the_paper_without_padding():
@@ -158,6 +256,8 @@ BAD_ZERO = [
     (["--hpz-size", "2"], "add --zero 3"),  # on 2 ranks:
     (["--zero", "3", "--hpz-size", "2"], "must divide the dp x cp ranks of a ZeRO group (2)"),
     (["--zero", "3", "--hpz-size", "3"], "--hpz-size 3 must divide"),
+    (["--zero", "3", "--hpz-size", "0"], "--hpz-size must be at least 1"),
+    (["--zero", "3", "--hpz-size", "2", "--weight-gather", "int8"], "use one of the two"),
 ]
 
 

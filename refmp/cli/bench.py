@@ -210,6 +210,7 @@ def print_report(out: dict, args) -> None:
     lay = out["layout"]
     axes = " x ".join(f"{a}={lay[a]}" for a in ("pp", "dp", "cp", "tp", "ep"))
     extra = [f"zero {lay['zero']}"] if lay["zero"] else []
+    extra += [f"hpZ in blocks of {lay['hpz_size']}"] if lay["hpz_size"] > 1 else []
     extra += ["sequence parallel"] if lay["sequence_parallel"] else []
     extra += [f"cp {lay['cp_algo']} {lay['cp_balance']}"] if lay["cp"] > 1 else []
     extra += [f"{lay['microbatches']} micro-batches"] if lay["microbatches"] > 1 else []

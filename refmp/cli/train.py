@@ -23,6 +23,7 @@ from refmp.distributed.preemption import Preempted, Preemption
 from refmp.distributed.topology import crossing_notes
 from refmp.distributed.watchdog import Watchdog
 from refmp.errors import ConfigError, TrainingError
+from refmp.parallel.data.hpz import block_notes
 from refmp.training.trainer import TrainConfig, Trainer
 
 
@@ -87,7 +88,9 @@ def run(cfg: TrainConfig) -> dict:
               f"GPT {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {tr.T}, "
               f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}"
               f"{_on_nodes(tr.grid.nodes)}", flush=True)
-        for note in crossing_notes(tr.grid.sizes, tr.grid.nodes):  # before the first step
+        notes = crossing_notes(tr.grid.sizes, tr.grid.nodes)  # tp or cp across nodes
+        notes += block_notes(tr.grid.sizes, tr.grid.nodes, cfg.hpz_size)  # hpZ's blocks
+        for note in notes:  # before the first step
             print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)
     if rank0 and tr.resumed:
         _print_resume(tr.resumed, cfg)

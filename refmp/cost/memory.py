@@ -146,8 +146,9 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     plus the embedding's on the first chunk and the head's on the last): what
     Engine.memory()["activations"] measures.
     ``error_feedback``: the gradient codec's buffers (codec_bytes), in the steady state.
-    ``versions``: older weight versions kept, each a copy of the compute weights: 2BW's
-    W(t-1), and pipedream's pp - 1 - s on stage s (refmp/parallel/pipeline/schedules.py).
+    ``versions``: older weight versions kept, each a copy of the compute weights as held
+    (with hpZ the secondary slices alone, Sharder.snapshot): 2BW's W(t-1), and pipedream's
+    pp - 1 - s on stage s (refmp/parallel/pipeline/schedules.py).
     ``workspace``: a backward's temporaries (the gradients of a cache's arrays), taken as
     one more whole cache of the largest piece, as recomputation rebuilds it (with ZeRO-3,
     plus the largest unit, gathered whole while it runs). ``setup``: the full model, which
@@ -168,17 +169,22 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     dense = {u: n for u, n in units.items() if not u.endswith(".experts")}
     expert = {u: n for u, n in units.items() if u.endswith(".experts")}
     mem = memory_per_rank(dense, dp * cp, cfg.zero, w)
-    if cfg.hpz_size > 1:  # hpZ: the secondary slices too
-        mem["params"] = hpz_per_step(dense, dp * cp, cfg.hpz_size, w)["params"]
-    for k, n in memory_per_rank(expert, dp * cp // ep, cfg.zero, w).items():
+    version = mem["params"]  # a weight version copies the weights as held
+    if cfg.hpz_size > 1:  # hpZ: the secondary slices too, and a version keeps those alone
+        hpz = hpz_per_step(dense, dp * cp, cfg.hpz_size, w)
+        mem["params"] = hpz["params"]
+        version = hpz["secondary"]
+    held = memory_per_rank(expert, dp * cp // ep, cfg.zero, w)  # expert units, over edp
+    for k, n in held.items():
         mem[k] += n
+    version += held["params"]
     if cfg.optimizer == "sgd":
         mem["optimizer"] = mem["optimizer"] // 2 if cfg.momentum else 0
     # the codec's buffers, in the gradients' dtype (a codec takes fp32 gradients)
     mem["error_feedback"] = codec_bytes(shapes, cfg.grad_compress, cfg.compress_rank,
                                         w if cfg.mixed_precision == "none" else 4,
                                         not cfg.no_error_feedback)
-    mem["versions"] = {"2bw": 1, "pipedream": pp - 1 - r}.get(cfg.schedule, 0) * mem["params"]
+    mem["versions"] = {"2bw": 1, "pipedream": pp - 1 - r}.get(cfg.schedule, 0) * version
     # activations: one micro-batch's cache per chunk, then the schedule's peak
     b, Tl = cfg.batch_size // (dp * M), T // cp
     sp, cf = cfg.sequence_parallel, mcfg.capacity_factor
@@ -257,6 +263,7 @@ def stage_memory(cfg: TrainConfig, mcfg: GPTConfig, sizes: dict, r: int) -> dict
     if cfg.mixed_precision != "none":
         c, g = 2, (4 if cfg.grad_dtype == "fp32" else 2)
         m["params"], m["grads"] = m["params"] * c // w, m["grads"] * g // w
+        m["versions"] = m["versions"] * c // w  # copies of the compute weights
         m["optimizer"] = m["optimizer"] * 3 // 2 if cfg.optimizer == "adamw" else m["optimizer"]
         # the caches' floats take c bytes, their int64 ids and targets stay 8: the estimate at
         # both one-precision widths (4 A + I, 8 A + I) separates the two

@@ -167,9 +167,11 @@ def hpz_per_step(sizes: dict[str, int], n: int, G: int, itemsize: int = 4) -> di
     """ZeRO++'s hpZ beside ZeRO-3 (refmp.parallel.data.hpz), blocks of G of the n ranks:
     ``refresh`` the ledger bytes of the once-a-step all-gather across blocks, Pp w / G a unit
     (on ``{axis}.hpz-cross``; the gathers of every use keep comm_per_step's bytes, on
-    ``{axis}.hpz``); ``params`` the weight bytes a rank holds, S (1 + n/G) a unit."""
+    ``{axis}.hpz``); ``params`` the weight bytes a rank holds, S (1 + n/G) a unit: its
+    primary slice S and its ``secondary`` one, N S = Pp/G (what a weight version copies)."""
     n_pad = sum(padded(s, n) for s in sizes.values())
-    return {"refresh": itemsize * n_pad // G, "params": itemsize * n_pad // n * (1 + n // G)}
+    return {"refresh": itemsize * n_pad // G, "params": itemsize * n_pad // n * (1 + n // G),
+            "secondary": itemsize * n_pad // G}
 
 
 LINEARS = (3, 1, 4, 4)  # a block's weights in C^2 / tp: qkv, the projection, fc, fc2

@@ -106,16 +106,19 @@ def check_compression(cfg) -> None:
 
 
 def check_hpz(cfg, n: int) -> None:
-    """--hpz-size G: ZeRO-3's, G dividing the n = dp x cp ranks of a ZeRO group, below n."""
+    """--hpz-size G: ZeRO-3's, G dividing the n = dp x cp ranks of a ZeRO group, below n
+    (1: off)."""
     G = cfg.hpz_size
     if G == 1:
         return
+    if G < 1:
+        raise ConfigError(f"--hpz-size must be at least 1 (1: off), got {G}")
     if cfg.zero != 3:
         raise ConfigError(f"--hpz-size partitions ZeRO-3's weights a second time; --zero {cfg.zero} "
                           f"gathers none for each use: add --zero 3, or leave --hpz-size 1")
-    if G < 1 or n % G or G >= n:
-        raise ConfigError(f"--hpz-size {G} must divide the dp x cp ranks of a ZeRO group ({n}) and "
-                          f"be below it (a node's ranks of the group)")
     if cfg.weight_gather == "int8":
         raise ConfigError("--hpz-size with --weight-gather int8: the int8 gathers run over the whole "
                           "group; use one of the two")
+    if n % G or G >= n:
+        raise ConfigError(f"--hpz-size {G} must divide the dp x cp ranks of a ZeRO group ({n}) and "
+                          f"be below it (a node's ranks of the group)")

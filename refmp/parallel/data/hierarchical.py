@@ -51,6 +51,25 @@ def check_nodes(sizes: dict[str, int], nodes: tuple[int, ...], axes: tuple[str, 
                               f" ranks on its nodes; it needs the same number on each")
 
 
+def two_levels(flat: Comm, block: int, index: int, names: tuple[str, str],
+               nodes: tuple[int, ...]) -> tuple[Comm, Comm]:
+    """(inner, outer): ``flat``'s ranks split into blocks, ``block`` mine and ``index`` my
+    place in it. inner: my block's ranks, in index order; outer: the ranks with my index in
+    their blocks, in block order. Ledger labels ``{axis}.{names[0]}`` and
+    ``{axis}.{names[1]}``, with ``[intra]`` / ``[inter]`` where the grid spans several
+    ``nodes``. Used by the hierarchical all-reduce (blocks: nodes) and by ZeRO++'s hpZ
+    (refmp.parallel.data.hpz; blocks: G consecutive ranks)."""
+    inner = Comm(flat.mpi.Split(block, index), f"{flat.axis}.{names[0]}", flat.ledger,
+                 flat.recorder)
+    outer = Comm(flat.mpi.Split(index, block), f"{flat.axis}.{names[1]}", flat.ledger,
+                 flat.recorder)
+    for c in (inner, outer):
+        c.cuda_aware = flat.cuda_aware
+        if len(set(nodes)) > 1:  # the ledger says which level crosses nodes
+            flat.ledger.spans[c.axis] = topology.span(c.world_ranks, nodes)
+    return inner, outer
+
+
 class HierarchicalComm(Comm):
     """``flat``'s ranks, with an all-reduce in three steps (module docstring): ``inner`` the
     G ranks of my node, ``outer`` the N ranks with my index on theirs. ``nodes``: the node of
@@ -63,15 +82,9 @@ class HierarchicalComm(Comm):
         order = list(dict.fromkeys(where))  # the group's nodes
         node = order.index(where[self.rank])
         local = where[: self.rank].count(where[self.rank])  # my index on my node
-        self.inner = Comm(self.mpi.Split(node, local), f"{self.axis}.node", self.ledger,
-                          self.recorder)
-        self.outer = Comm(self.mpi.Split(local, node), f"{self.axis}.cross", self.ledger,
-                          self.recorder)
-        if len(set(nodes)) > 1:  # the ledger says which step crosses nodes
-            self.ledger.spans[self.inner.axis] = "intra"
-            self.ledger.spans[self.outer.axis] = topology.span(self.outer.world_ranks, nodes)
-        for c in (self.inner, self.outer):
-            c.cuda_aware = self.cuda_aware
+        inner, outer = two_levels(flat, node, local, ("node", "cross"), nodes)
+        self.inner = inner  # the G ranks of my node
+        self.outer = outer  # the N ranks with my index on theirs
 
     def allreduce(self, buf, op: str = "sum"):
         """In-place sum of ``buf`` over the group, in three steps (other ops: flat)."""

@@ -17,13 +17,21 @@ ranks with index i in theirs (outer).
 
 Bytes (the ledger's convention, the all-gather's output): a gather Pp w on the inner group,
 as ZeRO-3's on the whole group; a refresh N S w = Pp w / G on the outer group, once a step.
-Memory held between uses: S + N S = S (1 + n/G) elements a unit, against ZeRO-3's S.
+Memory held between uses: S + N S = S (1 + n/G) elements a unit, against ZeRO-3's S. A
+weight version that a pipeline without a flush keeps (2BW's W(t-1), PipeDream's stashes;
+Sharder.snapshot) copies the secondary slice, so its gathers stay inside the block too.
+
+G is given (``--hpz-size``, as DeepSpeed's ``zero_hpz_partition_size``), not inferred: the
+ranks of a ZeRO group on one node, so that each block is on one node (with Megatron's rank
+order and tp inside a node: the ranks per node over tp); where the grid knows its nodes and a
+block spans two, refmp train warns (:func:`block_notes`).
 """
 
 from __future__ import annotations
 
 from refmp.distributed import topology
 from refmp.distributed.comm import Comm
+from refmp.parallel.data.hierarchical import two_levels
 
 
 def blocks(flat: Comm, G: int, nodes: tuple[int, ...]) -> tuple[Comm, Comm]:
@@ -31,13 +39,29 @@ def blocks(flat: Comm, G: int, nodes: tuple[int, ...]) -> tuple[Comm, Comm]:
     with my index in theirs. Ledger labels ``{axis}.hpz`` and ``{axis}.hpz-cross`` (with
     ``[intra]`` / ``[inter]`` where the grid spans several ``nodes``)."""
     k, i = divmod(flat.rank, G)
-    inner = Comm(flat.mpi.Split(k, i), f"{flat.axis}.hpz", flat.ledger, flat.recorder)
-    outer = Comm(flat.mpi.Split(i, k), f"{flat.axis}.hpz-cross", flat.ledger, flat.recorder)
-    for c in (inner, outer):
-        c.cuda_aware = flat.cuda_aware
-        if len(set(nodes)) > 1:
-            flat.ledger.spans[c.axis] = topology.span(c.world_ranks, nodes)
-    return inner, outer
+    return two_levels(flat, k, i, ("hpz", "hpz-cross"), nodes)
+
+
+def block_notes(sizes: dict[str, int], nodes: tuple[int, ...], G: int) -> list[str]:
+    """A warning when a block of G consecutive ranks of a dp x cp group spans nodes (pure,
+    the grid's rank order): its gathers of every use would cross the link that hpZ is there
+    to keep them off. Empty when every block stays on one node, or hpZ is off."""
+    if G == 1:
+        return []
+    for r in range(len(nodes)):
+        group = topology.members(r, sizes, ("dp", "cp"))  # in the ZeRO group's rank order
+        k = group.index(r) // G
+        block = group[k * G : (k + 1) * G]
+        if topology.span(block, nodes) == "inter":
+            here = sum(nodes[m] == nodes[r] for m in group)
+            fix = (f"give the ranks of a ZeRO group on one node (here {here}) or a divisor"
+                   if here > 1 else "no two ranks of a ZeRO group share a node here: leave "
+                   "--hpz-size 1")
+            return [f"--hpz-size {G}: the block of world ranks {', '.join(map(str, block))} "
+                    f"spans nodes ({len(set(nodes))} nodes of {nodes.count(0)} ranks here), so "
+                    f"ZeRO-3's weight all-gathers of every use cross the link between nodes, "
+                    f"which hpZ is there to keep them off; {fix} (docs/zero.md)"]
+    return []
 
 
 def secondary(full, G: int, i: int, shard: int):
@@ -47,7 +71,8 @@ def secondary(full, G: int, i: int, shard: int):
 
 
 def block_gather(inner: Comm, mine, shard: int):
-    """The whole unit (Pp,) from the inner group's secondaries (module docstring)."""
+    """The whole unit (Pp,) from the inner group's secondaries ``mine`` (N S,), the current
+    ones or a weight version's (module docstring)."""
     got = inner.allgather(mine)  # (G N S,) in the order (i, k)
     G = inner.size
     return got.reshape(G, -1, shard).transpose(1, 0, 2).reshape(-1)  # (k, i): rank order

@@ -17,7 +17,9 @@ edp. That replication is what the stages remove, on each unit's own group:
     stage 2   ... gradients too: each unit's gradient is reduce-scattered as soon as a
               micro-batch completes it, and only the slice S is kept
     stage 3   ... parameters too: a unit's weights are all-gathered just before each forward
-              and each backward that needs them (``weights``), and freed after
+              and each backward that needs them (``weights``), and freed after; with
+              ``hpz`` (ZeRO++, refmp.parallel.data.hpz) inside blocks of G ranks, from a
+              secondary slice refreshed across the blocks after each step (``after_step``)
 
 The units' gradients are summed shares of the global loss (refmp.parallel.data.accumulate), so the slice
 a rank owns equals the same elements of the serial gradient. Clipping and the optimizer see
@@ -171,16 +173,18 @@ class Sharder:
             return unit.views(buf)  # (alone, int8 still rounds: the serial run of the codec)
         if self.gather is not None and not exact:
             return unit.views(self.gather.allgather(group, buf))
-        if u in self.hpz and version is None:  # inside the block, from its secondaries
-            return unit.views(block_gather(self.hpz[u][0], self.sbuf[u], unit.shard))
+        if u in self.hpz:  # inside the block, from its secondaries (a version's are too)
+            own = self.sbuf[u] if version is None else buf  # (N S,)
+            return unit.views(block_gather(self.hpz[u][0], own, unit.shard))
         return unit.views(group.allgather(buf))
 
     def snapshot(self, into: dict | None = None) -> dict:
-        """A copy of every unit's weight buffer (this rank's, as held): a weight version the
-        next update does not overwrite, for ``weights(version=)``. ``into``: a snapshot whose
-        buffers are reused."""
+        """A copy of every unit's weight buffer (this rank's, as held; with hpZ its secondary
+        slice, which the gathers read): a weight version the next update does not overwrite,
+        for ``weights(version=)``. ``into``: a snapshot whose buffers are reused."""
         into = {} if into is None else into
-        for u, buf in self.pbuf.items():
+        for u, held in self.pbuf.items():
+            buf = self.sbuf[u] if u in self.hpz else held
             if u in into:
                 into[u][...] = buf
             else:
