@@ -276,8 +276,8 @@ def test_the_executor_runs_thousands_of_micro_batches():
     exactly (each chunk adds its micro-batches in order). Every schedule's message order:
     test_pipeline_schedules.py."""
     from refmp.distributed.comm import Comm
-    from refmp.parallel.pipeline.executor import Executor
     from refmp.parallel.pipeline.catalog import CATALOG
+    from refmp.parallel.pipeline.executor import Executor
 
     M, S, T = 4096, 4, 2
     rng = np.random.default_rng(0)

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from refmp.cli.main import main
 from refmp.errors import ConfigError
 from refmp.nn import gpt
-from refmp.parallel.pipeline.partition import balanced_split, check_pipeline, piece_costs
 from refmp.parallel.pipeline.catalog import CATALOG, schedule
+from refmp.parallel.pipeline.partition import balanced_split, check_pipeline, piece_costs
 from refmp.parallel.pipeline.schedules import Action, ChunkPlacement
 from refmp.parallel.pipeline.simulate import (
     Deadlock,
@@ -446,3 +446,35 @@ def test_each_message_stream_is_received_in_the_order_it_is_sent():
                         lists = [schedule(name, pp, m, r, v) for r in range(pp)]
                     sends, recvs = message_streams(lists, sched.chunk_placement(pp, v))
                     assert sends == recvs, (name, pp, m, v)
+
+
+def test_the_catalog_is_the_one_list_of_schedules():
+    """Every schedule is named once, in refmp.parallel.pipeline.catalog: --schedule's choices
+    (refmp.config's, so refmp train's and bench's) and refmp schedule's are its names, the
+    planner searches flush schedules of it, the asynchronous executors are its schedules
+    without a flush; and its answers are each schedule's own (chunks and their placement,
+    the batches a step runs ahead, the weight versions)."""
+    import argparse
+    from dataclasses import fields
+
+    from refmp.cli.schedule import add_parser
+    from refmp.config import ParallelConfig
+    from refmp.parallel.pipeline.asynchronous import ASYNC_EXECUTORS
+    from refmp.parallel.pipeline.catalog import NAMES
+
+    meta = next(f for f in fields(ParallelConfig) if f.name == "schedule").metadata
+    assert meta["choices"] == NAMES
+    assert set(meta["plan"]["choices"]) <= {n for n in NAMES if CATALOG[n].flushes}
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    cli = next(a for a in sub.choices["schedule"]._actions if a.dest == "schedule")
+    assert tuple(cli.choices) == NAMES
+    assert set(ASYNC_EXECUTORS) == {n for n in NAMES if not CATALOG[n].flushes}
+    pp = 4
+    assert {n: CATALOG[n].ahead(pp) for n in NAMES if CATALOG[n].ahead(pp)} == {"2bw": 1, "pipedream": 3}
+    assert {n: CATALOG[n].chunks_per_rank(3) for n in NAMES if CATALOG[n].chunks_per_rank(3) > 1} \
+        == {"interleaved": 3, "zb-v": 2, "dualpipev": 2}
+    assert [CATALOG["zb-v"].chunk_placement(pp).rank(c) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [CATALOG["interleaved"].chunk_placement(pp, 2).rank(c) for c in range(8)] == [0, 1, 2, 3] * 2
+    assert [CATALOG["pipedream"].versions(pp, r) for r in range(pp)] == [4, 3, 2, 1]
+    assert {CATALOG[n].versions(pp, 0) for n in NAMES if CATALOG[n].flushes} == {1}
