@@ -197,15 +197,14 @@ class Engine:
     def decay(self) -> set[str]:
         return self.sharder.decay
 
-    @property
-    def batches_ahead(self) -> int:
-        """The later batches whose actions a step runs (the schedule catalog's ``ahead``: 2bw
-        1, pipedream pp - 1, a flush schedule 0): ``forward_backward``'s ``ahead``."""
-        return self.schedule.ahead(self.pp.size)
-
     def batch_rows(self, B: int) -> slice:
         dp = self.grid.comm["dp"]
         return dp_rows(B, dp.size, dp.rank)
+
+    def ahead(self) -> int:
+        """How many later batches' forwards run in each step (``forward_backward``'s
+        ``ahead``): the schedule catalog's (2bw 1, pipedream pp - 1, a flush schedule 0)."""
+        return self.schedule.ahead(self.pp.size)
 
     def zero_grad(self) -> None:
         self.sharder.zero_grad()
