@@ -23,8 +23,9 @@ from refmp.nn import gpt
 from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
-from refmp.parallel.ops import ParallelOps
+from refmp.parallel.ops import MEGATRON, ParallelOps
 from refmp.parallel.placement import place, tp_shard
+from refmp.parallel.tensor import sequence
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -67,7 +68,7 @@ def test_tp_block_with_cp_attention_equals_serial_block(layout, sp, hs, B, c, se
         n = len(mine) // tp.size
         mine = mine[tp.rank * n : (tp.rank + 1) * n]  # (Tl/tp,)
     attn = (RingAttention if algo == "ring" else UlyssesAttention)(cp, cpl)
-    ops = ParallelOps(NH, 7, tp, sp, attn)
+    ops = ParallelOps(NH, 7, tp, sequence.LAYERS if sp else MEGATRON, attn)
     p_tp = {k: tp_shard(f"h.0.{k}", v, tp.rank, tp.size) for k, v in p.items()}
     y, cache = gpt.block_forward(p_tp, x[:, mine], ops)  # (B, Tl, C), or Tl/tp with SP
     dx, g = gpt.block_backward(dout[:, mine], cache, ops)

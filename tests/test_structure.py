@@ -47,7 +47,13 @@ def imports_of(path: pathlib.Path) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("refmp")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("refmp"):
-            out.add(node.module)
+            # ``from refmp.x import y``: the module refmp.x.y where y is one, else refmp.x
+            base = ROOT.joinpath(*node.module.split("."))
+            subs = {f"{node.module}.{a.name}" for a in node.names
+                    if (base / f"{a.name}.py").is_file() or (base / a.name).is_dir()}
+            out |= subs or {node.module}
+            if len(subs) < len(node.names):
+                out.add(node.module)
     return out
 
 
@@ -202,3 +208,53 @@ def test_the_module_map_names_every_module():
     missing = [str(p.relative_to(PKG)) for p in modules()
                if p.name not in ("__init__.py", "__main__.py") and p.name not in page]
     assert not missing, f"modules missing from docs/architecture.md: {missing}"
+
+
+def core_files() -> list[str]:
+    """The teaching core, as docs/reading.md's table lists it (docs/reading_counts.py)."""
+    import runpy
+
+    counts = runpy.run_path(str(ROOT / "docs" / "reading_counts.py"))
+    return list(counts["listed"]((ROOT / "docs" / "reading.md").read_text()))
+
+
+BELOW_THE_CORE = ("runtime", "distributed", "nn", "config", "errors")  # what the core stands on
+
+
+def test_the_core_imports_no_engine_file():
+    """docs/reading.md's promise: the engine sits on top of the core, never inside it. A core
+    file imports other core files and the layers below (runtime/, distributed/, nn/, config,
+    errors), never another module of parallel/ or anything above."""
+    core = {dotted_of(ROOT / f) for f in core_files()}
+    wrong = []
+    for me in sorted(core):
+        for dep in sorted(imports_of(ROOT / (me.replace(".", "/") + ".py"))):
+            if dep not in core and package_of(dep) not in BELOW_THE_CORE:
+                wrong.append(f"{me} imports {dep}")
+    assert not wrong, ("core files that import the engine (move what they take down beside "
+                       "the core, or hand it in): " + "; ".join(wrong))
+
+
+def test_the_package_has_no_import_circle():
+    """No module reaches, through the modules it imports (at the top or inside a function),
+    back to itself."""
+    graph = {dotted_of(p): set() for p in modules()}
+    for path in modules():
+        for dep in imports_of(path):
+            graph[dotted_of(path)].add(dep)
+    graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+    circles, state = [], {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                circles.append(" -> ".join(path[path.index(d):] + [d]))
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not circles, "import circles: " + "; ".join(circles)

@@ -22,7 +22,7 @@ from refmp.cost.tensor import comm_bytes_per_step
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import layers as L
-from refmp.parallel.ops import ParallelOps
+from refmp.parallel.ops import MEGATRON, ParallelOps
 from refmp.parallel.placement import padded_vocab, place, tp_shard
 from refmp.parallel.tensor import linear as tpl
 from refmp.parallel.tensor import sequence, vocab
@@ -165,7 +165,7 @@ def test_block_equals_serial_block(heads_per, hs, B, t_per, sp, seed):
     cfg, full, x, dout = _block_case(comm.size, heads_per, hs, B, t_per, seed)
     out, cache = gpt.block_forward(full, x, gpt.Ops(cfg.n_head))
     dx, g = gpt.block_backward(dout, cache, gpt.Ops(cfg.n_head))
-    ops = ParallelOps(cfg.n_head, cfg.vocab_size, comm, sp)
+    ops = ParallelOps(cfg.n_head, cfg.vocab_size, comm, sequence.LAYERS if sp else MEGATRON)
     mine = {k: tp_shard(f"h.0.{k}", v, comm.rank, comm.size) for k, v in full.items()}
     pout, pcache = gpt.block_forward(mine, t_shard(x, comm, sp), ops)
     mem = activation_bytes(pcache, mine.values())

@@ -26,8 +26,9 @@ from refmp.distributed.comm import Comm
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import GPT, GPTConfig
 from refmp.nn.params import init_params
-from refmp.parallel.ops import ParallelOps
+from refmp.parallel.ops import MEGATRON, ParallelOps
 from refmp.parallel.placement import gather_tp, padded_vocab, place, tp_shard
+from refmp.parallel.tensor import sequence
 from refmp.training.datasets import AdditionTask, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -51,7 +52,8 @@ tp_comm = Comm(world, "tp")
 say(f"1. by hand: tp = {tp}, one forward and backward of B = {B} rows against the serial GPT")
 for sp in (False, True):
     model = GPT(mcfg, {k: tp_shard(k, v, rank, tp) for k, v in full.items()})  # my shards
-    ops = ParallelOps(mcfg.n_head, mcfg.vocab_size, tp_comm, sp)  # NH/tp heads on this rank
+    layers = sequence.LAYERS if sp else MEGATRON  # SP: the same layers split along T
+    ops = ParallelOps(mcfg.n_head, mcfg.vocab_size, tp_comm, layers)  # NH/tp heads here
     tp_comm.ledger.reset()
     # forward: the embedding's masked lookup is summed over tp (g: all-reduce; with SP a
     # reduce-scatter along T); c_attn and c_fc enter the parallel region with f (identity;

@@ -38,7 +38,7 @@ from refmp.parallel.data.compress import make_codecs
 from refmp.parallel.data.hierarchical import HierarchicalComm, check_nodes
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
-from refmp.parallel.ops import make_ops
+from refmp.parallel.ops import MEGATRON, make_ops
 from refmp.parallel.pipeline.asynchronous import ASYNC_EXECUTORS
 from refmp.parallel.pipeline.catalog import CATALOG, Schedule
 from refmp.parallel.pipeline.executor import Executor
@@ -55,6 +55,7 @@ from refmp.parallel.placement import (
     tp_shard,
     units_of,
 )
+from refmp.parallel.tensor import sequence
 from refmp.runtime import backend
 from refmp.runtime.arrays import activation_bytes, global_grad_norm
 from refmp.runtime.precision import mixed_dtypes
@@ -153,7 +154,8 @@ class Engine:
         attn, cp_positions = context_parallel(grid, layout, T, keep_scores)
         self.positions = (None if attn is None  # (Tl,) the global positions of my tokens
                           else backend.from_host(cp_positions[grid.coords["cp"]]))
-        self.ops = make_ops(mc.n_head, mc.vocab_size, self.tp, self.sp, attn, self.positions,
+        layers = sequence.LAYERS if self.sp else MEGATRON  # SP: tp's layers split along T
+        self.ops = make_ops(mc.n_head, mc.vocab_size, self.tp, layers, attn, self.positions,
                             keep_scores)
         self.schedule = CATALOG[layout.schedule]
         placed = self.schedule.chunk_placement(self.pp.size, layout.virtual_stages)

@@ -15,31 +15,40 @@ head. A layout changes only the pieces its axes split, each axis touching only i
   row-parallel with f and g around them, each rank computes NH/tp heads, and the embedding,
   tied head and cross-entropy are vocabulary-parallel (refmp.parallel.tensor.vocab):
   :class:`ParallelOps`, around any of the attention cores above;
-* ``sp`` (over tp): the same ParallelOps with sequence parallelism's layers
-  (refmp.parallel.tensor.sequence: all-gather and reduce-scatter along T for f and g);
-* experts (refmp.parallel.expert) are not here: the MoE MLP takes its dispatch from the
-  MoEContext the engine builds, so an MoE block composes with all of the above.
-
-Composition is composition of Ops, not a runner per combination: tp x cp x SP is one object,
-and with tp = 1 the plain Ops (``make_ops``).
+* ``sp`` (over tp): the same ParallelOps given sequence parallelism's layers
+  (refmp.parallel.tensor.sequence.LAYERS: all-gather and reduce-scatter along T for f and g);
+* experts (refmp.parallel.expert) are not here: the MoE MLP takes its dispatch from its
+  MoEContext, so an MoE block composes with all of the above: one object, not a runner per pair.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import NamedTuple
+
 from refmp.distributed.comm import Comm
 from refmp.nn import gpt
 from refmp.nn import layers as L
-from refmp.parallel.tensor import linear, sequence, vocab
+from refmp.parallel.tensor import linear, vocab
 
 
-def make_ops(n_head: int, V: int, tp: Comm, sp: bool = False, attn=None, positions=None,
-             keep_scores: bool = True) -> gpt.Ops:
-    """The Ops of a layout: ParallelOps over ``tp`` (with SP if ``sp``) when it has more than
+class Layers(NamedTuple):
+    """tp's layers by name: linears and vocabulary-parallel ends (SP's: sequence.LAYERS)."""
+    linear: ModuleType  # column_forward, row_forward, their backwards and halves
+    vocab: ModuleType  # embed_forward, logits_forward, head_forward, their backwards
+
+
+MEGATRON = Layers(linear, vocab)  # Megatron's f and g: identity and all-reduce
+
+
+def make_ops(n_head: int, V: int, tp: Comm, layers: Layers = MEGATRON, attn=None,
+             positions=None, keep_scores: bool = True) -> gpt.Ops:
+    """The Ops of a layout: ParallelOps over ``tp`` running ``layers`` when it has more than
     one rank; else the serial Ops, around cp's attention core ``attn`` and the global
     ``positions`` of the tokens when given (ContextOps). ``keep_scores`` False: the softmax
     is recomputed in backward (selective recomputation)."""
     if tp.size > 1:
-        return ParallelOps(n_head, V, tp, sp, attn, positions, keep_scores)
+        return ParallelOps(n_head, V, tp, layers, attn, positions, keep_scores)
     if attn is None and positions is None:
         return gpt.Ops(n_head, keep_scores)
     return ContextOps(n_head, attn, positions, keep_scores)
@@ -81,18 +90,16 @@ class ContextOps(gpt.Ops):
 
 class ParallelOps(ContextOps):
     """Ops split over ``tp`` (more than one rank): NH/tp heads, column/row-parallel linears,
-    vocabulary-parallel ends; with ``sp`` the sequence-parallel layers; around the attention
+    vocabulary-parallel ends (Megatron's ``layers``, or SP's along T); around the attention
     core ``attn`` and with the ``positions`` of ContextOps."""
 
-    def __init__(self, n_head: int, V: int, tp: Comm, sp: bool = False, attn=None,
+    def __init__(self, n_head: int, V: int, tp: Comm, layers: Layers = MEGATRON, attn=None,
                  positions=None, keep_scores: bool = True):
         super().__init__(n_head // tp.size, attn, positions, keep_scores)  # NH/tp here
         self.V = V
         self.tp = tp
-        # the layers: Megatron's (f and g: identity and all-reduce), or with SP the same
-        # layers split along T (all-gather and reduce-scatter), under the same names
-        self.linear = sequence if sp else linear
-        self.vocab = sequence if sp else vocab
+        self.linear = layers.linear
+        self.vocab = layers.vocab
 
     # --- the linears: column-parallel enters the tp region, row-parallel leaves it ------------
 

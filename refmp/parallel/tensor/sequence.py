@@ -21,13 +21,16 @@ only T/tp tokens for (LayerNorms, biases of the row layers, wpe) get gradients t
 partial over tp: the engine sums them (refmp.parallel.placement's "gradient summed over").
 
 Each function here has the name and the arguments of its tp twin, so refmp.parallel.ops
-runs a block with either set of layers.
+runs a block with either set of layers (``LAYERS``, at the end).
 """
 
 from __future__ import annotations
 
+import sys
+
 from refmp.distributed.comm import Comm
 from refmp.nn import layers as L
+from refmp.parallel.ops import Layers
 from refmp.parallel.tensor import linear, vocab
 from refmp.runtime import backend
 from refmp.runtime.backend import array_module
@@ -182,3 +185,6 @@ def head_backward(dloss, cache, comm: Comm):
     g = {"wte.weight": dwte_t.T}  # (Vl, C)
     dx, g["ln_f.weight"], g["ln_f.bias"] = L.layernorm_backward(dh, ln_f)
     return dx, g
+
+
+LAYERS = Layers(sys.modules[__name__], sys.modules[__name__])  # ParallelOps' layers with SP
