@@ -55,7 +55,8 @@ from mpi4py import MPI
 
 from refmp.cli.bench import PRESETS
 from refmp.nn import GPTConfig
-from refmp.parallel.placement import rank_chunks
+from refmp.parallel.pipeline.partition import rank_chunks
+from refmp.parallel.pipeline.schedules import ChunkPlacement
 from refmp.training.datasets import Dataset, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 from torch_anchor import TorchGPT, init_gloo, round_ratios, torch_adamw
@@ -129,7 +130,7 @@ def torch_pipe(host, s, cfg, x, y, rows, zero_bubble: bool):
     world = MPI.COMM_WORLD
     n = world.size
     mcfg = GPTConfig(s["vocab"], s["block_size"], s["n_layer"], s["n_head"], s["n_embd"])
-    (c, layers), = rank_chunks(mcfg, s["block_size"], world.rank, n).items()
+    (c, layers), = rank_chunks(mcfg, s["block_size"], world.rank, ChunkPlacement(n)).items()
     first, last = c == 0, c == n - 1
     m = TorchGPT(host, s["n_head"], s["n_layer"], list(layers), first, last)
     stage = PipelineStage(m, c, n, torch.device("cpu"))

@@ -9,8 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refmp.parallel.data.sharder import WeightRef, attach, detach
-from refmp.runtime.arrays import activation_bytes, leaves, map_leaves
+from refmp.runtime.arrays import WeightRef, activation_bytes, attach, detach, leaves, map_leaves
 from refmp.runtime.precision import BF16, autocast
 
 

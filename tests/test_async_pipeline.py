@@ -25,7 +25,8 @@ from mpi_helpers import Mismatches, collective
 from refmp.config import lr_at
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
-from refmp.parallel.placement import rank_chunks
+from refmp.parallel.pipeline.partition import rank_chunks
+from refmp.parallel.pipeline.schedules import ChunkPlacement
 from refmp.training.datasets import Dataset, get_batch
 from refmp.training.optim import clip_grads
 from refmp.training.trainer import TrainConfig, Trainer, build_optimizer
@@ -121,7 +122,8 @@ def pipedream_reference(cfg: TrainConfig) -> list[tuple[float, float, dict]]:
     W(t + 1)) of each step."""
     base = serial(replace(cfg, schedule="1f1b", pp=1, dp=1, tp=1, zero=0))  # W(0), the data
     mcfg, pp, T, ops = base.model.cfg, cfg.pp, cfg.block_size, gpt.Ops(cfg.n_head)
-    stage_of = {i: s for s in range(pp) for c in rank_chunks(mcfg, T, s, pp).values() for i in c}
+    stage_of = {i: s for s in range(pp)
+                for c in rank_chunks(mcfg, T, s, ChunkPlacement(pp)).values() for i in c}
     W = [base.runner.full_params()]
     params = {k: v.copy() for k, v in W[0].items()}
     opt, out = build_optimizer(cfg, params), []

@@ -211,11 +211,11 @@ def test_tutorial_08_any_layout():
 @pytest.mark.parametrize("sizes", [dict(pp=2, dp=2, cp=2, tp=1, ep=2), dict(pp=3, dp=1, cp=2, tp=2, ep=1),
                                    dict(pp=1, dp=4, cp=1, tp=2, ep=4)])
 def test_who_holds_numbers_the_ranks_as_the_grid_does(sizes):
-    """placement.who_holds (the guide's pictures) puts each rank where ProcessGrid does;
+    """holdings.who_holds (the guide's pictures) puts each rank where ProcessGrid does;
     tutorial 8 checks the rest (blocks, tokens, experts) against a running engine."""
     from refmp.distributed.grid import ProcessGrid
     from refmp.nn.params import GPTConfig
-    from refmp.parallel.placement import who_holds
+    from refmp.parallel.holdings import who_holds
 
     grid = object.__new__(ProcessGrid)  # coords_of and rank_of read the sizes alone
     grid.sizes = sizes

@@ -20,7 +20,7 @@ from parity import assert_same_run
 from refmp.cost.zero import comm_per_step, memory_per_rank, padded, unit_sizes
 from refmp.nn import gpt
 from refmp.parallel.engine import TIED_TAG
-from refmp.parallel.pipeline.schedules import chunks_per_rank
+from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.simulate import simulate_schedule
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig
@@ -149,7 +149,7 @@ def test_pipeline_training_equals_serial(schedule, layout, k, rows, extra_layers
     v = 2 if schedule == "interleaved" and pp > 1 else 1
     schedule = schedule if v == 2 or schedule != "interleaved" else "1f1b"
     M = k * pp if schedule == "interleaved" else k + (pp > 1)  # 1 to 3 micro-batches
-    chunks = pp * chunks_per_rank(schedule, v)  # the V schedules: 2 per rank
+    chunks = pp * CATALOG[schedule].chunks_per_rank(v)  # the V schedules: 2 per rank
     n_layer = chunks + extra_layers
     split = [1] * chunks
     split[seed % chunks] += extra_layers
@@ -276,9 +276,8 @@ def test_the_executor_runs_thousands_of_micro_batches():
     exactly (each chunk adds its micro-batches in order). Every schedule's message order:
     test_pipeline_schedules.py."""
     from refmp.distributed.comm import Comm
+    from refmp.parallel.pipeline.catalog import CATALOG
     from refmp.parallel.pipeline.executor import Executor
-    from refmp.parallel.pipeline.schedules import V_SHAPED, schedule
-    from refmp.parallel.placement import chunk_rank
 
     M, S, T = 4096, 4, 2
     rng = np.random.default_rng(0)
@@ -299,10 +298,11 @@ def test_the_executor_runs_thousands_of_micro_batches():
             d, _ = serial.backward(c, d, caches[c], False, True)
     comm = Comm(MPI.COMM_WORLD, "pp")
     for name in ("interleaved", "zb-v"):
-        v_shape = name in V_SHAPED
-        stage = ScalarChunks(w, [c for c in range(S) if chunk_rank(c, 2, v_shape) == comm.rank])
-        run = Executor(stage, comm, np.float64, v_shape=v_shape)
-        loss = run.step(schedule(name, 2, M, comm.rank, 2), xs, ys, denom)
+        sched = CATALOG[name]
+        placed = sched.chunk_placement(2, 2)
+        stage = ScalarChunks(w, placed.chunks(comm.rank))
+        run = Executor(stage, comm, np.float64, placed=placed)
+        loss = run.step(sched.actions(2, M, comm.rank, 2), xs, ys, denom, M)
         loss = comm.mpi.allreduce(loss)
         grads = comm.mpi.allreduce(stage.grads)  # each rank's chunks' rows, zeros elsewhere
         assert loss == want, (name, loss, want)

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from refmp.cli.main import main
 from refmp.errors import ConfigError
 from refmp.nn import gpt
+from refmp.parallel.pipeline.catalog import CATALOG, schedule
 from refmp.parallel.pipeline.partition import balanced_split, check_pipeline, piece_costs
-from refmp.parallel.pipeline.schedules import Action, schedule
+from refmp.parallel.pipeline.schedules import Action, ChunkPlacement
 from refmp.parallel.pipeline.simulate import (
     Deadlock,
     bubble_formula,
@@ -402,14 +403,13 @@ def test_async_schedules_refuse_resume_and_say_why():
         check_pipeline(64, 64, 4096, name, 1, None, 4096)
 
 
-def message_streams(lists: list[list[Action]], chunks: int, v_shape: bool) -> tuple[dict, dict]:
+def message_streams(lists: list[list[Action]], placed: ChunkPlacement) -> tuple[dict, dict]:
     """The executor's messages for these action lists, per (sender, receiver, tag): each
     message's (direction, micro-batch, receiving chunk), once in the order the sender sends
     them, once in the order the receiver posts its receives (one at a time, in list order)."""
     from refmp.parallel.pipeline.executor import tag
-    from refmp.parallel.placement import chunk_rank
 
-    pp = len(lists)
+    chunks = placed.pp * placed.v
     sends: dict = {}
     recvs: dict = {}
     for r, acts in enumerate(lists):
@@ -420,10 +420,10 @@ def message_streams(lists: list[list[Action]], chunks: int, v_shape: bool) -> tu
             to = a.chunk - 1 if grad else a.chunk + 1  # the chunk this action sends to
             frm = a.chunk + 1 if grad else a.chunk - 1  # and the one it receives from
             if 0 <= to < chunks:  # send_forward / send_backward
-                key = (r, chunk_rank(to, pp, v_shape), tag(to, grad))
+                key = (r, placed.rank(to), tag(to, grad))
                 sends.setdefault(key, []).append((a.kind, a.mb, to))
             if 0 <= frm < chunks:  # recv_forward / recv_backward
-                key = (chunk_rank(frm, pp, v_shape), r, tag(a.chunk, grad))
+                key = (placed.rank(frm), r, tag(a.chunk, grad))
                 recvs.setdefault(key, []).append((a.kind, a.mb, a.chunk))
     return sends, recvs
 
@@ -432,19 +432,49 @@ def test_each_message_stream_is_received_in_the_order_it_is_sent():
     """The executor's tags (receiving chunk, direction) are safe for every schedule: MPI
     matches the k-th receive of a (sender, receiver, tag) with its k-th send, and that is the
     message the receiver wants; across the steps of the asynchronous schedules too."""
-    from refmp.parallel.pipeline.pipedream import run_of_steps
-    from refmp.parallel.pipeline.schedules import ASYNC, SCHEDULES, V_SHAPED, chunks_per_rank
+    from refmp.parallel.pipeline.catalog import run_of_steps
 
-    for name in SCHEDULES:
+    for name, sched in CATALOG.items():
         for pp in (1, 2, 3, 4):
             for m in (1, 2, 3, 4, 5, 8, 12):
                 for v in ((1, 2, 3) if name == "interleaved" else (1,)):
                     if name == "interleaved" and m % pp:
                         continue
-                    if name in ASYNC:
+                    if not sched.flushes:
                         lists = [run_of_steps(name, pp, m, r, 2 * pp + 1) for r in range(pp)]
                     else:
                         lists = [schedule(name, pp, m, r, v) for r in range(pp)]
-                    chunks = pp * chunks_per_rank(name, v)
-                    sends, recvs = message_streams(lists, chunks, name in V_SHAPED)
+                    sends, recvs = message_streams(lists, sched.chunk_placement(pp, v))
                     assert sends == recvs, (name, pp, m, v)
+
+
+def test_the_catalog_is_the_one_list_of_schedules():
+    """Every schedule is named once, in refmp.parallel.pipeline.catalog: --schedule's choices
+    (refmp.config's, so refmp train's and bench's) and refmp schedule's are its names, the
+    planner searches flush schedules of it, the asynchronous executors are its schedules
+    without a flush; and its answers are each schedule's own (chunks and their placement,
+    the batches a step runs ahead, the weight versions)."""
+    import argparse
+    from dataclasses import fields
+
+    from refmp.cli.schedule import add_parser
+    from refmp.config import ParallelConfig
+    from refmp.parallel.pipeline.asynchronous import ASYNC_EXECUTORS
+    from refmp.parallel.pipeline.catalog import NAMES
+
+    meta = next(f for f in fields(ParallelConfig) if f.name == "schedule").metadata
+    assert meta["choices"] == NAMES
+    assert set(meta["plan"]["choices"]) <= {n for n in NAMES if CATALOG[n].flushes}
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    cli = next(a for a in sub.choices["schedule"]._actions if a.dest == "schedule")
+    assert tuple(cli.choices) == NAMES
+    assert set(ASYNC_EXECUTORS) == {n for n in NAMES if not CATALOG[n].flushes}
+    pp = 4
+    assert {n: CATALOG[n].ahead(pp) for n in NAMES if CATALOG[n].ahead(pp)} == {"2bw": 1, "pipedream": 3}
+    assert {n: CATALOG[n].chunks_per_rank(3) for n in NAMES if CATALOG[n].chunks_per_rank(3) > 1} \
+        == {"interleaved": 3, "zb-v": 2, "dualpipev": 2}
+    assert [CATALOG["zb-v"].chunk_placement(pp).rank(c) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [CATALOG["interleaved"].chunk_placement(pp, 2).rank(c) for c in range(8)] == [0, 1, 2, 3] * 2
+    assert [CATALOG["pipedream"].versions(pp, r) for r in range(pp)] == [4, 3, 2, 1]
+    assert {CATALOG[n].versions(pp, 0) for n in NAMES if CATALOG[n].flushes} == {1}

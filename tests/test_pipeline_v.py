@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refmp.parallel.pipeline.schedules import schedule
+from refmp.parallel.pipeline.catalog import CATALOG, schedule
+from refmp.parallel.pipeline.schedules import ChunkPlacement
 from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
-from refmp.parallel.placement import stage_chunks
 
 
 @given(name=st.sampled_from(["zb-v", "dualpipev"]), pp=st.integers(1, 6), m=st.integers(1, 14))
@@ -50,15 +50,15 @@ def test_dualpipev_paired_bubble_is_deepseeks_formula(pp):
     for m in (2 * pp, 2 * pp + 1, 3 * pp):
         lists = [schedule("dualpipev", pp, m, r) for r in range(pp)]
         for fb in (3, 2.5, 2):
-            tl = simulate(lists, pp, m, 2, "dualpipev", v_shape=True, pair=fb)
+            tl = simulate(lists, pp, m, 2, "dualpipev", placed=ChunkPlacement(pp, 2, "v"), pair=fb)
             idle = [tl.makespan - tl.busy(r) for r in range(pp)]
             assert max(idle) == pytest.approx((pp - 1) * (fb + 2 - 3 * 1), abs=1e-9), (m, fb, idle)
             assert fb != 3 or idle == [2 * (pp - 1)] * pp
 
 
 def test_the_chunks_sit_in_a_v_and_dualpipev_splits_only_some_backwards():
-    assert [stage_chunks(r, 4, 2, v_shape=True) for r in range(4)] == [[0, 7], [1, 6], [2, 5],
-                                                                        [3, 4]]
+    placed = CATALOG["dualpipev"].chunk_placement(4)
+    assert [placed.chunks(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     acts = schedule("dualpipev", 4, 8, 0)
     whole = {(a.mb, a.chunk) for a in acts if a.kind == "B"} - {(a.mb, a.chunk) for a in acts
                                                               if a.kind == "W"}

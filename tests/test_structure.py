@@ -90,8 +90,9 @@ SEAMS = {
                                           "cost/terms.py; Layout and predict stay"),
     "refmp/nn/layers.py": ("attention_forward", "attention's forward, weights and backward into "
                                                 "nn/attention.py, beside nn/blockwise.py"),
-    "refmp/parallel/data/sharder.py": ("WeightRef", "ZeRO-3's detached weights (WeightRef, "
-                                                    "detach, attach) into data/release.py"),
+    "refmp/parallel/data/sharder.py": ("Sharder.master_grads", "mixed precision's fp32 masters "
+                                                               "(master_grads, after_step's "
+                                                               "rounding) into data/masters.py"),
     "refmp/cli/netns.py": ("leftovers", "finding and removing what a killed cluster left "
                                         "(stop_processes, leftovers, clean) into "
                                         "cli/netns_clean.py"),

@@ -24,7 +24,8 @@ from refmp.distributed.grid import ProcessGrid
 from refmp.distributed.waiting import wait, wait_all
 from refmp.nn import gpt
 from refmp.parallel.data.accumulate import split_microbatches
-from refmp.parallel.pipeline.schedules import one_f_one_b, schedule
+from refmp.parallel.pipeline.catalog import schedule
+from refmp.parallel.pipeline.schedules import one_f_one_b
 from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
 from refmp.parallel.placement import holds
 from refmp.training.datasets import AdditionTask, get_batch

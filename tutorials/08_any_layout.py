@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from refmp.distributed.grid import ProcessGrid
 from refmp.parallel.expert import expert_index, is_expert
-from refmp.parallel.placement import who_holds
+from refmp.parallel.holdings import who_holds
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -73,7 +73,7 @@ if world.rank == 0:
     print("  ".join(k.ljust(width[k]) for k in cols))
     for r in table:
         print("  ".join(str(r[k]).ljust(width[k]) for k in cols))
-say(f"\nThe guide's picture of this layout (refmp.parallel.placement.who_holds) matches the "
+say(f"\nThe guide's picture of this layout (refmp.parallel.holdings.who_holds) matches the "
     f"running engine on {sum(same)} of {len(same)} ranks.")
 say("The last stage holds wte too (the tied head); ranks with the same tp coordinate hold\n"
     "the same heads for other tokens (cp) and other blocks (pp); the two ranks of each ep\n"

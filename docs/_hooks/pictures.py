@@ -5,10 +5,10 @@ from the tables the engine itself slices the model with, so a picture cannot dri
                      and row shards, q|k|v by heads, wte's padded rows), SP's T/tp slices
     context_parallel refmp.parallel.context.chunks.ChunkLayout (zig-zag and contiguous chunks)
                      and ring_attention_flops (each rank's causal work)
-    experts          refmp.parallel.placement.who_holds (experts over ep, carved from dp x cp)
+    experts          refmp.parallel.holdings.who_holds (experts over ep, carved from dp x cp)
     zero             refmp.cost.zero.memory_per_rank (what each stage keeps whole) and
                      refmp.parallel.data.zero.Unit (the slice of each unit a rank owns)
-    pipeline         refmp.parallel.placement.rank_chunks (1F1B, interleaved, ZB-V's V)
+    pipeline         refmp.parallel.pipeline.partition.rank_chunks (1F1B, interleaved, ZB-V's V)
     data_parallel    refmp.cost.zero.local_shapes (every rank holds every unit)
     compression      refmp.cost.zero.comm_per_step / compressed_per_step, refmp.cost.memory
                      .codec_bytes (bytes sent, bytes kept)
@@ -37,15 +37,10 @@ from refmp.cost.zero import (
 from refmp.nn.params import GPTConfig, param_shapes
 from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.data.zero import Unit
-from refmp.parallel.placement import (
-    local_name,
-    padded_vocab,
-    place,
-    rank_chunks,
-    tp_shard,
-    tp_unshard,
-    who_holds,
-)
+from refmp.parallel.holdings import who_holds
+from refmp.parallel.pipeline.catalog import CATALOG
+from refmp.parallel.pipeline.partition import rank_chunks
+from refmp.parallel.placement import local_name, padded_vocab, place, tp_shard, tp_unshard
 
 
 def tensor_parallel() -> Svg:
@@ -189,18 +184,20 @@ def pipeline() -> Svg:
     s = Svg(760, 190, "pipeline parallelism: which rank holds which blocks")
     s.text(10, 18, "8 blocks on pp = 4, as the engine splits them (balanced by FLOPs, the "
                    "embeddings on the first chunk, the head on the last)", 12, bold=True)
-    for k, (name, v, vee) in enumerate((("1F1B, GPipe, ZB-H1: a chunk per rank", 1, False),
-                                        ("interleaved, v = 2: chunk c on rank c % pp", 2, False),
-                                        ("ZB-V, DualPipeV: 2 chunks per rank in a V", 2, True))):
+    for k, (name, sched, v) in enumerate((("1F1B, GPipe, ZB-H1: a chunk per rank", "1f1b", 1),
+                                          ("interleaved, v = 2: chunk c on rank c % pp",
+                                           "interleaved", 2),
+                                          ("ZB-V, DualPipeV: 2 chunks per rank in a V", "zb-v", 1))):
+        placed = CATALOG[sched].chunk_placement(pp, v)
         y = 40 + 48 * k
         s.text(10, y, name, 11)
         owner = {}  # piece -> the rank that holds it
         for r in range(pp):
-            for c, blocks in rank_chunks(mcfg, 64, r, pp, v, None, vee).items():
+            for c, blocks in rank_chunks(mcfg, 64, r, placed).items():
                 owner.update({f"h{i}": r for i in blocks})
                 if c == 0:
                     owner["emb"] = r
-                if c == pp * v - 1:
+                if c == pp * placed.v - 1:
                     owner["head"] = r
         pieces = [("emb", owner["emb"])] + [(f"h{i}", owner[f"h{i}"]) for i in range(8)] \
             + [("head", owner["head"])]

@@ -189,13 +189,13 @@ def pipeline_report(timelines: list, args) -> dict:
     What the measured bubble has beyond the replay is waiting that neither the schedule nor
     a message's cost explains.
     """
-    from refmp.parallel.pipeline.schedules import ASYNC
+    from refmp.parallel.pipeline.catalog import CATALOG
     from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
 
     tl = sorted(timelines, key=lambda t: t.bubble())[len(timelines) // 2]
     shape, costs, hops = (args.schedule, args.pp, args.microbatches, args.virtual_stages), \
         tl.costs(), tl.hops()
-    replayed = (None if args.schedule in ASYNC else simulate_schedule(
+    replayed = (None if not CATALOG[args.schedule].flushes else simulate_schedule(
         *shape, costs={**costs, **tl.action_costs()}, hops=hops).bubble())
     return {"bubble": tl.bubble(), "bubble_theory": bubble_formula(*shape),
             "bubble_at_costs": simulate_schedule(*shape, costs=costs).bubble(),

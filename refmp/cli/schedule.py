@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from refmp.errors import ConfigError
-from refmp.parallel.pipeline.schedules import SCHEDULES
+from refmp.parallel.pipeline.catalog import CATALOG, NAMES
 
 
 def add_parser(sub) -> None:
@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
                                    "they complete, print the timeline and the bubble fraction.")
     s.add_argument("--pp", type=int, default=4, help="pipeline stages (4)")
     s.add_argument("--microbatches", type=int, default=8, help="micro-batches (8)")
-    s.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    s.add_argument("--schedule", choices=NAMES, default="1f1b")
     s.add_argument("--virtual-stages", type=int, default=1, help="for interleaved (1)")
     s.add_argument("--png", default=None, metavar="PATH.png", help="draw the timeline")
     s.add_argument("--trace", default=None, metavar="PATH.json", help="Chrome trace JSON")
@@ -34,19 +34,20 @@ def add_parser(sub) -> None:
 
 def run_schedule(args) -> dict:
     from refmp.parallel.pipeline.partition import check_pipeline
-    from refmp.parallel.pipeline.schedules import ASYNC, chunks_per_rank
     from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule, simulate_steps
 
     P, M, V = args.pp, args.microbatches, args.virtual_stages
     if P < 1:
         raise ConfigError(f"--pp must be at least 1, got {P}")
-    check_pipeline(P * chunks_per_rank(args.schedule, V), P, M, args.schedule, V, None, M)
+    sched = CATALOG[args.schedule]
+    check_pipeline(P * sched.chunks_per_rank(V), P, M, args.schedule, V, None, M)
     tl = simulate_schedule(args.schedule, P, M, V)
     formula = bubble_formula(args.schedule, P, M, V)
-    name, steps = args.schedule, 3 if args.schedule == "2bw" else 2 * P - 1
-    run = simulate_steps(name, P, M, steps) if name in ASYNC else tl  # labelled with versions
+    # without a flush: 2bw over three steps, pipedream over 2 pp - 1, labelled with versions
+    name, steps, carried = args.schedule, 2 * sched.ahead(P) + 1, not sched.flushes
+    run = simulate_steps(name, P, M, steps) if carried else tl
     # weight versions held per rank: 2bw's W(t) and W(t-1); pipedream's pp - s (stage s)
-    versions = [2 if name == "2bw" else P - r if name == "pipedream" else 1 for r in range(P)]
+    versions = [sched.versions(P, r) for r in range(P)]
     figures = {"schedule": name, "pp": P, "microbatches": M, "bubble": tl.bubble(),
                "formula": formula, "peak_held": tl.peak_held, "weight_versions": versions}
     if args.json:
@@ -54,11 +55,11 @@ def run_schedule(args) -> dict:
         return figures
     print(f"refmp schedule: {args.schedule}, pp {P}, {M} micro-batches"
           + (f", {V} virtual stages" if V > 1 else "")
-          + (f", {steps} steps" if name in ASYNC else "")
+          + (f", {steps} steps" if carried else "")
           + " (F = B = W = 1 step; an unsplit backward is B + W = 2)")
     print(run.ascii())
     print(f"completes in {run.makespan:g} steps; bubble {tl.bubble():.4f} simulated"
-          + (f" (a steady step, {tl.makespan:g} steps)" if name in ASYNC else "")
+          + (f" (a steady step, {tl.makespan:g} steps)" if carried else "")
           + f", {formula:.4f} formula")
     print("peak micro-batches held per rank: " + ", ".join(map(str, tl.peak_held)))
     if args.trace:

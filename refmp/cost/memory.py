@@ -24,10 +24,9 @@ from refmp.cost.model import Layout, split, train_config
 from refmp.cost.zero import hpz_per_step, local_shapes, memory_per_rank
 from refmp.nn.params import GPTConfig, param_shapes
 from refmp.parallel.data.compress import compresses
-from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
-from refmp.parallel.pipeline.pipedream import run_of_steps
-from refmp.parallel.pipeline.schedules import ASYNC, V_SHAPED, chunks_per_rank, schedule
-from refmp.parallel.placement import padded_vocab, stage_chunks
+from refmp.parallel.pipeline.catalog import CATALOG, run_of_steps
+from refmp.parallel.pipeline.partition import rank_chunks
+from refmp.parallel.placement import padded_vocab
 
 
 def block_cache_elements(b: int, Tl: int, T: int, C: int, NH: int, tp: int = 1, sp: bool = False,
@@ -148,7 +147,7 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     ``error_feedback``: the gradient codec's buffers (codec_bytes), in the steady state.
     ``versions``: older weight versions kept, each a copy of the compute weights as held
     (with hpZ the secondary slices alone, Sharder.snapshot): 2BW's W(t-1), and pipedream's
-    pp - 1 - s on stage s (refmp/parallel/pipeline/schedules.py).
+    pp - 1 - s on stage s (the schedule catalog's ``versions``, less the current one).
     ``workspace``: a backward's temporaries (the gradients of a cache's arrays), taken as
     one more whole cache of the largest piece, as recomputation rebuilds it (with ZeRO-3,
     plus the largest unit, gathered whole while it runs). ``setup``: the full model, which
@@ -158,10 +157,10 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     pp, dp, cp, tp, ep = (sizes[a] for a in ("pp", "dp", "cp", "tp", "ep"))
     T = cfg.block_size or mcfg.block_size
     C, NH, V, M = mcfg.n_embd, mcfg.n_head, mcfg.vocab_size, cfg.microbatches
-    v = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
-    S, r = pp * v, coords["pp"]
-    blocks = partition(mcfg.n_layer, S, piece_costs(C, T, V), parse_stage_layers(cfg.stage_layers))
-    chunks = {c: blocks[c] for c in stage_chunks(r, pp, v, cfg.schedule in V_SHAPED)}
+    sched = CATALOG[cfg.schedule]
+    placed = sched.chunk_placement(pp, cfg.virtual_stages)
+    S, r = pp * placed.v, coords["pp"]
+    chunks = rank_chunks(mcfg, T, r, placed, cfg.stage_layers)
     stage_blocks = [i for c in chunks.values() for i in c]
     ep_rank = (coords["dp"] * cp + coords["cp"]) % ep  # refmp.distributed.grid: ep carved from dp x cp
     shapes = local_shapes(mcfg, tp, stage_blocks, 0 in chunks, S - 1 in chunks, ep, ep_rank)
@@ -184,7 +183,7 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     mem["error_feedback"] = codec_bytes(shapes, cfg.grad_compress, cfg.compress_rank,
                                         w if cfg.mixed_precision == "none" else 4,
                                         not cfg.no_error_feedback)
-    mem["versions"] = {"2bw": 1, "pipedream": pp - 1 - r}.get(cfg.schedule, 0) * version
+    mem["versions"] = (sched.versions(pp, r) - 1) * version  # beyond the current weights
     # activations: one micro-batch's cache per chunk, then the schedule's peak
     b, Tl = cfg.batch_size // (dp * M), T // cp
     sp, cf = cfg.sequence_parallel, mcfg.capacity_factor
@@ -202,8 +201,8 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
                    + (embed - 8 * Tl * (cp > 1) if c == 0 else 0)
                    + (head if c == S - 1 else 0) for c in chunks}
     # 2bw and pipedream carry caches from step to step: the peak over a run of 2 pp steps
-    acts = (run_of_steps(cfg.schedule, pp, M, r, 2 * pp) if cfg.schedule in ASYNC
-            else schedule(cfg.schedule, pp, M, r, v))
+    acts = (sched.actions(pp, M, r, placed.v) if sched.flushes
+            else run_of_steps(cfg.schedule, pp, M, r, 2 * pp))
     mem["activations"] = held_peak(acts, chunk_bytes, shared)
     # a backward rebuilds what recomputation dropped: the whole cache of the block it runs
     mem["workspace"] = max([rebuilt + moe] + ([head] if S - 1 in chunks else []))
@@ -243,8 +242,8 @@ def memory(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32") -> 
     cfg = train_config(lay, mcfg, batch, dtype)
     sizes = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
     blocks = split(mcfg, lay.pp * lay.virtual_stages)
-    n_blocks = [sum(len(blocks[c]) for c in stage_chunks(r, lay.pp, lay.virtual_stages))
-                for r in range(lay.pp)]  # per stage
+    placed = CATALOG[lay.schedule].chunk_placement(lay.pp, lay.virtual_stages)
+    n_blocks = [sum(len(blocks[c]) for c in placed.chunks(r)) for r in range(lay.pp)]  # per stage
     # the first stage keeps the most micro-batches in flight and the embeddings, the last the
     # head; a middle one can only exceed them by holding more blocks
     mems = [stage_memory(cfg, mcfg, sizes, r)

@@ -37,9 +37,9 @@ from refmp.cost.machines import Machine
 from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import LINEARS, comm_per_step, compressed_per_step, local_shapes, prefetched, unit_sizes
 from refmp.nn.params import GPTConfig
+from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.partition import partition, piece_costs
 from refmp.parallel.pipeline.simulate import simulate_schedule
-from refmp.parallel.placement import stage_chunks
 
 SEARCHED = tuple(f.name for f in fields(ParallelConfig) if f.metadata["plan"] is not None)
 # a plan's defaults where they are not a run's: dp a number, and bf16 (a GPU plan runs in
@@ -237,8 +237,9 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     act = bd * Tl * C * c  # one (b, Tl, C) activation, over the step's micro-batches
     stages = []
     moved = []  # per stage: ledger bytes per step of one of its ranks, by axis and operation
+    placed = CATALOG[lay.schedule].chunk_placement(pp, v)
     for r in range(pp):
-        stage_blocks = [i for ch in stage_chunks(r, pp, v) for i in blocks[ch]]
+        stage_blocks = [i for ch in placed.chunks(r) for i in blocks[ch]]
         first, last = r == 0, r == pp - 1
         Ls, n_moe = len(stage_blocks), sum(mcfg.is_moe(i) for i in stage_blocks)
         fwd = (Ls - n_moe) * f_block + n_moe * f_moe  # the stage's blocks, one micro-batch

@@ -37,7 +37,7 @@ from refmp.cost.model import Impl, Layout, predict, split, units_of
 from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import comm_per_step
 from refmp.nn.params import GPTConfig
-from refmp.parallel.placement import stage_chunks
+from refmp.parallel.pipeline.catalog import CATALOG
 
 PAYLOAD = 1448 / 1514  # TCP over Ethernet: a full frame's data, without its 66 header bytes
 
@@ -75,8 +75,9 @@ def predict_on_nodes(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     M, Tl, bd = batch // (lay.dp * lay.microbatch_size), mcfg.block_size // lay.cp, batch // lay.dp
     blocks = split(mcfg, pp * lay.virtual_stages)
     stages = []
+    placed = CATALOG[lay.schedule].chunk_placement(pp, lay.virtual_stages)
     for r in range(pp):  # the tp and dp terms of each stage, re-priced where they cross
-        mine = [i for ch in stage_chunks(r, pp, lay.virtual_stages) for i in blocks[ch]]
+        mine = [i for ch in placed.chunks(r) for i in blocks[ch]]
         first, last = r == 0, r == pp - 1
         t_tp = None
         if tp > G:  # tp's all-reduces cross nodes (no SP here: comm_bytes_per_step's)

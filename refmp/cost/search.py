@@ -16,6 +16,7 @@ from refmp.cost.nodes import best_reduce
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig
 from refmp.parallel.layout import check_layout
+from refmp.parallel.pipeline.catalog import CATALOG
 
 
 def divisors(n: int) -> list[int]:
@@ -58,7 +59,8 @@ def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dic
 
 def schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
     if fixed.get("schedule") or fixed.get("virtual_stages"):
-        v = fixed.get("virtual_stages") or (2 if fixed.get("schedule") == "interleaved" else 1)
+        named = CATALOG.get(fixed.get("schedule"))  # interleaved: 2 chunks per rank unless given
+        v = fixed.get("virtual_stages") or (2 if named and named.chunks is None else 1)
         return [(fixed.get("schedule") or ("interleaved" if v > 1 else "1f1b"), v)]
     return [("1f1b", 1)] + ([("interleaved", 2)] if pp > 1 else [])
 

@@ -40,8 +40,10 @@ from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
 from refmp.parallel.ops import MEGATRON, make_ops
 from refmp.parallel.pipeline.asynchronous import ASYNC_EXECUTORS
+from refmp.parallel.pipeline.catalog import CATALOG, Schedule
 from refmp.parallel.pipeline.executor import Executor
-from refmp.parallel.pipeline.schedules import ASYNC, V_SHAPED, chunks_per_rank, schedule
+from refmp.parallel.pipeline.partition import rank_chunks
+from refmp.parallel.pipeline.schedules import ChunkPlacement
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.placement import (
@@ -49,7 +51,6 @@ from refmp.parallel.placement import (
     gather_experts,
     gather_tp,
     place,
-    rank_chunks,
     shards_held,
     tp_shard,
     units_of,
@@ -128,12 +129,12 @@ def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list
     return moe
 
 
-def build_executor(name: str, stage: Stage, pp, dtype, measure, v_shape: bool) -> Executor:
+def build_executor(sched: Schedule, stage: Stage, pp, dtype, measure,
+                   placed: ChunkPlacement) -> Executor:
     """The synchronous executor for a flush schedule, or 2bw's / pipedream's
     (refmp.parallel.pipeline.asynchronous); ``dtype``: the activations'."""
-    if name in ASYNC:
-        return ASYNC_EXECUTORS[name](stage, pp, dtype, on_forward=measure)
-    return Executor(stage, pp, dtype, on_forward=measure, v_shape=v_shape)
+    make = Executor if sched.flushes else ASYNC_EXECUTORS[sched.name]
+    return make(stage, pp, dtype, on_forward=measure, placed=placed)
 
 
 class Engine:
@@ -156,12 +157,11 @@ class Engine:
         layers = sequence.LAYERS if self.sp else MEGATRON  # SP: tp's layers split along T
         self.ops = make_ops(mc.n_head, mc.vocab_size, self.tp, layers, attn, self.positions,
                             keep_scores)
-        self.schedule_name = layout.schedule
-        self.v = chunks_per_rank(layout.schedule, layout.virtual_stages)  # chunks per rank
+        self.schedule = CATALOG[layout.schedule]
+        placed = self.schedule.chunk_placement(self.pp.size, layout.virtual_stages)
+        self.v = placed.v  # chunks per rank
         self.n_chunks = self.pp.size * self.v
-        self.v_shape = layout.schedule in V_SHAPED
-        chunks = rank_chunks(mc, T, self.pp.rank, self.pp.size, self.v, layout.stage_layers,
-                             self.v_shape)
+        chunks = rank_chunks(mc, T, self.pp.rank, placed, layout.stage_layers)
         self.first = 0 in chunks  # embeds the tokens
         self.last = self.n_chunks - 1 in chunks  # the head and the loss
         local = take_params(model, chunks, self.first, self.last, grid)
@@ -169,9 +169,9 @@ class Engine:
         self.stage = Stage(chunks, self.n_chunks, mc, self.ops, self.sharder,
                            moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
                            self.tp.size if self.sp else 1, layout.recompute == "full")
-        self.executor = build_executor(layout.schedule, self.stage, self.pp, self.sharder.compute,
-                                       self._measure, self.v_shape)
-        self.actions = partial(schedule, self.schedule_name, self.pp.size, self.microbatches,
+        self.executor = build_executor(self.schedule, self.stage, self.pp, self.sharder.compute,
+                                       self._measure, placed)
+        self.actions = partial(self.schedule.actions, self.pp.size, self.microbatches,
                                self.pp.rank, self.v)
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
@@ -203,6 +203,11 @@ class Engine:
         dp = self.grid.comm["dp"]
         return dp_rows(B, dp.size, dp.rank)
 
+    def ahead(self) -> int:
+        """How many later batches' forwards run in each step (``forward_backward``'s
+        ``ahead``): the schedule catalog's (2bw 1, pipedream pp - 1, a flush schedule 0)."""
+        return self.schedule.ahead(self.pp.size)
+
     def zero_grad(self) -> None:
         self.sharder.zero_grad()
 
@@ -219,11 +224,8 @@ class Engine:
         mbs = [mb for x, y in rows for mb in split_microbatches(x, y, self.microbatches)]
         xs = [x for x, _ in mbs]
         ys = [y for _, y in mbs]
-        if self.schedule_name in ASYNC:
-            acts = self.actions(fill=self.executor.fills(), ahead=len(rows) - 1)
-            ce = self.executor.step(acts, xs, ys, denom, self.microbatches)
-        else:
-            ce = self.executor.step(self.actions(), xs, ys, denom)
+        acts = self.actions(fill=self.executor.fills, ahead=len(rows) - 1)
+        ce = self.executor.step(acts, xs, ys, denom, self.microbatches)
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:
@@ -343,7 +345,7 @@ class Engine:
         """The last step's measured timeline of this pipeline, gathered over pp (collective)."""
         events = [e for evs in self.pp.allgather_obj(self.executor.events) for e in evs]
         peaks = self.pp.allgather_obj(self.executor.peak_held)
-        return Timeline(self.schedule_name, self.pp.size, self.microbatches, self.v, events, "s",
+        return Timeline(self.schedule.name, self.pp.size, self.microbatches, self.v, events, "s",
                         peaks)
 
     def memory(self) -> dict[str, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from refmp.config import check_sizes
 from refmp.errors import ConfigError
 from refmp.parallel.context.chunks import ALGOS, ChunkLayout
+from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.partition import check_pipeline, parse_stage_layers
 
 
@@ -65,16 +66,14 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
     if mcfg.n_expert % ep:
         raise ConfigError(f"--n-expert ({mcfg.n_expert}) must be divisible by --ep ({ep}): "
                           f"every expert-parallel rank holds E/ep experts")
-    if cfg.schedule == "2bw" and cfg.resume:
-        raise ConfigError("--schedule 2bw computes on the previous weight version and carries "
-                          "the next batch's activations and gradients across each step, which "
-                          "a checkpoint does not hold: --resume would start from W(t) twice")
-    if cfg.schedule == "pipedream" and (cfg.resume or mcfg.n_expert):
-        raise ConfigError("--schedule pipedream carries the forwards of up to pp - 1 later "
-                          "batches and the weight versions they ran on across each step, "
-                          + ("which a checkpoint does not hold: --resume would lose them"
-                             if cfg.resume else "and their MoE losses would be counted in the "
-                             "wrong step: use a dense model (--n-expert 0)"))
+    sched = CATALOG.get(cfg.schedule)  # an unknown name: check_pipeline's message below
+    if sched is not None and not sched.flushes and cfg.resume:
+        raise ConfigError(f"--schedule {cfg.schedule} {sched.carries} across each step, which a "
+                          "checkpoint does not hold: --resume would lose them")
+    if sched is not None and not sched.moe and mcfg.n_expert:
+        raise ConfigError(f"--schedule {cfg.schedule} {sched.carries} across each step, and "
+                          "their MoE losses would be counted in the wrong step: use a dense "
+                          "model (--n-expert 0)")
     # the pipeline (pp = 1 is a one-stage schedule: gradient accumulation)
     check_pipeline(mcfg.n_layer, pp, M, cfg.schedule, cfg.virtual_stages,
                    parse_stage_layers(cfg.stage_layers), B // dp)

@@ -17,18 +17,16 @@ unit, clipping reads who counts each element once, ``--save`` reads how to glue 
 
 (wpe, the LayerNorms, the two c_proj biases and the router are replicated over tp: every tp
 rank computes them on the same tokens, or with sequence parallelism on its T/tp of them, and
-then their gradients are partial over tp.) Pipeline stages hold disjoint blocks; wte lives on
-the first stage (embedding) and, with pp > 1, as a copy on the last (the tied head).
+then their gradients are partial over tp.) Pipeline stages hold disjoint blocks (which
+chunks, and their blocks: refmp.parallel.pipeline.partition.rank_chunks); wte lives on the
+first stage (embedding) and, with pp > 1, as a copy on the last (the tied head).
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 from refmp.nn import experts as M
-from refmp.parallel.context.chunks import ChunkLayout
-from refmp.parallel.pipeline.partition import parse_stage_layers, partition, piece_costs
 from refmp.runtime import backend
 
 # tp splits: name inside a block (or the top-level name) -> (dim, kind)
@@ -75,27 +73,6 @@ def padded_vocab(V: int, tp: int) -> int:
 # --- who holds what: the ownership rules (the engine, the memory estimate and the planner) ---
 
 
-def chunk_rank(c: int, pp: int, v_shape: bool = False) -> int:
-    """The pipeline rank of chunk c: c % pp (with v > 1, Narayanan et al. 2021's
-    interleaving), or in a V (ZB-V, DualPipeV: 2 pp chunks) rank c going down and rank
-    2 pp - 1 - c coming back, so the turn and both ends of the tied wte stay on one rank."""
-    return (c if c < pp else 2 * pp - 1 - c) if v_shape else c % pp
-
-
-def stage_chunks(pp_rank: int, pp: int, virtual_stages: int = 1, v_shape: bool = False) -> list[int]:
-    """The model chunks pipeline rank ``pp_rank`` runs (chunk_rank), in model order."""
-    return [c for c in range(pp * virtual_stages) if chunk_rank(c, pp, v_shape) == pp_rank]
-
-
-def rank_chunks(mcfg, T: int, pp_rank: int, pp: int, virtual_stages: int = 1,
-                stage_layers: str | None = None, v_shape: bool = False) -> dict[int, range]:
-    """The model chunks of pipeline rank ``pp_rank`` (stage_chunks), each with its blocks:
-    the balanced partition of the layers over S = pp v chunks, or ``--stage-layers``'."""
-    blocks = partition(mcfg.n_layer, pp * virtual_stages,
-                       piece_costs(mcfg.n_embd, T, mcfg.vocab_size), parse_stage_layers(stage_layers))
-    return {c: blocks[c] for c in stage_chunks(pp_rank, pp, virtual_stages, v_shape)}
-
-
 def expert_owner(e: int, n_expert: int, ep: int) -> int:
     """The ep rank holding expert e: experts [r El, (r+1) El) on ep rank r (El = E/ep)."""
     return e // (n_expert // ep)
@@ -122,55 +99,6 @@ def shards_held(params: dict, blocks, first: bool, last: bool, tp, ep, n_expert:
     size). The engine's and the decoder's selection."""
     return {k: tp_shard(k, v, tp.rank, tp.size) for k, v in params.items()
             if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
-
-
-GRID_ORDER = ("pp", "dp", "cp", "tp")  # refmp.distributed.grid's, slowest to fastest
-
-
-def who_holds(mcfg, sizes: dict[str, int], T: int, virtual_stages: int = 1, v_shape: bool = False,
-              stage_layers: str | None = None, cp_balance: str = "zigzag") -> list[dict]:
-    """Who holds what on a grid of ``sizes`` (pp, dp, cp, tp, ep): one row per world rank, in
-    rank order, from the rules above (tutorials/08_any_layout.py prints the same table from a
-    running engine; docs/_hooks draws it):
-
-        coords      pp, dp, cp, tp (the grid's order: rank = ((pp dp_n + dp) cp_n + cp) tp_n
-                    + tp), and ep, edp: f % ep and f // ep of f = dp cp_n + cp (ep is carved
-                    from dp x cp)
-        chunks      chunk -> its blocks (rank_chunks)
-        first, last whether it holds the embeddings (wte, wpe) / the head (ln_f, the tied wte)
-        tokens      the positions of a sequence it holds (cp's ChunkLayout)
-        heads       [lo, hi) of the attention heads (tp: NH/tp each, TP_SPLITS' "heads")
-        wte_rows    [lo, hi) of the Vp padded vocabulary rows (tp), None off the two ends
-        experts     the experts it holds of each MoE layer (expert_owner)
-    """
-    rows = []
-    NH = mcfg.n_head
-    E = mcfg.n_expert
-    Vl = padded_vocab(mcfg.vocab_size, sizes["tp"]) // sizes["tp"]  # wte rows per tp rank
-    layout = ChunkLayout(T, sizes["cp"], cp_balance)
-    radix = [sizes[a] for a in GRID_ORDER]
-    for rank in range(math.prod(radix)):
-        coords = {}
-        rest = rank
-        for a, n in zip(reversed(GRID_ORDER), reversed(radix), strict=True):  # tp fastest
-            rest, coords[a] = divmod(rest, n)
-        f = coords["dp"] * sizes["cp"] + coords["cp"]  # the rank's place in its dp x cp slice
-        chunks = rank_chunks(mcfg, T, coords["pp"], sizes["pp"], virtual_stages, stage_layers,
-                             v_shape)
-        S = sizes["pp"] * virtual_stages
-        first = 0 in chunks
-        last = S - 1 in chunks
-        tp_i = coords["tp"]
-        rows.append({
-            "rank": rank, **{a: coords[a] for a in GRID_ORDER},
-            "ep": f % sizes["ep"], "edp": f // sizes["ep"],
-            "chunks": {c: list(b) for c, b in chunks.items()}, "first": first, "last": last,
-            "tokens": [int(t) for t in layout.positions(coords["cp"])],
-            "heads": (tp_i * NH // sizes["tp"], (tp_i + 1) * NH // sizes["tp"]),
-            "wte_rows": (tp_i * Vl, (tp_i + 1) * Vl) if first or last else None,
-            "experts": [e for e in range(E) if expert_owner(e, E, sizes["ep"]) == f % sizes["ep"]],
-        })
-    return rows
 
 
 def unit_of(name: str) -> str:

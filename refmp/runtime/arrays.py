@@ -4,8 +4,9 @@ gradient pieces.
 
 A cache (what a forward keeps for its backward; a layer's arguments and results) is a nest
 of tuples (NamedTuples too), lists and dicts whose *leaves* are arrays, scalars and other
-objects. Mixed precision's casts (refmp.runtime.precision), ZeRO-3's weight references
-(refmp.parallel.data.sharder) and the memory ledger's byte counts all walk them through here.
+objects. Mixed precision's casts (refmp.runtime.precision), the weight references that
+stand in a cache for weights ZeRO-3 freed (``detach``, ``attach``) and the memory ledger's
+byte counts all walk them through here.
 """
 
 from __future__ import annotations
@@ -47,6 +48,26 @@ def map_leaves(obj, fn: Callable):
     if isinstance(obj, dict):
         return {k: map_leaves(v, fn) for k, v in obj.items()}
     return fn(obj)
+
+
+class WeightRef:
+    """Stands in a cache for a weight that ZeRO-3 freed (refmp.parallel.data.sharder);
+    ``attach`` puts the weight back."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def detach(cache, p: dict):
+    """The cache with every array of ``p`` replaced by a WeightRef (so the weights can go);
+    the arrays are found by identity (map_leaves keeps the caller's own objects)."""
+    names = {id(v): k for k, v in p.items()}
+    return map_leaves(cache, lambda a: WeightRef(names[id(a)]) if id(a) in names else a)
+
+
+def attach(cache, p: dict):
+    """Inverse of detach, with the freshly gathered weights ``p``."""
+    return map_leaves(cache, lambda a: p[a.name] if isinstance(a, WeightRef) else a)
 
 
 def global_grad_norm(grads: dict, sum_sq: Callable[[float], float] | None = None) -> float:

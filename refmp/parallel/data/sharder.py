@@ -51,27 +51,7 @@ from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import progress, wait
 from refmp.parallel.data.hpz import block_gather, secondary
 from refmp.parallel.data.zero import Unit
-from refmp.runtime.arrays import map_leaves
 from refmp.runtime.backend import array_module
-
-
-class WeightRef:
-    """Stands in a cache for a weight that stage 3 freed; ``attach`` puts the weight back."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-
-def detach(cache, p: dict):
-    """The cache with every array of ``p`` replaced by a WeightRef (so the weights can go);
-    the arrays are found by identity (map_leaves keeps the caller's own objects)."""
-    names = {id(v): k for k, v in p.items()}
-    return map_leaves(cache, lambda a: WeightRef(names[id(a)]) if id(a) in names else a)
-
-
-def attach(cache, p: dict):
-    """Inverse of detach, with the freshly gathered weights ``p``."""
-    return map_leaves(cache, lambda a: p[a.name] if isinstance(a, WeightRef) else a)
 
 
 class Sharder:

@@ -31,11 +31,12 @@ from refmp.nn.routing import MoEFigures
 from refmp.parallel.pipeline.executor import Executor
 from refmp.parallel.pipeline.pipedream import pipedream_version
 from refmp.parallel.pipeline.schedules import Action
+from refmp.parallel.pipeline.stage import Route
 
 
 class GradStash:
     """2BW: takes the gradients of a backward of the next batch run before this step's
-    update (pipedream.two_bw; Stage.backward's ``sink``). They are summed here, in the order
+    update (pipedream.two_bw; the ``sink`` of Stage.backward's Route). They are summed here, in the order
     they come, and added to the Sharder's after the next step's zero_grad (``replay``): the
     same sums in the same order as the serial run's, so the step's gradient is batch t's
     alone."""
@@ -72,8 +73,8 @@ class AsyncExecutor(Executor):
     """The step loop of a schedule without a flush; :class:`TwoBW` and :class:`PipeDream`
     say which weights each action runs on and what is kept after the update."""
 
-    def __init__(self, stage, comm, dtype, on_forward=None):
-        super().__init__(stage, comm, dtype, on_forward)
+    def __init__(self, stage, comm, dtype, on_forward=None, placed=None):
+        super().__init__(stage, comm, dtype, on_forward, placed)
         self.sharder = stage.sharder
         self.updates = 0  # the steps run: the current weights are W(updates)
         self.carry: dict = {}  # (micro-batch, chunk) -> (version, released, cache)
@@ -84,6 +85,7 @@ class AsyncExecutor(Executor):
         self.ahead_figures = MoEFigures()  # and its MoE figures
         self.carry_on = False  # the last step ran the next batch's first actions
 
+    @property
     def fills(self) -> bool:
         """Whether the next step fills the pipeline (starts from an empty one)."""
         raise NotImplementedError
@@ -96,6 +98,15 @@ class AsyncExecutor(Executor):
         """Sharder.weights for weight version ``version`` (None: the current buffers)."""
         raise NotImplementedError
 
+    def route(self, version: int, release: bool, ahead: bool) -> Route:
+        """Where a pass takes its weights (version ``version``; ``release``: the forward's
+        cache names them, which the backward attaches again) and where a later batch's
+        (``ahead``) MoE figures and gradients go: aside, until its own step."""
+        return Route(self.weights_of(version) or self.sharder.weights,
+                     self.stash if ahead else self.sharder,
+                     self.ahead_figures if ahead else self.stage.figures,
+                     release or self.sharder.releases_weights)
+
     def after_backwards(self) -> None:
         """At the end of a step, before its update: keep what later steps compute on."""
         raise NotImplementedError
@@ -106,8 +117,7 @@ class AsyncExecutor(Executor):
         self.stage.figures.merge(self.ahead_figures)  # its forwards' MoE figures
         self.ahead_figures = MoEFigures()
 
-    def step(self, actions: list[Action], xs: list, ys: list, denom: int,
-             m: int | None = None) -> float:
+    def step(self, actions: list[Action], xs: list, ys: list, denom: int, m: int) -> float:
         """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets,
         ``m`` the step's micro-batches (xs also holds the later batches'). Returns this
         rank's loss share of this step's batch."""
@@ -132,9 +142,8 @@ class AsyncExecutor(Executor):
                 inp = xs[i] if c == 0 else self.recv_forward(shape, i, c)
                 t0 = time.perf_counter()
                 version = self.forward_version(ahead)
-                out, cache = stage.forward(c, inp, ys[i], denom, weights=self.weights_of(version),
-                                           release=ahead,  # the update overwrites its weights
-                                           figures=self.ahead_figures if ahead else None)
+                # ahead: the update overwrites its weights before its backward, so release them
+                out, cache = stage.forward(c, inp, ys[i], denom, self.route(version, ahead, ahead))
                 caches[i, c] = (version, ahead, cache)
                 self.peak_held = max(self.peak_held, len(caches))
                 self._event("F", i, c, t0)
@@ -153,9 +162,7 @@ class AsyncExecutor(Executor):
                 made_on, released, cache = caches.pop((i, c))
                 self.check_version(i, made_on, ahead)
                 dx, _ = stage.backward(c, dout, cache, False, final=i % m == m - 1,
-                                       attach_weights=released,  # gathered again
-                                       sink=self.stash if ahead else None,
-                                       weights=self.weights_of(made_on))
+                                       route=self.route(made_on, released, ahead))
                 self.stash_bytes = max(self.stash_bytes, self.stash.nbytes())
                 self._event("B", i, c, t0)
                 if dx is not None:
@@ -190,10 +197,11 @@ class TwoBW(AsyncExecutor):
     (W(-1) = W(0)); batch t+1's first actions, in step t, on W(t). Two versions per stage:
     the Sharder's current buffers and ``previous``."""
 
-    def __init__(self, stage, comm, dtype, on_forward=None):
-        super().__init__(stage, comm, dtype, on_forward)
+    def __init__(self, stage, comm, dtype, on_forward=None, placed=None):
+        super().__init__(stage, comm, dtype, on_forward, placed)
         self.previous: dict = {}  # unit -> W(t-1)
 
+    @property
     def fills(self) -> bool:
         return not self.carry_on  # the first step, or after a drain
 
@@ -228,11 +236,12 @@ class PipeDream(AsyncExecutor):
     backward attaches the version its forward ran on, which must be
     pipedream.pipedream_version's."""
 
-    def __init__(self, stage, comm, dtype, on_forward=None):
-        super().__init__(stage, comm, dtype, on_forward)
+    def __init__(self, stage, comm, dtype, on_forward=None, placed=None):
+        super().__init__(stage, comm, dtype, on_forward, placed)
         self.versions: dict[int, dict] = {}  # k -> {unit: W(k)}, the current one not among them
         self.version_bytes = 0  # their peak
 
+    @property
     def fills(self) -> bool:
         return self.updates == 0
 

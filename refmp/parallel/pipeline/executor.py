@@ -2,7 +2,7 @@
 interpreted over MPI (naive, GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV).
 
 Shapes: b_i rows of micro-batch i, T time, C channels; pp ranks, S chunks (chunk c on rank
-placement.chunk_rank(c): c % pp, or in a V). T is the tokens of a sequence this rank holds
+ChunkPlacement.rank(c): c % pp, or in a V). T is the tokens of a sequence this rank holds
 (T/cp with context parallelism); with sequence parallelism a boundary carries (b_i, T/tp, C)
 (Korthikanti et al. 2022, sec. 4.2: the block's output is already sharded along T), so SP
 divides these bytes by tp.
@@ -45,10 +45,8 @@ from collections.abc import Callable
 
 from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import wait_all
-from refmp.parallel.pipeline.schedules import Action
+from refmp.parallel.pipeline.schedules import Action, ChunkPlacement, Event
 from refmp.parallel.pipeline.stage import Stage
-from refmp.parallel.pipeline.timeline import Event
-from refmp.parallel.placement import chunk_rank
 
 
 def tag(chunk: int, grad: bool) -> int:
@@ -64,15 +62,17 @@ class Executor:
     called with the live caches after a forward (the engine measures their bytes) whenever
     they are a new set: one not seen before as each cache's chunk and micro-batch shape,
     which fix the bytes (walking the caches costs 0.1 ms, on the pipeline's critical path,
-    every forward); ``v_shape``: the chunks are placed in a V (ZB-V, DualPipeV)."""
+    every forward); ``placed``: which rank runs each chunk (default: c % pp)."""
 
-    def __init__(self, stage: Stage, comm: Comm, dtype,
-                 on_forward: Callable[[dict], None] | None = None, v_shape: bool = False):
+    fills = True  # each step starts from an empty pipeline (the asynchronous ones: not always)
+
+    def __init__(self, stage: Stage, comm: Comm, dtype, on_forward: Callable[[dict], None] | None = None,
+                 placed: ChunkPlacement | None = None):
         self.stage = stage
         self.comm = comm
         self.dtype = dtype
         self.on_forward = on_forward
-        self.v_shape = v_shape
+        self.placed = placed or ChunkPlacement(comm.size)
         self.events: list[Event] = []  # the last step's timeline on this rank
         self.peak_held = 0  # most micro-batch caches held at once in the last step
         self.measured: set[tuple] = set()  # the sets of caches on_forward has seen
@@ -97,7 +97,7 @@ class Executor:
 
     def _send(self, x, shape, mb: int, chunk: int, grad: bool, pending: list) -> None:
         t0 = time.perf_counter()
-        dest = chunk_rank(chunk, self.comm.size, self.v_shape)
+        dest = self.placed.rank(chunk)
         if x.shape != shape or x.dtype != self.dtype:  # the receiver expects exactly this
             raise ValueError(f"rank {self.comm.rank}: micro-batch {mb} for chunk {chunk} is "
                              f"{x.shape} {x.dtype}, expected {shape} {self.dtype}")
@@ -106,7 +106,7 @@ class Executor:
 
     def _recv(self, shape, mb: int, chunk: int, grad: bool):
         t0 = time.perf_counter()
-        src = chunk_rank(chunk + (1 if grad else -1), self.comm.size, self.v_shape)
+        src = self.placed.rank(chunk + (1 if grad else -1))
         x = self.comm.recv(shape, self.dtype, src, tag(chunk, grad))
         self._event("recv", mb, chunk, t0)
         return x  # a fresh array, owned by micro-batch mb alone
@@ -122,12 +122,13 @@ class Executor:
 
     # --- one step -------------------------------------------------------------------------------
 
-    def step(self, actions: list[Action], xs: list, ys: list, denom: int) -> float:
-        """Run one step's actions; xs[i], ys[i] are micro-batch i's (b_i, T) ids and targets.
-        Returns this rank's loss share (non-zero on the rank holding the last chunk)."""
+    def step(self, actions: list[Action], xs: list, ys: list, denom: int, m: int) -> float:
+        """Run one step's actions; xs[i], ys[i]: micro-batch i's (b_i, T) ids and targets, the
+        step's batch's ``m`` (all of them here). Returns this rank's loss share (non-zero on the
+        last chunk's rank)."""
         stage = self.stage
         last = stage.n_chunks - 1  # the chunk with the head and the loss
-        final_mb = len(xs) - 1  # the step's last micro-batch
+        final_mb = m - 1  # the step's last micro-batch
         split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}  # B's whose W is listed
         caches: dict = {}  # (micro-batch, chunk) -> the forward's cache, until its backward
         todos: dict = {}  # (micro-batch, chunk) -> what a split backward left for its W

@@ -4,7 +4,8 @@ Shapes: B batch, T time, C channels, V vocabulary, L layers; pp stages, S = pp *
 (v virtual stages per rank, the interleaved schedule's "model chunks").
 
 The model is cut into S consecutive chunks of blocks. Chunk c lives on pipeline rank c % pp
-(so with v > 1 each rank holds v chunks, Narayanan et al. 2021, sec. 2.2). The token and
+(so with v > 1 each rank holds v chunks, Narayanan et al. 2021, sec. 2.2), or in a V
+(schedules.ChunkPlacement; ``rank_chunks``: a rank's chunks and their blocks). The token and
 position embeddings go with chunk 0, the final LayerNorm and the LM head with chunk S - 1.
 
 Cost of a piece, per token, forward (the backward is twice that, so the ratio is the same):
@@ -23,6 +24,8 @@ from __future__ import annotations
 from functools import cache
 
 from refmp.errors import ConfigError
+from refmp.parallel.pipeline.catalog import CATALOG, NAMES
+from refmp.parallel.pipeline.schedules import ChunkPlacement
 
 
 def piece_costs(n_embd: int, block_size: int, vocab_size: int) -> dict[str, tuple[int, int]]:
@@ -136,21 +139,21 @@ def check_pipeline(n_layer: int, pp: int, microbatches: int, schedule: str, virt
 
     ``rows`` is the number of sequences one pipeline (one dp rank) gets per step.
     """
-    from refmp.parallel.pipeline.schedules import SCHEDULES, chunks_per_rank
-
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule not in CATALOG:
+        raise ConfigError(f"--schedule must be one of {', '.join(NAMES)}, got {schedule!r}")
+    sched = CATALOG[schedule]
+    takes = [s.name for s in CATALOG.values() if s.chunks is None]  # chunks per rank: --virtual-stages
     if virtual < 1:
         raise ConfigError(f"--virtual-stages must be at least 1, got {virtual}")
-    if virtual > 1 and schedule != "interleaved":
-        raise ConfigError(f"--virtual-stages {virtual} needs --schedule interleaved")
+    if virtual > 1 and sched.chunks is not None:
+        raise ConfigError(f"--virtual-stages {virtual} needs --schedule {' or '.join(takes)}")
     if microbatches < 1:
         raise ConfigError(f"--microbatches must be at least 1, got {microbatches}")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ConfigError(f"--schedule interleaved needs --microbatches ({microbatches}) to be a "
+    if sched.chunks is None and microbatches % pp:
+        raise ConfigError(f"--schedule {schedule} needs --microbatches ({microbatches}) to be a "
                           f"multiple of --pp ({pp}): micro-batches go round the ranks in groups "
                           f"of pp (Narayanan et al. 2021)")
-    virtual = chunks_per_rank(schedule, virtual)  # the V-shaped schedules: 2
+    virtual = sched.chunks_per_rank(virtual)  # the V-shaped schedules: 2
     chunks = pp * virtual
     if stage_layers is None and n_layer < chunks:
         raise ConfigError(f"{chunks} pipeline stages (pp {pp} x virtual {virtual}) but only "
@@ -178,3 +181,13 @@ def partition(n_layer: int, chunks: int, costs: dict,
         out.append(range(start, start + n))
         start += n
     return out
+
+
+def rank_chunks(mcfg, T: int, pp_rank: int, placed: ChunkPlacement,
+                stage_layers: str | None = None) -> dict[int, range]:
+    """The model chunks of pipeline rank ``pp_rank`` (``placed``: where each chunk runs), each
+    with its blocks: the balanced partition of the layers over S = pp v chunks, or
+    ``--stage-layers``'. What the engine, the memory estimate and the guide's tables hold."""
+    blocks = partition(mcfg.n_layer, placed.pp * placed.v,
+                       piece_costs(mcfg.n_embd, T, mcfg.vocab_size), parse_stage_layers(stage_layers))
+    return {c: blocks[c] for c in placed.chunks(pp_rank)}

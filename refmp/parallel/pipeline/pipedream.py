@@ -2,13 +2,13 @@
 pipelines without a flush (refmp.parallel.pipeline.asynchronous runs them).
 
 Shapes: pp stages (ranks), m micro-batches of a batch; micro-batch j m + i of a step's list is
-batch t + j's i-th. Actions as in schedules.py (F, B), plus ``U`` (an update: a step's end) in
-a run of several steps.
+batch t + j's i-th. Actions as in schedules.py (F, B); catalog.run_of_steps strings steps
+together with an update ``U`` between them.
 """
 
 from __future__ import annotations
 
-from refmp.parallel.pipeline.schedules import Action, schedule
+from refmp.parallel.pipeline.schedules import Action
 
 
 def lead(pp: int, m: int, rank: int) -> int:
@@ -69,15 +69,3 @@ def pipedream(pp: int, m: int, rank: int, fill: bool = False, ahead: int = 0) ->
     for k in range(m):
         out += [bwd[k]] + fwd[w + k : w + k + 1]
     return out + fwd[w + m :]
-
-
-def run_of_steps(name: str, pp: int, m: int, rank: int, steps: int) -> list[Action]:
-    """Rank ``rank``'s actions over ``steps`` steps of an asynchronous schedule (2bw,
-    pipedream: the first fills, the last drains), micro-batch g of step t as t m + g, and an
-    action ``U`` (the update: a step boundary) between steps."""
-    out: list[Action] = []
-    for t in range(steps):
-        out += [a._replace(mb=t * m + a.mb)
-                for a in schedule(name, pp, m, rank, fill=t == 0, ahead=steps - 1 - t)]
-        out += [Action("U", t, -1)] if t < steps - 1 else []
-    return out

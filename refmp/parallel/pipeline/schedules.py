@@ -9,14 +9,14 @@ An action is (kind, micro-batch, chunk):
   W  the weight gradients the B left out (zero-bubble schedules only; Qi et al. 2023): a B
      is split exactly when its W is on the list.
 Communication is implied by the chunk graph, not listed: F(i, c) needs chunk c-1's output
-for micro-batch i (sent by the rank of chunk c-1, placement.chunk_rank, when it finishes
+for micro-batch i (sent by the rank of chunk c-1, ChunkPlacement.rank, when it finishes
 F(i, c-1)), and B(i, c) needs the gradient of chunk c's output from B(i, c+1). The executor
 (executor.py) posts those sends and receives; the simulator (simulate.py) runs the same lists
 without MPI.
 
-Here: naive, GPipe, 1F1B, interleaved 1F1B and ZB-H1, one chunk per rank (v for interleaved).
-vshape.py has the V-shaped schedules (ZB-V, DualPipeV), pipedream.py the PipeDream family's
-(2BW, weight stashing); ``schedule`` gives any of them by name.
+Here: naive, GPipe, 1F1B, interleaved 1F1B and ZB-H1, and where each chunk runs. vshape.py
+has the V-shaped schedules (ZB-V, DualPipeV), pipedream.py the PipeDream family's (2BW,
+weight stashing); catalog.py names every schedule and what it asks.
 """
 
 from __future__ import annotations
@@ -31,6 +31,17 @@ class Action(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+class Event(NamedTuple):
+    """An interval on a rank, simulated or measured: compute (F, B, W) or a send or recv."""
+
+    rank: int
+    kind: str
+    mb: int
+    chunk: int
+    start: float
+    end: float
 
 
 def naive(pp: int, m: int, rank: int) -> list[Action]:
@@ -106,31 +117,19 @@ def zb_h1(pp: int, m: int, rank: int) -> list[Action]:
     return out
 
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev", "2bw",
-             "pipedream")
-ASYNC = ("2bw", "pipedream")  # no flush: a step's lists hold later batches' micro-batches
-V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank, placed in a V (placement.chunk_rank)
+class ChunkPlacement(NamedTuple):
+    """Where the S = pp v chunks run: chunk c on rank c % pp (``loop``; v > 1: Narayanan et al.
+    2021's interleaving), or in a V (ZB-V, DualPipeV: v = 2) on rank c going down and rank
+    2 pp - 1 - c coming back, so the turn and both ends of the tied wte stay on one rank."""
 
+    pp: int
+    v: int = 1  # chunks per rank
+    kind: str = "loop"  # or "v"
 
-def chunks_per_rank(name: str, v: int = 1) -> int:
-    """v for the interleaved schedule, 2 for the V-shaped ones, else 1."""
-    return 2 if name in V_SHAPED else v
+    def rank(self, c: int) -> int:
+        """The pipeline rank of chunk c."""
+        return (c if c < self.pp else 2 * self.pp - 1 - c) if self.kind == "v" else c % self.pp
 
-
-def schedule(name: str, pp: int, m: int, rank: int, v: int = 1, fill: bool = False,
-             ahead: int | None = None) -> list[Action]:
-    """Rank ``rank``'s actions for one step of ``name`` with pp stages and m micro-batches
-    (2bw: pipedream.two_bw's, pipedream: pipedream.pipedream's, by default a steady step;
-    ``ahead``: how many later batches there are, None: enough; zb-v and dualpipev:
-    vshape.py's)."""
-    from refmp.parallel.pipeline import pipedream, vshape  # built on this module's Action
-
-    if name == "interleaved":
-        return interleaved(pp, m, rank, v)
-    if name == "2bw":
-        return pipedream.two_bw(pp, m, rank, fill, ahead is None or ahead > 0)
-    if name == "pipedream":
-        return pipedream.pipedream(pp, m, rank, fill, pp if ahead is None else ahead)
-    fn = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1,
-          "zb-v": vshape.zb_v, "dualpipev": vshape.dualpipev}[name]
-    return fn(pp, m, rank)
+    def chunks(self, rank: int) -> list[int]:
+        """The chunks pipeline rank ``rank`` runs, in model order."""
+        return [c for c in range(self.pp * self.v) if self.rank(c) == rank]

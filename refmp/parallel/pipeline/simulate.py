@@ -24,10 +24,9 @@ Bubble fraction = idle / (pp * makespan). With those costs (all chunks equal):
 
 from __future__ import annotations
 
-from refmp.parallel.pipeline.pipedream import pipedream_version, run_of_steps
-from refmp.parallel.pipeline.schedules import ASYNC, V_SHAPED, Action, chunks_per_rank, schedule
+from refmp.parallel.pipeline.catalog import CATALOG, run_of_steps
+from refmp.parallel.pipeline.schedules import Action, ChunkPlacement
 from refmp.parallel.pipeline.timeline import Event, Timeline
-from refmp.parallel.placement import chunk_rank
 
 
 class Deadlock(RuntimeError):
@@ -45,9 +44,11 @@ def depends_on(a: Action, chunks: int) -> list[Action]:
 
 
 def check_actions(lists: list[list[Action]], pp: int, m: int, v: int,
-                  v_shape: bool = False) -> set[tuple[int, int]]:
+                  placed: ChunkPlacement | None = None) -> set[tuple[int, int]]:
     """Every F and B of every micro-batch and chunk once, on its rank, and at most one W each,
-    after its B; returns the (micro-batch, chunk) whose backward is split (a W is listed)."""
+    after its B; returns the (micro-batch, chunk) whose backward is split (a W is listed).
+    ``placed``: where the chunks sit (default: in a loop)."""
+    placed = placed or ChunkPlacement(pp, v)
     lists = [[a for a in acts if a.kind != "U"] for acts in lists]  # step boundaries
     split = {(a.mb, a.chunk) for acts in lists for a in acts if a.kind == "W"}
     want = sorted([Action(k, i, c) for k in "FB" for i in range(m) for c in range(pp * v)]
@@ -56,14 +57,14 @@ def check_actions(lists: list[list[Action]], pp: int, m: int, v: int,
     if got != want:
         raise ValueError("the schedule does not run every action exactly once")
     for r, acts in enumerate(lists):
-        if any(chunk_rank(c, pp, v_shape) != r for c in {a.chunk for a in acts}):
+        if any(placed.rank(c) != r for c in {a.chunk for a in acts}):
             raise ValueError(f"rank {r} is given a chunk it does not hold")
     return split
 
 
 def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str = "",
              costs: dict[tuple[int, str], float] | None = None,
-             v_shape: bool = False, pair: float | None = None,
+             placed: ChunkPlacement | None = None, pair: float | None = None,
              hops: dict[int, tuple[float, float]] | None = None) -> Timeline:
     """Execute the per-rank lists in simulated time; a Timeline with events and peak memory.
 
@@ -84,7 +85,7 @@ def simulate(lists: list[list[Action]], pp: int, m: int, v: int = 1, name: str =
     """
     if hops is not None and pair is not None:
         raise ValueError("simulate: hops are not modelled for DualPipe's overlapped pairs")
-    split = check_actions(lists, pp, m, v, v_shape)
+    split = check_actions(lists, pp, m, v, placed)
     chunks = pp * v
     done: dict[Action, int] = {}
     pos, free = [0] * pp, [0] * pp
@@ -145,10 +146,10 @@ def simulate_steps(name: str, pp: int, m: int, steps: int = 3,
     fills, the last drains) with the step boundaries between them. Micro-batch g is batch
     g // m's; each event is labelled with the weight version it computes on (``versions``,
     (rank, micro-batch) -> version): 2bw's W(g // m - 1) (W(-1) = W(0)), pipedream's
-    pipedream.pipedream_version."""
+    pipedream.pipedream_version (the catalog's ``version``)."""
     lists = [run_of_steps(name, pp, m, r, steps) for r in range(pp)]
     tl = simulate(lists, pp, steps * m, 1, name, costs, hops=hops)
-    rule = pipedream_version if name == "pipedream" else lambda pp, r, t: max(t - 1, 0)
+    rule = CATALOG[name].version
     tl.versions = {(r, g): rule(pp, r, g // m) for r in range(pp) for g in range(steps * m)}
     return tl
 
@@ -157,28 +158,18 @@ def simulate_schedule(name: str, pp: int, m: int, v: int = 1,
                       costs: dict[tuple[int, str], float] | None = None,
                       hops: dict[int, tuple[float, float]] | None = None) -> Timeline:
     """One step of ``name``; for 2bw and pipedream a steady one (for 2bw the middle step of
-    three, for pipedream step pp - 1 of 2 pp - 1, between its boundaries), as a step of a
-    long run goes."""
-    if name in ASYNC:
-        k = 1 if name == "2bw" else max(pp - 1, 1)
+    three, for pipedream step pp - 1 of 2 pp - 1, between its boundaries: step ``ahead``),
+    as a step of a long run goes."""
+    s = CATALOG[name]
+    if not s.flushes:
+        k = max(s.ahead(pp), 1)
         tl = simulate_steps(name, pp, m, 2 * k + 1, costs, hops)
         return tl.window(*tl.barriers[k - 1 : k + 1])
-    v = chunks_per_rank(name, v)
-    return simulate([schedule(name, pp, m, r, v) for r in range(pp)], pp, m, v, name, costs,
-                    name in V_SHAPED, hops=hops)
+    placed = s.chunk_placement(pp, v)
+    return simulate([s.actions(pp, m, r, placed.v) for r in range(pp)], pp, m, placed.v, name,
+                    costs, placed, hops=hops)
 
 
 def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> float:
-    """The textbook bubble fraction (idle / total) for equal-cost chunks."""
-    p = pp
-    return {
-        "naive": (p - 1) / p,
-        "gpipe": (p - 1) / (m + p - 1),
-        "1f1b": (p - 1) / (m + p - 1),
-        "2bw": (p > 1) / (3 * m + (p > 1)),  # a steady step, boundaries uncapped (two_bw)
-        "pipedream": 2 * (p - 1) / (3 * m + 2 * (p - 1)),  # a steady step
-        "interleaved": (p - 1) / (v * m + p - 1),
-        "zb-h1": (p - 1) / (3 * m + p - 1),
-        "zb-v": (p - 1) / (6 * m + p - 1),  # m >= 2p - 1
-        "dualpipev": (p - 1) / (6 * m + p - 1),  # m >= 2p
-    }[name]
+    """The textbook bubble fraction (idle / total) for equal-cost chunks (the catalog's)."""
+    return CATALOG[name].bubble(pp, m, v)

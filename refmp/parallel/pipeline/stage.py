@@ -15,13 +15,13 @@ a block keeps only its input and runs its forward again at the start of its back
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from refmp.nn import gpt
 from refmp.nn import moe as M
 from refmp.nn.routing import MoEFigures
-from refmp.parallel.data.sharder import attach, detach
-from refmp.parallel.placement import unit_of
+from refmp.runtime.arrays import attach, detach
 
 
 class Recompute(NamedTuple):
@@ -32,6 +32,16 @@ class Recompute(NamedTuple):
 
     x: Any
     moe: Any
+
+
+class Route(NamedTuple):
+    """Where a pass takes its weights from and where its results go (Stage.route's, or the
+    asynchronous executors': a weight version, 2BW's GradStash, a later batch's figures)."""
+
+    weights: Callable  # unit -> {name: array}
+    sink: Any  # takes the gradients: accumulate(unit, g), grad_ready(unit, final)
+    figures: MoEFigures
+    release: bool  # the forward's cache names its weights; the backward attaches them again
 
 
 class Stage:
@@ -53,10 +63,9 @@ class Stage:
         self.moe = moe
         self.sequence_shards = sequence_shards
         self.recompute = recompute  # full recomputation: keep only each block's input
+        self.unit = {k: u for u, unit in sharder.units.items() for k in unit.shapes}
         # block -> the Sharder units of its parameters held here: dense, then its experts
-        self.block_units = {i: [u for u in dict.fromkeys(unit_of(f"h.{i}.{k}")
-                                                         for k in gpt.block_param_shapes(cfg, i))
-                                if u in sharder.units]
+        self.block_units = {i: list(dict.fromkeys(u for k, u in self.unit.items() if k.startswith(f"h.{i}.")))
                             for blocks in chunks.values() for i in blocks}
         self.figures = MoEFigures()  # this step's
         self.loss_scale = 1.0  # the gradient of each loss share: 1, or fp16's loss scale
@@ -75,24 +84,21 @@ class Stage:
 
     def block_weights(self, i: int, weights) -> dict:
         """Block i's parameters by their name inside the block (dense unit + its experts)."""
-        p = {}
-        for u in self.block_units[i]:
-            p.update(weights(u))
-        return gpt.block_params(p, i)
+        return gpt.block_params({k: v for u in self.block_units[i] for k, v in weights(u).items()}, i)
 
-    def forward(self, c: int, inp, targets=None, denom=None, weights=None,
-                release: bool = False, figures: MoEFigures | None = None):
+    def route(self) -> Route:
+        """The Sharder's current weights (ZeRO-3 releases them) and sums, this step's figures."""
+        return Route(self.sharder.weights, self.sharder, self.figures, self.sharder.releases_weights)
+
+    def forward(self, c: int, inp, targets=None, denom=None, route: Route | None = None):
         """Chunk c on one micro-batch: inp is token ids (chunk 0) or the previous chunk's
         output. Returns the output, or on the last chunk the loss share (logits without
-        targets), and the cache the backward needs. ``weights`` overrides the Sharder's
-        current ones (a weight version). ``release``: the cache names its weights (as
-        ZeRO-3's do), which the backward attaches again (2BW: a forward whose buffer the
-        update overwrites before its backward). ``figures``: what takes the MoE figures
-        (default this step's; a forward that runs ahead keeps its own)."""
-        weights = weights or self.sharder.weights
-        figures = figures or self.figures
+        targets), and the cache the backward needs. ``route``: where the weights come from
+        and the MoE figures go (default :meth:`route`)."""
+        route = route or self.route()
+        weights = route.weights
         train = targets is not None
-        release = train and (release or self.sharder.releases_weights)  # names, not arrays
+        release = train and route.release  # the cache names its weights, not the arrays
         x, emb, head, blocks = inp, None, None, []
         if c == 0:
             x, emb = self.ops.embed({**weights("wte"), **weights("wpe")}, inp)  # (b, T, C)
@@ -102,7 +108,7 @@ class Stage:
             x_in = x
             x, bc = gpt.block_forward(p, x, self.ops, moe)
             if train and isinstance(bc.mlp, M.MoECache):
-                figures.add(i, float(bc.mlp.loss), bc.mlp.stats["raw"])  # a scalar to the host
+                route.figures.add(i, float(bc.mlp.loss), bc.mlp.stats["raw"])  # a scalar to the host
             if train and self.recompute:  # full recomputation: the input is all we keep
                 bc = Recompute(x_in, moe)
             blocks.append(detach(bc, p) if release else bc)
@@ -112,27 +118,23 @@ class Stage:
             head = detach(head, p) if release else head
         return x, (emb, blocks, head)
 
-    def backward(self, c: int, dout, cache, split: bool, final: bool,
-                 attach_weights: bool = False, sink=None, weights=None):
+    def backward(self, c: int, dout, cache, split: bool, final: bool, route: Route | None = None):
         """Chunk c's backward; returns (dx of the chunk's input or None, what W needs).
 
         dout is the gradient of the chunk's output, or None on the last chunk (the loss
         share's own gradient is ``loss_scale``: 1, or fp16's; MoE losses get it too).
         With ``split`` (zero bubble) the linears' weight gradients and the embedding's are
         left for :meth:`weight`. ``final``: this is the step's last micro-batch (the Sharder
-        starts stage 0's all-reduces then). ``attach_weights``: the forward released them.
-        ``sink``: what takes the gradients (``accumulate``, ``grad_ready``; default the
-        Sharder; 2BW's GradStash for the next batch's). ``weights``: what the forward ran on
-        (default the Sharder's current ones), for the attached and recomputed blocks.
+        starts stage 0's all-reduces then). ``route``: what the forward ran on (released, to
+        attach again) and what takes the gradients (default :meth:`route`).
         """
         emb, blocks, head = cache
-        sharder = self.sharder
+        route = route or self.route()
         dx = dout
-        sink = sink or sharder
-        weights = weights or sharder.weights
-        attach_weights = attach_weights or sharder.releases_weights
+        sink = route.sink
+        weights = route.weights
         if head is not None:
-            if attach_weights:  # gathered again: the forward's copy was freed
+            if route.release:  # gathered again: the forward's copy was freed
                 head = attach(head, {**weights("ln_f"), **weights("wte")})
             dx, g = self.ops.head_backward(self.loss_scale, head)  # ln_f and the tied wte's head share
             sink.accumulate("wte", {"wte.weight": g.pop("wte.weight")})
@@ -143,9 +145,8 @@ class Stage:
         todo = []
         for i, bc in zip(reversed(self.chunks[c]), reversed(blocks), strict=True):
             if isinstance(bc, Recompute):  # the block's forward again (bitwise the same)
-                _, bc = gpt.block_forward(self.block_weights(i, weights), bc.x, self.ops,
-                                          bc.moe)
-            elif attach_weights:
+                _, bc = gpt.block_forward(self.block_weights(i, weights), bc.x, self.ops, bc.moe)
+            elif route.release:
                 bc = attach(bc, self.block_weights(i, weights))
             w_todo = [] if split else None
             dx, g = gpt.block_backward(dx, bc, self.ops, w_todo, self.loss_scale)
@@ -166,8 +167,7 @@ class Stage:
             if i == "embed":
                 self._embed_backward(*w, final, self.sharder)
             else:
-                self._add_block(i, gpt.block_backward_weight(w, self.ops), final, True,
-                                self.sharder)
+                self._add_block(i, gpt.block_backward_weight(w, self.ops), final, True, self.sharder)
 
     def _add_block(self, i: int, g: dict, final: bool, dense_ready: bool, sink) -> None:
         """Block i's gradients ``g`` (names inside the block) into its units. Its experts'
@@ -176,7 +176,7 @@ class Stage:
         dense, *experts = self.block_units[i]
         by_unit: dict[str, dict] = {u: {} for u in self.block_units[i]}
         for k, v in g.items():
-            by_unit[unit_of(f"h.{i}.{k}")][f"h.{i}.{k}"] = v
+            by_unit[self.unit[f"h.{i}.{k}"]][f"h.{i}.{k}"] = v
         sink.accumulate(dense, by_unit[dense])
         for u in experts:
             if by_unit[u]:

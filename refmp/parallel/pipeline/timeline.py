@@ -1,7 +1,8 @@
 """Timelines of a pipeline step, simulated or measured, and three ways to draw them.
 
-An :class:`Event` is one interval on one rank: compute (F, B, W) or, in a measured run, time
-spent in communication (send, recv). Everything else on a rank's row is idle: the bubble.
+An :class:`Event` (schedules.py's) is one interval on one rank: compute (F, B, W) or, in a
+measured run, time spent in communication (send, recv). Everything else on a rank's row is
+idle: the bubble.
 The same :class:`Timeline` is drawn as ASCII (:meth:`Timeline.ascii`), as Chrome trace JSON
 (:meth:`Timeline.chrome_trace`, open it in https://ui.perfetto.dev) and as a PNG
 (:meth:`Timeline.png`, matplotlib, imported only there).
@@ -11,18 +12,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import NamedTuple
+
+from refmp.parallel.pipeline.schedules import Event
 
 COMPUTE = ("F", "B", "W")
-
-
-class Event(NamedTuple):
-    rank: int
-    kind: str  # F, B, W (compute) or send, recv (communication)
-    mb: int
-    chunk: int
-    start: float
-    end: float
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The V-shaped schedules: two chunks per rank placed in a V (placement.chunk_rank), rank r
+"""The V-shaped schedules: two chunks per rank placed in a V (ChunkPlacement, kind "v"), rank r
 holding chunk r on the way down and chunk 2 pp - 1 - r on the way back, so the first and the
 last chunk sit on one rank and the pipeline's fill and drain overlap.
 
