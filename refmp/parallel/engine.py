@@ -199,9 +199,31 @@ class Engine:
     def decay(self) -> set[str]:
         return self.sharder.decay
 
+    @property
+    def weight_dtype(self) -> np.dtype:
+        return self.sharder.dtype  # --dtype: the masters' with mixed precision
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        return self.sharder.compute  # what the model computes on
+
     def batch_rows(self, B: int) -> slice:
         dp = self.grid.comm["dp"]
         return dp_rows(B, dp.size, dp.rank)
+
+    def ahead(self) -> int:
+        """How many later batches' forwards run in each step (``forward_backward``'s
+        ``ahead``): 2bw's next one (its first forwards fill this step's cool-down),
+        pipedream's next pp - 1; none for a schedule that flushes."""
+        return {"2bw": 1, "pipedream": self.pp.size - 1}.get(self.schedule_name, 0)
+
+    def state(self) -> dict:
+        """What later steps depend on, of this runner's own (a checkpoint saves it rank by
+        rank): the data-parallel sums' codec state (Sharder.state)."""
+        return self.sharder.state()
+
+    def load_state(self, state: dict) -> None:
+        self.sharder.load_state(state)
 
     def zero_grad(self) -> None:
         self.sharder.zero_grad()
