@@ -11,6 +11,10 @@ With --mixed-precision (refmp.runtime.precision) the pieces the optimizer sees a
 fp32 gradients; with fp16, backward starts from the loss scale, and a step whose gradient
 norm is not finite (an overflow, on any rank) is skipped and the scale halved
 (refmp.training.optim.LossScaler) instead of stopping the run.
+
+Before anything big is made, every check runs in order (refmp.training.checks.validate);
+the Trainer saves and restores itself as a checkpoint's parts (refmp.checkpoint.sharded);
+evaluation decodes the model as trained so far (refmp.training.evaluate).
 """
 
 from __future__ import annotations
