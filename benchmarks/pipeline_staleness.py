@@ -24,6 +24,7 @@ SCHEDULES = ("1f1b", "2bw", "pipedream")
 
 def train(schedule: str, args) -> dict | None:
     """One run on this world (2 ranks): {steps: [loss], evals: [[step, acc]], bubble}."""
+    from refmp.training.evaluate import evaluate
     from refmp.training.trainer import TrainConfig, Trainer
 
     cfg = TrainConfig(pp=2, microbatches=args.microbatches, schedule=schedule, steps=args.steps,
@@ -35,7 +36,8 @@ def train(schedule: str, args) -> dict | None:
         if tr.step_num % args.time_every == 0:
             bubbles.append(tr.runner.timeline().bubble())  # collective over pp
         if tr.step_num % args.eval_every == 0 or tr.step_num == cfg.steps:
-            correct, total = tr.evaluate()  # collective: W(t+1), the newest weights
+            # collective: W(t+1), the newest weights
+            correct, total = evaluate(tr.runner, tr.grid, tr.model.cfg, tr.T, tr.ds.task)
             evals.append([tr.step_num, correct / total])
     if tr.grid.rank:
         return None

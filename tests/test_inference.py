@@ -127,6 +127,25 @@ def test_the_plan_keeps_every_stage_busy_while_the_groups_have_work():
     assert [st.group for st in steps] == [t % 2 for t in range(len(steps))]
 
 
+def test_training_evaluates_the_copy_it_computes_on():
+    """Training's evaluation (refmp.training.evaluate) decodes the weights as the step
+    computes on them: with --mixed-precision bf16 the fp32 masters rounded to bf16."""
+    from refmp.runtime.precision import BF16
+    from refmp.training.evaluate import decoder as evaluation_decoder
+    from refmp.training.trainer import TrainConfig, Trainer
+
+    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=16, batch_size=4, steps=1, progress=False,
+                      mixed_precision="bf16")
+    tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
+    tr.step()
+    full = tr.runner.full_params()  # the fp32 masters, whole (one rank)
+    dec = evaluation_decoder(tr.runner, tr.grid, tr.model.cfg, tr.T).dec
+    assert list(dec.blocks) == [0, 1]
+    for k, v in full.items():
+        assert dec.params[k].dtype == BF16, k
+        np.testing.assert_array_equal(dec.params[k], v.astype(BF16), err_msg=k)
+
+
 def test_paged_blocks_waste_at_most_one_block_per_request():
     m = model()
     dec = decoder(m)

@@ -38,13 +38,14 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 from test_engine import config, data, layouts
 
+from refmp.config import check_config
 from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
 from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
 from refmp.parallel.data.sharder import Sharder
 from refmp.runtime.precision import BF16, COMPUTE
-from refmp.training.trainer import TrainConfig, Trainer, check_config
+from refmp.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi
 

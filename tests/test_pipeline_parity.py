@@ -23,6 +23,7 @@ from refmp.parallel.engine import TIED_TAG
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.simulate import simulate_schedule
 from refmp.training.datasets import Dataset
+from refmp.training.evaluate import decoder
 from refmp.training.trainer import TrainConfig
 
 pytestmark = pytest.mark.mpi
@@ -59,7 +60,8 @@ class Watch:
             pp.send, par.step = spy, watched
         if s == self.steps - 1:
             self.full = par.runner.full_params()  # collective
-            self.decoded = par.decoder().generate(self.prompt, 2)  # collective
+            greedy = decoder(par.runner, par.grid, par.model.cfg, par.T)  # collective
+            self.decoded = greedy.generate(self.prompt, 2)  # collective
 
 
 def check_pipeline_run(cfg: TrainConfig, ds: Dataset) -> None:

@@ -78,11 +78,6 @@ NEAR = 300  # a module longer than this names its seam in SEAMS
 # test_no_statement_assigns_several_attributes). Keep this table to exactly the modules over
 # NEAR; the test's message says which entry to add, fix or remove.
 SEAMS = {
-    "refmp/inference/decoder.py": ("CachedAttention", "the attention cores of a decoder call "
-                                                      "(CachedAttention, RowByRow) into "
-                                                      "inference/attention.py"),
-    "refmp/training/trainer.py": ("Trainer.decoder", "evaluation (decoder, evaluate) into "
-                                                     "training/evaluate.py"),
     "refmp/cli/plan.py": ("cpu_machine", "measuring this host (cpu_machine, calibrate, "
                                          "measure_links) into cli/calibrate.py"),
     "refmp/cost/model.py": ("collective", "the per-term costs (collective, bubble, gemm, "

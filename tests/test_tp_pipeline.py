@@ -23,6 +23,7 @@ from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.parallel.placement import padded_vocab, place
 from refmp.training.datasets import Dataset
+from refmp.training.evaluate import decoder
 from refmp.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi
@@ -84,7 +85,12 @@ def check_ledger_model_and_decoding(par, bad: Mismatches) -> None:
     want = expected_ledger(cfg, run, cfg.batch_size // grid.sizes["dp"], par.T, m.n_embd)
     full = run.full_params()  # collective over tp and pp
     prompt = par.ds.tokens[: 2 * par.T].reshape(2, par.T)[:, : max(1, par.T - 2)]
-    decoded = par.decoder().generate(prompt, 2)  # collective: the Decoder over tp and pp
+    greedy = decoder(run, grid, m, par.T)  # collective: the Decoder over tp and pp
+    decoded = greedy.generate(prompt, 2)  # collective
+    if run.v == 1:  # one chunk per rank: the decoder's stage holds the blocks it trains
+        trained = [i for c in run.stage.chunks.values() for i in c]
+        bad.check(np.testing.assert_equal, list(greedy.dec.blocks), trained,
+                  err_msg=f"the decoder's blocks on rank {grid.rank}")
     bad.check(np.testing.assert_equal, got, want["tp"], err_msg=f"tp ledger rank {grid.rank}")
     bad.check(np.testing.assert_equal, sent, want["sent"], err_msg=f"pp bytes sent rank {grid.rank}")
     if grid.rank == 0:  # the whole model, unpadded, GPT-2 names and order

@@ -173,9 +173,9 @@ def test_recorder_off_and_its_refusals(monkeypatch):
     """REFMP_RECORDER_CALLS=0 (what docs/faults.md's overhead measurement compares against):
     calls recorded as nothing; the watchdog refuses to run on it; bad values are refused;
     --trace-dir without the watchdog is refused, not dropped."""
-    from refmp.distributed.faults import check_outputs
     from refmp.distributed.recorder import ring_size
     from refmp.distributed.watchdog import Watchdog
+    from refmp.training.checks import check_outputs
     from refmp.training.trainer import TrainConfig
 
     monkeypatch.setenv("REFMP_RECORDER_CALLS", "0")

@@ -1,11 +1,11 @@
-"""The checkpoint flags, checked together, and what a resumed run changes of the saved one."""
+"""What a resumed run changes of the saved one (the checkpoint flags themselves are checked
+with the run's other flags: refmp.training.checks)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
 from refmp.config import TrainConfig
-from refmp.errors import ConfigError
 
 MATH_FIELDS = ("batch_size", "optimizer", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio",
                "weight_decay", "beta1", "beta2", "momentum", "grad_clip", "dtype", "seed", "data",
@@ -23,12 +23,3 @@ def config_notes(man: dict, cfg: TrainConfig) -> list[str]:
                      f"for this layout and codec (a rank's error buffers and Q's are its own), "
                      f"so error feedback and PowerSGD's Q start afresh")
     return notes
-
-
-def check_flags(cfg: TrainConfig) -> None:
-    """--checkpoint-dir, --save-every, --keep, --resume: values that make sense together."""
-    for k in ("save_every", "keep"):
-        if getattr(cfg, k) < 0:
-            raise ConfigError(f"--{k.replace('_', '-')} must be 0 or more, got {getattr(cfg, k)}")
-    if (cfg.save_every or cfg.keep) and not cfg.checkpoint_dir:
-        raise ConfigError("--save-every and --keep need --checkpoint-dir DIR")

@@ -42,11 +42,6 @@ def save_model(path: str, params: dict, cfg: GPTConfig, vocab: str | None = None
     os.replace(tmp, path)  # never leave a half-written file under the real name
 
 
-def moe_flags(cfg) -> dict:
-    """The MoE settings a TrainConfig was given (those not None), by GPTConfig field name."""
-    return {k: getattr(cfg, k) for k in MOE_META if getattr(cfg, k) is not None}
-
-
 def gpt2_name(key: str) -> str | None:
     """A file's tensor name as refmp's parameter name; None for what is not a parameter."""
     key = key.removeprefix("transformer.")

@@ -262,7 +262,7 @@ def plan_train(cfg: TrainConfig, given: set[str], comm) -> tuple[TrainConfig, di
     disagree) and broadcasts the row, or the reason nothing fits: a ConfigError on every
     rank. The cpu machine's links are measured on ``comm`` first (measure_links).
     """
-    from refmp.training.trainer import build_dataset, model_config
+    from refmp.training.checks import build_dataset, model_config
 
     refused = [TRAIN_REFUSED[k] for k in sorted(given) if k in TRAIN_REFUSED]
     if refused:  # a pure function of the flags: the same on every rank
@@ -296,7 +296,7 @@ def stage_layers_auto(cfg: TrainConfig, comm, dataset=None) -> TrainConfig:
     if cfg.stage_layers != "auto":
         return cfg
     from refmp.parallel.pipeline.partition import auto_stage_layers
-    from refmp.training.trainer import build_dataset, model_config
+    from refmp.training.checks import build_dataset, model_config
 
     mcfg = model_config(cfg, dataset or build_dataset(cfg))
     dp = cfg.dp or max(1, comm.Get_size() // (cfg.tp * cfg.pp * cfg.cp))  # None: the rest

@@ -3,7 +3,9 @@ refmp.config.ParallelConfig's fields: help, group, type, choices and default are
 the TrainConfig they make (with ``--layout auto``, the planner's layout), and the run as a
 command: progress, the JSON log, checkpoints, --save, --trace and the summary.
 
-The step itself lives in refmp.training.trainer (Trainer); this module only drives it and reports.
+The step itself lives in refmp.training.trainer (Trainer, which checks the run first:
+refmp.training.checks), the held-out evaluation in refmp.training.evaluate; this module only
+drives them and reports.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from refmp.distributed.topology import crossing_notes
 from refmp.distributed.watchdog import Watchdog
 from refmp.errors import ConfigError, TrainingError
 from refmp.parallel.data.hpz import block_notes
+from refmp.training.checks import moe_flags
+from refmp.training.evaluate import evaluate
 from refmp.training.trainer import TrainConfig, Trainer
 
 
@@ -62,12 +66,10 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict:
 
 def run(cfg: TrainConfig) -> dict:
     """Train for cfg.steps steps; print progress and a summary on rank 0; return the summary."""
-    from refmp.checkpoint.flags import check_flags
     from refmp.checkpoint.format import complete_steps
     from refmp.checkpoint.hf import save_hf
     from refmp.checkpoint.weights import save_model
 
-    check_flags(cfg)
     stop = Preemption(cfg.exit_signal)  # a bad signal name is bad input, before any work
     tr = Trainer(cfg)  # with --resume: the weights, optimizer state and step of a checkpoint
     stop.install(tr.grid)  # from here a signal waits for the next step boundary
@@ -78,7 +80,7 @@ def run(cfg: TrainConfig) -> dict:
                           f"{cfg.steps} (--steps is the total, counting the steps before)")
     log = open(cfg.log_json, "w") if (rank0 and cfg.log_json) else None
     if rank0 and cfg.init:  # where a flag overrides the file, said once (the file was read)
-        from refmp.checkpoint.weights import moe_flags, read_config
+        from refmp.checkpoint.weights import read_config
 
         for note in read_config(cfg.init, cfg.n_head, moe_flags(cfg))[1]:
             print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)
@@ -134,7 +136,7 @@ def run(cfg: TrainConfig) -> dict:
             timeline.write_trace(cfg.trace)
             print(f"pipeline timeline of the last step written to {cfg.trace}; measured "
                   f"bubble {100 * timeline.bubble():.1f}%", flush=True)
-    score = tr.evaluate()
+    score = evaluate(tr.runner, tr.grid, tr.model.cfg, tr.T, tr.ds.task)
     memory = tr.grid.world.allgather_obj(tr.memory())
     if cfg.save:
         full = tr.runner.full_params()  # collective where the model is split; rank 0 gets it

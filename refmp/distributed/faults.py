@@ -9,7 +9,8 @@ Three ways a run can go wrong, and what each does (docs/faults.md):
 
 * **bad input** (refmp.errors.ConfigError): found before any work, on every rank (through
   :func:`agreed` where only one rank can see it), said once, exit status 2. This module holds
-  ``agreed`` and the output-path checks; the memory check is refmp.cost.memory's;
+  ``agreed`` and the output-path checks (which flags they apply to, and every other check
+  before the first step: refmp.training.checks);
 * **a diverging run** (refmp.errors.TrainingError): a non-finite loss or gradient norm is a
   global value, the same on every rank, so every rank stops at the same step, before the
   update; said once, exit status 3;
@@ -35,7 +36,6 @@ import sys
 import time
 import traceback
 
-from refmp.config import saves_directory
 from refmp.errors import ConfigError, TrainingError
 
 ABORT_GRACE_S = 1.0  # between a failing rank's traceback and MPI_Abort (abort_job)
@@ -109,24 +109,6 @@ def check_writable_dir(path: str, flag: str) -> None:
         folder = parent
     if (why := _try_create(folder)) is not None:
         raise ConfigError(f"{flag} {path}: cannot write in {folder} ({why})")
-
-
-def check_outputs(cfg) -> None:
-    """What rank 0 writes (--save, a file or a Hugging Face directory; --log-json, --trace
-    files; the --checkpoint-dir and --trace-dir folders, which every rank writes into):
-    writable, before any step; and --trace-dir only where the watchdog that writes it runs."""
-    if cfg.save is not None:
-        check = check_writable_dir if saves_directory(cfg.save) else check_writable_file
-        check(cfg.save, "--save")
-    for flag, path in (("--log-json", cfg.log_json), ("--trace", cfg.trace)):
-        if path is not None:
-            check_writable_file(path, flag)
-    for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--trace-dir", cfg.trace_dir)):
-        if path is not None:
-            check_writable_dir(path, flag)
-    if cfg.trace_dir is not None and not cfg.collective_timeout:
-        raise ConfigError("--trace-dir holds the watchdog's report, and --collective-timeout 0 "
-                          "turns the watchdog off")
 
 
 # --- during the run ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ turns the ring into JSON only when a report is written.
 
 ``REFMP_RECORDER_CALLS=N`` sets the ring's size; 0 turns the recorder off (``start`` and
 ``done`` do nothing), for measuring what it costs (docs/faults.md). The watchdog reads the
-recorder, so it refuses to run without one (refmp.distributed.faults.check_outputs).
+recorder, so it refuses to run without one (refmp.training.checks.check_outputs).
 
 A grid makes its own recorder, unless one is installed (:func:`install`): then every grid
 made afterwards in the process records into it. That is for a watchdog that watches code

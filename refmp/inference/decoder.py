@@ -5,12 +5,13 @@ Shapes: B rows (requests) on this rank, T0 prompt tokens, t tokens of one call (
 prefill, 1 in a decode step), Tl = T0/cp prompt tokens per cp rank, C channels, NH = n_head/tp
 heads here, HS head size, V vocabulary, Vl = Vp/tp vocabulary rows here.
 
-A call runs this pipeline stage's blocks on t new tokens per row, on the shards training
-selects (refmp.parallel.placement.shards_held) and through the Ops training builds
-(refmp.parallel.ops.make_ops: their embedding, blocks and head). The only piece that differs
-is the attention core, :class:`CachedAttention`, handed to the Ops as their ``attn``: it
-appends the new keys and values to the cache and attends over everything cached. Each axis
-splits what it splits in training, and the cache with it:
+A call runs this pipeline stage's blocks on t new tokens per row, on the blocks and shards
+training selects (refmp.parallel.pipeline.partition.rank_chunks, placement.shards_held) and
+through the Ops training builds (refmp.parallel.ops.make_ops: their embedding, blocks and head). The only
+piece that differs is the attention core, refmp.inference.attention.CachedAttention, handed
+to each block's Ops as their ``attn`` with the call's frozen record (``Call``): it appends the
+new keys and values to the cache and attends over everything cached. Each axis splits what it
+splits in training, and the cache with it:
 
 * tp: the linears are column/row parallel (Megatron); a rank keeps the k, v of its NH/tp heads;
   the logits (B, Vl) of the last position are all-gathered into (B, V) to pick the token;
@@ -39,21 +40,21 @@ Messages of one decode step, B rows on a dp rank, w bytes per element, L blocks 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 from mpi4py import MPI
 
-from refmp.distributed.comm import Comm
+from refmp.distributed.grid import ProcessGrid
 from refmp.distributed.waiting import wait
-from refmp.nn import blockwise as BW
+from refmp.inference.attention import CachedAttention, Call, RowByRow
+from refmp.inference.cache import KVCache, PagedKVCache
 from refmp.nn import gpt
-from refmp.nn import layers as L
 from refmp.parallel.context.chunks import ChunkLayout
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.expert import ExpertDispatch
 from refmp.parallel.ops import make_ops
-from refmp.parallel.pipeline.partition import partition, piece_costs
+from refmp.parallel.pipeline.partition import rank_chunks
+from refmp.parallel.pipeline.schedules import ChunkPlacement
 from refmp.parallel.placement import padded_vocab, shards_held
 from refmp.parallel.tensor import vocab
 from refmp.runtime import backend
@@ -61,93 +62,7 @@ from refmp.runtime.backend import array_module
 
 TAG_ACT = 21  # activations stage to stage
 TAG_TOKEN = 22  # the token ids, last stage to first
-
-
-class CachedAttention:
-    """The attention core of one decoder call, on the layer ``decoder.layer`` (the Ops'
-    ``attn``, refmp.parallel.ops: ``forward(qkv, n_head)`` like
-    refmp.nn.layers.attention_forward)."""
-
-    def __init__(self, decoder: Decoder):
-        self.dec = decoder
-
-    def forward(self, qkv, n_head: int):
-        dec = self.dec
-        B, t, C3 = qkv.shape
-        hs = C3 // 3 // n_head
-        if dec.mode == "prefill":
-            if dec.ring is None:  # the serial core on the whole prompt, as training runs it
-                out, (_, k, v, _, _) = L.attention_forward(qkv, n_head)  # k, v (B, NH, t, HS)
-            else:  # ring attention over the cp ranks' chunks; kv (2, B, NH, Tl, HS)
-                out, (_, kv, _, _, _) = dec.ring.forward(qkv, n_head)
-                k, v = kv[0], kv[1]
-            dec.cache.append_rows(dec.layer, dec.slots, k, v)
-            return out, None
-        q, k, v = qkv.reshape(B, 1, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # (B, NH, 1, HS)
-        together = min(dec.slots) >= 0 and len(set(dec.owns.tolist())) == 1 and \
-            dec.cache.equal(dec.slots)  # a batch of equal prompts
-        y, lse = self._rows(q, k, v) if together else self._row_by_row(q, k, v)
-        if dec.cp.size > 1:  # merge the cp ranks' partial attentions, in rank order
-            xp = array_module(y)
-            got = dec.cp.allgather(xp.concatenate([y, lse[..., None]], axis=-1))
-            got = got.reshape(dec.cp.size, B, n_head, 1, hs + 1)
-            y, lse = got[0, ..., :hs], got[0, ..., hs]
-            for r in range(1, dec.cp.size):
-                y, lse = BW.attention_merge(y, lse, got[r, ..., :hs], got[r, ..., hs])
-        return y.transpose(0, 2, 1, 3).reshape(B, 1, n_head * hs), None  # (B, 1, C/tp)
-
-    def _rows(self, q, k, v):
-        """Every row at once (rows of equal lengths, all kept here or none): y (B, NH, 1, HS)
-        and lse (B, NH, 1), each (row, head) the same product as row by row."""
-        dec = self.dec
-        own = bool(dec.owns[0])
-        if own:  # this rank keeps the new tokens' k, v (round robin over cp)
-            dec.cache.append_rows(dec.layer, dec.slots, k, v)
-        kc, vc = dec.cache.view_rows(dec.layer, dec.slots, extra=int(own))  # (B, NH, n, HS)
-        return BW.attention_block_forward(q, kc, vc, 1.0 / math.sqrt(q.shape[-1]))
-
-    def _row_by_row(self, q, k, v):
-        """One row at a time: rows of other lengths, free slots (-1) skipped."""
-        dec = self.dec
-        xp = array_module(q)
-        B, n_head, _, hs = q.shape
-        y = xp.zeros((B, n_head, 1, hs), q.dtype)
-        lse = xp.full((B, n_head, 1), -np.inf, q.dtype)
-        for b, slot in enumerate(dec.slots):
-            if slot < 0:  # a free slot of a continuous batch: nothing to attend over
-                continue
-            own = bool(dec.owns[b])
-            if own:  # this rank keeps the new token's k, v (round robin over cp)
-                dec.cache.append(dec.layer, slot, k[b], v[b])
-            kc, vc = dec.cache.view(dec.layer, slot, extra=int(own))  # (NH, n, HS)
-            y[b], lse[b] = BW.attention_block_forward(q[b : b + 1], kc[None], vc[None],
-                                                      1.0 / math.sqrt(hs))
-        return y, lse
-
-
-class RowByRow:
-    """A decoder call's Ops (what refmp.nn.gpt.block_forward calls of them) with linears that
-    run one row at a time: a row's product is then the same BLAS call whatever rows share
-    its batch (continuous batching's bitwise promise; BLAS may round a row of a larger
-    product by its place in a tile)."""
-
-    def __init__(self, ops):
-        self.ops = ops
-
-    def column(self, x, w, b):
-        return self._rows(self.ops.column, x, w, b)
-
-    def row(self, x, w, b):
-        return self._rows(self.ops.row, x, w, b)
-
-    def attention(self, qkv):
-        return self.ops.attention(qkv)
-
-    def _rows(self, linear, x, w, b):
-        if x.shape[0] == 1:
-            return linear(x, w, b)
-        rows = [linear(x[i : i + 1], w, b)[0] for i in range(len(x))]
-        return array_module(x).concatenate(rows), None
+SPLIT = ("tp", "pp", "cp", "ep")  # the axes a Decoder may split the model over
 
 
 class Decoder:
@@ -155,40 +70,47 @@ class Decoder:
     calls that run it on cached tokens. ``params``: the full model (GPT-2 names; host arrays,
     or device arrays on a GPU); ``grid``: a refmp.distributed.grid.ProcessGrid; ``axes``: the
     grid axes the model is split over (tp, pp, cp, ep), the others decode prompts of their
-    own (every axis left out acts as a single rank here). ``capacity``: route to the experts
-    with the model's capacity limit, as training and GPT.generate do (a token's output then
-    depends on the tokens of its sequence, so only decoding without the cache is exact)."""
+    own (each axis left out is taken from a grid of one rank). ``capacity``: route to the
+    experts with the model's capacity limit, as training and GPT.generate do (a token's
+    output then depends on the tokens of its sequence, so only decoding without the cache is
+    exact). ``T``: the block size the pipeline split is costed at, as training's (its
+    ``--block-size``, default the model's), so that a stage holds the blocks it trains."""
 
     def __init__(self, mcfg, params: dict, grid, cp_balance: str = "zigzag",
-                 axes: tuple[str, ...] = ("tp", "pp", "cp", "ep"), capacity: bool = False):
+                 axes: tuple[str, ...] = SPLIT, capacity: bool = False, T: int | None = None):
         self.mcfg = mcfg
         self.cp_balance = cp_balance
-        alone = Comm(MPI.COMM_SELF, "self", grid.ledger)
-        self.tp = grid.comm["tp"] if "tp" in axes else alone
-        self.pp = grid.comm["pp"] if "pp" in axes else alone
-        self.cp = grid.comm["cp"] if "cp" in axes else alone
-        self.ep = grid.comm["ep"] if "ep" in axes else alone
+        alone = ProcessGrid(MPI.COMM_SELF) if set(SPLIT) - set(axes) else None
+        self.tp = (grid if "tp" in axes else alone).comm["tp"]
+        self.pp = (grid if "pp" in axes else alone).comm["pp"]
+        self.cp = (grid if "cp" in axes else alone).comm["cp"]
+        self.ep = (grid if "ep" in axes else alone).comm["ep"]
         P, r = self.pp.size, self.pp.rank
-        costs = piece_costs(mcfg.n_embd, mcfg.block_size, mcfg.vocab_size)
-        self.blocks = partition(mcfg.n_layer, P, costs)[r]  # chunk r on pp rank r
+        self.blocks = rank_chunks(mcfg, T or mcfg.block_size, r, ChunkPlacement(P))[r]  # training's split
         self.first = r == 0
         self.last = r == P - 1
         self.params = shards_held(params, self.blocks, self.first, self.last, self.tp, self.ep,
                                   mcfg.n_expert)  # as the engine's (refmp.parallel.placement)
         self.dtype = params["wte.weight"].dtype
         self.nh = mcfg.n_head // self.tp.size  # heads here
-        self.attention = CachedAttention(self)
         # experts: every token to its top-k (no capacity limit unless asked), over ep if split
         dispatch = ExpertDispatch(self.ep, mcfg.n_expert) if self.ep.size > 1 else None
         routing = mcfg if capacity else dataclasses.replace(mcfg, capacity_factor=0.0)
         self.moe = routing.moe_context(None, dispatch) if mcfg.n_expert else None
-        self.cache = None
-        # the call under way (forward sets them; CachedAttention reads them)
-        self.mode = "decode"
-        self.slots: list[int] = []
-        self.owns = None  # decode: whether this cp rank keeps each row's new token
-        self.layer = 0  # the block being run
-        self.ring = None  # prefill over cp: the ring attention of the prompts' chunks
+        self.cache = None  # this rank's KV cache: new_cache makes it, each call fills it
+
+    def new_cache(self, S: int, tokens: int, block_size: int | None = None):
+        """A new cache of this rank's layers and heads for S slots of ``tokens`` each, which
+        the calls from now on fill: contiguous, or paged in blocks of ``block_size`` tokens
+        (a pool that holds S full slots). Returns it."""
+        hs = self.mcfg.n_embd // self.mcfg.n_head
+        if block_size is None:
+            self.cache = KVCache(self.blocks, S, self.nh, tokens, hs, self.dtype)
+        else:
+            n_blocks = S * -(-tokens // block_size)
+            self.cache = PagedKVCache(self.blocks, S, self.nh, n_blocks, block_size, hs,
+                                      self.dtype)
+        return self.cache
 
     def kv_tokens(self, T0: int, n_decoded: int) -> int:
         """Tokens of one row this rank's cache holds: its Tl of the prompt and its share of
@@ -216,35 +138,35 @@ class Decoder:
         """
         B = len(slots)
         t = np.shape(positions)[-1] if prefill else 1
-        self.mode = "prefill" if prefill else "decode"
-        self.slots = slots
-        self.ring = None
         cp = self.cp
         held = np.asarray(positions)
+        ring = None  # prefill over cp: ring attention
+        owns = None  # decode: whether this cp rank keeps each row's new token
         if prefill and cp.size > 1:  # my chunks of every prompt (ChunkLayout), ring attention
-            layout = ChunkLayout(t, cp.size, self.cp_balance)
-            self.ring = RingAttention(cp, layout)
-            held = layout.positions(cp.rank)
+            chunks = ChunkLayout(t, cp.size, self.cp_balance)
+            ring = RingAttention(cp, chunks)
+            held = chunks.positions(cp.rank)
         if not prefill:
-            self.owns = np.array([self.owner(j) == cp.rank for j in decoded])
+            owns = np.array([self.owner(j) == cp.rank for j in decoded])
+        call = Call(self.cache, cp, slots, prefill, ring, owns)  # what the attention reads
         t_here = len(held) if prefill else 1
-        # the layout's Ops (make_ops, as training's), around the cache, at these positions
+        # the layout's Ops (make_ops, as training's) at these positions; each block's around
+        # the cached attention of its layer
         where = backend.from_host(held)
-        ops = make_ops(self.mcfg.n_head, self.mcfg.vocab_size, self.tp, attn=self.attention,
-                       positions=where)
+        ops = self._ops(where)
         if self.first:
             p = {"wte.weight": self.params["wte.weight"], "wpe.weight": self.params["wpe.weight"]}
             x, _ = ops.embed(p, ids if not prefill or cp.size == 1 else ids[:, where])  # (B, t, C)
         else:
             x = self.pp.recv((B, t_here, self.mcfg.n_embd), self.dtype, self.pp.rank - 1, TAG_ACT)
-        block_ops = RowByRow(ops) if rows_apart else ops
         for i in self.blocks:
-            self.layer = i
+            block_ops = self._ops(where, CachedAttention(call, i))
             p = gpt.block_params(self.params, i)
-            x, _ = gpt.block_forward(p, x, block_ops, self.moe if self.mcfg.is_moe(i) else None)
+            x, _ = gpt.block_forward(p, x, RowByRow(block_ops) if rows_apart else block_ops,
+                                     self.moe if self.mcfg.is_moe(i) else None)
         for b, slot in enumerate(slots):
             if slot >= 0:
-                self.cache.advance(slot, t_here if prefill else int(self.owns[b]))
+                self.cache.advance(slot, t_here if prefill else int(owns[b]))
         xp = array_module(x)
         if not self.last:
             x = xp.ascontiguousarray(x)
@@ -256,11 +178,17 @@ class Decoder:
             return None
         x_last = x[:, -1:, :]  # (B, 1, C)
         if prefill and cp.size > 1:  # the prompt's last token lives on one cp rank
-            root = next(r for r in range(cp.size) if t - 1 in layout.positions(r))
+            root = next(r for r in range(cp.size) if t - 1 in chunks.positions(r))
             x_last = (xp.ascontiguousarray(x[:, list(held).index(t - 1)][:, None])
                       if cp.rank == root else xp.empty_like(x_last))
             x_last = cp.bcast(x_last, root)
         return self._logits(ops, x_last, rows_apart)
+
+    def _ops(self, positions, attn=None):
+        """The Ops of this layout (make_ops, as training's) for tokens at ``positions``,
+        around the attention core ``attn`` (None: the serial core)."""
+        return make_ops(self.mcfg.n_head, self.mcfg.vocab_size, self.tp, attn=attn,
+                        positions=positions)
 
     def _logits(self, ops, x_last, rows_apart: bool = False):
         """The full logits (B, V) of x_last (B, 1, C): the Ops' head (ln_f, the tied head),

@@ -18,7 +18,6 @@ from typing import NamedTuple
 import numpy as np
 
 from refmp.errors import ConfigError
-from refmp.inference.cache import KVCache, PagedKVCache
 from refmp.inference.decoder import Decoder
 from refmp.inference.sampling import Sampler
 from refmp.runtime import backend
@@ -36,16 +35,6 @@ class Generated(NamedTuple):
     kv_cache_bytes: int
 
 
-def make_cache(dec: Decoder, S: int, tokens: int, block_size: int | None = None):
-    """A cache of this rank's layers and heads for S slots of ``tokens`` each: contiguous,
-    or paged in blocks of ``block_size`` tokens (a pool that holds S full slots)."""
-    hs = dec.mcfg.n_embd // dec.mcfg.n_head
-    if block_size is None:
-        return KVCache(dec.blocks, S, dec.nh, tokens, hs, dec.dtype)
-    n_blocks = S * -(-tokens // block_size)
-    return PagedKVCache(dec.blocks, S, dec.nh, n_blocks, block_size, hs, dec.dtype)
-
-
 def generate(dec: Decoder, prompts: np.ndarray, n_new: int, sampler: Sampler,
              requests=None, use_cache: bool = True, block_size: int | None = None) -> Generated:
     """Decode ``n_new`` tokens after each of this rank's ``prompts`` (B, T0) (collective over
@@ -61,7 +50,7 @@ def generate(dec: Decoder, prompts: np.ndarray, n_new: int, sampler: Sampler,
     slots = list(range(B))
     # the cache holds every token run through the model: the prompt and n_new - 1 more
     tokens = dec.kv_tokens(T0, n_new - 1) if use_cache else T0 + n_new - 1
-    dec.cache = make_cache(dec, B, tokens, block_size)
+    dec.new_cache(B, tokens, block_size)
     seq = prompts  # the first stage's copy of every row's tokens so far
     t0 = time.perf_counter()
     logits = dec.forward(prompts if dec.first else None, slots, np.arange(T0), prefill=True)

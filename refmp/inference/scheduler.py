@@ -38,7 +38,6 @@ import numpy as np
 from refmp.distributed.waiting import wait
 from refmp.errors import ConfigError
 from refmp.inference.decoder import TAG_TOKEN, Decoder
-from refmp.inference.generate import make_cache
 from refmp.inference.sampling import Sampler
 
 
@@ -120,8 +119,7 @@ def serve(dec: Decoder, requests: list[Request], sampler: Sampler, slots: int,
     P, stage = dec.pp.size, dec.pp.rank
     steps = plan(requests, slots, P)
     at = {st.tick: st for st in steps}
-    dec.cache = make_cache(dec, slots, max(len(r.prompt) + r.max_new_tokens - 1
-                                           for r in requests), block_size)
+    dec.new_cache(slots, max(len(r.prompt) + r.max_new_tokens - 1 for r in requests), block_size)
     new, kept = [[] for _ in requests], [[] for _ in requests]
     last = np.zeros(slots, dtype=np.int64)  # each slot's newest token (first and last stage)
     sent = []  # the sends of the tick before, waited a tick later

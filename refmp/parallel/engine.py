@@ -199,6 +199,14 @@ class Engine:
     def decay(self) -> set[str]:
         return self.sharder.decay
 
+    @property
+    def weight_dtype(self) -> np.dtype:
+        return self.sharder.dtype  # --dtype: the masters' with mixed precision
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        return self.sharder.compute  # what the model computes on
+
     def batch_rows(self, B: int) -> slice:
         dp = self.grid.comm["dp"]
         return dp_rows(B, dp.size, dp.rank)
@@ -207,6 +215,14 @@ class Engine:
         """How many later batches' forwards run in each step (``forward_backward``'s
         ``ahead``): the schedule catalog's (2bw 1, pipedream pp - 1, a flush schedule 0)."""
         return self.schedule.ahead(self.pp.size)
+
+    def state(self) -> dict:
+        """What later steps depend on, of this runner's own (a checkpoint saves it rank by
+        rank): the data-parallel sums' codec state (Sharder.state)."""
+        return self.sharder.state()
+
+    def load_state(self, state: dict) -> None:
+        self.sharder.load_state(state)
 
     def zero_grad(self) -> None:
         self.sharder.zero_grad()

@@ -1,6 +1,15 @@
-"""The memory check before the first step: the estimate of what a rank will hold
-(refmp.cost.memory) against what its node, or its GPU, has free now (refmp.distributed.faults
-says how a refused run ends; docs/faults.md how close the estimate is).
+"""Every check before anything big is made (docs/faults.md, "Bad input, before any work"):
+:func:`validate` runs them in order, each one refusing on every rank with the same message
+(refmp.distributed.faults.agreed where only some ranks can see the fault):
+
+1. the flags, pure (every rank gives the same answer without talking): refmp.config's
+   check_config, and the checkpoint flags;
+2. the output paths, which rank 0 writes (so rank 0 checks them);
+3. the data and the model's shape (:func:`model_config`: from the flags or the ``--init``
+   file's header, no weight read);
+4. the layout's rules (refmp.parallel.layout.check_layout, pure);
+5. the memory: the estimate of what a rank will hold (refmp.cost.memory) against what its
+   node, or its GPU, has free now (docs/faults.md says how close the estimate is).
 """
 
 from __future__ import annotations
@@ -9,8 +18,110 @@ import os
 
 from mpi4py import MPI
 
+from refmp.config import TrainConfig, check_config, saves_directory
 from refmp.cost.memory import estimate_memory, need_bytes, size
+from refmp.distributed.faults import agreed, check_writable_dir, check_writable_file
+from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
+from refmp.nn import GPTConfig
+from refmp.parallel.layout import check_layout
+from refmp.training.datasets import AdditionTask, Dataset, load_tokens
+
+
+def validate(cfg: TrainConfig, grid: ProcessGrid,
+             dataset: Dataset | None = None) -> tuple[Dataset, GPTConfig]:
+    """The checks of the module docstring, in order, on every rank of ``grid`` (collective);
+    returns the data (``dataset``, else the flags') and the model's shape."""
+    world = grid.world
+    check_config(cfg)
+    check_checkpoint_flags(cfg)
+    agreed(world, lambda: check_outputs(cfg) if world.rank == 0 else None)
+
+    def shape():
+        ds = dataset if dataset is not None else build_dataset(cfg)
+        return ds, model_config(cfg, ds)
+
+    ds, mcfg = agreed(world, shape)
+    check_layout(cfg, mcfg, world.size, grid.sizes)
+    agreed(world, lambda: check_memory(cfg, mcfg, grid))
+    return ds, mcfg
+
+
+def check_checkpoint_flags(cfg: TrainConfig) -> None:
+    """--checkpoint-dir, --save-every, --keep: values that make sense together."""
+    for k in ("save_every", "keep"):
+        if getattr(cfg, k) < 0:
+            raise ConfigError(f"--{k.replace('_', '-')} must be 0 or more, got {getattr(cfg, k)}")
+    if (cfg.save_every or cfg.keep) and not cfg.checkpoint_dir:
+        raise ConfigError("--save-every and --keep need --checkpoint-dir DIR")
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """What rank 0 writes (--save, a file or a Hugging Face directory; --log-json, --trace
+    files; the --checkpoint-dir and --trace-dir folders, which every rank writes into):
+    writable, before any step; and --trace-dir only where the watchdog that writes it runs."""
+    if cfg.save is not None:
+        check = check_writable_dir if saves_directory(cfg.save) else check_writable_file
+        check(cfg.save, "--save")
+    for flag, path in (("--log-json", cfg.log_json), ("--trace", cfg.trace)):
+        if path is not None:
+            check_writable_file(path, flag)
+    for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--trace-dir", cfg.trace_dir)):
+        if path is not None:
+            check_writable_dir(path, flag)
+    if cfg.trace_dir is not None and not cfg.collective_timeout:
+        raise ConfigError("--trace-dir holds the watchdog's report, and --collective-timeout 0 "
+                          "turns the watchdog off")
+
+
+# --- the data and the model's shape ----------------------------------------------------------
+
+
+def build_dataset(cfg: TrainConfig) -> Dataset:
+    if cfg.data is None:
+        return AdditionTask(cfg.digits, cfg.seed).dataset()
+    return load_tokens(cfg.data, cfg.tokenizer)
+
+
+def moe_flags(cfg: TrainConfig) -> dict:
+    """The MoE settings a TrainConfig was given (those not None), by GPTConfig field name."""
+    from refmp.checkpoint.weights import MOE_META
+
+    return {k: getattr(cfg, k) for k in MOE_META if getattr(cfg, k) is not None}
+
+
+def model_config(cfg: TrainConfig, ds: Dataset) -> GPTConfig:
+    """The model's shape, from the flags or the --init file's header (no weight is made or
+    read), checked against the data: what the memory check needs before anything is big.
+
+    MoE settings left None take GPTConfig's defaults, or with --init the file's metadata;
+    those given win over the file (refmp.checkpoint.weights.read_config says where they differ).
+    """
+    from refmp.checkpoint.weights import read_config
+
+    moe = moe_flags(cfg)  # the MoE settings given, by GPTConfig field name
+    if cfg.init is not None:
+        mcfg, _ = read_config(cfg.init, cfg.n_head, moe)
+        if cfg.block_size is not None and cfg.block_size > mcfg.block_size:
+            raise ConfigError(f"--block-size {cfg.block_size} exceeds the block size "
+                              f"{mcfg.block_size} of {cfg.init}")
+    else:
+        # the addition task: one problem per window, so every position keeps one role
+        T = cfg.block_size or (ds.task.line_len if ds.task else 64)
+        mcfg = GPTConfig(ds.vocab_size, T, cfg.n_layer, cfg.n_head or 4, cfg.n_embd,
+                         cfg.n_expert, **moe)
+        mcfg.check()
+    if ds.vocab_size > mcfg.vocab_size:
+        raise ConfigError(f"the data has {ds.vocab_size} token ids but the model's vocabulary "
+                          f"is {mcfg.vocab_size}")
+    T = cfg.block_size or mcfg.block_size
+    if ds.n_windows(T) < 1:
+        raise ConfigError(f"the data ({len(ds.tokens)} tokens) is shorter than one window of "
+                          f"{T + 1} tokens; use a smaller --block-size")
+    return mcfg
+
+
+# --- the memory ------------------------------------------------------------------------------
 
 
 def available_memory(device: str = "cpu") -> tuple[int, str]:
@@ -46,7 +157,7 @@ def check_memory(cfg, mcfg, grid) -> None:
 
     Collective over grid.world (a split by node and GPU, one all-reduce): the ranks that
     share the memory add up their needs. Raises on the ranks of a node that does not fit;
-    call it through refmp.distributed.faults.agreed so that every rank stops.
+    :func:`validate` calls it through refmp.distributed.faults.agreed so that every rank stops.
     """
     mem = estimate_memory(cfg, mcfg, grid.sizes, grid.coords)
     need = need_bytes(mem)

@@ -11,6 +11,10 @@ With --mixed-precision (refmp.runtime.precision) the pieces the optimizer sees a
 fp32 gradients; with fp16, backward starts from the loss scale, and a step whose gradient
 norm is not finite (an overflow, on any rank) is skipped and the scale halved
 (refmp.training.optim.LossScaler) instead of stopping the run.
+
+Before anything big is made, every check runs in order (refmp.training.checks.validate);
+the Trainer saves and restores itself as a checkpoint's parts (refmp.checkpoint.sharded);
+evaluation decodes the model as trained so far (refmp.training.evaluate).
 """
 
 from __future__ import annotations
@@ -23,60 +27,19 @@ from typing import Protocol
 import numpy as np
 
 from refmp.checkpoint.sharded import Checkpointed, Pieces, Stateful, load, save
-from refmp.config import TrainConfig, check_config, lr_at
-from refmp.distributed.faults import agreed, check_finite, check_outputs
+from refmp.config import TrainConfig, lr_at
+from refmp.distributed.faults import agreed, check_finite
 from refmp.distributed.grid import ProcessGrid
-from refmp.errors import ConfigError
-from refmp.inference.decoder import Decoder
-from refmp.inference.generate import Greedy
-from refmp.nn import GPT, GPTConfig, gpt
+from refmp.nn import GPT
 from refmp.runtime import backend
-from refmp.runtime.precision import mixed_dtypes
-from refmp.training.checks import check_memory
-from refmp.training.datasets import AdditionTask, Dataset, get_batch, load_tokens, shuffle_perm
+from refmp.training.checks import model_config, moe_flags, validate
+from refmp.training.datasets import Dataset, get_batch, shuffle_perm
 from refmp.training.optim import SGD, AdamW, LossScaler, clip_grads
-
-
-def build_dataset(cfg: TrainConfig) -> Dataset:
-    if cfg.data is None:
-        return AdditionTask(cfg.digits, cfg.seed).dataset()
-    return load_tokens(cfg.data, cfg.tokenizer)
-
-
-def model_config(cfg: TrainConfig, ds: Dataset) -> GPTConfig:
-    """The model's shape, from the flags or the --init file's header (no weight is made or
-    read), checked against the data: what the memory check needs before anything is big.
-
-    MoE settings left None take GPTConfig's defaults, or with --init the file's metadata;
-    those given win over the file (refmp.checkpoint.weights.read_config says where they differ).
-    """
-    from refmp.checkpoint.weights import moe_flags, read_config
-
-    moe = moe_flags(cfg)  # the MoE settings given, by GPTConfig field name
-    if cfg.init is not None:
-        mcfg, _ = read_config(cfg.init, cfg.n_head, moe)
-        if cfg.block_size is not None and cfg.block_size > mcfg.block_size:
-            raise ConfigError(f"--block-size {cfg.block_size} exceeds the block size "
-                              f"{mcfg.block_size} of {cfg.init}")
-    else:
-        # the addition task: one problem per window, so every position keeps one role
-        T = cfg.block_size or (ds.task.line_len if ds.task else 64)
-        mcfg = GPTConfig(ds.vocab_size, T, cfg.n_layer, cfg.n_head or 4, cfg.n_embd,
-                         cfg.n_expert, **moe)
-        mcfg.check()
-    if ds.vocab_size > mcfg.vocab_size:
-        raise ConfigError(f"the data has {ds.vocab_size} token ids but the model's vocabulary "
-                          f"is {mcfg.vocab_size}")
-    T = cfg.block_size or mcfg.block_size
-    if ds.n_windows(T) < 1:
-        raise ConfigError(f"the data ({len(ds.tokens)} tokens) is shorter than one window of "
-                          f"{T + 1} tokens; use a smaller --block-size")
-    return mcfg
 
 
 def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
     """A fresh GPT (GPT-2 init) or one loaded from --init, of model_config's shape."""
-    from refmp.checkpoint.weights import load_model, moe_flags
+    from refmp.checkpoint.weights import load_model
 
     mcfg = model_config(cfg, ds)
     if cfg.init is not None:
@@ -84,30 +47,35 @@ def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
     return GPT.create(mcfg, cfg.seed, cfg.dtype)
 
 
-class Runner(Pieces, Protocol):
+class Runner(Pieces, Stateful, Protocol):
     """What the Trainer drives: refmp.parallel.engine.Engine, for every layout.
 
     As the checkpoint's Pieces: ``params`` the arrays this rank updates, by name (flat pieces
     of shards are welcome: the optimizer is elementwise), ``counts_in_norm`` which of them
     this rank counts once (in the gradient norm, and in a checkpoint), ``piece_index()``
-    where their elements sit in the full model, ``after_step()``. Besides: ``grads`` their
-    gradients, ``decay`` the names that get weight decay; ``stats`` the last step's extra
-    figures for the log (MoE routing).
+    where their elements sit in the full model, ``after_step()``. As a Stateful:
+    ``state()``/``load_state()`` what later steps depend on of its own (the data-parallel
+    sums' codec), which a checkpoint saves rank by rank. Besides: ``grads`` their gradients,
+    ``decay`` the names that get weight decay; ``stats`` the last step's extra figures for the
+    log (MoE routing); ``weight_dtype`` the weights' (--dtype), ``compute_dtype`` what the
+    model computes on (with --mixed-precision the rounded copy).
     """
 
     grads: dict
     decay: set[str]
     stats: dict
-    sharder: Stateful  # the data-parallel sums, whose codec state a checkpoint saves
+    weight_dtype: np.dtype
+    compute_dtype: np.dtype
 
     def batch_rows(self, B: int) -> slice: ...  # the rows of the global batch this rank reads
+
+    def ahead(self) -> int: ...  # how many later batches' forwards run in each step
 
     def zero_grad(self) -> None: ...
 
     def forward_backward(self, x, y, denom: int, dloss: float = 1.0, ahead=()) -> None: ...
     # grads += this rank's share; dloss: the gradient backward starts from (fp16's loss
-    # scale); ahead: the later batches [(x, y), ...] whose forwards run in this step (2bw,
-    # pipedream)
+    # scale); ahead: the next ahead() batches [(x, y), ...], fewer at the end of the run
 
     def reduce_grads(self) -> None: ...  # grads become the global gradient's owned pieces
 
@@ -155,31 +123,20 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, grid: ProcessGrid | None = None,
                  dataset: Dataset | None = None):
-        check_config(cfg)
         self.cfg = cfg
         self.grid = grid if grid is not None else ProcessGrid(
-            dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)  # validates the layout
+            dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)  # refuses bad sizes
 
         self.device_info = {"device": "cpu"}
         if cfg.device == "gpu":  # before any array is made: parameters go straight to the GPU
             self.device_info = start_gpu(self.grid)
 
-        from refmp.parallel.layout import check_layout
-
         world = self.grid.world
-        # before any work, on every rank: the files rank 0 will write, the data and the
-        # model's shape, the layout's rules, then the memory the layout needs (refmp.cost.memory)
-        agreed(world, lambda: check_outputs(cfg) if world.rank == 0 else None)
-
-        def shape():
-            ds = dataset if dataset is not None else build_dataset(cfg)
-            return ds, model_config(cfg, ds)
-
-        self.ds, mcfg = agreed(world, shape)
-        check_layout(cfg, mcfg, world.size, self.grid.sizes)  # pure: the same on every rank
-        agreed(world, lambda: check_memory(cfg, mcfg, self.grid))
+        # before anything big, on every rank, in order: the flags, the files rank 0 will
+        # write, the data and the model's shape, the layout's rules, the memory it needs
+        self.ds, mcfg = validate(cfg, self.grid, dataset)
+        self.T = cfg.block_size or mcfg.block_size  # the block size the run trains on
         self.model = agreed(world, lambda: build_model(cfg, self.ds))
-        self.T = cfg.block_size or self.model.cfg.block_size
         self.runner = build_runner(cfg, self.grid, self.model)
         self.rows = self.runner.batch_rows(cfg.batch_size)
         self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
@@ -203,12 +160,11 @@ class Trainer:
         scale = self.scaler.scale if self.scaler else 1.0
         # fp16: an overflow is expected now and then (that is what the scaler is for)
         quiet = np.errstate(over="ignore", invalid="ignore") if self.scaler else nullcontext()
-        # the later batches whose forwards run in this step: 2bw's next one (its first
-        # forwards fill this step's cool-down), pipedream's next pp - 1; the last steps drain
-        later = {"2bw": 1, "pipedream": self.grid.sizes["pp"] - 1}.get(cfg.schedule, 0)
+        # the later batches whose forwards run in this step (asynchronous schedules: the
+        # runner says how many); the last steps of the run drain
         ahead = [tuple(backend.from_host(a) for a in get_batch(
             self.ds.tokens, k, cfg.batch_size, self.T, self.rows, self.perm))
-            for k in range(self.step_num + 1, min(self.step_num + 1 + later, cfg.steps))]
+            for k in range(self.step_num + 1, min(self.step_num + 1 + run.ahead(), cfg.steps))]
         with quiet:
             run.forward_backward(x, y, denom, scale, ahead)  # backward starts from the loss scale
             run.reduce_grads()  # now grads is the global gradient of this rank's pieces
@@ -254,7 +210,7 @@ class Trainer:
         optimizer, fp16's loss scaler, and this Trainer's progress."""
         return Checkpointed(self.grid, self.cfg, self.model.cfg, self.runner, self.opt,
                             self.scaler, progress=self, vocab=self.ds.vocab,
-                            codec=self.runner.sharder)
+                            codec=self.runner)
 
     def save_checkpoint(self, root: str, keep: int = 0) -> str:
         """Write this step's state as ``root/step-{N:08d}`` (collective)."""
@@ -264,41 +220,6 @@ class Trainer:
         """Continue from the checkpoint at, or latest in, ``path``, saved by any layout
         (collective). Returns its manifest."""
         return load(self.checkpointed(), path)
-
-    def decoder(self) -> Greedy:
-        """Greedy decoding of the model as it is now (collective over the world): the whole
-        model, gathered by the runner on rank 0 and broadcast, in the compute dtype (with
-        --mixed-precision the masters rounded: the copy training computes on), held by
-        refmp.inference's Decoder over this run's tp and pp. The other axes decode prompts of
-        their own. An MoE model with a capacity limit is decoded without the cache: its
-        capacity, counted over a sequence, reroutes the earlier tokens as the sequence grows,
-        as GPT.generate recomputes them."""
-        mcfg = self.model.cfg
-        world = self.grid.world
-        full = self.runner.full_params()  # the whole model on world rank 0, None elsewhere
-        compute = mixed_dtypes(self.cfg.parallel)[0]  # None without --mixed-precision
-        xp = backend.xp
-        whole = {}
-        for k, shape in gpt.param_shapes(mcfg).items():
-            buf = (xp.ascontiguousarray(full[k]) if full is not None
-                   else xp.empty(shape, np.dtype(self.cfg.dtype)))
-            buf = world.bcast(buf, root=0)
-            whole[k] = buf if compute is None else buf.astype(compute)
-        dropping = bool(mcfg.n_expert) and mcfg.capacity_factor > 0
-        dec = Decoder(mcfg, whole, self.grid, axes=("tp", "pp"), capacity=dropping)
-        return Greedy(dec, use_cache=not dropping)
-
-    def evaluate(self) -> tuple[int, int] | None:
-        """Held-out exact-match (correct, total) by greedy decoding (``decoder``), the
-        prompts split over dp x cp; None without a task."""
-        task = self.ds.task
-        if task is None:
-            return None
-        model = self.decoder()
-        comm = self.grid.group("dp", "cp")  # the ranks that decode prompts of their own
-        prompts = np.array_split(task.test_pairs, comm.size)[comm.rank]  # this rank's share
-        correct, total = task.score(model, prompts) if len(prompts) else (0, 0)
-        return int(comm.allreduce_scalar(correct)), int(comm.allreduce_scalar(total))
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients, optimizer state (and activations)."""

@@ -165,12 +165,14 @@ def test_cuda_aware_mpi_takes_device_buffers_unstaged(on_strict_device):
 def test_generation_and_resume_on_device(on_strict_device, tmp_path_factory):
     """Greedy decoding and a checkpoint's save and resume, all on device arrays: the resumed
     run's next step is bitwise the uninterrupted one's."""
+    from refmp.training.evaluate import decoder
     from refmp.training.trainer import Trainer
 
     kw = dict(pp=2, tp=2, zero=3, microbatches=2)
     tr = Trainer(config(**kw), dataset=data())
     tr.step()
-    out = tr.decoder().generate(backend.from_host(np.zeros((1, 2), dtype=np.int64)), 3)
+    greedy = decoder(tr.runner, tr.grid, tr.model.cfg, tr.T)
+    out = greedy.generate(backend.from_host(np.zeros((1, 2), dtype=np.int64)), 3)
     root = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if MPI.COMM_WORLD.rank == 0
                                 else None)
     again = Trainer(config(**kw, resume=tr.save_checkpoint(root)), dataset=data())
