@@ -3,9 +3,10 @@ the held-out exact match of the task (the figure ``refmp train`` prints at the e
 
 Decoding goes through refmp.inference's Decoder, split over the run's tp and pp as training
 splits the model: the same function splits the pipeline
-(refmp.parallel.pipeline.partition.rank_chunks, costed at the run's block size T), one chunk per rank, balanced, so a stage decodes with the
-blocks it trains unless the schedule has several chunks per rank or --stage-layers moves
-them. The other axes (dp, cp) decode prompts of their own.
+(refmp.parallel.pipeline.partition.rank_chunks, costed at the run's block size T), one chunk
+per rank, balanced, so a stage decodes with the blocks it trains unless the schedule has
+several chunks per rank or --stage-layers moves them. The other axes (dp, cp) decode prompts
+of their own.
 """
 
 from __future__ import annotations
