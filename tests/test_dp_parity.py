@@ -155,5 +155,6 @@ def test_nodes_hold_blocks_of_consecutive_ranks(monkeypatch):
     bad = Mismatches()
     bad.check(np.testing.assert_equal, got, {
         "one host": (0, 0, 0, 0), 1: (0, 1, 2, 3), 2: (0, 0, 1, 1), 4: (0, 0, 0, 0),
-        "grid": (0, 0, 1, 1), "spans": {"tp": "intra", "dp": "inter", "world": "inter"}})
+        "grid": (0, 0, 1, 1), "spans": {"tp": "intra", "dp": "inter", "world": "inter"}},
+        err_msg=f"each rank's node: {got}")
     bad.assert_none(world)
