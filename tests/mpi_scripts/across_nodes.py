@@ -15,8 +15,8 @@ cluster (4 ranks on node0, node0, node1, node1):
 host: the same dp 2 x tp 2 run from scratch, and from the checkpoint the cluster wrote after
   step 2; each compared bitwise with the cluster's: a mismatch exits 1.
 ssh: the same dp 2 x tp 2 run from scratch, compared bitwise with the cluster's; the ledger
-  and the bytes each node's eth0 sent during its steps; each rank's host, Python, refmp and
-  the variables the test set for mpiexec.
+  and the bytes and resent segments of each node's eth0 during its steps; each rank's host,
+  Python, refmp and the variables the test set for mpiexec.
 Results: OUT/cluster.json, OUT/host.json, OUT/ssh.json (rank 0).
 """
 
@@ -136,7 +136,7 @@ def over_ssh() -> dict:
     return {"hosts": world.allgather(MPI.Get_processor_name()),
             "python": world.allgather(sys.executable), "refmp": world.allgather(refmp.__file__),
             "env": world.allgather({k: os.environ.get(k) for k in SET_BY_TEST}),
-            "ledger": m["ledger"], "sent": m["sent"],
+            "ledger": m["ledger"], "sent": m["sent"], "resent": m["resent"],
             "steps_equal": m["steps"] == there["dp2tp2"]["steps"] + there["dp2tp2_rest"]["steps"],
             "weights_equal": m["weights"] == there["dp2tp2_rest"]["weights"]}
 
