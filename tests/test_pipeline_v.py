@@ -110,7 +110,7 @@ def misplaced_weight_gradients(name: str, pp: int, m: int, rank: int) -> list[st
     the flush (their B after the last forward, where ZB-V defers them to fill the drain)
     come after it too; each chunk's W's in micro-batch order; ZB-V splits every backward."""
     acts = schedule(name, pp, m, rank)
-    chunks = stage_chunks(rank, pp, 2, v_shape=True)
+    chunks = CATALOG[name].chunk_placement(pp).chunks(rank)
     where = {tuple(a): i for i, a in enumerate(acts)}
     wrong = [f"{k}: {sorted((a.mb, a.chunk) for a in acts if a.kind == k)}" for k in "FB"
              if sorted((a.mb, a.chunk) for a in acts if a.kind == k)
