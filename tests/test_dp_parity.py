@@ -5,7 +5,8 @@ data-parallel engine (on COMM_WORLD, each rank its rows of the batch): loss, nor
 gradient after the all-reduce and clipping, every weight after each step (tests/parity.py).
 Then the ledger: the gradients are all-reduced once per step in total (8 bytes per parameter
 in float64), in as many calls as the Sharder's bucket rule forms buckets. The hierarchical
-all-reduce on simulated nodes equals the flat one bitwise (tests/test_nodes.py: real ones).
+all-reduce on simulated nodes equals the flat one bitwise (tests/test_nodes.py: real ones),
+and those nodes hold blocks of consecutive ranks, as a launch places them.
 """
 
 from dataclasses import replace
@@ -19,6 +20,8 @@ from mpi_helpers import Mismatches, collective
 from parity import assert_same_run
 
 from refmp.cost.zero import unit_sizes
+from refmp.distributed import topology
+from refmp.distributed.grid import ProcessGrid
 from refmp.nn import GPTConfig
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
@@ -130,3 +133,28 @@ def test_hierarchical_all_reduce_equals_flat_bitwise(monkeypatch):
         "reduce_scatter@dp.node[intra]", "allgather@dp.node[intra]", "allreduce@dp.cross[inter]")],
         [whole, whole, whole // 2])  # P even: no padding
     bad.assert_none(MPI.COMM_WORLD)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_nodes_hold_blocks_of_consecutive_ranks(monkeypatch):
+    """topology.node_ids as a launch places ranks: a block of consecutive ranks on each node
+    (mpiexec -ppn k, refmp cluster's launch), nodes numbered in rank order. One host: MPI's
+    shared-memory split puts all 4 on node 0; REFMP_RANKS_PER_NODE=k: nodes of k
+    consecutive ranks, not dealt round robin; so with tp 2 x dp 2 on 2 nodes the grid keeps
+    tp inside a node and sends dp across (Megatron's order)."""
+    world = MPI.COMM_WORLD
+    got = {"one host": topology.node_ids(world)}
+    for k in (1, 2, 4):
+        monkeypatch.setenv("REFMP_RANKS_PER_NODE", str(k))
+        got[k] = topology.node_ids(world)
+    monkeypatch.setenv("REFMP_RANKS_PER_NODE", "2")
+    grid = ProcessGrid(world, dp=2, tp=2)
+    got["grid"] = grid.nodes
+    got["spans"] = {a: grid.ledger.spans[a] for a in ("tp", "dp", "world")}
+    bad = Mismatches()
+    bad.check(np.testing.assert_equal, got, {
+        "one host": (0, 0, 0, 0), 1: (0, 1, 2, 3), 2: (0, 0, 1, 1), 4: (0, 0, 0, 0),
+        "grid": (0, 0, 1, 1), "spans": {"tp": "intra", "dp": "inter", "world": "inter"}},
+        err_msg=f"each rank's node: {got}")
+    bad.assert_none(world)

@@ -48,6 +48,42 @@ def test_capacity_rule_first_choices_first_then_by_position():
     assert M.capacity(0.0, 2, 4, 2) == 8  # no limit
 
 
+def test_capacity_is_counted_per_sequence():
+    """Each sequence of a batch has cap seats per expert, its own: B = 2, T = 3, K = 1,
+    cap 2. Sequence 0 sends 2 tokens to expert 0, which keeps both; sequence 1 sends it 3,
+    which keeps its first 2, whatever sequence 0 took (a queue over the whole batch would
+    drop all of sequence 1's)."""
+    top = np.array([[[0], [0], [1]], [[0], [0], [0]]])  # (B, T, K)
+    keep = M.capacity_keep(top, E=2, cap=2)
+    np.testing.assert_array_equal(keep[..., 0], [[1, 1, 1], [1, 1, 0]])
+    # K = 2, first choices first within each sequence: the two rows are the rule's example
+    # and its mirror (experts swapped), each taken as if alone
+    one = np.array([[[0, 1], [0, 1], [0, 1], [1, 0]]])
+    both = M.capacity_keep(np.concatenate([one, 1 - one]), E=2, cap=3)
+    np.testing.assert_array_equal(both, np.concatenate([M.capacity_keep(one, 2, 3)] * 2))
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_a_batch_routes_each_sequence_as_if_alone(K):
+    """B = 3 sequences through the layer with drops (cf 0.5): each one's output, kept
+    assignments and loss share are those of the same sequence run alone (the capacity is
+    ceil(CF K T / E) per sequence; DeepSeek-V3's balance loss per sequence too)."""
+    rng = np.random.default_rng(10 + K)
+    C, E, T, B = 4, 3, 6, 3
+    p = layer_params(C, E, rng)
+    h = rng.standard_normal((B, T, C))
+    out, cache = M.moe_forward(p, h, ctx(E, K, cf=0.5, denom=B * T))
+    keep = M.capacity_keep(cache.top.reshape(B, T, K), E, M.capacity(0.5, K, T, E))
+    assert not keep.all() and keep.any()
+    shares = []
+    for b in range(B):
+        alone, one = M.moe_forward(p, h[b:b + 1], ctx(E, K, cf=0.5, denom=B * T))
+        np.testing.assert_allclose(out[b], alone[0], rtol=1e-12, atol=1e-12, err_msg=f"{b}")
+        assert keep[b].mean() == pytest.approx(1 - one.stats["dropped"]), b
+        shares.append(float(one.loss))
+    assert float(cache.loss) == pytest.approx(sum(shares), rel=1e-12)
+
+
 @pytest.mark.parametrize("K", [1, 2])
 def test_gates_and_dropped_tokens(K):
     rng = np.random.default_rng(K)

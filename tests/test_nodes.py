@@ -166,15 +166,32 @@ def test_each_node_has_its_own_sshd_until_the_launch_ends():
 def crossing_bytes(ledger: dict, group_sizes: dict) -> int:
     """What one rank's collectives on groups that span nodes send to another node, from its
     ledger: a group of 2 (one rank a node) sends each all-reduce's buffer once (any
-    algorithm: ring, recursive doubling or halving), a metric of the world its buffer once."""
+    algorithm: ring, recursive doubling or halving); a group of 4 on the 2 nodes in
+    recursive doubling (DOUBLING) too, in the one of its two steps that crosses; a metric
+    of the world its buffer once."""
     total = 0
     for key, v in ledger.items():
         op, label = key.split("@")
         if label.endswith("[inter]"):
             n = group_sizes[label[: -len("[inter]")]]
-            assert n == 2 or op == "metric", key  # a formula for these only
+            assert n in (2, 4) or op == "metric", key  # a formula for these only
             total += v["bytes"]
     return total
+
+
+FRAME = 1514  # an Ethernet frame's most bytes: what a TCP segment sent again adds at most
+
+
+def carried(m: dict, run: str, ranks: tuple[int, int], group_sizes: dict) -> int:
+    """The payload the ledgers of a node's ``ranks`` say crosses its link during ``run``
+    (across_nodes.py's measured ``m``), held to what the node's veth counted: at least the
+    payload, at most 3% more (headers, acknowledgements) and 16 KiB (MPI's own messages),
+    and a frame for each TCP segment the node sent again (a segment dropped by the busy
+    receiver crosses twice)."""
+    want = sum(crossing_bytes(m["ledger"][q], group_sizes) for q in ranks)
+    got, again = m["sent"][ranks[0]], m["resent"][ranks[0]]
+    assert want <= got <= 1.03 * want + 16384 + again * FRAME, (run, ranks, got, want, again)
+    return want
 
 
 # the flat all-reduce of dp 4 as recursive doubling: every rank exchanges its whole buffer
@@ -225,21 +242,23 @@ def test_training_across_nodes_equals_one_host(across):
         m = r[run]
         assert m["ledger"][0]["allreduce@dp[inter]"]["bytes"] == 2 * per_rank
         assert "[intra]" in next(k for k in m["ledger"][0] if k.startswith("allreduce@tp"))
-        for node, ranks in ((0, (0, 1)), (1, (2, 3))):
-            want = sum(crossing_bytes(m["ledger"][q], {"dp": 2, "world": 4}) for q in ranks)
-            got = m["sent"][ranks[0]]
-            assert want <= got <= 1.03 * want + 16384, (run, node, got, want)
+        for ranks in ((0, 1), (2, 3)):
+            want = carried(m, run, ranks, {"dp": 2, "world": 4})
             assert abs(want - 2 * 2 * per_rank) < 1024  # 2 ranks, 2 steps, and the metrics
-    # flat and hierarchical: the same sums bitwise; the link carries 1/G of the flat bytes
+    # flat and hierarchical: the same sums bitwise; the link carries 1/G of the flat bytes:
+    # the payloads (the ledgers', each held to the veth's count), not the counts, whose
+    # headers and resent segments vary from run to run
     flat, hier = r["flat"], r["hierarchical"]
     assert flat["steps"] == hier["steps"] and flat["weights"] == hier["weights"]
     whole = comm_per_step(unit_sizes(mcfg, tp=1), 4, 0, itemsize=8)["allreduce"]  # P w
     for ranks in ((0, 1), (2, 3)):
-        h = hier["sent"][ranks[0]]
-        want = sum(crossing_bytes(hier["ledger"][q], {"dp.cross": 2, "world": 4}) for q in ranks)
-        assert want <= h <= 1.03 * want + 16384, (h, want)
-        assert abs(want - 3 * whole) < 1024  # 2 (N-1)/N P w a node, 3 steps
-        assert 1.95 < flat["sent"][ranks[0]] / h < 2.05  # G = 2
+        h = carried(hier, "hierarchical", ranks, {"dp.cross": 2, "world": 4})
+        assert abs(h - 3 * whole) < 1024  # 2 (N-1)/N P w a node, 3 steps, and the metrics
+        f = carried(flat, "flat", ranks, {"dp": 4, "world": 4})
+        assert abs(f - 6 * whole) < 1024  # each rank's whole P w, 3 steps, and the metrics
+        sums = [sum(run["ledger"][q][key]["bytes"] for q in ranks) for run, key in (
+            (flat, "allreduce@dp[inter]"), (hier, "allreduce@dp.cross[inter]"))]
+        assert sums[0] == 2 * sums[1], sums  # G = 2
     # the one-host run: the same from scratch, and from the checkpoint written on 2 nodes
     q = subprocess.run(["mpiexec", "-n", "4", sys.executable, "tests/mpi_scripts/across_nodes.py",
                         "host", out], cwd=REPO, env=ENV, capture_output=True, text=True,
@@ -281,9 +300,8 @@ def test_training_launched_over_ssh_equals_the_cluster_run(across):
     with open(counters) as f:
         veth = json.load(f)["nodes"]
     for node, ranks in (("node0", (0, 1)), ("node1", (2, 3))):
-        want = sum(crossing_bytes(r["ledger"][q], {"dp": 2, "world": 4}) for q in ranks)
+        want = carried(r, "ssh", ranks, {"dp": 2, "world": 4})
         assert want > 0
-        assert want <= r["sent"][ranks[0]] <= 1.03 * want + 16384, (node, r["sent"], want)
         assert veth[node]["sent"] >= want and veth[node]["received"] >= want, (node, veth)
 
 

@@ -1,7 +1,11 @@
 """The V-shaped schedules (ZB-V, DualPipeV) in the simulator: they complete for every (pp, m),
-their bubble is the formula's, their memory the papers', and the chunks sit in a V."""
+their bubble is the formula's, their memory the papers', and the chunks sit in a V; each
+weight gradient sits where zero bubble puts it, and the action lists are PyTorch's."""
+
+import importlib.util
 
 import pytest
+from extras import reason
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -97,3 +101,71 @@ def test_schedule_json_and_the_weight_versions_of_2bw(capsys):
                  "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["weight_versions"] == [3, 2, 1] and got["bubble"] == pytest.approx(0.4)
+
+
+def misplaced_weight_gradients(name: str, pp: int, m: int, rank: int) -> list[str]:
+    """What is wrong with where rank's W's sit: every F and B once for each micro-batch of
+    its two chunks; each W after its own B, and, before the rank's last forward, right after
+    it (so before its chunk's next backward: the steady state's B W pairs); the W's left for
+    the flush (their B after the last forward, where ZB-V defers them to fill the drain)
+    come after it too; each chunk's W's in micro-batch order; ZB-V splits every backward."""
+    acts = schedule(name, pp, m, rank)
+    chunks = CATALOG[name].chunk_placement(pp).chunks(rank)
+    where = {tuple(a): i for i, a in enumerate(acts)}
+    wrong = [f"{k}: {sorted((a.mb, a.chunk) for a in acts if a.kind == k)}" for k in "FB"
+             if sorted((a.mb, a.chunk) for a in acts if a.kind == k)
+             != sorted((i, c) for i in range(m) for c in chunks)]
+    last_f = max(i for i, a in enumerate(acts) if a.kind == "F")
+    for i, a in enumerate(acts):
+        if a.kind == "W":
+            b = where.get(("B", a.mb, a.chunk), len(acts))
+            if b > i or (b < last_f and i != b + 1):
+                wrong.append(f"{a} at {i}, its backward at {b}, the last forward at {last_f}")
+    for c in chunks:
+        ws = [a.mb for a in acts if a.kind == "W" and a.chunk == c]
+        if ws != sorted(ws) or len(set(ws)) < len(ws):
+            wrong.append(f"chunk {c}'s W's in the order {ws}")
+    if name == "zb-v" and sum(a.kind == "W" for a in acts) != 2 * m:
+        wrong.append(f"{sum(a.kind == 'W' for a in acts)} W's for {2 * m} backwards")
+    return wrong
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
+def test_each_weight_gradient_follows_its_backward_or_fills_the_flush(name):
+    wrong = {(pp, m, r): w for pp in range(1, 7) for m in range(1, 17) for r in range(pp)
+             if (w := misplaced_weight_gradients(name, pp, m, r))}
+    assert not wrong, wrong
+
+
+def torch_orders(cls, pp: int, m: int) -> list[list[tuple]]:
+    """Every rank's (kind, micro-batch, chunk) list of a torch.distributed.pipelining V
+    schedule, read from the pipeline_order it computes for all ranks when built. Its stages
+    stand in with the fields the order is computed from (no process group: nothing runs);
+    its I (the backward for the input) is refmp's split B, a B its whole one, an overlapped
+    forward-backward pair its two actions in order."""
+    from types import SimpleNamespace
+
+    import torch
+
+    stages = [SimpleNamespace(submod=torch.nn.Identity(), num_stages=2 * pp, group_size=pp,
+                              group_rank=0, stage_index=c) for c in (0, 2 * pp - 1)]
+    order = cls(stages, m).pipeline_order
+    kinds = {"F": "F", "I": "B", "B": "B", "W": "W"}
+    return [[(kinds[x.computation_type.value], x.microbatch_index, x.stage_index)
+             for a in order[r] if a is not None for x in (a.sub_actions or (a,))]
+            for r in range(pp)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason=reason("torch", "hf"))
+def test_the_v_schedules_are_pytorchs():
+    """zb-v is ScheduleZBVZeroBubble's order, every (pp, m), and dualpipev ScheduleDualPipeV's
+    from m = 2 pp (its least): the same actions on every rank in the same order, the same
+    backwards split (a W on the list)."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+    for pp in range(1, 6):
+        for name, cls, ms in (("zb-v", ScheduleZBVZeroBubble, range(1, 13)),
+                              ("dualpipev", ScheduleDualPipeV, range(2 * pp, 2 * pp + 5))):
+            for m in ms:
+                mine = [[tuple(a) for a in schedule(name, pp, m, r)] for r in range(pp)]
+                assert mine == torch_orders(cls, pp, m), (name, pp, m)

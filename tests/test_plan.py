@@ -1,6 +1,7 @@
 """`refmp plan`: its memory per rank is the measured ledger's, exactly; its search keeps the
 fixed choices, explains what it leaves out, and prints one table or the --json shape."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -52,6 +53,22 @@ def test_memory_is_the_measured_ledger_on_one_rank(recompute, mp, b, dtype):
     assert {k: want[k] for k in STATE} == {k: got[k] for k in STATE}
 
 
+def four_rank_example(grid, zero, recompute, mp, sp, b, interleaved, algo) -> tuple:
+    """(Layout, global batch, the model's shape over SMALL) of one example of the four-rank
+    test below: SP only with tp, interleaving two chunks only with pp, Ulysses only where
+    the heads divide, and a batch that interleaving's micro-batches can fill."""
+    tp, pp, dp, cp = grid
+    v = 2 if interleaved and pp > 1 else 1
+    lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, sequence_parallel=sp and tp > 1,
+                 recompute=recompute, mixed_precision=mp, microbatch_size=b,
+                 schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v,
+                 cp_algo=algo if cp > 1 and max(2, tp) // tp % cp == 0 else "ring")
+    batch = dp * b * (pp if v > 1 else 1)  # interleaving needs the micro-batches in pp's
+    shape = {"n_layer": pp * v if pp * v > 2 else 2, "block_size": 16,
+             "n_head": max(2, tp)}  # whole heads on each tp rank
+    return lay, batch, shape
+
+
 GRIDS = [(tp, pp, dp, cp) for tp in (1, 2, 4) for pp in (1, 2, 4) for dp in (1, 2, 4)
          for cp in (1, 2) if tp * pp * dp * cp == 4]
 
@@ -70,6 +87,8 @@ GRIDS = [(tp, pp, dp, cp) for tp in (1, 2, 4) for pp in (1, 2, 4) for dp in (1, 
          interleaved=True, algo="ring")  # interleaved with cp: one positions array per rank
 @example(grid=(2, 1, 1, 2), zero=0, recompute="selective", mp="none", sp=True, b=1,
          interleaved=False, algo="ring")  # ring with tp, one head per rank: y is the output
+@example(grid=(1, 4, 1, 1), zero=0, recompute="none", mp="bf16", sp=False, b=2,
+         interleaved=True, algo="ring")  # middle stages: boundaries only, no tied swap
 @collective
 def test_memory_is_the_measured_ledger_on_four_ranks(grid, zero, recompute, mp, sp, b,
                                                     interleaved, algo):
@@ -79,14 +98,9 @@ def test_memory_is_the_measured_ledger_on_four_ranks(grid, zero, recompute, mp, 
     every micro-batch shares (interleaving keeps two in flight), and with one head per rank
     ring attention's output is a view of its running output y."""
     tp, pp, dp, cp = grid
-    v = 2 if interleaved and pp > 1 else 1
-    lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, sequence_parallel=sp and tp > 1,
-                 recompute=recompute, mixed_precision=mp, microbatch_size=b,
-                 schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v,
-                 cp_algo=algo if cp > 1 and max(2, tp) // tp % cp == 0 else "ring")
-    batch = dp * b * (pp if v > 1 else 1)  # interleaving needs the micro-batches in pp's
-    tr = trained(lay, batch, n_layer=pp * v if pp * v > 2 else 2, block_size=16,
-                 n_head=max(2, tp))  # whole heads on each tp rank
+    lay, batch, shape = four_rank_example(grid, zero, recompute, mp, sp, b, interleaved, algo)
+    v = lay.virtual_stages
+    tr = trained(lay, batch, **shape)
     mcfg, sizes, r = tr.model.cfg, tr.grid.sizes, tr.grid.coords["pp"]
     got = tr.memory()
     predicted = stage_memory(train_config(lay, mcfg, batch), mcfg, sizes, r)
@@ -106,16 +120,90 @@ def test_memory_is_the_measured_ledger_on_four_ranks(grid, zero, recompute, mp, 
         sent, count = tr.grid.ledger.entries[("send", "pp")]
         pp_bytes = model.predict(lay, mcfg, batch, MACHINE)["bytes"][r]["pp"]["send"]
         plan_tied = pp_bytes - 2 * v * M * b * (16 // cp) * mcfg.n_embd * c
-        bad.check(np.testing.assert_equal, sent - (count - 1) * msg, plan_tied,
+        swaps = r in (0, pp - 1)  # a middle stage sends its boundaries only
+        bad.check(np.testing.assert_equal, sent - (count - swaps) * msg, plan_tied,
                   err_msg=f"{lay} rank {tr.grid.rank}: the tied wte's swap")
     most = max(MPI.COMM_WORLD.allgather(sum(got[k] for k in STATE)))
     bad.check(np.testing.assert_equal, total(memory(lay, mcfg, batch)), most,
               err_msg=f"{lay}: the plan's max over ranks")
+    # and each term's seconds are those bytes over its link, on every stage
+    bad.check(np.testing.assert_equal, [w for G in (1, 2, 4) for w in mispriced(lay, mcfg,
+                                                                                 batch, G)],
+              [], err_msg=f"{lay}: terms whose seconds are not their bytes")
     bad.assert_none()
 
 
 MACHINE = MACHINES["dgx-a100"]
 GPT2 = GPTConfig(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, block_size=1024)
+
+# the part of its ledger bytes a collective of n ranks puts on a rank's link (the ledger
+# counts a collective's buffer once): a ring all-reduce 2 (n-1)/n, a reduce-scatter,
+# all-gather or all-to-all (n-1)/n, a send all of it
+SHARE = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+         "allgather": lambda n: (n - 1) / n, "alltoall": lambda n: (n - 1) / n,
+         "send": lambda n: 1.0}
+
+
+def mispriced(lay: Layout, mcfg: GPTConfig, batch: int, G: int) -> list[str]:
+    """Every pipeline stage's communication terms held to its own bytes (predict's
+    ``bytes``) on its own link, on MACHINE with G ranks a node, no latency and nothing
+    overlapped: a term's seconds are each collective's share of its bytes (SHARE) over the
+    bandwidth of its group's link, inside a node while the group fits one (ranks tp fastest,
+    then cp, dp, pp). A pipeline's sends: the boundaries between neighbouring stages
+    (2 v M b Tl C c a step; the two stages span 2 tp cp dp ranks) and, on the two end
+    stages, the rest, the tied wte's swap across the whole pipeline. The terms that
+    differ, as text."""
+    mach = replace(MACHINE, gpus_per_node=G, intra_latency_us=0.0, inter_latency_us=0.0,
+                   overlaps_p2p=False)
+    pred = model.predict(lay, mcfg, batch, mach, model.Impl(dp_overlap=False))
+    tp, pp, dp, cp, ep = lay.tp, lay.pp, lay.dp, lay.cp, lay.ep
+    b, c = lay.microbatch_size, 2 if lay.mixed_precision != "none" else 4
+    M = batch // (dp * b)
+
+    def bw(ranks: int) -> float:  # bytes/s of the link of a group spanning ``ranks`` ranks
+        return 1e9 * (mach.intra_node_gbs if ranks <= G else mach.inter_node_gbs)
+
+    groups = {"tp": (tp, tp), "cp": (cp, tp * cp), "ep": (ep, tp * ep),
+              "dp": (dp * cp, tp * cp * dp)}  # axis: (ranks in a group, ranks it spans)
+    boundary = 2 * lay.virtual_stages * M * b * (mcfg.block_size // cp) * mcfg.n_embd * c
+    boundary *= pp > 1
+    wrong = []
+    for r, (moved, secs) in enumerate(zip(pred["bytes"], pred["stages"], strict=True)):
+        want = {axis: sum(SHARE[op](n) * x for op, x in moved[axis].items()) / bw(span)
+                for axis, (n, span) in groups.items()}
+        tied = moved["pp"]["send"] - boundary
+        if tied < 0 or (tied > 0) != (pp > 1 and r in (0, pp - 1)):
+            wrong.append(f"G {G} stage {r}: pp's {moved['pp']['send']} bytes are not "
+                         f"{boundary} of boundaries and a tied swap on the end stages")
+        want["pp"] = boundary / bw(2 * tp * cp * dp) + tied / bw(pp * tp * cp * dp)
+        wrong += [f"G {G} stage {r}: {k} {secs[k]!r} s, its bytes {moved[k]} take {w!r} s"
+                  for k, w in want.items() if secs[k] != pytest.approx(w, rel=1e-12, abs=0)]
+    return wrong
+
+
+@pytest.mark.parametrize("G", [1, 2, 4])
+def test_each_stage_s_terms_are_its_bytes_over_its_link(G):
+    """Every stage of the four-rank test's layouts (all its grids, ZeRO stages, cp
+    algorithms and interleaving, the other options in turn), of an MoE model over ep and
+    of the compressed dp sums: each communication term's seconds are its own bytes over its
+    own link (mispriced), so a term cannot drift from the bytes the ledger holds it to."""
+    cases = []
+    other = itertools.cycle(itertools.product(["none", "selective", "full"], ["none", "bf16"],
+                                              [False, True], [1, 2]))
+    for grid, zero, interleaved, algo in itertools.product(GRIDS, [0, 1, 2, 3], [False, True],
+                                                           ["ring", "ulysses"]):
+        recompute, mp, sp, b = next(other)
+        lay, batch, shape = four_rank_example(grid, zero, recompute, mp, sp, b, interleaved,
+                                              algo)
+        cases.append((lay, replace(SMALL, **shape), batch))
+    moe = replace(SMALL, n_layer=4, block_size=16, n_expert=4, top_k=2, moe_every=2)
+    cases += [(Layout(tp=tp, pp=pp, dp=dp, ep=ep), moe, 2 * dp)
+              for tp, pp, dp, ep in [(1, 1, 4, 4), (1, 2, 2, 2), (2, 2, 1, 1), (2, 1, 2, 2)]]
+    cases += [(Layout(pp=2, dp=2, grad_compress=codec), replace(SMALL, block_size=16), 4)
+              for codec in ("bf16", "powersgd", "topk")]
+    for lay, mcfg, batch in cases:
+        wrong = mispriced(lay, mcfg, batch, G)
+        assert not wrong, "\n".join([str(lay), *wrong])
 
 
 def test_search_keeps_fixed_choices_and_ranks_by_step_time():

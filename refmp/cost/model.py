@@ -203,7 +203,9 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
             impl: Impl = Impl()) -> dict:
     """Seconds per step, by term, and the throughput figures (see the module docstring);
     ``bytes``: per pipeline stage, the ledger bytes one of its ranks moves in a step, by axis
-    (tp, cp, ep, pp, dp: its dp x cp group) and operation, as the terms time them."""
+    (tp, cp, ep, pp, dp: its dp x cp group) and operation, as the terms time them;
+    ``stages``: per pipeline stage, its seconds by term (``seconds`` is the slowest stage's
+    with the bubble, or the mean stage's on a time-shared machine)."""
     L, C, NH, V, T = mcfg.n_layer, mcfg.n_embd, mcfg.n_head, mcfg.vocab_size, mcfg.block_size
     tp, pp, dp, cp, b, v = lay.tp, lay.pp, lay.dp, lay.cp, lay.microbatch_size, lay.virtual_stages
     c = 2 if lay.mixed_precision != "none" else 4
@@ -333,7 +335,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     hw = flops + recompute_flops_per_step(lay.recompute, n_blocks, L, T, C, tokens)
     return {"step_seconds": step, "tokens_per_s": tokens / step, "seconds": t,
             "tflops_per_gpu": hw / step / gpus / 1e12,
-            "mfu": flops / step / gpus / (mach.peak_tflops * 1e12), "bytes": moved}
+            "mfu": flops / step / gpus / (mach.peak_tflops * 1e12), "bytes": moved,
+            "stages": stages}
 
 
 def ring_pass(elements: float, n: int, c: int, bw: float, hop: float) -> float:

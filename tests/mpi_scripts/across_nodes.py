@@ -6,7 +6,8 @@
 cluster (4 ranks on node0, node0, node1, node1):
   1. dp 2 x tp 2 (tp inside a node, dp between): 4 steps, a checkpoint after step 2; each
      step's loss and gradient norm and the final weights (as hex floats and hashes); the
-     ledger of the steps; the bytes each node's eth0 sent during them (its veth counter).
+     ledger of the steps; the bytes each node's eth0 sent during them (its veth counter)
+     and the TCP segments it sent again.
   2. dp 4, --dp-reduce flat then hierarchical, 3 steps each: results and bytes sent.
   3. topology: the nodes the grid found, the axes that cross nodes for a few layouts.
   4. rank 3 (on node1) stops calling MPI; the others wait in a barrier; the watchdog
@@ -14,8 +15,8 @@ cluster (4 ranks on node0, node0, node1, node1):
 host: the same dp 2 x tp 2 run from scratch, and from the checkpoint the cluster wrote after
   step 2; each compared bitwise with the cluster's: a mismatch exits 1.
 ssh: the same dp 2 x tp 2 run from scratch, compared bitwise with the cluster's; the ledger
-  and the bytes each node's eth0 sent during its steps; each rank's host, Python, refmp and
-  the variables the test set for mpiexec.
+  and the bytes and resent segments of each node's eth0 during its steps; each rank's host,
+  Python, refmp and the variables the test set for mpiexec.
 Results: OUT/cluster.json, OUT/host.json, OUT/ssh.json (rank 0).
 """
 
@@ -47,6 +48,14 @@ def sent() -> int:
         return int(f.read())
 
 
+def resent() -> int:
+    """TCP segments this node has sent again (RetransSegs of its namespace's own
+    /proc/net/snmp): a segment the busy receiving side dropped crosses the link twice."""
+    with open("/proc/net/snmp") as f:
+        names, values = (line.split() for line in f if line.startswith("Tcp:"))
+    return int(values[names.index("RetransSegs")])
+
+
 def hashes(tr: Trainer) -> dict | None:
     """sha256 of every whole weight, on rank 0 (collective)."""
     full = tr.runner.full_params()
@@ -69,13 +78,14 @@ def measured(tr: Trainer, steps: int) -> dict:
     """Train, counting what this node sent meanwhile (the first rank of each node reads)."""
     tr.grid.world.barrier()
     tr.grid.ledger.reset()
-    before = sent() if mode != "host" else 0
+    before = (sent(), resent()) if mode != "host" else (0, 0)
     recs = train(tr, steps)
     tr.grid.world.barrier()
-    after = sent() if mode != "host" else 0
+    after = (sent(), resent()) if mode != "host" else (0, 0)
     ledger = tr.grid.ledger.as_dict()
-    return {"steps": recs, "ledger": world.allgather(ledger), "sent": world.allgather(after - before),
-            "weights": hashes(tr)}
+    return {"steps": recs, "ledger": world.allgather(ledger),
+            "sent": world.allgather(after[0] - before[0]),
+            "resent": world.allgather(after[1] - before[1]), "weights": hashes(tr)}
 
 
 def cluster() -> dict:
@@ -126,7 +136,7 @@ def over_ssh() -> dict:
     return {"hosts": world.allgather(MPI.Get_processor_name()),
             "python": world.allgather(sys.executable), "refmp": world.allgather(refmp.__file__),
             "env": world.allgather({k: os.environ.get(k) for k in SET_BY_TEST}),
-            "ledger": m["ledger"], "sent": m["sent"],
+            "ledger": m["ledger"], "sent": m["sent"], "resent": m["resent"],
             "steps_equal": m["steps"] == there["dp2tp2"]["steps"] + there["dp2tp2_rest"]["steps"],
             "weights_equal": m["weights"] == there["dp2tp2_rest"]["weights"]}
 
