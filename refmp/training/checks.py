@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from refmp.cost.memory import estimate_memory, need_bytes, size
 from refmp.errors import ConfigError
+from refmp.training.rank_memory import check_rank_limit
 
 
 def available_memory(device: str = "cpu") -> tuple[int, str]:
@@ -62,6 +63,8 @@ def check_memory(cfg, mcfg, grid) -> None:
     finally:
         share.Free()
         node.Free()
+    # a rank with a memory size (refmp cluster --rank-memory): its own limit first
+    check_rank_limit(cfg, mcfg, grid.sizes, grid.coords, grid.rank)
     free, source = available_memory(cfg.device)
     if total > free:
         kept = ("params", "grads", "optimizer") + (("error_feedback",) if mem["error_feedback"] else ())
