@@ -17,8 +17,7 @@ import numpy as np
 from refmp.config import TrainConfig, flag_name
 from refmp.cost.machines import MACHINES, MODELS, Machine
 from refmp.cost.memory import size
-from refmp.cost.model import (IMPLS, SEARCHED, Layout, elementwise_bytes, gemm, layout_flags,
-                              parallel_fields)
+from refmp.cost.model import IMPLS, SEARCHED, Layout, elementwise_bytes, gemm, layout_flags, parallel_fields
 from refmp.cost.nodes import cluster
 from refmp.cost.search import search, table
 from refmp.errors import ConfigError

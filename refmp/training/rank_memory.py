@@ -47,8 +47,8 @@ def check_rank_limit(cfg, mcfg, sizes: dict, coords: dict, rank: int) -> None:
             f"--gpu-memory-gb {(limit - held) / 1e9:.3g} lists the candidates): use more ranks, "
             f"a larger --rank-memory, or a smaller model, batch or --block-size")
     raise ConfigError(
-        f"rank {rank} does not fit its memory limit of {cgroup.gib(limit)} (the kernel's "
-        f"cgroup {folder}, refmp cluster --rank-memory): the planner predicts a peak of "
+        f"rank {rank} does not fit its memory limit of {cgroup.gib(limit)} = {size(limit)} "
+        f"(the kernel's cgroup {folder}, refmp cluster --rank-memory): the planner predicts a peak of "
         f"{size(need)} for this layout (refmp.cost.memory, docs/memory.md), and the rank "
         f"holds {size(held)} already (Python, NumPy, MPI, the data): {size(need + held)}; "
         f"{hint}")
@@ -92,10 +92,10 @@ def measured(cfg, mcfg, sizes: dict, coords: dict) -> dict:
     return {**cgroup.peak(), "predicted": predicted_peak(cfg, mcfg, sizes, coords)}
 
 
-def print_measured(rows: list[dict]) -> None:
-    """The summary's lines: each rank's measured peak beside the prediction."""
-    print("measured peak memory per rank (ru_maxrss; the rank's cgroup) vs the planner's "
-          "prediction (refmp.cost.memory):")
+def print_measured(rows: list[dict], model: str = "refmp.cost.memory") -> None:
+    """The summary's lines: each rank's measured peak beside the prediction (by ``model``)."""
+    print(f"measured peak memory per rank (ru_maxrss; the rank's cgroup) vs the prediction "
+          f"({model}):")
     for r, m in enumerate(rows):
         under = (f", cgroup {size(m['cgroup'])} of {cgroup.gib(m['limit'])}"
                  if m.get("limit") else "")
