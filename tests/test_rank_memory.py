@@ -9,7 +9,8 @@ runtime baseline measured here (a rank of Python, NumPy, mpi4py and refmp's modu
 any model); one that does not fit is
 refused before any work, naming the prediction, the limit and a layout that fits; a rank made
 to exceed its limit (REFMP_FAULT_MODE=memory, past the check) ends the job with a message that
-names the rank and the limit; no cgroup is left behind.
+names the rank and the limit; no cgroup is left behind, and a cluster killed outright leaves
+its cgroups to the next one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,3 +197,22 @@ def test_a_rank_past_its_limit_ends_the_job_with_its_name_and_limit(runs):
     assert "done:" not in r.stdout
     ctl = cgroup.controller()
     assert [d for d in os.listdir(ctl.root) if d.startswith(cgroup.PREFIX)] == []
+
+
+@needs_limits
+def test_a_killed_run_leaves_its_cgroups_to_the_next_cluster(tmp_path):
+    p = subprocess.Popen([sys.executable, "-m", "refmp", "cluster", "--rank-memory", "100MiB",
+                          "--nodes", "1", "--", "sleep", "60"], cwd=REPO, env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ident = p.stdout.readline().split()[2].rstrip(":")  # "refmp cluster ID: ..."
+    rank0 = os.path.join(cgroup.controller().root, f"{cgroup.PREFIX}{ident}", "rank0")
+    deadline = time.time() + 30
+    while time.time() < deadline and not (os.path.isdir(rank0) and Path(
+            rank0, "cgroup.procs").read_text().split()):
+        time.sleep(0.05)  # until the rank is in its cgroup
+    p.kill()  # SIGKILL: nothing of the cluster's teardown runs
+    p.wait(timeout=30)
+    assert os.path.dirname(rank0) in netns.leftovers(ident)
+    assert ident in netns.clean()  # as every new cluster does first
+    assert netns.leftovers(ident) == [] and not os.path.exists(rank0)
+    p.stdout.close()
