@@ -29,10 +29,14 @@ from mpi_helpers import REPO, mpiexec
 
 from refmp.checkpoint.weights import save_model
 from refmp.cli import cluster, netns
+from refmp.cli.main import main
+from refmp.config import TrainConfig
 from refmp.cost.decode import decode_memory
+from refmp.cost.memory import size
 from refmp.errors import ConfigError
 from refmp.nn import GPT, GPTConfig
 from refmp.runtime import cgroup
+from refmp.training.rank_memory import predicted_peak
 
 pytestmark = pytest.mark.cli
 WHY = netns.unavailable() or cgroup.unavailable()
@@ -42,6 +46,9 @@ LIMIT = "250MiB"
 TOLERANCE = 0.10  # of the prediction, beside the baseline
 # 4 blocks of C 512 on bytes: 12.7M parameters, 51 MB in float32; AdamW's state 203 MB
 SHAPE = ["--n-layer", "4", "--n-embd", "512", "--n-head", "8", "--block-size", "32"]
+MODEL = GPTConfig(256, 32, 4, 8, 512)
+ONE = {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1}  # a layout's sizes
+ZERO = dict.fromkeys(ONE, 0)  # a rank's coordinates
 
 
 def test_sizes():
@@ -55,7 +62,7 @@ def test_sizes():
             cgroup.parse_size(bad)
 
 
-def test_bad_limits_are_refused_before_any_node(monkeypatch):
+def test_bad_limits_are_refused_before_any_node(monkeypatch, capsys):
     made = []
     monkeypatch.setattr(netns, "unavailable", lambda: None)
     monkeypatch.setattr(netns, "Cluster", lambda *a, **k: made.append(a))
@@ -77,10 +84,9 @@ def test_bad_limits_are_refused_before_any_node(monkeypatch):
     assert "--rank-memory 1GiB: a memory cgroup per rank needs root" in refused("1GiB")
     assert made == []
     # the command: one message, status 2 (here or without root: refused before any node)
-    r = subprocess.run([sys.executable, "-m", "refmp", "cluster", "--rank-memory", "0", "--",
-                        "true"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.count("error:") == 1, r.stderr
-    assert "--rank-memory '0': a memory size must be positive" in r.stderr
+    assert main(["cluster", "--rank-memory", "0", "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--rank-memory '0': a memory size must be positive" in err
 
 
 def launch(folder: str, *args: str, env: dict = ENV, json_file: str | None = None):
@@ -115,7 +121,7 @@ def runs(tmp_path_factory):
     rng = np.random.default_rng(0)
     with open(text, "wb") as f:
         f.write(bytes(rng.integers(97, 123, 20000).astype(np.uint8)))
-    m = GPT.create(GPTConfig(256, 32, 4, 8, 512), 0, "float32")
+    m = GPT.create(MODEL, 0, "float32")
     save_model(os.path.join(d, "m.safetensors"), m.params, m.cfg, "bytes")
     base = mpiexec(2, [sys.executable, "-c", BASELINE], env={"UCX_TLS": "tcp,self"})
     assert base.returncode == 0, base.stderr
@@ -154,7 +160,12 @@ def test_a_layout_that_fits_runs_within_its_limit_on_two_nodes(runs):
     assert len(rows) == 2 and all(m["limit"] == limit for m in rows)
     assert all(0 < m["cgroup"] <= limit and m["rss"] <= limit for m in rows), rows
     assert within(rows, runs["baseline"]) == [], (runs["baseline"], rows)
-    assert "measured peak memory per rank" in r.stdout and "predicted 154 MB" in r.stdout
+    cfg = TrainConfig(pp=2, microbatches=2, batch_size=4, block_size=32, n_layer=4, n_embd=512,
+                      n_head=8)
+    for pp, m in enumerate(rows):  # the planner's figure for each stage
+        assert m["predicted"] == predicted_peak(cfg, MODEL, {**ONE, "pp": 2}, {**ZERO, "pp": pp})
+    assert "measured peak memory per rank" in r.stdout
+    assert f"predicted {size(rows[0]['predicted'])}" in r.stdout
     with open(os.path.join(runs["dir"], "cluster.json")) as f:
         kept = json.load(f)["rank_memory"]
     assert kept["limit"] == limit and kept["oom_kills"] == [0, 0]
@@ -167,10 +178,8 @@ def test_decoding_reports_its_measured_peak_beside_the_prediction(runs):
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("{")))
     rows = out["memory_measured"]
-    mcfg = GPTConfig(256, 32, 4, 8, 512)
-    sizes = {"pp": 1, "dp": 1, "cp": 1, "tp": 2, "ep": 1}
     for t, m in enumerate(rows):  # 8 prompt tokens and 7 more run through the model
-        want = decode_memory(mcfg, sizes, {**dict.fromkeys(sizes, 0), "tp": t}, 1, 15)
+        want = decode_memory(MODEL, {**ONE, "tp": 2}, {**ZERO, "tp": t}, 1, 15)
         assert m["predicted"] == want["peak"] and m["limit"] == cgroup.parse_size(LIMIT)
     assert within(rows, runs["baseline"]) == [], (runs["baseline"], rows)
 
@@ -182,7 +191,9 @@ def test_a_layout_that_does_not_fit_is_refused_before_any_work(runs):
     err = r.stderr
     assert err.count("error:") == 1, err  # one message, for every rank
     assert "does not fit its memory limit of 250 MiB = 262 MB" in err, err
-    assert "the planner predicts a peak of 255 MB for this layout" in err, err
+    cfg = TrainConfig(dp=2, batch_size=4, block_size=32, n_layer=4, n_embd=512, n_head=8)
+    need = predicted_peak(cfg, MODEL, {**ONE, "dp": 2}, ZERO)
+    assert f"the planner predicts a peak of {size(need)} for this layout" in err, err
     assert "a layout of these 2 ranks that fits: --tp 1 --pp 1 --dp 2 --zero" in err, err
     assert "step" not in r.stdout  # no step ran
 
