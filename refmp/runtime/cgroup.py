@@ -95,12 +95,22 @@ def controller() -> Controller | None:
 
 
 def unavailable() -> str | None:
-    """Why ranks cannot be given a memory size here (None: they can)."""
+    """Why ranks cannot be given a memory size here (None: they can): root, a memory
+    controller, and a limited cgroup made and removed there."""
     if os.geteuid() != 0:
         return "a memory cgroup per rank needs root"
-    if controller() is None:
+    ctl = controller()
+    if ctl is None:
         return (f"no kernel memory controller: neither {V1} (cgroup v1) nor the memory "
                 f"controller in {V2}/cgroup.controllers (cgroup v2)")
+    probe = RankGroups(f"probe-{os.getpid()}", 1, 1 << 30, ctl)
+    try:
+        probe.make()
+    except OSError as e:
+        return f"cannot make a memory cgroup in {ctl.root}: {e.strerror or e}"
+    finally:
+        with contextlib.suppress(OSError):
+            probe.remove()
     return None
 
 
