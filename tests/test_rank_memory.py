@@ -106,8 +106,9 @@ from mpi4py import MPI
 import refmp.cli.main, refmp.cli.train, refmp.cli.generate, refmp.training.trainer
 import refmp.inference.decoder, refmp.inference.generate, refmp.inference.sources
 import refmp.checkpoint.weights, safetensors.numpy
-MPI.COMM_WORLD.Barrier()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+peaks = MPI.COMM_WORLD.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+if peaks:  # rank 0 alone prints (two ranks' lines could interleave)
+    print(max(peaks))
 """
 
 
@@ -131,7 +132,7 @@ def runs(tmp_path_factory):
     one = ["--nodes", "1", "--ranks-per-node", "2"]
     fault = {**ENV, "REFMP_FAULT_RANK": "1", "REFMP_FAULT_STEP": "0",
              "REFMP_FAULT_MODE": "memory"}
-    return {"dir": d, "baseline": max(int(x) for x in base.stdout.split()),
+    return {"dir": d, "baseline": int(base.stdout),
             "fits": launch(d, *two, *train, "--pp", "2", "--microbatches", "2", "--log-json",
                            os.path.join(d, "fits.jsonl"),
                            json_file=os.path.join(d, "cluster.json")),
