@@ -311,7 +311,8 @@ def test_the_ssh_launcher_is_refused_without_sshd_before_any_node(monkeypatch):
     monkeypatch.setattr(netns, "Cluster", lambda *a, **k: made.append(a))
     monkeypatch.setattr(netns_ssh, "sshd_path", lambda: None)
     args = argparse.Namespace(clean=False, program=["--", "true"], nodes=2, ranks_per_node=1,
-                              link_gbit=None, share=[], launcher="ssh", json=None)
+                              link_gbit=None, share=[], launcher="ssh", json=None,
+                              rank_memory=None)
     with pytest.raises(ConfigError, match="--launcher ssh: no OpenSSH server .* openssh-server"):
         cluster.run_cluster(args)
     assert made == []

@@ -7,6 +7,9 @@ its link; and the teardown, always (also on failure and Ctrl-C).
 
 Ranks are placed in blocks, 0..G-1 on node0, G..2G-1 on node1, ...: with Megatron's rank
 order (tp fastest), tp stays inside a node and dp goes between nodes (docs/nodes.md).
+``--rank-memory 4GiB`` runs each rank inside a kernel memory cgroup of that size
+(refmp.runtime.cgroup): a rank past it is killed by the kernel, and the job ends with a
+message that names the rank and its limit.
 ``--launcher ssh`` starts an OpenSSH server in each node and launches over ssh, as on a real
 cluster (refmp.cli.netns_ssh).
 """
@@ -46,6 +49,9 @@ def add_parser(sub) -> None:
                         "enters a node's namespaces (Hydra's -bootstrap-exec; the default), "
                         "or ssh, an OpenSSH server in each node with throwaway keys (Hydra's "
                         "-launcher ssh, as on a real cluster; needs openssh-server)")
+    p.add_argument("--rank-memory", default=None, metavar="SIZE",
+                   help="each rank's memory, a hard limit the kernel enforces (a memory "
+                        "cgroup a rank), e.g. 4GiB, 512MiB, 1.5G; default: none")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write the nodes and their link counters to FILE")
     p.add_argument("--clean", action="store_true",
@@ -76,6 +82,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         if not os.path.isdir(real) or not (real == "/tmp" or real.startswith("/tmp/")):
             raise ConfigError(f"--share {d}: not a directory under /tmp (outside /tmp every "
                               f"node already sees the host's files)")
+    rank_memory = check_rank_memory(args.rank_memory, args.nodes * args.ranks_per_node)
     why = netns.unavailable()
     if why:
         raise ConfigError(f"cannot make a cluster here: {why}")
@@ -87,21 +94,47 @@ def run_cluster(args: argparse.Namespace) -> int:
             raise ConfigError(f"--launcher ssh: {why}")
     signal.signal(signal.SIGTERM, _interrupt)  # while the nodes are made or removed
     try:
-        return _run(args, program)
+        return _run(args, program, rank_memory)
     except KeyboardInterrupt:  # during set-up or teardown: the with block removed the nodes
         print("refmp cluster: interrupted; the nodes are removed", file=sys.stderr, flush=True)
         return 130
+
+
+def check_rank_memory(text: str | None, ranks: int) -> int | None:
+    """--rank-memory in bytes (None without it), or one ConfigError that says what is wrong:
+    not a size, not positive, more than the machine has, or no memory cgroups here."""
+    from refmp.runtime import cgroup
+
+    if text is None:
+        return None
+    try:
+        limit = cgroup.parse_size(text)
+    except ValueError as e:
+        raise ConfigError(f"--rank-memory {e}") from None
+    machine = cgroup.machine_bytes()
+    if limit > machine:
+        raise ConfigError(f"--rank-memory {text} ({cgroup.gib(limit)}) is more than this "
+                          f"machine's memory, {cgroup.gib(machine)}")
+    why = cgroup.unavailable()
+    if why:
+        raise ConfigError(f"--rank-memory {text}: {why}")
+    if limit * ranks > machine:  # a limit each, not a promise of memory: the ranks may fit
+        print(f"refmp cluster: warning: {ranks} ranks of {cgroup.gib(limit)} are "
+              f"{cgroup.gib(limit * ranks)}, more than this machine's {cgroup.gib(machine)}",
+              file=sys.stderr, flush=True)
+    return limit
 
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _run(args: argparse.Namespace, program: list[str]) -> int:
+def _run(args: argparse.Namespace, program: list[str], rank_memory: int | None) -> int:
     from refmp.cli import netns
 
     stop = _Stop()
-    with netns.Cluster(args.nodes, args.link_gbit, tuple(args.share)) as c:
+    with netns.Cluster(args.nodes, args.link_gbit, tuple(args.share), rank_memory,
+                       args.ranks_per_node) as c:
         link = f"{args.link_gbit:g} Gbit/s each way (tbf)" if args.link_gbit else "not shaped"
         print(f"refmp cluster {c.id}: {args.nodes} node(s) on bridge {c.bridge}, "
               f"{args.ranks_per_node} rank(s) each, links {link}: "
@@ -111,6 +144,9 @@ def _run(args: argparse.Namespace, program: list[str]) -> int:
             if args.launcher == "ssh":
                 print(f"refmp cluster {c.id}: sshd on each node; {shlex.join(cmd)}", flush=True)
             status = stop.wait(subprocess.Popen(cmd))
+        memory = None
+        if c.groups is not None:  # each rank's peak, and which ranks the kernel killed
+            memory, status = _rank_memory(c.groups, args.rank_memory, status)
         counters = c.counters()
         for host, k in counters.items():
             print(f"refmp cluster: {host} sent {k['sent']:,} B and received "
@@ -120,8 +156,30 @@ def _run(args: argparse.Namespace, program: list[str]) -> int:
                 json.dump({"id": c.id, "link_gbit": args.link_gbit,
                            "ranks_per_node": args.ranks_per_node,
                            "nodes": {n.hostname: {"ip": n.ip, **counters[n.hostname]}
-                                     for n in c.nodes}, "status": status}, f, indent=1)
+                                     for n in c.nodes}, "status": status,
+                           "rank_memory": memory}, f, indent=1)
     return status
+
+
+def _rank_memory(groups, given: str, status: int) -> tuple[dict, int]:
+    """Print each rank's peak against its limit and name the ranks the kernel killed at
+    their limit (mpiexec saw signal 9 and ended the job); their record for --json, and the
+    status (never 0 when a rank was killed)."""
+    from refmp.runtime.cgroup import gib
+
+    peaks = [groups.peak(r) for r in range(groups.ranks)]
+    kills = [groups.oom_kills(r) for r in range(groups.ranks)]
+    print(f"refmp cluster: peak memory per rank (kernel cgroup, limit {gib(groups.limit)}): "
+          + ", ".join(f"rank {r} {gib(p) if p is not None else '?'}"
+                      for r, p in enumerate(peaks)), flush=True)
+    killed = [r for r, k in enumerate(kills) if k]
+    for r in killed:
+        print(f"refmp cluster: rank {r} was killed by the kernel: it reached its memory limit "
+              f"of {gib(groups.limit)} (--rank-memory {given}); the job ended with it "
+              f"(exit status {status})", file=sys.stderr, flush=True)
+    if killed and status == 0:
+        status = 128 + signal.SIGKILL
+    return {"limit": groups.limit, "peak": peaks, "oom_kills": kills}, status
 
 
 def _launcher(name: str, cluster):

@@ -105,12 +105,14 @@ def check_fits(args: argparse.Namespace, mcfg, sizes: dict, prompts: list) -> No
 def run_generate(args: argparse.Namespace) -> dict | None:
     """The command (collective over the world); the summary on world rank 0."""
 
+    from refmp.cost.decode import decode_memory
     from refmp.distributed.faults import agreed
     from refmp.distributed.grid import ProcessGrid
     from refmp.inference.decoder import Decoder
     from refmp.inference.generate import generate
     from refmp.inference.sampling import Sampler
     from refmp.inference.sources import load_weights, read_prompts
+    from refmp.runtime.cgroup import peak
 
     grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     world = grid.world
@@ -141,6 +143,10 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     holder = dec.last and grid.coords["tp"] == 0 and grid.coords["cp"] == 0
     got = world.allgather_obj((ids, res.tokens, res.logits) if holder else None)
     kv = world.allgather_obj(res.kv_cache_bytes)
+    # each rank's measured peak beside the prediction (refmp.cost.decode)
+    pred = decode_memory(mcfg, grid.sizes, grid.coords, len(ids), len(prompts[0]) + args.max_new_tokens
+                         - 1, np.dtype(args.dtype).itemsize, params["wte.weight"].itemsize)
+    peaks = world.allgather_obj({**peak(), "predicted": pred["peak"]})
     prefill_s, decode_s = world.allreduce_metrics([res.prefill_s, res.decode_s], op="max")
     if world.rank != 0:
         return None
@@ -149,7 +155,7 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     logits = np.concatenate([g[2] for g in parts])
     summary = {"tokens_per_s": tokens.shape[0] * args.max_new_tokens / (prefill_s + decode_s),
                "prefill_s": prefill_s, "decode_s": decode_s, "kv_cache_bytes": kv,
-               "layout": grid.sizes, "kv_cache": args.kv_cache,
+               "layout": grid.sizes, "kv_cache": args.kv_cache, "memory_measured": peaks,
                "new_tokens": tokens[:, -args.max_new_tokens:].tolist()}
     report(args, tokens, logits, tok, summary)
     return summary
@@ -176,6 +182,9 @@ def report(args, tokens, logits, tok, summary: dict) -> None:
     print(f"{summary['tokens_per_s']:,.0f} new tokens/s (prefill {summary['prefill_s']:.3f} s, "
           f"decode {summary['decode_s']:.3f} s); KV cache bytes per rank "
           f"{summary['kv_cache_bytes']}", flush=True)
+    from refmp.training.rank_memory import print_measured
+
+    print_measured(summary["memory_measured"], "refmp.cost.decode")
 
 
 def run_requests(args, grid, mcfg, params: dict, tok, sampler) -> dict | None:

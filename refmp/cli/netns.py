@@ -20,6 +20,10 @@ would move their data through shared memory, past the veth (``UCX_TLS=tcp,self``
 counters say what crossed: check them. ``refmp cluster --launcher ssh`` launches over ssh
 instead, to an sshd in each node (refmp.cli.netns_ssh).
 
+With ``rank_memory`` each rank also runs inside a kernel memory cgroup of that size
+(refmp.runtime.cgroup: made in :meth:`Cluster.up`, the hierarchy mounted in each node, whose
+fresh /sys has none; refmp.runtime.rank_launch puts each rank into its own).
+
 Teardown always runs (:meth:`Cluster.down`: leaving the ``with`` block, an exception,
 Ctrl-C); a run killed outright leaves its nodes to the next cluster (:func:`clean`: those
 whose owner process is gone) or to ``refmp cluster --clean``. Names are unique per run.
@@ -41,6 +45,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from refmp.runtime import cgroup
 
 STATE = "refmp-cluster-"  # the state directory's prefix, in the host's temporary directory
 NETNS = "refmp-"  # a node's namespace: refmp-<id>-node<i>
@@ -101,7 +107,8 @@ class Cluster:
     ``with Cluster(2, 1.0) as c: subprocess.run(c.mpiexec(2, ["python", "x.py"]))``.
     """
 
-    def __init__(self, nodes: int, link_gbit: float | None = None, share: tuple = ()):
+    def __init__(self, nodes: int, link_gbit: float | None = None, share: tuple = (),
+                 rank_memory: int | None = None, ranks_per_node: int = 1):
         if nodes < 1:
             raise ValueError(f"a cluster needs at least one node, not {nodes}")
         if link_gbit is not None and not link_gbit > 0:
@@ -115,6 +122,10 @@ class Cluster:
         self.subnet = ""
         self.nodes: list[Node] = []
         self.n = nodes
+        # a memory cgroup of rank_memory bytes for each rank (made in up())
+        self.groups = (cgroup.RankGroups(self.id, nodes * ranks_per_node, rank_memory)
+                       if rank_memory is not None else None)
+        self.cgroups = ""  # their directory, once made (recorded: clean() removes it)
 
     @classmethod
     def recorded(cls, state: dict, folder: str) -> Cluster:
@@ -124,6 +135,7 @@ class Cluster:
         c.bridge = state["bridge"]
         c.dir = folder
         c.nodes = [Node(**n) for n in state["nodes"]]
+        c.cgroups = state.get("cgroups", "")
         return c
 
     # --- up and down -------------------------------------------------------------------------
@@ -159,6 +171,10 @@ class Cluster:
         finally:
             os.close(lock)
         run("ip", "link", "set", self.bridge, "up")
+        if self.groups is not None:
+            self.cgroups = self.groups.dir
+            self._save()
+            self.groups.make()
         for i in range(self.n):
             node = Node(f"node{i}", f"{NETNS}{self.id}-node{i}", f"{self.subnet}.{i + 1}",
                         f"{LINK}{self.id}v{i}", os.path.join(self.dir, f"node{i}-tmp"))
@@ -190,6 +206,8 @@ class Cluster:
             run("ip", "netns", "del", node.netns, check=False)
             run("ip", "link", "del", node.veth, check=False)  # if its namespace never came
         run("ip", "link", "del", self.bridge, check=False)
+        if self.cgroups:  # the ranks' memory cgroups (their processes ended first)
+            cgroup.remove_tree(self.cgroups)
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
         left = leftovers(self.id)
@@ -200,7 +218,7 @@ class Cluster:
         """The state directory's record: who owns the cluster, and its names (for clean())."""
         with open(os.path.join(self.dir, "cluster.json"), "w") as f:
             json.dump({"id": self.id, "pid": os.getpid(), "bridge": self.bridge,
-                       "nodes": [vars(n) for n in self.nodes]}, f)
+                       "nodes": [vars(n) for n in self.nodes], "cgroups": self.cgroups}, f)
 
     # --- running on it ----------------------------------------------------------------------
 
@@ -216,7 +234,8 @@ class Cluster:
                     inner = node.tmp + s[len("/tmp"):]
                     binds += [f"mkdir -p {shlex.quote(inner)}",
                               f"mount --bind {shlex.quote(s)} {shlex.quote(inner)}"]
-            setup = "; ".join([f"hostname {node.hostname}", *binds,
+            mount = self.groups.ctl.mount() if self.groups is not None else []
+            setup = "; ".join([f"hostname {node.hostname}", *binds, *mount,
                                f"mount --rbind {shlex.quote(node.tmp)} /tmp", 'exec sh -c "$0"'])
             cases.append(f"  {node.ip}) exec ip netns exec {node.netns} unshare --uts --mount "
                          f"--propagation private sh -c {shlex.quote(setup)} \"$*\" ;;")
@@ -242,7 +261,15 @@ class Cluster:
         return ["mpiexec", "-iface", self.bridge, "-bootstrap-exec", self.bootstrap,
                 "-hosts", ",".join(n.ip for n in self.nodes), "-ppn", str(ranks_per_node),
                 "-n", str(ranks_per_node * len(self.nodes)),
-                "-genv", "UCX_TLS", "tcp,self", *program]
+                "-genv", "UCX_TLS", "tcp,self", *self.rank_program(program)]
+
+    def rank_program(self, program: list[str]) -> list[str]:
+        """What mpiexec starts for each rank: ``program``, with --rank-memory first put into
+        the rank's memory cgroup (refmp.runtime.rank_launch)."""
+        if self.groups is None:
+            return list(program)
+        return [sys.executable, "-m", "refmp.runtime.rank_launch", self.groups.dir, "--",
+                *program]
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Bytes each node sent and received over its link so far (its veth's counters, read
@@ -295,6 +322,9 @@ def leftovers(cluster_id: str) -> list[str]:
     names += [ln.split(":")[1].strip().split("@")[0] for ln in links
               if f" {LINK}{cluster_id}" in ln]
     names += [str(p) for p in Path(tempfile.gettempdir()).glob(f"{STATE}{cluster_id}-*")]
+    ctl = cgroup.controller()
+    if ctl is not None and os.path.isdir(os.path.join(ctl.root, f"{cgroup.PREFIX}{cluster_id}")):
+        names.append(os.path.join(ctl.root, f"{cgroup.PREFIX}{cluster_id}"))
     return names
 
 

@@ -186,7 +186,7 @@ class SshLaunch:
         return ["mpiexec", "-hosts", ",".join(n.hostname for n in c.nodes),
                 "-ppn", str(ranks_per_node), "-n", str(ranks_per_node * len(c.nodes)),
                 "-iface", c.bridge, "-launcher", "ssh", "-launcher-exec", self.path("ssh"),
-                "-genv", "UCX_TLS", "tcp,self", *program]
+                "-genv", "UCX_TLS", "tcp,self", *c.rank_program(program)]
 
     def down(self) -> None:
         """Stop every sshd (SIGTERM, SIGKILL after 2 s) and remove the keys; raise if a

@@ -17,7 +17,7 @@ import numpy as np
 from refmp.config import TrainConfig, flag_name
 from refmp.cost.machines import MACHINES, MODELS, Machine
 from refmp.cost.memory import size
-from refmp.cost.model import IMPLS, SEARCHED, Layout, elementwise_bytes, gemm, parallel_fields
+from refmp.cost.model import IMPLS, SEARCHED, Layout, elementwise_bytes, gemm, layout_flags, parallel_fields
 from refmp.cost.nodes import cluster
 from refmp.cost.search import search, table
 from refmp.errors import ConfigError
@@ -307,12 +307,7 @@ def stage_layers_auto(cfg: TrainConfig, comm, dataset=None) -> TrainConfig:
 
 def describe_train(best: dict, ranks: int) -> str:
     """The line refmp train --layout auto prints: the layout as train flags, the prediction."""
-    flags = ""
-    for k in SEARCHED:  # a switch when on; cp_algo only with cp
-        if isinstance(best[k], bool):
-            flags += f" {flag_name(k)}" * best[k]
-        elif k != "cp_algo" or best["cp"] > 1:
-            flags += f" {flag_name(k)} {best[k]}"
+    flags = layout_flags(best)
     mem = sum(best["memory_bytes"].values())
     return (f"refmp train: --layout auto on {ranks} ranks (refmp plan --machine cpu) chose "
-            f"{flags.strip()}: predicted {1e3 * best['step_seconds']:.3g} ms/step, {size(mem)} per rank")
+            f"{flags}: predicted {1e3 * best['step_seconds']:.3g} ms/step, {size(mem)} per rank")

@@ -28,6 +28,7 @@ from refmp.errors import ConfigError, TrainingError
 from refmp.parallel.data.hpz import block_notes
 from refmp.training.checks import moe_flags
 from refmp.training.evaluate import evaluate
+from refmp.training.rank_memory import measured, print_measured
 from refmp.training.trainer import TrainConfig, Trainer
 
 
@@ -145,12 +146,14 @@ def run(cfg: TrainConfig) -> dict:
         elif rank0:
             save_model(cfg.save, full, tr.model.cfg, tr.ds.vocab)
         tr.grid.world.barrier()
+    # each rank's measured peak (after the run, the evaluation and --save) and the prediction
+    peaks = tr.grid.world.allgather_obj(measured(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords))
     summary = {
         "summary": True, "steps": cfg.steps, "start_step": start, "final_loss": rec.get("loss"),
         "tokens_per_s": (cfg.steps - start) * cfg.batch_size * tr.T / max(seconds, 1e-9),
         "seconds": seconds,
         "accuracy": None if score is None else score[0] / max(1, score[1]),
-        "comm": tr.grid.ledger.as_dict(), "memory_per_rank": memory,
+        "comm": tr.grid.ledger.as_dict(), "memory_per_rank": memory, "memory_measured": peaks,
         "layout": tr.grid.sizes, "device": tr.device_info, "config": asdict(cfg),
     }
     if "moe" in rec:
@@ -260,6 +263,7 @@ def _print_summary(s: dict, score) -> None:
     for key, v in s["comm"].items():
         print(f"  {key:<32} {v['bytes']:>14,} B  {v['count']:>6} calls")
     print_memory(s["memory_per_rank"])
+    print_measured(s["memory_measured"])
 
 
 def print_memory(rows: list[dict]) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import Field, dataclass, field, fields, make_dataclass
 from functools import cache, partial
 
-from refmp.config import ParallelConfig, TrainConfig
+from refmp.config import ParallelConfig, TrainConfig, flag_name
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
 from refmp.cost.machines import Machine
 from refmp.cost.tensor import comm_bytes_per_step
@@ -65,6 +65,22 @@ def parallel_fields(lay: dict, batch: int) -> dict:
     search): the searched ones, with M = B / (dp b) micro-batches."""
     chosen = {k: lay[k] for k in SEARCHED if k != "microbatches"}
     return {**chosen, "microbatches": batch // (lay["dp"] * lay["microbatch_size"])}
+
+
+def layout_flags(lay: dict, short: bool = False) -> str:
+    """A planned layout (a Layout's fields, or a row of the search) as refmp train's flags:
+    a switch when on; --cp-algo only with cp. ``short``: tp, pp, dp and the flags whose value
+    is not refmp train's default."""
+    default = {f.name: f.default for f in fields(ParallelConfig)}
+    flags = []
+    for k in SEARCHED:
+        if short and k not in ("tp", "pp", "dp") and lay[k] == default[k]:
+            continue
+        if isinstance(lay[k], bool):
+            flags += [flag_name(k)] * lay[k]
+        elif k != "cp_algo" or lay["cp"] > 1:
+            flags.append(f"{flag_name(k)} {lay[k]}")
+    return " ".join(flags)
 
 
 @cache

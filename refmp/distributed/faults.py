@@ -129,7 +129,9 @@ def inject_fault(rank: int, step: int, comm=None) -> None:
     """Testing hook: REFMP_FAULT_RANK=r REFMP_FAULT_STEP=s make rank r fail before step s, as
     REFMP_FAULT_MODE says: ``raise`` (default) a RuntimeError; ``hang``: sleep forever,
     outside MPI; ``recv``: receive, on ``comm``, a message its next rank never sends;
-    ``mpi``: an MPI call that MPI refuses (a receive from rank ``comm.size``: MPI.Exception)."""
+    ``mpi``: an MPI call that MPI refuses (a receive from rank ``comm.size``: MPI.Exception);
+    ``memory``: touch as many bytes as the rank's memory limit (refmp cluster --rank-memory),
+    for the kernel to kill it (refused without a limit: it would fill the machine)."""
     want = os.environ.get("REFMP_FAULT_RANK"), os.environ.get("REFMP_FAULT_STEP")
     if want[0] is None or int(want[0]) != rank or int(want[1] or 0) != step:
         return
@@ -141,6 +143,16 @@ def inject_fault(rank: int, step: int, comm=None) -> None:
         import numpy as np  # noqa: PLC0415
 
         comm.recv((1,), np.float32, (comm.rank + 1) % comm.size, STUCK_TAG)
+    if mode == "memory":
+        from refmp.runtime.cgroup import rank_limit  # noqa: PLC0415
+
+        limit = rank_limit()
+        if limit is None:
+            raise RuntimeError("REFMP_FAULT_MODE=memory needs a rank with a memory limit")
+        import numpy as np  # noqa: PLC0415
+
+        held = [np.ones(1 << 23) for _ in range(limit[0] // (8 << 23) + 1)]  # 64 MiB each
+        raise RuntimeError(f"rank {rank} touched {len(held) * 64} MiB and was not killed")
     if mode == "mpi":
         comm.mpi.Irecv(bytearray(8), source=comm.size)  # no such rank: MPI raises
     raise RuntimeError(f"injected fault on rank {rank} at step {step} (REFMP_FAULT_RANK)")

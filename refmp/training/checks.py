@@ -26,6 +26,7 @@ from refmp.errors import ConfigError
 from refmp.nn import GPTConfig
 from refmp.parallel.layout import check_layout
 from refmp.training.datasets import AdditionTask, Dataset, load_tokens
+from refmp.training.rank_memory import check_rank_limit
 
 
 def validate(cfg: TrainConfig, grid: ProcessGrid,
@@ -173,6 +174,8 @@ def check_memory(cfg, mcfg, grid) -> None:
     finally:
         share.Free()
         node.Free()
+    # a rank with a memory size (refmp cluster --rank-memory): its own limit first
+    check_rank_limit(cfg, mcfg, grid.sizes, grid.coords, grid.rank)
     free, source = available_memory(cfg.device)
     if total > free:
         kept = ("params", "grads", "optimizer") + (("error_feedback",) if mem["error_feedback"] else ())
