@@ -6,11 +6,13 @@ The model's blocks are cut into one stage per rank. Part 1 runs a 1F1B pipeline 
 each rank holds its blocks (and the embedding on the first stage, the tied head on the
 last), runs the serial model's pieces (refmp.nn.gpt) on micro-batches in the order its 1F1B
 action list gives, and sends activations forward and gradients back itself; the gradients
-must equal the serial model's. A schedule is a plain list of actions per rank (F: forward of
-a micro-batch, B: its backward, W: a deferred weight gradient); part 2 prints the lists and
-the timelines the simulator draws from them without MPI. Part 3 trains a few steps with every
-schedule through the engine (what `refmp train --pp` runs), which executes the very same
-lists, and compares the weights with the serial run. Exits non-zero on a mismatch.
+must equal the serial model's; part 1b runs the same list through the library's Stage and
+Executor (the core's pipeline files), which must give the same gradients bit for bit. A
+schedule is a plain list of actions per rank (F: forward of a micro-batch, B: its backward,
+W: a deferred weight gradient); part 2 prints the lists and the timelines the simulator draws
+from them without MPI. Part 3 trains a few steps with every schedule through the engine (what
+`refmp train --pp` runs), which executes the very same lists, and compares the weights with
+the serial run. Exits non-zero on a mismatch.
 """
 
 import dataclasses
@@ -24,10 +26,13 @@ from refmp.distributed.grid import ProcessGrid
 from refmp.distributed.waiting import wait, wait_all
 from refmp.nn import gpt
 from refmp.parallel.data.accumulate import split_microbatches
+from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.pipeline.catalog import schedule
+from refmp.parallel.pipeline.executor import Executor
 from refmp.parallel.pipeline.schedules import one_f_one_b
 from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
-from refmp.parallel.placement import holds
+from refmp.parallel.pipeline.stage import Stage
+from refmp.parallel.placement import holds, units_of
 from refmp.training.datasets import AdditionTask, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -112,6 +117,32 @@ say(f"1. by hand: pp = {pp}, {M} micro-batches of {B // M} rows; rank 0's 1F1B a
 say(f"   largest |gradient - serial| over every stage: {err:.1e}; rank 0 sent "
     f"{pipe.ledger.bytes('send', 'pp'):,} bytes (M b T C 8 of activations, V C 8 of wte)")
 ok_hand = err < 1e-12
+
+# --- 1b. the same 1F1B with the core's Stage and Executor -----------------------------------
+# Stage (refmp.parallel.pipeline.stage) is forward() and backward() above, for any chunks;
+# Executor (.executor) is the loop above: it walks the same action list and posts the same
+# sends and receives. The Stage takes its weights unit by unit from a Sharder (one rank per
+# group here: plain weights, no data parallelism), which also holds the gradients.
+grid = ProcessGrid(world, pp=pp)
+local = {k: v.copy() for k, v in full.items() if holds(k, mine, first, last)}
+units = units_of(local)
+sharder = Sharder(local, units, {u: grid.group("dp", "cp") for u in units}, 0)
+core = Stage({rank: mine}, pp, mcfg, ops, sharder)  # chunk r: my two blocks
+Executor(core, grid.comm["pp"], np.float64).step(actions, [mb[0] for mb in mbs],
+                                                 [mb[1] for mb in mbs], denom=B * T, m=M)
+sharder.finish()  # the gradients, complete (no sums over dp here)
+mine_g = sharder.full_local(grads=True)
+if first != last:  # the tied wte's two shares, added as in part 1
+    other = pp - 1 if first else 0
+    req = grid.comm["pp"].send(mine_g["wte.weight"], other, tag=M)
+    there = grid.comm["pp"].recv(full["wte.weight"].shape, np.float64, other, tag=M)
+    wait(req)
+    mine_g["wte.weight"] += there
+same = all(np.array_equal(mine_g[k], stage.grads[k]) for k in local)  # bitwise, as by hand
+same = bool(pipe.allreduce_scalar(float(not same), op="max") == 0)
+verdict = "bitwise equal to" if same else "DIFFER from"
+say(f"   the same with Stage and Executor: gradients {verdict} part 1's")
+ok_hand = ok_hand and same
 
 # --- 2. schedules are data ------------------------------------------------------------------
 for name in ("gpipe", "1f1b", "zb-h1", "zb-v"):  # zb-v: two chunks per rank, in a V
