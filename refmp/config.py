@@ -8,7 +8,7 @@ format: ``%(default)s`` is the field's default), group, type, choices and, for t
 ``refmp plan`` searches, ``plan``. refmp.cli makes the layout flags of ``refmp train``,
 ``bench`` and ``plan`` from them; refmp.cost.model the planner's Layout.
 
-refmp.training.trainer runs the step; refmp.parallel.layout checks the layout;
+refmp.training.trainer runs the step; refmp.parallel.rules checks the layout;
 refmp.distributed.faults the output paths; refmp.training.checks the memory it will need.
 """
 
@@ -123,7 +123,7 @@ class ParallelConfig:
     quant_block: int = flag(256, "--weight-gather int8: elements per scale (%(default)s)", COMPRESS,
                             plan={})
 
-    def layout(self, sizes: dict[str, int] | None = None) -> dict:
+    def as_dict(self, sizes: dict[str, int] | None = None) -> dict:
         """The layout's fields, the axis sizes as a grid resolved them (``sizes``: dp filled
         in), as one dict (the JSON of refmp bench and of a checkpoint's manifest)."""
         return {**{f.name: getattr(self, f.name) for f in fields(ParallelConfig)}, **(sizes or {})}
@@ -207,7 +207,7 @@ class TrainConfig(ParallelConfig):
     @property
     def parallel(self) -> ParallelConfig:
         """This run's layout."""
-        return ParallelConfig(**self.layout())
+        return ParallelConfig(**self.as_dict())
 
 
 

@@ -36,7 +36,7 @@ from refmp.parallel.data import compress
 from refmp.parallel.data.accumulate import dp_rows
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.data.zero import Unit
-from refmp.parallel.layout import check_compression
+from refmp.parallel.rules import check_compression
 from refmp.runtime.precision import BF16
 from refmp.training.datasets import Dataset, get_batch
 from refmp.training.optim import clip_grads

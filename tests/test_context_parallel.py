@@ -26,7 +26,7 @@ from refmp.distributed.grid import ProcessGrid
 from refmp.distributed.ledger import Ledger
 from refmp.nn import layers as L
 from refmp.nn.gpt import GPT
-from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.placement import place
@@ -76,7 +76,7 @@ def test_attention_layer_equals_serial(algo, balance, heads_per, HS, B, c, seed)
     y_ref, cache_ref = L.attention_forward(qkv, NH)
     dqkv_ref = L.attention_backward(dout, cache_ref)
 
-    layout = ChunkLayout(T, cp, balance)
+    layout = SequenceChunks(T, cp, balance)
     mine = layout.positions(r)  # includes every chunk border: chunks are c long
     attn = (RingAttention if algo == "ring" else UlyssesAttention)(comm, layout)
     y, cache = attn.forward(qkv[:, mine], NH)

@@ -12,7 +12,7 @@ from refmp.cost.flops import ring_attention_flops
 from refmp.errors import ConfigError
 from refmp.nn import blockwise as BW
 from refmp.nn import layers as L
-from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.chunks import SequenceChunks
 
 pytestmark = pytest.mark.nn
 
@@ -72,7 +72,7 @@ def test_lse_is_the_row_log_sum_exp():
        balance=st.sampled_from(["zigzag", "contiguous"]))
 def test_layout_partitions_the_sequence(T_per, cp, balance):
     n = 2 * cp if balance == "zigzag" else cp
-    lay = ChunkLayout(n * T_per, cp, balance)
+    lay = SequenceChunks(n * T_per, cp, balance)
     pos = np.concatenate([lay.positions(r) for r in range(cp)])
     assert sorted(pos) == list(range(n * T_per))
     assert all(len(lay.positions(r)) == n * T_per // cp for r in range(cp))
@@ -81,30 +81,30 @@ def test_layout_partitions_the_sequence(T_per, cp, balance):
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_layout_gives_each_rank_its_documented_chunks(cp):
     """zigzag: 2cp chunks of c tokens, rank r holds chunk r then chunk 2cp-1-r; contiguous:
-    cp chunks, rank r holds chunk r. Written out from the rule, not from ChunkLayout."""
+    cp chunks, rank r holds chunk r. Written out from the rule, not from SequenceChunks."""
     c = 3
     for r in range(cp):
         early, late = range(r * c, (r + 1) * c), range((2 * cp - 1 - r) * c, (2 * cp - r) * c)
-        zig = ChunkLayout(2 * cp * c, cp, "zigzag")
+        zig = SequenceChunks(2 * cp * c, cp, "zigzag")
         assert zig.chunks(r) == [r, 2 * cp - 1 - r]
         assert zig.positions(r).tolist() == [*early, *late]
-        con = ChunkLayout(cp * c, cp, "contiguous")
+        con = SequenceChunks(cp * c, cp, "contiguous")
         assert con.chunks(r) == [r]
         assert con.positions(r).tolist() == list(range(r * c, (r + 1) * c))
-    assert ChunkLayout(16, 4, "zigzag").positions(1).tolist() == [2, 3, 12, 13]
+    assert SequenceChunks(16, 4, "zigzag").positions(1).tolist() == [2, 3, 12, 13]
 
 
 def test_layout_refuses_a_sequence_it_cannot_split():
     with pytest.raises(ConfigError, match="not divisible by 8"):
-        ChunkLayout(12, 4, "zigzag")
-    ChunkLayout(12, 4, "contiguous")  # 4 chunks of 3: fine
+        SequenceChunks(12, 4, "zigzag")
+    SequenceChunks(12, 4, "contiguous")  # 4 chunks of 3: fine
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_zigzag_equalizes_causal_work(cp):
     T, B, NH, HS = 16 * cp, 1, 1, 1
-    zig = [ring_attention_flops(ChunkLayout(T, cp, "zigzag"), r, B, NH, HS) for r in range(cp)]
-    con = [ring_attention_flops(ChunkLayout(T, cp, "contiguous"), r, B, NH, HS)
+    zig = [ring_attention_flops(SequenceChunks(T, cp, "zigzag"), r, B, NH, HS) for r in range(cp)]
+    con = [ring_attention_flops(SequenceChunks(T, cp, "contiguous"), r, B, NH, HS)
            for r in range(cp)]
     assert len(set(zig)) == 1  # every rank the same
     assert con == sorted(con) and con[-1] == cp * con[0]  # the last rank: cp times the first

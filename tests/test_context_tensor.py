@@ -20,7 +20,7 @@ from test_context_parallel import assert_ledger
 
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
-from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.ops import MEGATRON, ParallelOps
@@ -48,14 +48,14 @@ def free(grid: ProcessGrid) -> None:
 @example(layout=("ulysses", "zigzag"), sp=True, hs=1, B=2, c=1, seed=1)  # all-to-all + SP
 @collective
 def test_tp_block_with_cp_attention_equals_serial_block(layout, sp, hs, B, c, seed):
-    """Rank (cp r, tp j) holds the tokens ChunkLayout gives r (with SP: their j-th 1/tp) and
+    """Rank (cp r, tp j) holds the tokens SequenceChunks gives r (with SP: their j-th 1/tp) and
     the j-th 1/tp of the heads; the gradients, summed where placement says, are the shards
     of the serial block's."""
     algo, balance = layout
     grid = ProcessGrid(MPI.COMM_WORLD, cp=2, tp=2)
     tp, cp = grid.comm["tp"], grid.comm["cp"]
     NH, T = 4, (4 if balance == "zigzag" else 2) * 2 * c  # 2cp or cp chunks of 2c: SP splits Tl
-    C, cpl = NH * hs, ChunkLayout(T, 2, balance)
+    C, cpl = NH * hs, SequenceChunks(T, 2, balance)
     rng = np.random.default_rng(seed)
     p = {k: rng.standard_normal(s) * 0.3 for k, s in gpt.block_param_shapes(
         gpt.GPTConfig(n_head=NH, n_embd=C)).items()}

@@ -23,7 +23,7 @@ from refmp.cost.expert import alltoallv_bytes
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import moe as M
-from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.data.accumulate import dp_rows
 from refmp.parallel.expert import expert_index, is_expert
 from refmp.training.datasets import Dataset, get_batch
@@ -38,7 +38,7 @@ def token_owners(grid: ProcessGrid, cfg: TrainConfig, B: int, T: int):
     hold (all of them, unless sequence parallelism gives each tp rank T/tp)."""
     s, tp_i = grid.sizes, grid.coords["tp"]
     owner, mask = np.zeros((B, T), dtype=int), np.zeros((B, T), dtype=bool)
-    layout = ChunkLayout(T, s["cp"], cfg.cp_balance) if s["cp"] > 1 else None
+    layout = SequenceChunks(T, s["cp"], cfg.cp_balance) if s["cp"] > 1 else None
     for d in range(s["dp"]):
         rows = dp_rows(B, s["dp"], d)
         for c in range(s["cp"]):

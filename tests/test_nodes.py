@@ -30,7 +30,7 @@ from refmp.distributed.ledger import Ledger
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig
 from refmp.parallel.data.hierarchical import check_nodes
-from refmp.parallel.layout import check_layout
+from refmp.parallel.rules import check_layout
 from refmp.training.trainer import TrainConfig
 
 pytestmark = pytest.mark.cli

@@ -385,7 +385,7 @@ def test_pipedream_runs_complete_and_follow_the_version_rule(pp, m, steps):
 def test_async_schedules_refuse_resume_and_say_why():
     """2bw and pipedream carry state across each step that a checkpoint does not hold;
     pipedream refuses MoE too (later batches' MoE losses would land in the wrong step)."""
-    from refmp.parallel.layout import check_layout
+    from refmp.parallel.rules import check_layout
     from refmp.training.trainer import TrainConfig
 
     mcfg = gpt.GPTConfig(vocab_size=7, block_size=4, n_layer=2, n_head=2, n_embd=4)

@@ -25,7 +25,7 @@ from refmp.errors import ConfigError
 from refmp.nn import GPT, GPTConfig
 from refmp.parallel.data.hpz import block_notes
 from refmp.parallel.engine import Engine
-from refmp.parallel.layout import check_hpz
+from refmp.parallel.rules import check_hpz
 from refmp.runtime.arrays import activation_bytes
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer

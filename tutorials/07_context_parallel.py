@@ -3,7 +3,7 @@
 Run:  mpiexec -n 4 python tutorials/07_context_parallel.py      (cp = the number of ranks)
 
 What it shows, each part checked against the serial model (exit status 1 on a mismatch):
-  1. context parallelism by hand: each rank takes its tokens of every row (ChunkLayout), runs
+  1. context parallelism by hand: each rank takes its tokens of every row (SequenceChunks), runs
      the serial model (refmp.nn.gpt.GPT) with ring attention as its attention core and its
      tokens' global positions (ContextOps), and sums the gradients over cp; the loss and
      gradients equal the serial model's, and the ring's bytes the formula;
@@ -33,7 +33,7 @@ from refmp.nn import GPT, GPTConfig
 from refmp.nn import blockwise as BW
 from refmp.nn import layers as L
 from refmp.nn.params import init_params
-from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.data.accumulate import allreduce_grads
@@ -69,7 +69,7 @@ loss_ref, cache = serial.forward(x, y)
 serial.backward(cache)
 
 cpc = Comm(world, "cp", Ledger())
-lay = ChunkLayout(T, cp, "zigzag")
+lay = SequenceChunks(T, cp, "zigzag")
 mine = lay.positions(rank)  # (Tl,) my tokens' global positions: chunks r and 2cp-1-r
 model = GPT(mcfg, {k: v.copy() for k, v in full.items()})  # every weight whole on every rank
 # every layer but attention works token by token, on my Tl tokens; attention is the ring:
@@ -94,7 +94,7 @@ check(err < 1e-12 and sent == want, "cp by hand")
 # --- 2. the ring, step by step ---------------------------------------------------------------
 say(f"\n== 2. the ring on cp={cp} ranks (T = {4 * cp}: zig-zag cuts 2cp chunks) ==")
 for balance in ("contiguous", "zigzag"):
-    lay = ChunkLayout(4 * cp, cp, balance)
+    lay = SequenceChunks(4 * cp, cp, balance)
     say(f"\n{balance}: rank r holds chunks " +
         ", ".join(f"r{r}={lay.chunks(r)}" for r in range(cp)))
     say("step | " + " | ".join(f"rank {r}: K/V of (pairs q<-k)" for r in range(cp)))
@@ -132,7 +132,7 @@ B, NH, HS, T = 2, 4, 16, 64 * cp
 say(f"\n== 4. causal work per rank: ring attention, B={B} NH={NH} HS={HS} T={T} ==")
 qkv = np.random.default_rng(1).standard_normal((B, T, 3 * NH * HS))
 for balance in ("contiguous", "zigzag"):
-    lay = ChunkLayout(T, cp, balance)
+    lay = SequenceChunks(T, cp, balance)
     ring = RingAttention(Comm(world, "cp", Ledger()), lay)
     world.Barrier()
     t0 = time.perf_counter()
@@ -168,7 +168,7 @@ qkv, dout = rng.standard_normal((B, T, 3 * C)), rng.standard_normal((B, T, C))
 y_ref, cache = L.attention_forward(qkv, NH)
 dqkv_ref = L.attention_backward(dout, cache)
 for algo, cls in (("ring", RingAttention), ("ulysses", UlyssesAttention)):
-    lay = ChunkLayout(T, cp, "zigzag")
+    lay = SequenceChunks(T, cp, "zigzag")
     mine = lay.positions(rank)
     comm = Comm(world, "cp", Ledger())
     attn = cls(comm, lay)
@@ -212,7 +212,7 @@ say("Ulysses' volume per rank falls as 1/cp while the ring's stays ~6 b T C; but
 
 # --- 7. whole training steps -------------------------------------------------------------------
 # One engine (refmp.parallel.engine) runs every layout: context parallelism is the tokens each
-# rank takes from a row (ChunkLayout) and the attention core of its Ops; it composes with dp,
+# rank takes from a row (SequenceChunks) and the attention core of its Ops; it composes with dp,
 # tp (and sequence parallelism), pipelines and ZeRO unchanged.
 say("\n== 7. three AdamW steps with --cp, alone and composed, against the serial run ==")
 base = dict(n_layer=2, n_head=cp, n_embd=2 * cp, block_size=2 * cp, batch_size=2, steps=3,

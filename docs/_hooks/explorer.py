@@ -46,8 +46,8 @@ from refmp.cost.memory import memory, total
 from refmp.cost.model import Layout, predict, train_config
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig, param_shapes
-from refmp.parallel.layout import check_layout
 from refmp.parallel.pipeline.simulate import simulate_schedule
+from refmp.parallel.rules import check_layout
 
 GPUS = 8  # one node of a machine preset
 BATCH = 64

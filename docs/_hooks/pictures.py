@@ -3,7 +3,7 @@ from the tables the engine itself slices the model with, so a picture cannot dri
 
     tensor_parallel  refmp.parallel.placement.tp_shard / tp_unshard on each weight (the column
                      and row shards, q|k|v by heads, wte's padded rows), SP's T/tp slices
-    context_parallel refmp.parallel.context.chunks.ChunkLayout (zig-zag and contiguous chunks)
+    context_parallel refmp.parallel.context.chunks.SequenceChunks (zig-zag and contiguous chunks)
                      and ring_attention_flops (each rank's causal work)
     experts          refmp.parallel.holdings.who_holds (experts over ep, carved from dp x cp)
     zero             refmp.cost.zero.memory_per_rank (what each stage keeps whole) and
@@ -35,7 +35,7 @@ from refmp.cost.zero import (
     unit_sizes,
 )
 from refmp.nn.params import GPTConfig, param_shapes
-from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.data.zero import Unit
 from refmp.parallel.holdings import who_holds
 from refmp.parallel.pipeline.catalog import CATALOG
@@ -85,25 +85,25 @@ def tensor_parallel() -> Svg:
 
 
 def context_parallel() -> Svg:
-    """The tokens each cp rank holds (ChunkLayout), and the causal attention each computes."""
+    """The tokens each cp rank holds (SequenceChunks), and the causal attention each computes."""
     T = 16
     cp = 4
     s = Svg(760, 300, "context parallelism over 4 ranks: zig-zag and contiguous chunks")
     s.text(10, 18, f"cp = {cp}, T = {T}: a sequence's tokens by rank, and the causal "
                    "attention (query rows, key columns) each rank computes", 12, bold=True)
     for k, balance in enumerate(("zigzag", "contiguous")):
-        layout = ChunkLayout(T, cp, balance)
+        seq = SequenceChunks(T, cp, balance)
         owner = np.empty(T, int)
         for r in range(cp):
-            owner[layout.positions(r)] = r
+            owner[seq.positions(r)] = r
         x0 = 10 + 380 * k
-        cells(s, x0, 50, owner[None, :], 12, f"{balance}: chunks of {layout.c} tokens")
+        cells(s, x0, 50, owner[None, :], 12, f"{balance}: chunks of {seq.c} tokens")
         causal = np.where(np.tri(T, dtype=bool), owner[:, None], -2)
         for i in range(T):
             for j in range(i + 1):
                 s.rect(x0 + j * 9, 80 + i * 9, 9, 9, colour(int(causal[i, j])), "#ffffff")
         # each rank's c x c blocks of q k^T (ring_attention_flops / 4 c^2 for one head of size 1)
-        blocks = [ring_attention_flops(layout, r, 1, 1, 1) // (4 * layout.c ** 2) for r in range(cp)]
+        blocks = [ring_attention_flops(seq, r, 1, 1, 1) // (4 * seq.c ** 2) for r in range(cp)]
         for r, w in enumerate(blocks):
             s.rect(x0 + 160, 100 + 30 * r, 110 * w / max(blocks), 16, colour(r))
             s.text(x0 + 164 + 110 * w / max(blocks), 112 + 30 * r, f"rank {r}: {w} blocks", 10)

@@ -142,7 +142,7 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
         return {"rank": world.rank, "coords": parts.grid.coords, **entry}
 
     files = world.allgather_obj(agreed(world, write))
-    layout = {**cfg.layout(parts.grid.sizes), "world": world.size}
+    layout = {**cfg.as_dict(parts.grid.sizes), "world": world.size}
     codecs = {codec_file(f["rank"]): f.pop("codec") for f in files if "codec" in f}
     scale = {"loss_scale": parts.scaler.state()} if parts.scaler is not None else {}
     manifest = {
@@ -229,7 +229,7 @@ def read_codec(ckpt: str, man: dict, parts: Checkpointed) -> dict | None:
     """This rank's codec state from ``ckpt``, where it was saved by the same layout and
     codec as this run's (else None: the codec starts afresh)."""
     cfg, world = parts.cfg, parts.grid.world
-    ours = codec_layout({**cfg.layout(parts.grid.sizes), "world": world.size}, cfg.dtype)
+    ours = codec_layout({**cfg.as_dict(parts.grid.sizes), "world": world.size}, cfg.dtype)
     saved = man.get("codec")
     if cfg.grad_compress not in STATEFUL or parts.codec is None or not isinstance(saved, dict) \
             or saved.get("layout") != ours:

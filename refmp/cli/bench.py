@@ -146,7 +146,7 @@ def run_bench(args) -> dict:
         "mfu": flops / sec / peak, "peak_gflops": peak / 1e9, "params": tr.model.num_params(),
         "active_params": n_active, "world_size": world.size, "steps": args.steps,
         "model": {**spec, **({k: getattr(m, k) for k in MOE} if m.n_expert else {})},
-        "layout": cfg.layout(tr.grid.sizes),
+        "layout": cfg.as_dict(tr.grid.sizes),
         "device": tr.device_info,
         "ms_per_step_min": 1e3 * min(times), "ms_per_step_max": 1e3 * max(times),
         "ledger": ledger_by_axis(sent),  # rank 0's, summed over the timed steps

@@ -19,7 +19,7 @@ import math
 from functools import cache
 
 from refmp.nn.params import GPTConfig, param_shapes
-from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.chunks import SequenceChunks
 
 
 @cache
@@ -50,7 +50,7 @@ def recompute_flops_per_step(mode: str, n_block_params: float, n_layer: int, T: 
     return 2.0 * n_layer * T * C * tokens if mode == "selective" else 0.0
 
 
-def ring_attention_flops(layout: ChunkLayout, r: int, B: int, n_head: int, hs: int) -> int:
+def ring_attention_flops(seq: SequenceChunks, r: int, B: int, n_head: int, hs: int) -> int:
     """Attention FLOPs rank r executes in ring attention's forward (a closed form).
 
     A block of c queries over c keys costs 4 B NH c^2 HS (q k^T and p v, 2 FLOPs per
@@ -58,5 +58,5 @@ def ring_attention_flops(layout: ChunkLayout, r: int, B: int, n_head: int, hs: i
     computes r full blocks and its diagonal. Zigzag: its early chunk r sees r earlier chunks,
     its late chunk 2cp-1-r sees 2cp-1-r, plus two diagonals: 2cp+1 blocks on every rank.
     """
-    blocks = r + 1 if layout.balance == "contiguous" else 2 * layout.cp + 1
-    return blocks * 4 * B * n_head * layout.c ** 2 * hs
+    blocks = r + 1 if seq.balance == "contiguous" else 2 * seq.cp + 1
+    return blocks * 4 * B * n_head * seq.c ** 2 * hs

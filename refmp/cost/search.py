@@ -15,8 +15,8 @@ from refmp.cost.model import Impl, Layout, predict, train_config
 from refmp.cost.nodes import best_reduce
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig
-from refmp.parallel.layout import check_layout
 from refmp.parallel.pipeline.catalog import CATALOG
+from refmp.parallel.rules import check_layout
 
 
 def divisors(n: int) -> list[int]:
@@ -79,7 +79,7 @@ def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | 
     """(feasible rows, best first, at most ``top``; infeasible rows, each with its reason),
     timed as ``impl`` runs them (its own fixed choices are the caller's to add to ``fixed``).
 
-    Every candidate is checked by refmp.parallel.layout.check_layout, then timed; memory is
+    Every candidate is checked by refmp.parallel.rules.check_layout, then timed; memory is
     computed in order of predicted time until ``top`` fit (a faster layout that does not fit
     is reported with what does not fit)."""
     ok, bad, fixed, impl = [], [], fixed or {}, impl or Impl()

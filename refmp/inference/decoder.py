@@ -21,7 +21,7 @@ splits in training, and the cache with it:
 * ep: the MoE MLP sends each token to its experts by all-to-all (refmp.parallel.expert);
   without a capacity limit (unless asked: ``capacity``), so that a token's output does not
   depend on the tokens beside it;
-* cp: the prompt is sharded (ChunkLayout, zig-zag or contiguous) and prefilled by ring
+* cp: the prompt is sharded (SequenceChunks, zig-zag or contiguous) and prefilled by ring
   attention; decoded token j is appended on cp rank j mod cp (round robin), every cp rank
   computes the new token's q and its partial attention over the keys it holds, and the
   partial results merge by log-sum-exp (refmp.nn.blockwise.attention_merge, as ring
@@ -49,7 +49,7 @@ from refmp.distributed.waiting import wait
 from refmp.inference.attention import CachedAttention, Call, RowByRow
 from refmp.inference.cache import KVCache, PagedKVCache
 from refmp.nn import gpt
-from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.expert import ExpertDispatch
 from refmp.parallel.ops import make_ops
@@ -142,8 +142,8 @@ class Decoder:
         held = np.asarray(positions)
         ring = None  # prefill over cp: ring attention
         owns = None  # decode: whether this cp rank keeps each row's new token
-        if prefill and cp.size > 1:  # my chunks of every prompt (ChunkLayout), ring attention
-            chunks = ChunkLayout(t, cp.size, self.cp_balance)
+        if prefill and cp.size > 1:  # my chunks of every prompt (SequenceChunks), ring attention
+            chunks = SequenceChunks(t, cp.size, self.cp_balance)
             ring = RingAttention(cp, chunks)
             held = chunks.positions(cp.rank)
         if not prefill:

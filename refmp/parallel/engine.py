@@ -24,7 +24,7 @@ from refmp.config import ParallelConfig
 from refmp.distributed.waiting import wait
 from refmp.nn import gpt
 from refmp.nn.routing import moe_summary
-from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.data import hpz
@@ -72,7 +72,7 @@ def context_parallel(grid, layout: ParallelConfig, T: int, keep_scores: bool):
     cp = grid.sizes["cp"]
     if cp == 1:
         return None, [np.arange(T)]
-    chunks = ChunkLayout(T, cp, layout.cp_balance)
+    chunks = SequenceChunks(T, cp, layout.cp_balance)
     attn = (RingAttention(grid.comm["cp"], chunks) if layout.cp_algo == "ring"
             else UlyssesAttention(grid.comm["cp"], chunks, keep_scores))
     return attn, [chunks.positions(r) for r in range(cp)]

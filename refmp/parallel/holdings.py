@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from refmp.parallel.context.chunks import ChunkLayout
+from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.partition import rank_chunks
 from refmp.parallel.placement import expert_owner, padded_vocab
@@ -30,7 +30,7 @@ def who_holds(mcfg, sizes: dict[str, int], T: int, schedule: str = "1f1b",
                     from dp x cp)
         chunks      chunk -> its blocks (rank_chunks)
         first, last whether it holds the embeddings (wte, wpe) / the head (ln_f, the tied wte)
-        tokens      the positions of a sequence it holds (cp's ChunkLayout)
+        tokens      the positions of a sequence it holds (cp's SequenceChunks)
         heads       [lo, hi) of the attention heads (tp: NH/tp each, TP_SPLITS' "heads")
         wte_rows    [lo, hi) of the Vp padded vocabulary rows (tp), None off the two ends
         experts     the experts it holds of each MoE layer (expert_owner)
@@ -39,7 +39,7 @@ def who_holds(mcfg, sizes: dict[str, int], T: int, schedule: str = "1f1b",
     NH = mcfg.n_head
     E = mcfg.n_expert
     Vl = padded_vocab(mcfg.vocab_size, sizes["tp"]) // sizes["tp"]  # wte rows per tp rank
-    layout = ChunkLayout(T, sizes["cp"], cp_balance)
+    seq = SequenceChunks(T, sizes["cp"], cp_balance)
     placed = CATALOG[schedule].chunk_placement(sizes["pp"], virtual_stages)
     radix = [sizes[a] for a in GRID_ORDER]
     for rank in range(math.prod(radix)):
@@ -57,7 +57,7 @@ def who_holds(mcfg, sizes: dict[str, int], T: int, schedule: str = "1f1b",
             "rank": rank, **{a: coords[a] for a in GRID_ORDER},
             "ep": f % sizes["ep"], "edp": f // sizes["ep"],
             "chunks": {c: list(b) for c, b in chunks.items()}, "first": first, "last": last,
-            "tokens": [int(t) for t in layout.positions(coords["cp"])],
+            "tokens": [int(t) for t in seq.positions(coords["cp"])],
             "heads": (tp_i * NH // sizes["tp"], (tp_i + 1) * NH // sizes["tp"]),
             "wte_rows": (tp_i * Vl, (tp_i + 1) * Vl) if first or last else None,
             "experts": [e for e in range(E) if expert_owner(e, E, sizes["ep"]) == f % sizes["ep"]],

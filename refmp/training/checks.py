@@ -7,7 +7,7 @@
 2. the output paths, which rank 0 writes (so rank 0 checks them);
 3. the data and the model's shape (:func:`model_config`: from the flags or the ``--init``
    file's header, no weight read);
-4. the layout's rules (refmp.parallel.layout.check_layout, pure);
+4. the layout's rules (refmp.parallel.rules.check_layout, pure);
 5. the memory: the estimate of what a rank will hold (refmp.cost.memory) against what its
    node, or its GPU, has free now (docs/faults.md says how close the estimate is).
 """
@@ -24,7 +24,7 @@ from refmp.distributed.faults import agreed, check_writable_dir, check_writable_
 from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
 from refmp.nn import GPTConfig
-from refmp.parallel.layout import check_layout
+from refmp.parallel.rules import check_layout
 from refmp.training.datasets import AdditionTask, Dataset, load_tokens
 from refmp.training.rank_memory import check_rank_limit
 

@@ -18,7 +18,7 @@ from refmp.cost.memory import estimate_memory, need_bytes, size
 from refmp.cost.model import layout_flags, parallel_fields
 from refmp.cost.search import search
 from refmp.errors import ConfigError
-from refmp.parallel.layout import check_layout
+from refmp.parallel.rules import check_layout
 from refmp.runtime import cgroup
 
 AXES = ("pp", "dp", "cp", "tp", "ep")

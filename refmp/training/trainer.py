@@ -91,7 +91,7 @@ class Runner(Pieces, Stateful, Protocol):
 
 
 def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT) -> Runner:
-    """The one engine, for a layout whose rules were checked (refmp.parallel.layout)."""
+    """The one engine, for a layout whose rules were checked (refmp.parallel.rules)."""
     from refmp.parallel.engine import Engine
 
     return Engine(model, grid, cfg.parallel, cfg.block_size or model.cfg.block_size, cfg.seed)

@@ -12,7 +12,7 @@ two algorithms exchange what it needs (``--cp-algo``):
 * ``ulysses`` (refmp.parallel.context.ulysses): all-to-all from sequence- to head-sharded
   and back (Jacobs et al. 2023).
 
-Which tokens a rank holds (``--cp-balance``, :class:`ChunkLayout`): causal attention gives
+Which tokens a rank holds (``--cp-balance``, :class:`SequenceChunks`): causal attention gives
 late tokens more work than early ones (token t attends to t+1 keys). ``contiguous`` gives
 rank r the r-th of cp equal chunks, so the last rank works cp times harder than the first;
 ``zigzag`` cuts 2*cp chunks and gives rank r chunks r and 2cp-1-r, pairing an early chunk
@@ -24,7 +24,7 @@ shares and gradients over cp and dp gives the serial loss and gradient exactly (
 refmp.parallel.data.accumulate): dense gradients are summed over grid.group("dp", "cp").
 
 In the engine (refmp.parallel.engine) context parallelism is two things only: the tokens a
-rank takes from each row (``ChunkLayout.positions``) and the attention core of its Ops
+rank takes from each row (``SequenceChunks.positions``) and the attention core of its Ops
 (refmp.parallel.ops): everything else composes with it unchanged (tp, SP, pipelines, ZeRO,
 experts).
 """
@@ -39,7 +39,7 @@ ALGOS = ("ring", "ulysses")
 BALANCES = ("zigzag", "contiguous")
 
 
-class ChunkLayout:
+class SequenceChunks:
     """Which chunks of the sequence each cp rank holds (contiguous: 1 each; zigzag: 2)."""
 
     def __init__(self, T: int, cp: int, balance: str = "zigzag"):

@@ -15,9 +15,9 @@ After cp steps (cp-1 transfers) every query has attended over the whole sequence
 
     lse = log(e^lse1 + e^lse2),   y = e^(lse1 - lse) y1 + e^(lse2 - lse) y2.
 
-Causal masking works chunk by chunk (refmp.parallel.context.chunks.ChunkLayout): query chunk a sees
-key chunk b in full when b < a, with the causal triangle when b == a, and not at all when
-b > a -- those blocks are skipped, not computed and masked.
+Causal masking works chunk by chunk (refmp.parallel.context.chunks.SequenceChunks): query
+chunk a sees key chunk b in full when b < a, with the causal triangle when b == a, and not at
+all when b > a -- those blocks are skipped, not computed and masked.
 
 Backward (FlashAttention-2's block gradient, ``attention_block_backward``) needs the merged
 y and lse of each query row, kept from the forward. The K/V blocks travel the ring once more
@@ -33,13 +33,14 @@ import math
 from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import wait, wait_all
 from refmp.nn import blockwise as BW
+from refmp.parallel.context.chunks import SequenceChunks
 from refmp.runtime import backend
 
 TAG_KV, TAG_DKV = 11, 12
 
 
 class RingAttention:
-    """Causal attention over a sequence sharded on ``comm`` (the cp axis) by ``layout``.
+    """Causal attention over a sequence sharded on ``comm`` (the cp axis) as ``seq`` says.
 
     ``forward(qkv, n_head)`` / ``backward(dout, cache)`` have the signatures of
     ``refmp.nn.layers.attention_forward`` / ``attention_backward``, on this rank's tokens.
@@ -47,16 +48,16 @@ class RingAttention:
     per block: q k^T and p v).
     """
 
-    def __init__(self, comm: Comm, layout):
+    def __init__(self, comm: Comm, seq: SequenceChunks):
         self.comm = comm
-        self.layout = layout
-        self.own_chunks = layout.chunks(comm.rank)  # my chunk ids, in the order my tokens are held
+        self.seq = seq
+        self.own_chunks = seq.chunks(comm.rank)  # my chunk ids, in the order my tokens are held
         self.flops = 0
 
     def pairs(self, src: int):
         """(query slot, key slot, causal) for the chunk pairs that are not fully masked."""
         for a_slot, a in enumerate(self.own_chunks):
-            for b_slot, b in enumerate(self.layout.chunks(src)):
+            for b_slot, b in enumerate(self.seq.chunks(src)):
                 if b <= a:  # b > a: the whole block lies above the diagonal, skipped
                     yield a_slot, b_slot, a == b
 
@@ -77,7 +78,7 @@ class RingAttention:
         xp = backend.array_module(qkv)
         B, Tl, C3 = qkv.shape
         hs = C3 // 3 // n_head
-        c = self.layout.c
+        c = self.seq.c
         scale = 1.0 / math.sqrt(hs)
         qkv = qkv.reshape(B, Tl, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # (3, B, NH, Tl, HS)
         q = xp.ascontiguousarray(qkv[0])  # (B, NH, Tl, HS) stays here
@@ -100,7 +101,7 @@ class RingAttention:
         xp = backend.array_module(dout)
         cp, r = self.comm.size, self.comm.rank
         B, NH, Tl, HS = q.shape
-        c = self.layout.c
+        c = self.seq.c
         dy = dout.reshape(B, Tl, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, Tl, HS)
         dq = xp.zeros_like(q)  # (B, NH, Tl, HS)
         sends = []  # dK/dV sends stay in flight (their buffers alive) until the end

@@ -27,11 +27,11 @@ from refmp.runtime import backend
 class UlyssesAttention:
     """``forward(qkv, n_head)`` / ``backward(dout, cache)``, as refmp.nn.layers' attention."""
 
-    def __init__(self, comm: Comm, layout, keep_scores: bool = True):
+    def __init__(self, comm: Comm, seq, keep_scores: bool = True):
         self.comm = comm
-        self.layout = layout
+        self.seq = seq
         self.keep_scores = keep_scores  # False: selective recomputation of the softmax
-        rank_major = np.concatenate([layout.positions(j) for j in range(comm.size)])  # (T,)
+        rank_major = np.concatenate([seq.positions(j) for j in range(comm.size)])  # (T,)
         self.by_rank = backend.from_host(rank_major)  # natural-order index of each rank-major slot
         self.to_natural = backend.from_host(np.argsort(rank_major))  # and its inverse
 

@@ -29,7 +29,7 @@ rank) equal to float64's rounding (tests/test_nodes.py holds 1e-12).
 A Comm whose all-reduce takes these three steps and whose other calls are the flat group's:
 the Sharder (refmp.parallel.data.sharder) and the codecs use it as they use the flat group.
 ZeRO 1-3 partition over the flat group's rank order, so they keep its reduce-scatter and
-all-gather (refmp.parallel.layout refuses --dp-reduce hierarchical with --zero > 0).
+all-gather (refmp.parallel.rules refuses --dp-reduce hierarchical with --zero > 0).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from refmp.config import check_sizes
 from refmp.errors import ConfigError
-from refmp.parallel.context.chunks import ALGOS, ChunkLayout
+from refmp.parallel.context.chunks import ALGOS, SequenceChunks
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.partition import check_pipeline, parse_stage_layers
 
@@ -52,7 +52,7 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
         if T % cp:
             raise ConfigError(f"--cp {cp} must divide the block size T ({T}); the addition "
                               f"task's default T is 13: pass --block-size or --digits")
-        ChunkLayout(T, cp, cfg.cp_balance)  # refuses a T the chunks cannot split
+        SequenceChunks(T, cp, cfg.cp_balance)  # refuses a T the chunks cannot split
         if cfg.cp_algo == "ulysses" and (mcfg.n_head // tp) % cp:
             raise ConfigError(f"--cp-algo ulysses gives each of the {cp} cp ranks a share of "
                               f"the n_head/tp = {mcfg.n_head // tp} heads of a tp rank, which "
