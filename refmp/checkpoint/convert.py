@@ -30,7 +30,6 @@ from refmp.checkpoint.format import (
     step_name,
     write_json,
 )
-from refmp.config import saves_directory
 from refmp.nn.params import param_shapes
 
 
@@ -51,17 +50,10 @@ def save_source(out: str, src, mcfg, dtype, vocab=None, tokenizer: str | None = 
                 flag: str = "convert") -> None:
     """Write the model ``mcfg`` read from the Source ``src`` as ``out`` (a GPT-2 file, or a
     Hugging Face directory: refmp.config.saves_directory), one whole tensor at a time."""
-    from refmp.checkpoint.hf import write_hf
-    from refmp.checkpoint.stream import stream
-    from refmp.checkpoint.weights import model_metadata
+    from refmp.checkpoint.weights import save_streamed
 
-    def get(k):
-        return src.read(k, dtype=dtype)
-
-    if saves_directory(out):
-        write_hf(out, mcfg, dtype, get, vocab, tokenizer, flag)
-    else:
-        stream(out, param_shapes(mcfg), dtype, get, model_metadata(mcfg, vocab), flag=flag)
+    save_streamed(out, mcfg, dtype, lambda k: src.read(k, dtype=dtype), vocab, tokenizer,
+                  flag=flag)
 
 
 def weights_to_hf(path: str, out: str, n_head: int | None = None) -> None:

@@ -124,9 +124,12 @@ def write_hf(out: str, mcfg, dtype, get, vocab: str | None = None,
     meta = {"format": "pt"}  # what from_pretrained requires of a safetensors file
     if vocab is not None:
         meta["vocab"] = json.dumps(vocab)
-    try:
-        if write:
+    if write:  # a directory that cannot be made fails the write in stream, after the gathers
+        try:
             os.makedirs(out, exist_ok=True)
+        except OSError:
+            pass
+    try:
         stream(os.path.join(out, WEIGHTS), shapes, dtype, lambda k: get(k[len(PREFIX):]),
                meta, write, flag)
         if not write:

@@ -197,10 +197,12 @@ def copy_spans(sl, o, v, ln, out) -> None:
     o2, v2, ln2 = o2[order], v2[order], ln2[order]
     t = 0
     while t < len(v2):
-        u = t + 1  # the overlaps [t, u) read as one span
-        while u < len(v2) and v2[u] + ln2[u] - v2[t] <= step:
+        u = t + 1  # the overlaps [t, u) read as one span [v2[t], end)
+        end = v2[t] + ln2[t]
+        while u < len(v2) and max(end, v2[u] + ln2[u]) - v2[t] <= step:
+            end = max(end, v2[u] + ln2[u])  # (a slice may ask for an element twice)
             u += 1
-        data = sl[int(v2[t]):int(v2[u - 1] + ln2[u - 1])]
+        data = sl[int(v2[t]):int(end)]
         for a, b, c in zip(o2[t:u], v2[t:u] - v2[t], ln2[t:u], strict=True):
             out[a:a + c] = data[b:b + c]
         t = u

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
-from refmp.checkpoint.hf import CONFIG, PREFIX, WEIGHTS
+from refmp.checkpoint.hf import CONFIG, WEIGHTS
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig, init_slice
 from refmp.nn.slices import BLOCK_BYTES, WHOLE, Index, cut, cut_shape, fill, ranges, take
@@ -98,7 +98,8 @@ class FileSource:
     def __init__(self, path: str, flag: str = "--init"):
         from refmp.checkpoint.weights import check_complete, gpt2_name
 
-        self.path, self.flag = path, flag
+        self.path = path
+        self.flag = flag
         files = self._files(path)
         self.where: dict[str, tuple[str, str]] = {}  # GPT-2 name -> (file, key in it)
         self._shapes: dict[str, tuple[int, ...]] = {}

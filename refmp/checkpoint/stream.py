@@ -141,20 +141,36 @@ class StreamWriter:
 def stream(path: str, shapes: dict, dtype, get, metadata: dict | None = None,
            write: bool = True, flag: str = "--save") -> StreamWriter | None:
     """Write the file ``path`` of tensors of ``shapes`` from ``get(name)``, called once per
-    tensor in the file's order (``order``), so that only one is held at a time. With
-    ``write`` False nothing is written but ``get`` is still called, in the same order: every
-    rank of a collective gather calls this, and only the writing rank writes. Returns the
-    finished writer (its bytes and sha256), or None where nothing was written. An OSError is
-    a ConfigError naming ``flag`` and the path."""
-    if not write:
-        dtypes = dtype if isinstance(dtype, dict) else {k: dtype for k in shapes}
-        for k in order(shapes, dtypes):
-            get(k)
-        return None
+    tensor in the file's order (``order``), so that only one is held at a time.
+
+    Every rank of a collective gather calls this with the same shapes: ``get`` is called for
+    every tensor, in the same order, on each of them, and only the rank with ``write`` writes.
+    A failure to write (the disk, a tensor of the wrong shape) does not stop the calls to
+    ``get`` (the other ranks' gathers would wait for this one); it is raised after the last,
+    an OSError as a ConfigError naming ``flag`` and the path. Returns the finished writer
+    (its bytes and sha256), or None where nothing was written."""
+    dtypes = dtype if isinstance(dtype, dict) else {k: dtype for k in shapes}
+    w, error = None, None
     try:
-        with StreamWriter(path, shapes, dtype, metadata) as w:
-            for k in w.order:
-                w.write(k, get(k))
+        w = StreamWriter(path, shapes, dtypes, metadata) if write else None
     except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror or e})") from e
+        error = e
+    for k in order(shapes, dtypes):
+        array = get(k)
+        if w is not None and error is None:
+            try:
+                w.write(k, array)
+            except (OSError, ValueError) as e:
+                error = e
+                w.abort()
+        del array
+    try:
+        if w is not None and error is None:
+            w.close()
+    except OSError as e:
+        error = e
+    if isinstance(error, OSError):
+        raise ConfigError(f"{flag} {path}: cannot write it ({error.strerror or error})") from error
+    if error is not None:
+        raise error
     return w

@@ -50,6 +50,33 @@ def save_model(path: str, params: dict, cfg: GPTConfig, vocab: str | None = None
            model_metadata(cfg, vocab), flag=flag)
 
 
+def save_order(mcfg: GPTConfig, dtype) -> list[str]:
+    """The order in which save_streamed asks for the parameters (the file's: by name)."""
+    from refmp.checkpoint.stream import order
+
+    shapes = param_shapes(mcfg)
+    return order(shapes, {k: dtype for k in shapes})
+
+
+def save_streamed(out: str, mcfg: GPTConfig, dtype, gather, vocab: str | None = None,
+                  tokenizer: str | None = None, write: bool = True, flag: str = "--save") -> None:
+    """``--save FILE``, or ``--save DIR`` (a Hugging Face directory: refmp.config's
+    saves_directory), tensor by tensor: ``gather(name)`` gives each whole parameter (a host
+    array in ``dtype``) on the writing rank, and is called once per parameter in save_order
+    on every rank that calls this with the same arguments, so a collective gather keeps the
+    ranks in step; only the rank with ``write`` writes, holding one tensor at a time. A
+    failure to write is raised after the last gather (refmp.checkpoint.stream.stream).
+    ``tokenizer``: the directory whose tokenizer files a Hugging Face directory gets."""
+    from refmp.checkpoint.hf import write_hf
+    from refmp.checkpoint.stream import stream
+    from refmp.config import saves_directory
+
+    if saves_directory(out):
+        write_hf(out, mcfg, dtype, gather, vocab, tokenizer, flag, write)
+    else:
+        stream(out, param_shapes(mcfg), dtype, gather, model_metadata(mcfg, vocab), write, flag)
+
+
 def moe_flags(cfg) -> dict:
     """The MoE settings a TrainConfig was given (those not None), by GPTConfig field name."""
     return {k: getattr(cfg, k) for k in MOE_META if getattr(cfg, k) is not None}

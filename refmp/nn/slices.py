@@ -24,7 +24,8 @@ the slice plus one chunk is all that is ever allocated. The initializer
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
