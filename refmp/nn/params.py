@@ -134,8 +134,8 @@ def init_slice(name: str, shape: tuple[int, ...], cfg: GPTConfig, seed: int,
     Values are a function of (seed, name, element): rows [b R, (b+1) R) of a weight are
     drawn by one generator seeded (seed, crc32(name), b) (init_block_rows' R), row after
     row, times init_std; constants are init_const. A rank draws only the blocks its slice
-    touches, and each whole (a block's prefix up to the last row needed), so its peak is the
-    slice plus about one block (1 MiB); any layout starts where the serial model starts.
+    touches, each up to the last row it needs, so its peak is the slice plus about one block
+    (1 MiB); any layout starts where the serial model starts.
     """
     std = init_std(name, cfg)
     R = init_block_rows(shape)
