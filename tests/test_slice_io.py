@@ -7,6 +7,7 @@ save_file writes, and refuses a tensor out of order, of the wrong shape or dtype
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from refmp.checkpoint.pieces import CheckpointSource
 from refmp.checkpoint.source import FileSource, InitSource, open_source
 from refmp.checkpoint.stream import StreamWriter, stream
 from refmp.checkpoint.weights import model_metadata, save_model
+from refmp.cli.convert import is_weights
 from refmp.errors import ConfigError
 from refmp.nn import slices as S
 from refmp.nn.params import GPTConfig, init_params, param_shapes
@@ -121,7 +123,12 @@ def test_a_checkpoint_missing_a_slice_is_refused(sources, tmp_path):
         src.read("h.0.mlp.c_fc.weight")
 
 
-def test_an_untied_head_is_refused(tmp_path):
+def test_a_missing_or_untied_file_is_refused(sources, tmp_path):
+    _, paths = sources
+    shutil.copytree(paths["hf-index"], tmp_path / "hf2")
+    os.remove(tmp_path / "hf2" / "model-00002-of-00002.safetensors")
+    with pytest.raises(ConfigError, match="model-00002-of-00002.safetensors: no such file"):
+        FileSource(str(tmp_path / "hf2"))
     params = model()
     save_file({**params, "lm_head.weight": params["wte.weight"]}, str(tmp_path / "tied"))
     FileSource(str(tmp_path / "tied")).check_head()
@@ -188,6 +195,7 @@ def test_convert_streams_what_save_model_and_save_hf_write(sources, tmp_path):
     to_gpt2(paths["checkpoint"], str(tmp_path / "hf"))  # one metadata key: the same bytes
     assert open(tmp_path / "hf" / "model.safetensors", "rb").read() == \
         open(os.path.join(paths["hf"], "model.safetensors"), "rb").read()
+    assert is_weights(paths["hf-index"]) and not is_weights(paths["checkpoint"])
     back = from_gpt2(paths["hf-index"], str(tmp_path / "ck"))  # several files in, streamed
     src = CheckpointSource(back)
     entry = src.man["files"]["rank-00000.safetensors"]

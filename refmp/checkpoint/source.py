@@ -106,6 +106,9 @@ class FileSource:
         self.metadata: dict[str, str] = {}
         self.head = None  # (file, key) of a lm_head.weight
         for i, file in enumerate(files):
+            if not os.path.isfile(file):
+                raise ConfigError(f"{flag} {file}: no such file" + (
+                    f" (named by {INDEX})" if os.path.isdir(path) else ""))
             check_complete(file, flag)
             keys, meta = self._open(file, lambda f: ({k: tuple(f.get_slice(k).get_shape())
                                                       for k in f.keys()}, f.metadata() or {}))
@@ -122,8 +125,6 @@ class FileSource:
         """The safetensors files of ``path``: itself, a directory's model.safetensors, or
         the files its model.safetensors.index.json names."""
         if not os.path.isdir(path):
-            if not os.path.isfile(path):
-                raise ConfigError(f"{self.flag} {path}: no such file")
             return [path]
         one, many = os.path.join(path, WEIGHTS), os.path.join(path, INDEX)
         if os.path.isfile(one):
