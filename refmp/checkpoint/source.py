@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Protocol
 
 import numpy as np
@@ -81,6 +82,39 @@ class InitSource:
                           "float64" if dtype is None else dtype)
 
 
+def gpt2_name(key: str) -> str | None:
+    """A file's tensor name as refmp's parameter name; None for what is not a parameter."""
+    key = key.removeprefix("transformer.")
+    if key == "lm_head.weight" or re.fullmatch(r"h\.\d+\.attn\.(masked_)?bias", key):
+        return None  # tied head, causal-mask buffers: not parameters
+    return key
+
+
+def check_complete(path: str, flag: str = "--init") -> None:
+    """Refuse a truncated safetensors file (an interrupted copy or download), naming it.
+
+    The format: an 8-byte little-endian header length n, n bytes of JSON giving each
+    tensor's ``data_offsets`` [begin, end) in the data that follows; so the file must hold
+    8 + n + the largest end bytes. Other damage is left to safetensors' own message.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little")
+        if len(head) < 8 or 8 + n > size:
+            raise ConfigError(f"{flag} {path}: truncated, or not a safetensors file ({size:,} "
+                              f"bytes, too short for the header it starts with)")
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                       if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return  # not a header we can read: safetensors says what is wrong
+    if 8 + n + end > size:
+        raise ConfigError(f"{flag} {path}: truncated: the file has {size:,} bytes but its "
+                          f"header describes {8 + n + end:,} (an interrupted copy or download?)")
+
+
 def chunk_rows(shape: tuple[int, ...], index: Index, itemsize: int) -> int:
     """R: the rows of one read chunk of the slice ``index`` (about BLOCK_BYTES, at least 1)."""
     return max(1, BLOCK_BYTES // max(1, itemsize * math.prod(cut_shape(shape, index)[1:])))
@@ -96,8 +130,6 @@ class FileSource:
     ``flag``."""
 
     def __init__(self, path: str, flag: str = "--init"):
-        from refmp.checkpoint.weights import check_complete, gpt2_name
-
         self.path = path
         self.flag = flag
         files = self._files(path)

@@ -82,39 +82,6 @@ def moe_flags(cfg) -> dict:
     return {k: getattr(cfg, k) for k in MOE_META if getattr(cfg, k) is not None}
 
 
-def gpt2_name(key: str) -> str | None:
-    """A file's tensor name as refmp's parameter name; None for what is not a parameter."""
-    key = key.removeprefix("transformer.")
-    if key == "lm_head.weight" or re.fullmatch(r"h\.\d+\.attn\.(masked_)?bias", key):
-        return None  # tied head, causal-mask buffers: not parameters
-    return key
-
-
-def check_complete(path: str, flag: str = "--init") -> None:
-    """Refuse a truncated safetensors file (an interrupted copy or download), naming it.
-
-    The format: an 8-byte little-endian header length n, n bytes of JSON giving each
-    tensor's ``data_offsets`` [begin, end) in the data that follows; so the file must hold
-    8 + n + the largest end bytes. Other damage is left to safetensors' own message.
-    """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little")
-        if len(head) < 8 or 8 + n > size:
-            raise ConfigError(f"{flag} {path}: truncated, or not a safetensors file ({size:,} "
-                              f"bytes, too short for the header it starts with)")
-        try:
-            header = json.loads(f.read(n))
-            end = max((int(v["data_offsets"][1]) for k, v in header.items()
-                       if k != "__metadata__"), default=0)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return  # not a header we can read: safetensors says what is wrong
-    if 8 + n + end > size:
-        raise ConfigError(f"{flag} {path}: truncated: the file has {size:,} bytes but its "
-                          f"header describes {8 + n + end:,} (an interrupted copy or download?)")
-
-
 def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(every tensor, whole, by GPT-2 name; metadata) of a safetensors file or a Hugging Face
     directory (refmp.checkpoint.source.FileSource: clear errors if unreadable, a
