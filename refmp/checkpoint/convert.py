@@ -2,9 +2,10 @@
 safetensors file or a Hugging Face directory (the ``--save`` formats) and back, weights to a
 Hugging Face directory, and what a checkpoint holds (``--info``).
 
-One process, no MPI: the checkpoint's files are read through their manifest, each tensor
-assembled from the slices the files hold (refmp.checkpoint.format.assemble), as any layout's
-reader does.
+One process, no MPI, one tensor at a time: each is read whole from the slices the files hold
+(refmp.checkpoint.pieces, as any layout's reader does) or from the weights file
+(refmp.checkpoint.source), written (refmp.checkpoint.stream), and let go. The peak is the
+largest tensor plus one read chunk.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import numpy as np
 from refmp.checkpoint.format import (
     FORMAT,
     MANIFEST,
-    assemble,
     file_error,
     find,
     model_config,
@@ -29,87 +29,97 @@ from refmp.checkpoint.format import (
     read_manifest,
     step_name,
     write_json,
-    write_rank_file,
 )
-from refmp.config import saves_directory
-from refmp.errors import ConfigError
 from refmp.nn.params import param_shapes
 
 
 def to_gpt2(path: str, out: str) -> str:
     """Write the checkpoint at (or latest in) ``path`` as --save writes a model: one
     GPT-2-named safetensors file, or for an ``out`` not ending in .safetensors a Hugging
-    Face directory (refmp.config.saves_directory). Returns the checkpoint read."""
-    from refmp.checkpoint.hf import save_hf
-    from refmp.checkpoint.weights import save_model
+    Face directory (refmp.config.saves_directory), tensor by tensor: each read whole from
+    the slices the files hold (refmp.checkpoint.pieces), written, and let go. Returns the
+    checkpoint read."""
+    from refmp.checkpoint.pieces import CheckpointSource
 
-    man, params = read_params(path)
-    if saves_directory(out):
-        save_hf(out, params, model_config(man), man.get("vocab"), flag="convert")
-        return man["dir"]
-    try:
-        save_model(out, params, model_config(man), man.get("vocab"))
-    except OSError as e:
-        raise file_error("cannot write", out, e) from e
-    return man["dir"]
+    src = CheckpointSource(path)
+    save_source(out, src, model_config(src.man), src.dtype, src.man.get("vocab"))
+    return src.ckpt
+
+
+def save_source(out: str, src, mcfg, dtype, vocab=None, tokenizer: str | None = None,
+                flag: str = "convert") -> None:
+    """Write the model ``mcfg`` read from the Source ``src`` as ``out`` (a GPT-2 file, or a
+    Hugging Face directory: refmp.config.saves_directory), one whole tensor at a time."""
+    from refmp.checkpoint.weights import save_streamed
+
+    save_streamed(out, mcfg, dtype, lambda k: src.read(k, dtype=dtype), vocab, tokenizer,
+                  flag=flag)
 
 
 def weights_to_hf(path: str, out: str, n_head: int | None = None) -> None:
     """Write the weights ``path`` (a GPT-2 file or a Hugging Face directory) as the Hugging
     Face directory ``out``, with the tokenizer they name or their directory holds."""
-    from refmp.checkpoint.hf import save_hf
     from refmp.checkpoint.tokenizer import tokenizer_files
-    from refmp.checkpoint.weights import read_model, read_shapes
+    from refmp.checkpoint.weights import open_model
 
-    mcfg, params = read_model(path, n_head)
-    vocab = read_shapes(path)[1].get("vocab")
+    mcfg, src = open_model(path, n_head)
+    vocab = src.metadata.get("vocab")
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    save_hf(out, params, mcfg, None if vocab is None else json.loads(vocab),
-            folder if tokenizer_files(folder) else None, flag="convert")
+    dtype = src.read("ln_f.weight").dtype  # the file's dtype
+    save_source(out, src, mcfg, dtype, None if vocab is None else json.loads(vocab),
+                folder if tokenizer_files(folder) else None)
 
 
 def read_params(path: str) -> tuple[dict, dict]:
     """(the manifest, the whole parameters by GPT-2 name) of the checkpoint at (or latest
-    in) ``path``, saved by any layout."""
-    ckpt = find(path)
-    man = read_manifest(ckpt)
-    shapes = man["tensors"]
-    full, seen = assemble(ckpt, man, {k: (0, math.prod(s) - 1) for k, s in shapes.items()},
-                          ["param"], set(man["files"]))
-    for k, s in seen.items():
-        if not s.all():
-            raise ConfigError(f"checkpoint manifest {man['path']}: no file holds "
-                              f"{int((~s).sum())} elements of {k}")
-    return man, {k: v.reshape(shapes[k]) for k, v in full["param"].items()}
+    in) ``path``, saved by any layout: the whole model, for one process that holds it."""
+    from refmp.checkpoint.pieces import CheckpointSource
+    from refmp.checkpoint.source import read_all
+
+    src = CheckpointSource(path)
+    for f in sorted(src.man["files"]):  # every file checked, as a whole read should
+        src.verify(f)
+    return src.man, read_all(src)
 
 
 def from_gpt2(path: str, root: str, n_head: int | None = None, top_k: int | None = None) -> str:
     """A 1-rank checkpoint (weights only, step 0) in ``root`` from a GPT-2-named safetensors
     file or a Hugging Face directory: what --resume then reads into any layout, as --init
     would. ``n_head``, ``top_k``: the heads, and an MoE model's experts per token, of a file
-    that does not say them (--n-head, --top-k)."""
-    from refmp.checkpoint.weights import read_model, read_shapes
+    that does not say them (--n-head, --top-k). Written tensor by tensor: one whole tensor
+    at a time is read and written."""
+    from refmp.checkpoint.stream import StreamWriter
+    from refmp.checkpoint.weights import open_model
 
-    mcfg, params = read_model(path, n_head, None if top_k is None else {"top_k": top_k})
-    vocab = read_shapes(path)[1].get("vocab")  # the tokenizer the file names, if any
+    mcfg, src = open_model(path, n_head, None if top_k is None else {"top_k": top_k})
+    vocab = src.metadata.get("vocab")  # the tokenizer the file names, if any
     final, tmp = os.path.join(root, step_name(0)), os.path.join(root, f".{step_name(0)}.tmp")
+    shapes = param_shapes(mcfg)
+    dtype = src.read("ln_f.weight").dtype  # the file's dtype
     try:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        flat = {k: np.ascontiguousarray(v).reshape(-1) for k, v in params.items()}
-        entry = write_rank_file(os.path.join(tmp, rank_file(0)),
-                                {k: (np.arange(v.size, dtype=np.int64), {"param": v})
-                                 for k, v in flat.items()})
-        dtype = str(next(iter(flat.values())).dtype)
+        sizes = {k: math.prod(s) for k, s in shapes.items()}  # one piece each: all of it
+        with StreamWriter(os.path.join(tmp, rank_file(0)),
+                          {**{f"{k}/runs": (1, 2) for k in shapes},
+                           **{f"{k}/param": (n,) for k, n in sizes.items()}},
+                          {**{f"{k}/runs": np.int64 for k in shapes},
+                           **{f"{k}/param": dtype for k in shapes}}) as w:
+            for t in w.order:
+                k, kind = t.rsplit("/", 1)
+                w.write(t, np.array([[0, sizes[k]]], np.int64) if kind == "runs"
+                        else src.read(k).reshape(-1))
+        pieces = {k: {"numel": n, "first": 0, "last": n - 1, "runs": 1} for k, n in sizes.items()}
         write_json(os.path.join(tmp, MANIFEST), {
-            "format": FORMAT, "version": 1, "step": 0, "dtype": dtype,
+            "format": FORMAT, "version": 1, "step": 0, "dtype": str(np.dtype(dtype)),
             "layout": {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1, "world": 1, "zero": 0},
             "optimizer": {"kind": None, "t": 0, "moments": []}, "source": path,
             "model": asdict(mcfg), "config": None,
             "vocab": None if vocab is None else json.loads(vocab),
-            "tensors": {k: list(s) for k, s in param_shapes(mcfg).items()},
-            "files": {rank_file(0): {"rank": 0, "coords": {}, **entry}},
+            "tensors": {k: list(s) for k, s in shapes.items()},
+            "files": {rank_file(0): {"rank": 0, "coords": {}, "bytes": w.bytes,
+                                     "sha256": w.sha256, "pieces": pieces}},
         })
         publish(tmp, final)
     except OSError as e:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -233,33 +232,3 @@ def read_file(ckpt: str, name: str, entry: dict) -> dict:
         return load(data)
     except Exception as e:  # safetensors raises its own error types for bad headers
         raise ConfigError(f"checkpoint file {path}: not a readable safetensors file ({e})") from e
-
-
-def assemble(ckpt: str, man: dict, want: dict, kinds: list[str], verify: set = frozenset()):
-    """Full flat tensors {kind: {name: (P,)}} of the names in ``want`` {name: (lo, hi)}, read
-    from the files holding elements in [lo, hi]; ``seen`` {name: (P,) bool} says which
-    elements some file gave. The files in ``verify`` are read (checked) even if not needed."""
-    dtype = np.dtype(man["dtype"])
-    sizes = {k: math.prod(s) for k, s in man["tensors"].items()}
-    full = {kind: {k: np.zeros(sizes[k], dtype) for k in want} for kind in kinds}
-    seen = {k: np.zeros(sizes[k], bool) for k in want}
-    for fname, entry in sorted(man["files"].items()):
-        needed = [k for k, p in entry["pieces"].items()
-                  if k in want and p["first"] <= want[k][1] and p["last"] >= want[k][0]]
-        if not needed and fname not in verify:
-            continue
-        tensors = read_file(ckpt, fname, entry)
-        path = os.path.join(ckpt, fname)
-        for k in needed:
-            try:
-                index = index_of(tensors[f"{k}/runs"])  # (n,) global flat indices
-                if index.size != entry["pieces"][k]["numel"] or index.min() < 0 \
-                        or index.max() >= sizes[k] or seen[k][index].any():
-                    raise ValueError("its slice is not the one its manifest gives")
-                for kind in kinds:
-                    full[kind][k][index] = tensors[f"{k}/{kind}"]
-            except (KeyError, ValueError, IndexError) as e:
-                raise ConfigError(f"checkpoint file {path}: {k} does not match the manifest "
-                                  f"({e})") from e
-            seen[k][index] = True
-    return full, seen

@@ -39,20 +39,6 @@ COMPUTES = {"layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
 GELU = ("gelu_new", "gelu_pytorch_tanh")  # GELU's tanh form (refmp.nn.layers.gelu_forward)
 
 
-def weights_path(path: str, flag: str = "--init") -> str:
-    """The safetensors file of ``path``: itself, or a directory's ``model.safetensors``."""
-    if not os.path.isdir(path):
-        return path
-    file = os.path.join(path, WEIGHTS)
-    if os.path.isfile(file):
-        return file
-    if os.path.isfile(os.path.join(path, f"{WEIGHTS}.index.json")):
-        raise ConfigError(f"{flag} {path}: a Hugging Face checkpoint in several files "
-                          f"({WEIGHTS}.index.json); refmp reads one {WEIGHTS}")
-    raise ConfigError(f"{flag} {path}: a directory without {WEIGHTS} (a Hugging Face model "
-                      f"directory holds {CONFIG} and {WEIGHTS})")
-
-
 def config_path(path: str) -> str | None:
     """The ``config.json`` in the directory ``path``, or beside the file ``path``, if any."""
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
@@ -114,27 +100,41 @@ def hf_config(mcfg, dtype: str) -> dict:
 def save_hf(out: str, params: dict, mcfg, vocab: str | None = None,
             tokenizer: str | None = None, flag: str = "--save") -> None:
     """Write ``params`` (full, GPT-2 names, host arrays) as the Hugging Face directory
-    ``out``: ``model.safetensors`` (tied head: no lm_head.weight; refmp's ``vocab`` in its
-    metadata, for ``refmp generate``), ``config.json``, and the tokenizer's files copied from
-    the directory ``tokenizer``. Each file is written whole or not at all."""
-    from safetensors.numpy import save_file
+    ``out`` (write_hf)."""
+    dtype = next(iter(params.values())).dtype
+    write_hf(out, mcfg, dtype, lambda k: params[k], vocab, tokenizer, flag)
 
+
+def write_hf(out: str, mcfg, dtype, get, vocab: str | None = None,
+             tokenizer: str | None = None, flag: str = "--save", write: bool = True) -> None:
+    """Write the model ``mcfg`` as the Hugging Face directory ``out``, tensor by tensor
+    from ``get(name)`` (a whole host array, called once per parameter in the file's order:
+    refmp.checkpoint.stream.stream, whose ``write`` is this one's): ``model.safetensors``
+    (tied head: no lm_head.weight; refmp's ``vocab`` in its metadata, for ``refmp
+    generate``), ``config.json``, and the tokenizer's files copied from the directory
+    ``tokenizer``. Each file is written whole or not at all."""
     from refmp.checkpoint.format import write_json
+    from refmp.checkpoint.stream import stream
+    from refmp.nn.params import param_shapes
 
     if mcfg.n_expert:
         raise ConfigError(f"{flag} {out}: a mixture-of-experts model has no Hugging Face GPT-2 "
                           f"form (GPT2LMHeadModel has no experts); save a .safetensors file")
-    tensors = {PREFIX + k: np.ascontiguousarray(v) for k, v in params.items()}
+    shapes = {PREFIX + k: s for k, s in param_shapes(mcfg).items()}
     meta = {"format": "pt"}  # what from_pretrained requires of a safetensors file
     if vocab is not None:
         meta["vocab"] = json.dumps(vocab)
+    if write:  # a directory that cannot be made fails the write in stream, after the gathers
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError:
+            pass
     try:
-        os.makedirs(out, exist_ok=True)
-        file = os.path.join(out, WEIGHTS)
-        tmp = f"{file}.tmp{os.getpid()}"
-        save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, file)
-        write_json(os.path.join(out, CONFIG), hf_config(mcfg, str(next(iter(params.values())).dtype)))
+        stream(os.path.join(out, WEIGHTS), shapes, dtype, lambda k: get(k[len(PREFIX):]),
+               meta, write, flag)
+        if not write:
+            return
+        write_json(os.path.join(out, CONFIG), hf_config(mcfg, str(np.dtype(dtype))))
         for name in (tokenizer_files(tokenizer) or []) if tokenizer is not None else []:
             if os.path.abspath(os.path.dirname(name)) != os.path.abspath(out):
                 shutil.copyfile(name, os.path.join(out, os.path.basename(name)))

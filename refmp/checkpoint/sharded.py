@@ -12,9 +12,8 @@ elsewhere the codec starts afresh, and the resumed run says so).
 
 Resharding is reading the slices you need: a rank of any layout knows, from its own
 ``piece_index()``, the global flat indices of every element it holds. It reads the files
-whose pieces of those parameters overlap them, scatters each piece into the full flat tensor
-through its runs, and takes its own elements out through its index. Small models only: a
-rank builds the full tensors of the parameters it holds (docs/checkpoints.md has the sizes).
+whose pieces of those parameters overlap them and copies the overlaps of the pieces' runs
+with its own, run by run (refmp.checkpoint.pieces): no rank builds a whole tensor.
 """
 
 from __future__ import annotations
@@ -29,20 +28,18 @@ import numpy as np
 from refmp.checkpoint.format import (
     FORMAT,
     MANIFEST,
-    assemble,
     check_model,
     codec_file,
     file_error,
-    find,
     publish,
     rank_file,
     read_file,
-    read_manifest,
     step_name,
     write_json,
     write_rank_file,
     write_tensors,
 )
+from refmp.checkpoint.pieces import CheckpointSource
 from refmp.config import TrainConfig
 from refmp.distributed.faults import agreed
 from refmp.distributed.grid import ProcessGrid
@@ -179,35 +176,27 @@ def load(parts: Checkpointed, path: str) -> dict:
     ours = parts.optimizer.state()["kind"]
 
     def read():
-        ckpt = find(path)
-        man = read_manifest(ckpt)
+        src = CheckpointSource(path)
+        man = src.man
         check_model(man, parts.model)
         kind = man["optimizer"]["kind"]
         if kind is not None and kind != ours:
             raise ConfigError(f"checkpoint manifest {man['path']}: its optimizer is {kind}, "
                               f"this run's is {ours} (--optimizer {kind})")
         kinds = ["param", *man["optimizer"]["moments"]]  # the moments of the same optimizer
-        want = {k: (int(i[i >= 0].min()), int(i[i >= 0].max()))
-                for k, i in index.items() if (i >= 0).any()}
-        names = sorted(man["files"])
-        verify = {f for j, f in enumerate(names) if j % world.size == world.rank}
-        full, seen = assemble(ckpt, man, want, kinds, verify)
-        for k in want:
-            i = index[k][index[k] >= 0]
-            if not seen[k][i].all():
-                raise ConfigError(f"checkpoint manifest {man['path']}: no file holds "
-                                  f"{int((~seen[k][i]).sum())} elements of {k}")
-        return man, kinds, full, read_codec(ckpt, man, parts)
+        for j, f in enumerate(sorted(man["files"])):  # every file checked by some rank
+            if j % world.size == world.rank:
+                src.verify(f)
+        pieces = {m: {k: src.read_elements(k, i, kind=m) if (i >= 0).any()
+                      else np.zeros(i.size, man["dtype"])  # padding alone
+                      for k, i in index.items()} for m in kinds}
+        return man, kinds, pieces, read_codec(src.ckpt, man, parts)
 
-    man, kinds, full, codec = agreed(world, read)
+    man, kinds, pieces, codec = agreed(world, read)
 
     def own_piece(kind: str, k: str) -> np.ndarray:
-        """This rank's piece k of ``kind``: its elements of the full tensor, 0 at padding."""
-        i = index[k]
-        out = np.zeros(i.size, man["dtype"])
-        if k in full[kind]:
-            out[i >= 0] = full[kind][k][i[i >= 0]]
-        return out
+        """This rank's piece k of ``kind``: its elements, 0 at padding."""
+        return pieces[kind][k]
 
     for k, p in run.params.items():
         p[...] = backend.from_host(own_piece("param", k))

@@ -18,7 +18,7 @@ import re
 
 import numpy as np
 
-from refmp.checkpoint.hf import read_hf_config, weights_path
+from refmp.checkpoint.hf import read_hf_config
 from refmp.errors import ConfigError
 from refmp.nn.gpt import GPT, GPTConfig, param_shapes
 from refmp.runtime import backend
@@ -26,89 +26,74 @@ from refmp.runtime import backend
 MOE_META = ("top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
-def save_model(path: str, params: dict, cfg: GPTConfig, vocab: str | None = None) -> None:
-    """Write full (unsharded) parameters, GPT-2 names, to ``path``, atomically. ``vocab``:
-    the data's tokenizer for ``refmp generate`` (its characters, or "bytes"), if it has one."""
-    from safetensors.numpy import save_file
-
-    tensors = {k: np.ascontiguousarray(backend.to_host(v)) for k, v in params.items()}
+def model_metadata(cfg: GPTConfig, vocab: str | None = None) -> dict[str, str]:
+    """The metadata of refmp's model file: its format, n_head, the tokenizer ``vocab`` (the
+    data's characters, or "bytes") if any, and an MoE model's settings the tensors do not say."""
     meta = {"format": "refmp", "n_head": str(cfg.n_head)}
     if vocab is not None:
         meta["vocab"] = json.dumps(vocab)
-    if cfg.n_expert:  # the MoE settings the tensors do not say
+    if cfg.n_expert:
         meta.update({k: str(getattr(cfg, k)) for k in MOE_META})
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file(tensors, tmp, metadata=meta)
-    os.replace(tmp, path)  # never leave a half-written file under the real name
+    return meta
 
 
-def gpt2_name(key: str) -> str | None:
-    """A file's tensor name as refmp's parameter name; None for what is not a parameter."""
-    key = key.removeprefix("transformer.")
-    if key == "lm_head.weight" or re.fullmatch(r"h\.\d+\.attn\.(masked_)?bias", key):
-        return None  # tied head, causal-mask buffers: not parameters
-    return key
+def save_model(path: str, params: dict, cfg: GPTConfig, vocab: str | None = None,
+               flag: str = "--save") -> None:
+    """Write full (unsharded) parameters, GPT-2 names, to ``path``, atomically, one tensor at
+    a time (refmp.checkpoint.stream). ``vocab``: the data's tokenizer for ``refmp generate``
+    (its characters, or "bytes"), if it has one."""
+    from refmp.checkpoint.stream import stream
+
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    dtypes = {k: v.dtype for k, v in params.items()}
+    stream(path, shapes, dtypes, lambda k: backend.to_host(params[k]),
+           model_metadata(cfg, vocab), flag=flag)
 
 
-def check_complete(path: str, flag: str = "--init") -> None:
-    """Refuse a truncated safetensors file (an interrupted copy or download), naming it.
+def save_order(mcfg: GPTConfig, dtype) -> list[str]:
+    """The order in which save_streamed asks for the parameters (the file's: by name)."""
+    from refmp.checkpoint.stream import order
 
-    The format: an 8-byte little-endian header length n, n bytes of JSON giving each
-    tensor's ``data_offsets`` [begin, end) in the data that follows; so the file must hold
-    8 + n + the largest end bytes. Other damage is left to safetensors' own message.
-    """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little")
-        if len(head) < 8 or 8 + n > size:
-            raise ConfigError(f"{flag} {path}: truncated, or not a safetensors file ({size:,} "
-                              f"bytes, too short for the header it starts with)")
-        try:
-            header = json.loads(f.read(n))
-            end = max((int(v["data_offsets"][1]) for k, v in header.items()
-                       if k != "__metadata__"), default=0)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return  # not a header we can read: safetensors says what is wrong
-    if 8 + n + end > size:
-        raise ConfigError(f"{flag} {path}: truncated: the file has {size:,} bytes but its "
-                          f"header describes {8 + n + end:,} (an interrupted copy or download?)")
+    shapes = param_shapes(mcfg)
+    return order(shapes, {k: dtype for k in shapes})
 
 
-def _open(path: str, read):
-    """``read(f)`` on the opened file (``path``, or a directory's model.safetensors); clear
-    errors if it is missing, truncated or unreadable."""
-    from safetensors import safe_open
+def save_streamed(out: str, mcfg: GPTConfig, dtype, gather, vocab: str | None = None,
+                  tokenizer: str | None = None, write: bool = True, flag: str = "--save") -> None:
+    """``--save FILE``, or ``--save DIR`` (a Hugging Face directory: refmp.config's
+    saves_directory), tensor by tensor: ``gather(name)`` gives each whole parameter (a host
+    array in ``dtype``) on the writing rank, and is called once per parameter in save_order
+    on every rank that calls this with the same arguments, so a collective gather keeps the
+    ranks in step; only the rank with ``write`` writes, holding one tensor at a time. A
+    failure to write is raised after the last gather (refmp.checkpoint.stream.stream).
+    ``tokenizer``: the directory whose tokenizer files a Hugging Face directory gets."""
+    from refmp.checkpoint.hf import write_hf
+    from refmp.checkpoint.stream import stream
+    from refmp.config import saves_directory
 
-    path = weights_path(path)
-    if not os.path.isfile(path):
-        raise ConfigError(f"--init {path}: no such file")
-    check_complete(path)
-    try:
-        with safe_open(path, framework="numpy") as f:
-            return read(f)
-    except Exception as e:  # safetensors raises its own error types for bad headers
-        raise ConfigError(f"--init {path}: not a readable safetensors file ({e})") from e
+    if saves_directory(out):
+        write_hf(out, mcfg, dtype, gather, vocab, tokenizer, flag, write)
+    else:
+        stream(out, param_shapes(mcfg), dtype, gather, model_metadata(mcfg, vocab), write, flag)
 
 
 def read_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors by GPT-2 name, metadata) from a safetensors file or a Hugging Face directory;
-    clear errors if unreadable. A ``lm_head.weight`` that is not ``wte.weight`` is refused:
-    refmp's logits are h wte^T, and a separate head would be dropped."""
-    raw, meta = _open(path, lambda f: ({k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}))
-    tensors = {n: v for k, v in raw.items() if (n := gpt2_name(k)) is not None}
-    head = raw.get("lm_head.weight")
-    if head is not None and not np.array_equal(head, tensors.get("wte.weight")):
-        raise ConfigError(f"--init {path}: its lm_head.weight is not wte.weight (an untied "
-                          f"head); refmp's GPT-2 ties them")
-    return tensors, meta
+    """(every tensor, whole, by GPT-2 name; metadata) of a safetensors file or a Hugging Face
+    directory (refmp.checkpoint.source.FileSource: clear errors if unreadable, a
+    ``lm_head.weight`` that is not ``wte.weight`` refused: refmp's logits are h wte^T)."""
+    from refmp.checkpoint.source import FileSource, read_all
+
+    src = FileSource(path)
+    src.check_head()
+    return read_all(src), src.metadata
 
 
 def read_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """(shapes by GPT-2 name, metadata) from the file's header alone (no tensor is read)."""
-    raw, meta = _open(path, lambda f: ({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()},
-                                       f.metadata() or {}))
-    return {n: v for k, v in raw.items() if (n := gpt2_name(k)) is not None}, meta
+    """(shapes by GPT-2 name, metadata) from the files' headers alone (no tensor is read)."""
+    from refmp.checkpoint.source import FileSource
+
+    src = FileSource(path)
+    return src.shapes(), src.metadata
 
 
 def read_config(path: str, n_head: int | None = None,
@@ -199,27 +184,38 @@ def _heads(path: str, meta: dict, sizes: dict, n_head: int | None) -> int:
     return said if said is not None else n_head
 
 
-def read_model(path: str, n_head: int | None = None,
-               moe: dict | None = None) -> tuple[GPTConfig, dict[str, np.ndarray]]:
-    """``read_config(path, n_head, moe)``'s GPTConfig and the file's tensors (host arrays, the
-    file's dtype, GPT-2's order), checked against that model's names and shapes."""
+def open_model(path: str, n_head: int | None = None, moe: dict | None = None):
+    """(``read_config(path, n_head, moe)``'s GPTConfig, the file's Source: FileSource, read
+    slice by slice), its names and shapes checked against that model's and its head tied."""
+    from refmp.checkpoint.source import FileSource
+
     cfg, _ = read_config(path, n_head, moe)  # the caller prints the notes on one rank
-    tensors, _ = read_tensors(path)
+    src = FileSource(path)
+    shapes = src.shapes()
     expected = param_shapes(cfg)
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(shapes))
+    extra = sorted(set(shapes) - set(expected))
     if missing or extra:
         raise ConfigError(f"--init {path}: names do not match a {cfg.n_layer}-layer GPT-2 "
                           f"(missing {missing[:4]}, unexpected {extra[:4]})")
     for k, shape in expected.items():
-        if tuple(tensors[k].shape) != shape:
-            raise ConfigError(f"--init {path}: {k} has shape {tuple(tensors[k].shape)}, "
+        if tuple(shapes[k]) != shape:
+            raise ConfigError(f"--init {path}: {k} has shape {tuple(shapes[k])}, "
                               f"expected {shape}")
-    return cfg, {k: tensors[k] for k in expected}
+    src.check_head()
+    return cfg, src
+
+
+def read_model(path: str, n_head: int | None = None,
+               moe: dict | None = None) -> tuple[GPTConfig, dict[str, np.ndarray]]:
+    """``read_config(path, n_head, moe)``'s GPTConfig and the file's tensors, whole (host
+    arrays, the file's dtype, GPT-2's order), checked as open_model checks them."""
+    cfg, src = open_model(path, n_head, moe)
+    return cfg, {k: src.read(k) for k in param_shapes(cfg)}
 
 
 def load_model(path: str, n_head: int | None = None, dtype: str = "float32",
                moe: dict | None = None) -> GPT:
     """A GPT whose configuration is ``read_config(path, n_head, moe)``'s, with the file's weights."""
-    cfg, tensors = read_model(path, n_head, moe)
-    return GPT(cfg, {k: backend.from_host(v.astype(dtype, copy=False)) for k, v in tensors.items()})
+    cfg, src = open_model(path, n_head, moe)
+    return GPT(cfg, {k: backend.from_host(src.read(k, dtype=dtype)) for k in param_shapes(cfg)})

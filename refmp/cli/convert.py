@@ -1,6 +1,7 @@
 """``refmp convert``: a sharded checkpoint as one GPT-2 file or a Hugging Face directory, and
 back; ``--hf``: weights as a Hugging Face directory; ``--info``: what a checkpoint holds
-(refmp.checkpoint.convert).
+(refmp.checkpoint.convert). Every conversion streams tensor by tensor: its peak is the
+largest tensor plus one read chunk.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def add_parser(sub) -> None:
 
 
 def is_weights(path: str) -> bool:
-    """A GPT-2 file or a Hugging Face directory (model.safetensors), not a checkpoint."""
-    return os.path.isfile(path) or os.path.isfile(os.path.join(path, "model.safetensors"))
+    """A GPT-2 file or a Hugging Face directory (model.safetensors, or several files behind
+    model.safetensors.index.json), not a checkpoint."""
+    return os.path.isfile(path) or any(os.path.isfile(os.path.join(path, f)) for f in
+                                       ("model.safetensors", "model.safetensors.index.json"))
 
 
 def run_convert(args: argparse.Namespace) -> None:

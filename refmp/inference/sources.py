@@ -42,13 +42,25 @@ class Tokenizer:
 
 def load_weights(init: str | None, checkpoint: str | None, moe: dict | None = None,
                  n_head: int | None = None, tokenizer: str | None = None, text: bool = True):
-    """(GPTConfig, full parameters as host arrays, tokenizer or None) from ``--init`` (a
-    file or a Hugging Face directory) or ``--checkpoint``. ``moe``: the MoE settings given
-    (top_k, moe_every), winning over what the weights say; refused for a dense model.
-    ``n_head``: the heads of an --init file that does not say them (--n-head).
-    ``tokenizer``: --tokenizer DIR; ``text``: whether prompts may be text (see pick_tokenizer).
+    """(GPTConfig, full parameters as host arrays, tokenizer or None): weight_source's model
+    read whole (the one-rank case; a split decoder reads its slices from the Source)."""
+    from refmp.nn.params import param_shapes
+
+    mcfg, src, tok = weight_source(init, checkpoint, moe, n_head, tokenizer, text)
+    return mcfg, {k: src.read(k) for k in param_shapes(mcfg)}, tok
+
+
+def weight_source(init: str | None, checkpoint: str | None, moe: dict | None = None,
+                  n_head: int | None = None, tokenizer: str | None = None, text: bool = True):
+    """(GPTConfig, the weights' Source (refmp.checkpoint.source: read slice by slice),
+    tokenizer or None) from ``--init`` (a file or a Hugging Face directory, one
+    model.safetensors or several) or ``--checkpoint`` (a sharded checkpoint of any layout).
+    ``moe``: the MoE settings given (top_k, moe_every), winning over what the weights say;
+    refused for a dense model. ``n_head``: the heads of an --init file that does not say
+    them (--n-head). ``tokenizer``: --tokenizer DIR; ``text``: whether prompts may be text
+    (see pick_tokenizer).
     """
-    from refmp.checkpoint.weights import read_model, read_shapes
+    from refmp.checkpoint.weights import open_model
 
     if (init is None) == (checkpoint is None):
         raise ConfigError("give the weights: --init PATH or --checkpoint DIR (one of them)")
@@ -56,19 +68,18 @@ def load_weights(init: str | None, checkpoint: str | None, moe: dict | None = No
     if checkpoint is not None and n_head is not None:
         raise ConfigError("--n-head is for an --init file; a checkpoint's manifest says it")
     if checkpoint is not None:
-        from refmp.checkpoint.convert import read_params
         from refmp.checkpoint.format import model_config
+        from refmp.checkpoint.pieces import CheckpointSource
 
-        man, params = read_params(checkpoint)
-        mcfg = model_config(man)
-        tok = pick_tokenizer(tokenizer, man.get("vocab"), None, mcfg.vocab_size, text)
-        return with_moe(mcfg, moe, checkpoint), params, tok
-    mcfg, params = read_model(init, n_head, {k: v for k, v in moe.items() if k == "top_k"})
+        src = CheckpointSource(checkpoint)
+        mcfg = model_config(src.man)
+        tok = pick_tokenizer(tokenizer, src.man.get("vocab"), None, mcfg.vocab_size, text)
+        return with_moe(mcfg, moe, checkpoint), src, tok
+    mcfg, src = open_model(init, n_head, {k: v for k, v in moe.items() if k == "top_k"})
     mcfg = with_moe(mcfg, moe, init)
-    meta = read_shapes(init)[1]
-    vocab = json.loads(meta["vocab"]) if "vocab" in meta else None
+    vocab = json.loads(src.metadata["vocab"]) if "vocab" in src.metadata else None
     folder = init if os.path.isdir(init) else os.path.dirname(os.path.abspath(init))
-    return mcfg, params, pick_tokenizer(tokenizer, vocab, folder, mcfg.vocab_size, text)
+    return mcfg, src, pick_tokenizer(tokenizer, vocab, folder, mcfg.vocab_size, text)
 
 
 def pick_tokenizer(given: str | None, vocab: str | None, folder: str | None, V: int,

@@ -2,7 +2,8 @@
 
 Shapes: C channels (n_embd), V vocabulary, T block size, L layers, E experts.
 Every parameter has a GPT-2 checkpoint name (``wte.weight``, ``h.{i}.attn.c_attn.weight``, ...)
-and a global shape; a parallel layout slices its shard from the full tensor drawn here.
+and a global shape. Initial values depend on (seed, name, element) alone and are drawn in
+bounded row blocks (init_slice), so a rank makes its shard without the whole tensor.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refmp.nn import moe as M
+from refmp.nn.slices import BLOCK_BYTES, WHOLE, Index, cut, cut_shape, fill
 from refmp.runtime import backend
 
 
@@ -103,27 +105,66 @@ def param_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def init_param(name: str, shape: tuple[int, ...], cfg: GPTConfig, seed: int) -> np.ndarray:
-    """GPT-2's initialization of one parameter, at its global shape, in float64 on the host.
+def init_std(name: str, cfg: GPTConfig) -> float | None:
+    """GPT-2's N(0, std) for a weight: 0.02, and 0.02 / sqrt(2 L) for the residual output
+    projections (``c_proj``, experts' too); None for the constants (LayerNorm weights 1,
+    biases 0: init_const)."""
+    if name.endswith(".bias") or "ln_" in name:
+        return None
+    return 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
 
-    The generator is seeded by (seed, crc32(name)), so a parameter's values depend on nothing
-    but its name: any layout slices its shard from the same full tensor and starts where the
-    serial model starts. LayerNorm weights are 1, biases 0, weights N(0, 0.02), and the
-    residual output projections (``c_proj``, experts' too) N(0, 0.02 / sqrt(2 L)).
+
+def init_const(name: str) -> float:
+    """A constant parameter's value: 0 for biases, 1 for LayerNorm weights."""
+    return 0.0 if name.endswith(".bias") else 1.0
+
+
+def init_block_rows(shape: tuple[int, ...]) -> int:
+    """R, the rows of one random block of a tensor of ``shape``: as many as fill
+    slices.BLOCK_BYTES with float64 draws (at least one row). A function of the global
+    shape alone, so every layout draws the same blocks."""
+    return max(1, BLOCK_BYTES // (8 * math.prod(shape[1:])))
+
+
+def init_slice(name: str, shape: tuple[int, ...], cfg: GPTConfig, seed: int,
+               index: Index = WHOLE, dtype="float64") -> np.ndarray:
+    """The slice ``index`` (refmp.nn.slices.Index) of parameter ``name``'s initial values, at
+    global ``shape``, in ``dtype`` on the host, made without the whole tensor.
+
+    Values are a function of (seed, name, element): rows [b R, (b+1) R) of a weight are
+    drawn by one generator seeded (seed, crc32(name), b) (init_block_rows' R), row after
+    row, times init_std; constants are init_const. A rank draws only the blocks its slice
+    touches, each up to the last row it needs, so its peak is the slice plus about one block
+    (1 MiB); any layout starts where the serial model starts.
     """
-    if name.endswith(".bias"):
-        return np.zeros(shape)
-    if "ln_" in name:
-        return np.ones(shape)
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
-    return rng.normal(0.0, std, size=shape)
+    std = init_std(name, cfg)
+    R = init_block_rows(shape)
+    crc = zlib.crc32(name.encode())
+    cshape = cut_shape(shape, index)
+
+    def read_rows(g0: int, g1: int):
+        if std is None:
+            return np.full((g1 - g0,) + cshape[1:], init_const(name))
+        b = g0 // R  # this chunk's block: rows [b R, b R + R)
+        rng = np.random.default_rng([seed, crc, b])
+        z = rng.standard_normal((g1 - b * R,) + tuple(shape[1:]))  # the block's rows up to g1
+        z = z[g0 - b * R:]
+        z *= std
+        return cut(z, shape, index)  # (g1 - g0, *cshape[1:])
+
+    return fill(shape, index, dtype, read_rows, R)
+
+
+def init_param(name: str, shape: tuple[int, ...], cfg: GPTConfig, seed: int) -> np.ndarray:
+    """GPT-2's initialization of one whole parameter, in float64 on the host: the one-rank
+    case of init_slice."""
+    return init_slice(name, shape, cfg, seed)
 
 
 def init_params(cfg: GPTConfig, seed: int, dtype="float32") -> dict:
-    """All parameters at full size, on the run's array module."""
+    """All parameters at full size, on the run's array module (the serial model's share)."""
     return {
-        name: backend.from_host(init_param(name, shape, cfg, seed).astype(dtype))
+        name: backend.from_host(init_slice(name, shape, cfg, seed, dtype=dtype))
         for name, shape in param_shapes(cfg).items()
     }
 
