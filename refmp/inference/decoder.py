@@ -73,8 +73,9 @@ class Decoder:
     own (each axis left out is taken from a grid of one rank). ``capacity``: route to the
     experts with the model's capacity limit, as training and GPT.generate do (a token's
     output then depends on the tokens of its sequence, so only decoding without the cache is
-    exact). ``T``: the block size the pipeline split is costed at, as training's (its
-    ``--block-size``, default the model's), so that a stage holds the blocks it trains."""
+    exact). ``T``: the block size the pipeline split (training's rank_chunks, one chunk per
+    rank) is costed at: a run's ``--block-size`` (default the model's, as in training), so
+    that a stage holds the blocks it trains."""
 
     def __init__(self, mcfg, params: dict, grid, cp_balance: str = "zigzag",
                  axes: tuple[str, ...] = SPLIT, capacity: bool = False, T: int | None = None):
