@@ -101,6 +101,22 @@ def shards_held(params: dict, blocks, first: bool, last: bool, tp, ep, n_expert:
             if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
 
 
+def shard_index(name: str, shape: tuple[int, ...], rank: int, tp: int):
+    """The refmp.nn.slices.Index of tp_shard's piece of a parameter of global ``shape``: what
+    a rank reads of it from a Source (refmp.checkpoint.source)."""
+    from refmp.nn.slices import WHOLE, tp_index
+
+    split = TP_SPLITS.get(local_name(name))
+    return WHOLE if split is None else tp_index(shape, *split, rank, tp)
+
+
+def share(shapes: dict, blocks, first: bool, last: bool, tp, ep, n_expert: int = 0) -> dict:
+    """shards_held without the whole model: {name: the Index of this rank's tp shard}, for
+    every parameter of ``shapes`` (name -> global shape, the model's order) it holds."""
+    return {k: shard_index(k, s, tp.rank, tp.size) for k, s in shapes.items()
+            if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
+
+
 def unit_of(name: str) -> str:
     """The Sharder unit of a parameter: ``wte``, ``wpe``, ``h.{i}``, ``h.{i}.experts``, ``ln_f``.
 
