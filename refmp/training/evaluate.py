@@ -66,11 +66,12 @@ def held_weights(run: Runner, grid: ProcessGrid, mcfg: GPTConfig, T: int) -> dic
 
     def needs(q: int) -> set[str]:  # what decoder stage q holds (every expert of its blocks)
         blocks = rank_chunks(mcfg, T, q, ChunkPlacement(P))[q]
-        return {k for k in shapes if holds(k, blocks, q == 0, q == P - 1)}
+        return {k for k in shapes if holds(k, blocks, q == 0, q == P - 1, 0, mcfg.n_expert)}
 
     names = [k for unit in sh.units.values() for k in unit.shapes]
     blocks = {int(k.split(".")[1]) for k in names if k.startswith("h.")}
-    trains = {k for k in shapes if holds(k, blocks, "wpe.weight" in names, "ln_f.weight" in names)}
+    first, last = "wpe.weight" in names, "ln_f.weight" in names
+    trains = {k for k in shapes if holds(k, blocks, first, last, 0, mcfg.n_expert)}
     trainers: dict[str, list[int]] = {}  # name -> the pp ranks that train it
     for q, theirs in enumerate(pp.allgather_obj(sorted(trains))):
         for k in theirs:
