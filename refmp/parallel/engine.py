@@ -24,6 +24,7 @@ from refmp.config import ParallelConfig
 from refmp.distributed.waiting import wait
 from refmp.nn import gpt
 from refmp.nn.routing import moe_summary
+from refmp.nn.slices import slice_shape
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
@@ -50,8 +51,8 @@ from refmp.parallel.placement import (
     counts_in_norm,
     gather_experts,
     gather_tp,
+    held_indices,
     place,
-    shards_held,
     tp_shard,
     units_of,
 )
@@ -78,24 +79,47 @@ def context_parallel(grid, layout: ParallelConfig, T: int, keep_scores: bool):
     return attn, [chunks.positions(r) for r in range(cp)]
 
 
-def take_params(model: gpt.GPT, chunks: dict[int, range], first: bool, last: bool, grid) -> dict:
-    """This rank's tp shard of every parameter it holds (placement.holds); frees the model."""
+class ShardReader:
+    """This rank's tp shard of every parameter it holds, read from a Source one at a time:
+    what the Sharder builds its units from (as refmp.parallel.data.sharder.InMemory).
+    ``indices``: name -> the Index of its shard (placement.held_indices); ``shapes`` the
+    shards' shapes; ``read(name, flat)`` the shard, or elements [a, b) of it flattened
+    (ZeRO-3's owned range), in ``dtype`` on the backend's device."""
+
+    def __init__(self, source, shapes: dict, indices: dict, dtype):
+        self.source = source
+        self.indices = indices
+        self.dtype = np.dtype(dtype)
+        self.shapes = {k: slice_shape(shapes[k], i) for k, i in indices.items()}
+        self.xp = backend.xp
+
+    def read(self, name: str, flat: tuple[int, int] | None = None):
+        index = self.indices[name]
+        if flat is not None:
+            index = index._replace(flat=flat)
+        return backend.from_host(self.source.read(name, index, self.dtype))
+
+
+def held_shards(mcfg: gpt.GPTConfig, source, chunks: dict[int, range], first: bool,
+                last: bool, grid, dtype) -> ShardReader:
+    """The reader of this rank's share (placement.holds: its chunks' blocks, the ends' wte,
+    wpe and ln_f, its experts; each parameter's tp shard) of ``source``."""
     blocks = {i for c in chunks.values() for i in c}
-    local = shards_held(model.params, blocks, first, last, grid.comm["tp"], grid.comm["ep"],
-                        model.cfg.n_expert)
-    model.params = {}  # the engine keeps only its shards
-    model.grads = {}
-    return local
+    shapes = gpt.param_shapes(mcfg)
+    indices = held_indices(shapes, blocks, first, last, grid.comm["tp"], grid.comm["ep"],
+                           mcfg.n_expert)
+    return ShardReader(source, shapes, indices, dtype)
 
 
-def build_sharder(local: dict, grid, layout: ParallelConfig, seed: int) -> Sharder:
+def build_sharder(local: ShardReader, grid, layout: ParallelConfig, seed: int) -> Sharder:
     """The Sharder over ``local``: its units (placement.units_of), each over the group its
-    gradient is summed over (placement's "reduce": dp x cp, or edp for experts)."""
+    gradient is summed over (placement's "reduce": dp x cp, or edp for experts), each read
+    from the source as it is built."""
     dense, edp = grid.group("dp", "cp"), grid.comm["edp"]
     if layout.dp_reduce == "hierarchical":  # sums inside each node first (data/hierarchical.py)
         check_nodes(grid.sizes, grid.nodes, ("dp", "cp"))
         dense = HierarchicalComm(dense, grid.nodes)
-    units = units_of(local)
+    units = units_of(local.shapes)
     groups = {u: edp if "edp" in place(names[0], False).reduce else dense
               for u, names in units.items()}
     compute, grad_dtype = mixed_dtypes(layout)  # None, None without --mixed-precision
@@ -138,12 +162,14 @@ def build_executor(sched: Schedule, stage: Stage, pp, dtype, measure,
 
 
 class Engine:
-    """The runner (refmp.training.trainer.Runner) for any layout: ``model`` holds the full initial
-    weights (layout-independent), which the engine slices and then frees; ``layout`` how the
-    ranks split the work; ``T`` the block size the run trains on; ``seed`` the run's."""
+    """The runner (refmp.training.trainer.Runner) for any layout: ``mcfg`` the model's shape,
+    ``source`` its initial weights (refmp.checkpoint.source: a fresh init, a file), of which
+    each rank reads only its share, in ``dtype``; ``layout`` how the ranks split the work;
+    ``T`` the block size the run trains on; ``seed`` the run's."""
 
-    def __init__(self, model: gpt.GPT, grid, layout: ParallelConfig, T: int, seed: int = 0):
-        mc = self.mcfg = model.cfg
+    def __init__(self, mcfg: gpt.GPTConfig, source, grid, layout: ParallelConfig, T: int,
+                 seed: int = 0, dtype="float32"):
+        mc = self.mcfg = mcfg
         self.grid = grid
         self.tp = grid.comm["tp"]
         self.pp = grid.comm["pp"]
@@ -164,7 +190,7 @@ class Engine:
         chunks = rank_chunks(mc, T, self.pp.rank, placed, layout.stage_layers)
         self.first = 0 in chunks  # embeds the tokens
         self.last = self.n_chunks - 1 in chunks  # the head and the loss
-        local = take_params(model, chunks, self.first, self.last, grid)
+        local = held_shards(mc, source, chunks, self.first, self.last, grid, dtype)
         self.sharder = build_sharder(local, grid, layout, seed)
         self.stage = Stage(chunks, self.n_chunks, mc, self.ops, self.sharder,
                            moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
@@ -175,9 +201,9 @@ class Engine:
                                self.pp.rank, self.v)
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
-                                if k in local and "tp" in place(k, self.sp).reduce}
+                                if k in local.shapes and "tp" in place(k, self.sp).reduce}
         coords = {**grid.coords, "edp": grid.comm["edp"].rank}
-        self.counts_in_norm = counts_in_norm(self.sharder.params, local, coords, self.sp,
+        self.counts_in_norm = counts_in_norm(self.sharder.params, local.shapes, coords, self.sp,
                                              self.sharder.partitions, self.first, self.last)
         self.peak_activations = 0
         self._loss = (0.0, 0.0)  # the last step's (cross-entropy, MoE) loss shares here

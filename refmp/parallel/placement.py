@@ -3,8 +3,8 @@
 Shapes: C channels, NH heads, V vocabulary, Vp = V padded to a multiple of tp, E experts,
 El = E/ep experts per rank; pp, dp, cp, tp, ep (and edp = dp cp / ep) group sizes.
 
-This table is the only place that knows how a layout cuts the model. The engine slices the
-full (layout-independent) initial weights with it, the Sharder reads which group reduces each
+This table is the only place that knows how a layout cuts the model. The engine reads each
+shard it holds from a Source with it (held_indices), the Sharder reads which group reduces each
 unit, clipping reads who counts each element once, ``--save`` reads how to glue shards back:
 
     parameter            split              gradient summed over     copies (counted once)
@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from refmp.nn import experts as M
+from refmp.nn.slices import WHOLE, Index, tp_index
 from refmp.runtime import backend
 
 # tp splits: name inside a block (or the top-level name) -> (dim, kind)
@@ -98,6 +99,21 @@ def shards_held(params: dict, blocks, first: bool, last: bool, tp, ep, n_expert:
     holds (holds), in the model's order. ``tp``, ``ep``: the rank's groups (their rank and
     size). The engine's and the decoder's selection."""
     return {k: tp_shard(k, v, tp.rank, tp.size) for k, v in params.items()
+            if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
+
+
+def shard_index(name: str, shape: tuple[int, ...], rank: int, tp: int) -> Index:
+    """The refmp.nn.slices.Index of tp rank ``rank``'s shard of parameter ``name`` (global
+    ``shape``): exactly tp_shard's piece, padded vocabulary rows included."""
+    split = TP_SPLITS.get(local_name(name))
+    return WHOLE if split is None else tp_index(shape, *split, rank, tp)
+
+
+def held_indices(shapes: dict, blocks, first: bool, last: bool, tp, ep,
+                 n_expert: int = 0) -> dict[str, Index]:
+    """shards_held without the arrays: for every parameter this rank holds (``shapes``: the
+    global shapes, in the model's order), the Index of its tp shard, what a Source reads."""
+    return {k: shard_index(k, s, tp.rank, tp.size) for k, s in shapes.items()
             if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
 
 
