@@ -229,8 +229,8 @@ def grads_at_once(units: dict, first: bool, last: bool) -> int:
 
 
 def setup_bytes(cfg: TrainConfig, shapes: dict, n: int, ep: int, w: int) -> int:
-    """What a rank holds beyond its state while it builds (refmp.parallel.engine.ShardReader
-    and the Sharder, one unit at a time): its largest single read, a parameter's tp shard (at
+    """What a rank holds beyond its state while it builds (placement.ShardReader and the
+    Sharder, one unit at a time): its largest single read, a parameter's tp shard (at
     ZeRO-3 without hpZ, only the part of it its slice owns: at most S elements of its unit),
     and two read chunks (the block drawn or read and its cut, slices.BLOCK_BYTES each); one
     whole unit's flat buffer in w bytes where it is not kept (mixed precision before its

@@ -24,7 +24,6 @@ from refmp.config import ParallelConfig
 from refmp.distributed.waiting import wait
 from refmp.nn import gpt
 from refmp.nn.routing import moe_summary
-from refmp.nn.slices import slice_shape
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
@@ -48,10 +47,11 @@ from refmp.parallel.pipeline.schedules import ChunkPlacement
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.placement import (
+    ShardReader,
     counts_in_norm,
     gather_experts,
     gather_tp,
-    held_indices,
+    held_shards,
     place,
     tp_shard,
     units_of,
@@ -77,38 +77,6 @@ def context_parallel(grid, layout: ParallelConfig, T: int, keep_scores: bool):
     attn = (RingAttention(grid.comm["cp"], chunks) if layout.cp_algo == "ring"
             else UlyssesAttention(grid.comm["cp"], chunks, keep_scores))
     return attn, [chunks.positions(r) for r in range(cp)]
-
-
-class ShardReader:
-    """This rank's tp shard of every parameter it holds, read from a Source one at a time:
-    what the Sharder builds its units from (as refmp.parallel.data.sharder.InMemory).
-    ``indices``: name -> the Index of its shard (placement.held_indices); ``shapes`` the
-    shards' shapes; ``read(name, flat)`` the shard, or elements [a, b) of it flattened
-    (ZeRO-3's owned range), in ``dtype`` on the backend's device."""
-
-    def __init__(self, source, shapes: dict, indices: dict, dtype):
-        self.source = source
-        self.indices = indices
-        self.dtype = np.dtype(dtype)
-        self.shapes = {k: slice_shape(shapes[k], i) for k, i in indices.items()}
-        self.xp = backend.xp
-
-    def read(self, name: str, flat: tuple[int, int] | None = None):
-        index = self.indices[name]
-        if flat is not None:
-            index = index._replace(flat=flat)
-        return backend.from_host(self.source.read(name, index, self.dtype))
-
-
-def held_shards(mcfg: gpt.GPTConfig, source, chunks: dict[int, range], first: bool,
-                last: bool, grid, dtype) -> ShardReader:
-    """The reader of this rank's share (placement.holds: its chunks' blocks, the ends' wte,
-    wpe and ln_f, its experts; each parameter's tp shard) of ``source``."""
-    blocks = {i for c in chunks.values() for i in c}
-    shapes = gpt.param_shapes(mcfg)
-    indices = held_indices(shapes, blocks, first, last, grid.comm["tp"], grid.comm["ep"],
-                           mcfg.n_expert)
-    return ShardReader(source, shapes, indices, dtype)
 
 
 def build_sharder(local: ShardReader, grid, layout: ParallelConfig, seed: int) -> Sharder:

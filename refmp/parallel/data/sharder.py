@@ -57,7 +57,7 @@ from refmp.runtime.backend import array_module
 class InMemory:
     """Local arrays already whole in memory (a test's, a tutorial's) as what the Sharder
     reads: ``shapes``, ``dtype``, ``xp`` and ``read(name, flat)``, the array or elements
-    [a, b) of it flattened (refmp.parallel.engine.ShardReader reads them from a Source)."""
+    [a, b) of it flattened (refmp.parallel.placement.ShardReader reads them from a Source)."""
 
     def __init__(self, arrays: dict):
         self.arrays = arrays
