@@ -4,7 +4,9 @@ Level 2/3 parity (float64, 3 AdamW steps with clipping: loss, every gradient and
 equal to the serial run, tests/parity.py) over layouts drawn by hypothesis on 8 ranks, the
 layouts where two axes meet in one piece (COMPOSED), and one 16-rank 4D run with experts;
 then the ledger and the memory of a composed layout against the single-axis formulas, scaled
-by the other axes.
+by the other axes; then that each rank builds only its share: its step-0 weights are the
+serial init's (or the --init file's) slices in every layout kind, and tracemalloc's peak
+while it builds is its share plus one read.
 """
 
 import numpy as np
@@ -251,12 +253,21 @@ BUILT = [
 
 def step0_mismatches(tr, whole: dict) -> list[str]:
     """Where this rank's owned pieces (the optimizer's view, before any step) differ from the
-    same elements of ``whole``, the serial model's weights (piece_index says which)."""
+    same elements of ``whole``, the serial model's weights: which elements, from placement's
+    tp_shard of the whole positions (not the engine's own Index), cut as the Sharder owns
+    them; and where the engine's piece_index (what a checkpoint stores) differs from that."""
+    from refmp.parallel.placement import tp_shard
     from refmp.runtime import backend
 
-    bad = []
-    index = tr.runner.piece_index()
-    for k, piece in tr.runner.params.items():
+    run, index = tr.runner, {}
+    for unit in run.sharder.units.values():
+        for k in unit.shapes:
+            at = np.arange(whole[k].size).reshape(whole[k].shape) + 1
+            index[k] = tp_shard(k, at, run.tp.rank, run.tp.size) - 1  # padding: -1
+    index = run.sharder.owned_index(index)
+    stored = run.piece_index()
+    bad = [f"piece_index {k}" for k in index if not np.array_equal(stored[k], index[k])]
+    for k, piece in run.params.items():
         idx = index[k]
         src = whole.get(k)  # None: a unit's padding, zeros
         want = (np.zeros(idx.shape) if src is None

@@ -15,7 +15,6 @@ every tp rank saw a part of, and the tied wte's sum between the pipeline's two e
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import numpy as np
@@ -24,6 +23,7 @@ from refmp.config import ParallelConfig
 from refmp.distributed.waiting import wait
 from refmp.nn import gpt
 from refmp.nn.routing import moe_summary
+from refmp.nn.slices import positions
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
@@ -53,7 +53,7 @@ from refmp.parallel.placement import (
     gather_tp,
     held_shards,
     place,
-    tp_shard,
+    shard_index,
     units_of,
 )
 from refmp.parallel.tensor import sequence
@@ -317,9 +317,9 @@ class Engine:
         stores beside the values, so that any other layout can find its own elements."""
         shapes, index = gpt.param_shapes(self.mcfg), {}
         for unit in self.sharder.units.values():
-            for k in unit.shapes:
-                whole = np.arange(math.prod(shapes[k]), dtype=np.int64).reshape(shapes[k]) + 1
-                index[k] = tp_shard(k, whole, self.tp.rank, self.tp.size) - 1  # vocab pad: -1
+            for k in unit.shapes:  # the shard's positions alone, never the whole tensor's
+                index[k] = positions(shapes[k], shard_index(k, shapes[k], self.tp.rank,
+                                                            self.tp.size))
         return self.sharder.owned_index(index)
 
     def full_params(self) -> dict | None:
