@@ -86,10 +86,10 @@ def run(cfg: TrainConfig) -> dict:
         for note in read_config(cfg.init, cfg.n_head, moe_flags(cfg))[1]:
             print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)
     if rank0:
-        m = tr.model.cfg
+        m = tr.mcfg
         print(f"refmp train: {tr.ds.name}, {len(tr.ds.tokens):,} tokens, vocab {m.vocab_size}; "
               f"GPT {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {tr.T}, "
-              f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}"
+              f"{tr.num_params:,} parameters ({cfg.dtype}); {tr.grid.describe()}"
               f"{_on_nodes(tr.grid.nodes)}", flush=True)
         notes = crossing_notes(tr.grid.sizes, tr.grid.nodes)  # tp or cp across nodes
         notes += block_notes(tr.grid.sizes, tr.grid.nodes, cfg.hpz_size)  # hpZ's blocks
@@ -137,17 +137,17 @@ def run(cfg: TrainConfig) -> dict:
             timeline.write_trace(cfg.trace)
             print(f"pipeline timeline of the last step written to {cfg.trace}; measured "
                   f"bubble {100 * timeline.bubble():.1f}%", flush=True)
-    score = evaluate(tr.runner, tr.grid, tr.model.cfg, tr.T, tr.ds.task)
+    score = evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, tr.ds.task)
     memory = tr.grid.world.allgather_obj(tr.memory())
     if cfg.save:
         full = tr.runner.full_params()  # collective where the model is split; rank 0 gets it
         if rank0 and saves_directory(cfg.save):  # a Hugging Face directory, with the tokenizer
-            save_hf(cfg.save, full, tr.model.cfg, tr.ds.vocab, tr.ds.tokenizer)
+            save_hf(cfg.save, full, tr.mcfg, tr.ds.vocab, tr.ds.tokenizer)
         elif rank0:
-            save_model(cfg.save, full, tr.model.cfg, tr.ds.vocab)
+            save_model(cfg.save, full, tr.mcfg, tr.ds.vocab)
         tr.grid.world.barrier()
     # each rank's measured peak (after the run, the evaluation and --save) and the prediction
-    peaks = tr.grid.world.allgather_obj(measured(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords))
+    peaks = tr.grid.world.allgather_obj(measured(cfg, tr.mcfg, tr.grid.sizes, tr.grid.coords))
     summary = {
         "summary": True, "steps": cfg.steps, "start_step": start, "final_loss": rec.get("loss"),
         "tokens_per_s": (cfg.steps - start) * cfg.batch_size * tr.T / max(seconds, 1e-9),

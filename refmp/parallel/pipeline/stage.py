@@ -151,6 +151,7 @@ class Stage:
             w_todo = [] if split else None
             dx, g = gpt.block_backward(dx, bc, self.ops, w_todo, self.loss_scale)
             self._add_block(i, g, final, not split, sink)
+            del g  # one block's gradients alive at a time (the workspace's, cost/memory.py)
             if split:
                 todo.append((i, w_todo))
         if emb is None:
