@@ -333,6 +333,7 @@ def built_peak(cfg: TrainConfig, ds: Dataset) -> tuple[int, int, int, int]:
     from refmp.checkpoint.source import InitSource
     from refmp.distributed.grid import ProcessGrid
     from refmp.nn.params import param_shapes
+    from refmp.parallel.data.sharder import owned
     from refmp.parallel.engine import Engine
     from refmp.training.checks import model_config
 
@@ -348,7 +349,7 @@ def built_peak(cfg: TrainConfig, ds: Dataset) -> tuple[int, int, int, int]:
         tracemalloc.stop()
     mem, sh, w = eng.memory(), eng.sharder, np.dtype(cfg.dtype).itemsize
     kept = mem["params"] + mem["grads"] + mem["masters"]
-    reads = [b - a for u in sh.units.values() for k in u.shapes if (r := u.owned(k))
+    reads = [b - a for u in sh.units.values() for k in u.shapes if (r := owned(u, k))
              for a, b in [r]] if sh.stage == 3 else [
         math.prod(s) for u in sh.units.values() for s in u.shapes.values()]
     whole = sum(math.prod(s) for s in param_shapes(mcfg).values()) * w

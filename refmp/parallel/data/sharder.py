@@ -45,6 +45,8 @@ the serial run with the same compressor); ``gather`` (ZeRO-3) all-gathers weight
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from refmp.distributed.comm import Comm
@@ -69,6 +71,15 @@ class InMemory:
     def read(self, name: str, flat: tuple[int, int] | None = None):
         v = self.arrays[name]
         return v if flat is None else v.reshape(-1)[flat[0] : flat[1]]
+
+
+def owned(unit: Unit, name: str) -> tuple[int, int] | None:
+    """[a, b): the elements of parameter ``name`` (flattened) that this rank's slice of
+    ``unit`` holds, the ``flat`` range of its refmp.nn.slices.Index (None: none of them)."""
+    o = unit.offsets[name]
+    a = max(o, unit.lo)
+    b = min(o + math.prod(unit.shapes[name]), unit.hi)
+    return (a - o, b - o) if a < b else None
 
 
 class Sharder:
@@ -127,7 +138,7 @@ class Sharder:
             full = None
             own = self.xp.zeros(unit.shard, self.dtype)  # (S,)
             for k in unit.shapes:
-                r = unit.owned(k)
+                r = owned(unit, k)
                 if r is not None:
                     o = unit.offsets[k] + r[0] - unit.lo
                     own[o : o + r[1] - r[0]] = local.read(k, r)
