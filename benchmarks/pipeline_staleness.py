@@ -37,7 +37,7 @@ def train(schedule: str, args) -> dict | None:
             bubbles.append(tr.runner.timeline().bubble())  # collective over pp
         if tr.step_num % args.eval_every == 0 or tr.step_num == cfg.steps:
             # collective: W(t+1), the newest weights
-            correct, total = evaluate(tr.runner, tr.grid, tr.model.cfg, tr.T, tr.ds.task)
+            correct, total = evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, tr.ds.task)
             evals.append([tr.step_num, correct / total])
     if tr.grid.rank:
         return None

@@ -121,7 +121,7 @@ def pipedream_reference(cfg: TrainConfig) -> list[tuple[float, float, dict]]:
     shares added) is clipped by its global norm and AdamW steps W(t). Returns (loss, norm,
     W(t + 1)) of each step."""
     base = serial(replace(cfg, schedule="1f1b", pp=1, dp=1, tp=1, zero=0))  # W(0), the data
-    mcfg, pp, T, ops = base.model.cfg, cfg.pp, cfg.block_size, gpt.Ops(cfg.n_head)
+    mcfg, pp, T, ops = base.mcfg, cfg.pp, cfg.block_size, gpt.Ops(cfg.n_head)
     stage_of = {i: s for s in range(pp)
                 for c in rank_chunks(mcfg, T, s, ChunkPlacement(pp)).values() for i in c}
     W = [base.runner.full_params()]
@@ -236,7 +236,7 @@ def test_2bw_is_the_delayed_rule_and_not_the_synchronous_run():
     for t in range(3):
         rec, rec_sync = delayed.step(), sync.step()
         x, y = get_batch(delayed.ds.tokens, t, cfg.batch_size, cfg.block_size, perm=delayed.perm)
-        model = gpt.GPT(delayed.model.cfg, {k: v.copy() for k, v in history[max(t - 1, 0)].items()})
+        model = gpt.GPT(delayed.mcfg, {k: v.copy() for k, v in history[max(t - 1, 0)].items()})
         loss, cache = model.forward(x, y, denom=cfg.batch_size * cfg.block_size)
         model.backward(cache)  # g_t at W(t-1)
         np.testing.assert_allclose(rec["loss"], float(loss), **TIGHT)

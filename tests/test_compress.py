@@ -128,13 +128,13 @@ def test_the_codec_buffers_in_the_memory_report_and_the_estimate():
         cfg = tr.cfg
         w, ef = 8 if cfg.dtype == "float64" else 4, not cfg.no_error_feedback
         R, want = cfg.compress_rank, 0
-        for s in param_shapes(tr.model.cfg).values():
+        for s in param_shapes(tr.mcfg).values():
             n, m = s[0], math.prod(s[1:])
             if cfg.grad_compress == "powersgd" and len(s) > 1 and R * (n + m) < n * m:
                 want += w * (n * m * ef + m * R)
             elif cfg.grad_compress == "topk":
                 want += w * n * m * ef
-        est = estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
+        est = estimate_memory(cfg, tr.mcfg, tr.grid.sizes, tr.grid.coords)
         assert (tr.memory()["error_feedback"], est["error_feedback"]) == (want, want), kw
         assert need_bytes(est) - need_bytes({**est, "error_feedback": 0}) == want
 

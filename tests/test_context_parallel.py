@@ -226,7 +226,7 @@ def test_cp_times_dp_addition_task(algo):
     assert par.grid.sizes["dp"] == 2 and par.grid.sizes["cp"] == 2
     assert_ledger(par)  # among others: one all-reduce@dp+cp per step, none over dp or cp
     full = par.runner.full_params()  # collective; the whole model on rank 0
-    got = evaluate(par.runner, par.grid, par.model.cfg, par.T, ds.task)  # collective (world)
+    got = evaluate(par.runner, par.grid, par.mcfg, par.T, ds.task)  # collective (world)
     if full is not None:
         want = ds.task.score(GPT(par.runner.mcfg, full))
         assert got == want, (got, want)

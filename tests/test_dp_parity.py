@@ -51,7 +51,7 @@ def assert_same_run_and_ledger(cfg: TrainConfig, ds: Dataset) -> int:
     """Parity with the serial run, then the dp ledger; returns the buckets per step."""
     par = assert_same_run(cfg, ds)
     assert par.grid.sizes["dp"] == MPI.COMM_WORLD.size
-    sizes = unit_sizes(par.model.cfg)  # elements of wte, wpe, each block, ln_f
+    sizes = unit_sizes(par.mcfg)  # elements of wte, wpe, each block, ln_f
     n_buckets = buckets_per_step(sizes, cfg.bucket_mb, 8)
     led = par.grid.ledger  # every gradient once per step: 8 bytes per parameter in float64
     assert led.bytes("allreduce", "dp") == cfg.steps * 8 * sum(sizes.values())

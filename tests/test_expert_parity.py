@@ -62,7 +62,7 @@ class RoutingWatch:
         self.weights, self.before, self.bytes, self.dropped = None, 0, [], []
 
     def __call__(self, par, s: int) -> None:
-        cfg, grid, run, m = self.cfg, par.grid, par.runner, par.model.cfg
+        cfg, grid, run, m = self.cfg, par.grid, par.runner, par.mcfg
         if self.weights is None:  # layout-independent initialization: no communication
             self.weights = gpt.init_params(m, cfg.seed, cfg.dtype)
         B, T = cfg.batch_size, par.T
@@ -90,7 +90,7 @@ class RoutingWatch:
 def check_moe_run(cfg: TrainConfig, ds: Dataset) -> None:
     watch = RoutingWatch(cfg, ds)
     par = assert_same_run(cfg, ds, check=watch)
-    grid, run, m, bad = par.grid, par.runner, par.model.cfg, Mismatches()
+    grid, run, m, bad = par.grid, par.runner, par.mcfg, Mismatches()
     for s, (got, want) in enumerate(watch.bytes):
         bad.check(np.testing.assert_equal, got, want, err_msg=f"all-to-all(v) bytes, step {s}")
     # per dispatch (each MoE layer of my stage, each micro-batch): one all-to-all of the E

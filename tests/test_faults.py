@@ -219,7 +219,7 @@ def test_memory_estimate_against_the_measured_serial(kw):
     tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
     for _ in range(2):
         tr.step()
-    got, est = tr.memory(), estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
+    got, est = tr.memory(), estimate_memory(cfg, tr.mcfg, tr.grid.sizes, tr.grid.coords)
     for k in ("params", "grads", "optimizer"):
         assert est[k] == got[k], k
     assert est["versions"] == got.get("versions", 0)
@@ -241,7 +241,7 @@ for kw in LAYOUTS:
     tr = Trainer(cfg)
     while tr.step_num < cfg.steps:
         tr.step()
-    got, est = tr.memory(), estimate_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords)
+    got, est = tr.memory(), estimate_memory(cfg, tr.mcfg, tr.grid.sizes, tr.grid.coords)
     bad = [k for k in ("params", "grads", "optimizer", "versions") if est[k] != got.get(k, 0)]
     ratio = est["activations"] / got["activations"]
     exact = not cfg.n_expert and cfg.schedule != "zb-h1"  # else a bound: 0.9 to 3 x

@@ -139,7 +139,7 @@ def test_training_evaluates_the_copy_it_computes_on():
     tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))
     tr.step()
     full = tr.runner.full_params()  # the fp32 masters, whole (one rank)
-    dec = evaluation_decoder(tr.runner, tr.grid, tr.model.cfg, tr.T).dec
+    dec = evaluation_decoder(tr.runner, tr.grid, tr.mcfg, tr.T).dec
     assert list(dec.blocks) == [0, 1]
     for k, v in full.items():
         assert dec.params[k].dtype == BF16, k

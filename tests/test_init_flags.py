@@ -12,7 +12,7 @@ from refmp.checkpoint.weights import read_config, save_model
 from refmp.errors import ConfigError
 from refmp.nn import GPT, GPTConfig
 from refmp.training.datasets import Dataset
-from refmp.training.trainer import TrainConfig, build_model
+from refmp.training.trainer import TrainConfig, model_source
 
 # 4 blocks, experts in blocks 0 and 2; every MoE setting away from GPTConfig's defaults
 SAVED = GPTConfig(256, 13, 4, 2, 8, n_expert=4, top_k=2, moe_every=2, capacity_factor=1.5,
@@ -30,7 +30,7 @@ def moe_file(tmp_path, metadata: bool = True) -> str:
 def loaded(path: str, **flags) -> GPTConfig:
     """The config `refmp train --init path` builds with these TrainConfig fields."""
     ds = Dataset(np.arange(200) % 256, 256, "tokens")
-    return build_model(TrainConfig(init=path, **flags), ds).cfg
+    return model_source(TrainConfig(init=path, **flags), ds)[0]
 
 
 def test_flags_apply_to_a_file_without_metadata(tmp_path):

@@ -18,6 +18,7 @@ from refmp.nn.params import (
     init_slice,
     param_shapes,
 )
+from refmp.parallel.data.sharder import owned
 from refmp.parallel.data.zero import Unit
 from refmp.parallel.placement import TP_SPLITS, local_name, tp_shard
 
@@ -84,7 +85,7 @@ def test_every_layouts_shards_equal_the_serial_models():
                 for k, piece in unit.pieces(flat[unit.lo:unit.hi]).items():
                     if k.endswith(".padding"):
                         continue
-                    index = local[k][0]._replace(flat=unit.owned(k))
+                    index = local[k][0]._replace(flat=owned(unit, k))
                     got = init_slice(k, shapes[k], CFG, 3, index, "float32")
                     assert np.array_equal(got, piece), (k, tp, r, z)
 

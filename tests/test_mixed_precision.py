@@ -172,7 +172,7 @@ def test_one_rank_holds_16_bytes_per_parameter():
         tr = Trainer(config(dtype="float32", mixed_precision="bf16", grad_dtype=grad),
                      grid=grid, dataset=ds)
         tr.step()
-        N, mem = tr.model.num_params(), tr.memory()
+        N, mem = tr.num_params, tr.memory()
         assert (mem["params"], mem["grads"], mem["optimizer"]) == (2 * N, g * N, 12 * N)
 
 
@@ -186,7 +186,7 @@ def test_zero_stages_hold_the_papers_bytes_per_parameter():
         cfg = config(dp=4, zero=stage, batch_size=4, dtype="float32", mixed_precision="bf16")
         tr = Trainer(cfg, dataset=data())
         tr.step()
-        sizes = unit_sizes(tr.model.cfg)
+        sizes = unit_sizes(tr.mcfg)
         n_pad = sum(-(-s // 4) * 4 for s in sizes.values()) if stage else sum(sizes.values())
         per_param = {0: 16, 1: 4 + 12 / 4, 2: 2 + 14 / 4, 3: 16 / 4}[stage]
         mem, want = tr.memory(), memory_per_rank(sizes, 4, stage, 4, compute=2)
@@ -219,7 +219,7 @@ def test_every_collective_and_message_moves_half_the_bytes():
     for key, (nb, _) in fp32.items():
         bad.check(np.testing.assert_equal, 2 * bf16[key][0], nb, err_msg=str(key))
     tr = Trainer(config(**kw, mixed_precision="bf16"), dataset=data(16))  # the ZeRO formula
-    sizes = unit_sizes(tr.model.cfg, blocks=[b for c in tr.runner.stage.chunks.values() for b in c],
+    sizes = unit_sizes(tr.mcfg, blocks=[b for c in tr.runner.stage.chunks.values() for b in c],
                        first=tr.runner.first, last=tr.runner.last)
     want = comm_per_step(sizes, 2, 2, 2, 2, tr.runner.first, tr.runner.last)
     for op in ("reduce_scatter", "allgather"):
@@ -227,7 +227,7 @@ def test_every_collective_and_message_moves_half_the_bytes():
                   err_msg=op)
     kw = dict(tp=2, dp=2, zero=1, batch_size=4, dtype="float32")
     fp32, bf16 = ledger_of(config(**kw)), ledger_of(config(**kw, mixed_precision="bf16"))
-    m, b, s = tr.model.cfg, 2, 8
+    m, b, s = tr.mcfg, 2, 8
     ce = 3 * b * s  # elements of the cross-entropy's all-reduces per step, fp32 in both
     for key, (nb, _) in fp32.items():
         extra = 2 * ce * 4 if key == ("allreduce", "tp") else 0  # 2 steps, 4 bytes

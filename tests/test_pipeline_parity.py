@@ -60,7 +60,7 @@ class Watch:
             pp.send, par.step = spy, watched
         if s == self.steps - 1:
             self.full = par.runner.full_params()  # collective
-            greedy = decoder(par.runner, par.grid, par.model.cfg, par.T)  # collective
+            greedy = decoder(par.runner, par.grid, par.mcfg, par.T)  # collective
             self.decoded = greedy.generate(self.prompt, 2)  # collective
 
 
@@ -69,7 +69,7 @@ def check_pipeline_run(cfg: TrainConfig, ds: Dataset) -> None:
     watch = Watch(cfg.steps, ds.tokens[: 2 * T].reshape(2, T)[:, : max(1, T - 2)])
     par = assert_same_run(cfg, ds, check=watch)
     run, grid, bad = par.runner, par.grid, Mismatches()
-    m, P, r = par.model.cfg, grid.sizes["pp"], run.pp.rank
+    m, P, r = par.mcfg, grid.sizes["pp"], run.pp.rank
     n_zero, axis = grid.size("dp", "cp"), grid.group("dp", "cp").axis  # the ZeRO group
     # greedy decoding through the pipeline is the serial model's, on the trained weights
     if grid.rank == 0:

@@ -49,7 +49,7 @@ def test_memory_is_the_measured_ledger_on_one_rank(recompute, mp, b, dtype):
     """params, grads, optimizer and activations: the plan's figure is Trainer.memory()."""
     lay = Layout(recompute=recompute, mixed_precision=mp, microbatch_size=b)
     tr = trained(lay, 4, ProcessGrid(MPI.COMM_SELF), dtype)
-    got, want = tr.memory(), memory(lay, tr.model.cfg, 4, dtype)
+    got, want = tr.memory(), memory(lay, tr.mcfg, 4, dtype)
     assert {k: want[k] for k in STATE} == {k: got[k] for k in STATE}
 
 
@@ -101,7 +101,7 @@ def test_memory_is_the_measured_ledger_on_four_ranks(grid, zero, recompute, mp, 
     lay, batch, shape = four_rank_example(grid, zero, recompute, mp, sp, b, interleaved, algo)
     v = lay.virtual_stages
     tr = trained(lay, batch, **shape)
-    mcfg, sizes, r = tr.model.cfg, tr.grid.sizes, tr.grid.coords["pp"]
+    mcfg, sizes, r = tr.mcfg, tr.grid.sizes, tr.grid.coords["pp"]
     got = tr.memory()
     predicted = stage_memory(train_config(lay, mcfg, batch), mcfg, sizes, r)
     bad = Mismatches()

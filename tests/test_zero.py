@@ -169,7 +169,7 @@ def test_hpz_gathers_inside_its_blocks_and_equals_zero3(case, monkeypatch):
                 par.step()
                 bad.check(check, par, s)
     w = 2 if cfg.mixed_precision == "bf16" else 8  # the weights' and gradients' bytes
-    sizes = unit_sizes(par.model.cfg)
+    sizes = unit_sizes(par.mcfg)
     n = 4  # the ZeRO group: dp x cp
     led = par.grid.ledger
     label = par.grid.group("dp", "cp").axis  # "dp", or "dp+cp"
@@ -185,7 +185,7 @@ def test_hpz_gathers_inside_its_blocks_and_equals_zero3(case, monkeypatch):
         bad.check(np.testing.assert_equal, got, nbytes, err_msg=f"{key} {run.cfg.hpz_size}")
     mem = par.memory()
     bad.check(np.testing.assert_equal, mem["params"], hpz["params"], err_msg="params")
-    plan = stage_memory(cfg, par.model.cfg, par.grid.sizes, 0)
+    plan = stage_memory(cfg, par.mcfg, par.grid.sizes, 0)
     kinds = (*STATE, "versions")
     bad.check(np.testing.assert_equal, [plan[k] for k in kinds], [mem.get(k, 0) for k in kinds],
               err_msg=f"the plan's {kinds}")

@@ -83,7 +83,7 @@ ref = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=ds)  # every rank ru
 T = ref.T
 # the engine keeps only the pieces it updates; full_params() is the whole model (on rank 0
 # of the trainer's grid: COMM_SELF here, so every rank)
-model = gpt.GPT(ref.model.cfg, ref.runner.full_params())
+model = gpt.GPT(ref.mcfg, ref.runner.full_params())
 x, y = get_batch(ds.tokens, 0, cfg.batch_size, T)  # (B, T)
 _, cache = model.forward(x[:1], y[:1])  # one sequence
 mc = cache[1][0][-1]  # block 0 is MoE (moe_every = 2: blocks 0, 2, ...)
@@ -141,7 +141,7 @@ for step in range(cfg.steps):
     # what this step's routing implies for my all-to-all bytes (from the serial model, on the
     # weights this step starts from)
     xs, ys = get_batch(ds.tokens, step, cfg.batch_size, T)
-    _, c = gpt.GPT(ref.model.cfg, ref.runner.full_params()).forward(xs, ys)
+    _, c = gpt.GPT(ref.mcfg, ref.runner.full_params()).forward(xs, ys)
     for b in c[1]:
         if isinstance(b[-1], M.MoECache):
             order = b[-1].order

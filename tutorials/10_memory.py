@@ -58,7 +58,7 @@ for stage in range(4):
     cfg = config(dp=n, zero=stage, batch_size=4 * n, mixed_precision="bf16")
     tr = Trainer(cfg, dataset=ds)
     tr.step()
-    sizes = unit_sizes(tr.model.cfg)  # wte, wpe, each block, ln_f
+    sizes = unit_sizes(tr.mcfg)  # wte, wpe, each block, ln_f
     held = sum(padded(s, n) for s in sizes.values()) if stage else sum(sizes.values())
     want = memory_per_rank(sizes, n, stage, itemsize=4, compute=2)  # the formula
     mem = tr.memory()  # what this rank holds
@@ -77,7 +77,7 @@ self_grid = ProcessGrid(MPI.COMM_SELF)
 def measure(**kw) -> dict:
     tr = Trainer(config(**kw), grid=self_grid, dataset=ds)
     tr.step()
-    return {**tr.memory(), "N": tr.model.num_params()}
+    return {**tr.memory(), "N": tr.num_params}
 
 
 if rank0:

@@ -85,7 +85,7 @@ for lay in layouts:
     cfg = replace(train_config(lay, small, 4 * n, stage_layers=False), steps=1, progress=False)
     tr = Trainer(cfg)
     tr.step()
-    mcfg, r = tr.model.cfg, tr.grid.coords["pp"]
+    mcfg, r = tr.mcfg, tr.grid.coords["pp"]
     got = tr.memory()
     want = stage_memory(train_config(lay, mcfg, 4 * n), mcfg, tr.grid.sizes, r)
     keys = ("params", "grads", "optimizer", "activations")

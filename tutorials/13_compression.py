@@ -35,7 +35,7 @@ def config(codec: str) -> TrainConfig:
 def formula(codec: str, tr: Trainer) -> int:
     """Bytes per step on dp: the plain all-reduce (8 bytes an element; bf16: 2), PowerSGD's
     R (n_r + m) per compressed matrix, top-k's n k (8 + 4)."""
-    m = tr.model.cfg
+    m = tr.mcfg
     if codec in ("none", "bf16"):
         return comm_per_step(unit_sizes(m), n, 0, itemsize=2 if codec == "bf16" else 8)["allreduce"]
     return sum(compressed_per_step(local_shapes(m), n, codec, 2, 0.05, 8).values())

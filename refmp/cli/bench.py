@@ -135,7 +135,7 @@ def run_bench(args) -> dict:
     n = 8192 if args.device == "gpu" else 1024  # big enough to reach the peak
     peak = world.allreduce_scalar(measure_peak(spec["dtype"], n))  # summed over ranks
     sec = float(np.median(times))
-    m = tr.model.cfg
+    m = tr.mcfg
     tokens = cfg.batch_size * tr.T
     n_active = active_params(m)
     flops = model_flops_per_step(n_active, m.n_layer, tr.T, m.n_embd, tokens)
@@ -143,7 +143,7 @@ def run_bench(args) -> dict:
     extra = recompute_flops_per_step(cfg.recompute, n_blocks, m.n_layer, tr.T, m.n_embd, tokens)
     out = {
         "ms_per_step": 1e3 * sec, "tokens_per_s": tokens / sec, "gflops": flops / sec / 1e9,
-        "mfu": flops / sec / peak, "peak_gflops": peak / 1e9, "params": tr.model.num_params(),
+        "mfu": flops / sec / peak, "peak_gflops": peak / 1e9, "params": tr.num_params,
         "active_params": n_active, "world_size": world.size, "steps": args.steps,
         "model": {**spec, **({k: getattr(m, k) for k in MOE} if m.n_expert else {})},
         "layout": cfg.as_dict(tr.grid.sizes),
@@ -169,7 +169,7 @@ def run_bench(args) -> dict:
 def memory_report(tr, cfg) -> dict:
     """This rank's bytes: held (Trainer.memory), the formulas' for its stage, and its peak
     resident set (see the module docstring)."""
-    formula = stage_memory(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords["pp"])
+    formula = stage_memory(cfg, tr.mcfg, tr.grid.sizes, tr.grid.coords["pp"])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {"measured": tr.memory(), "formula": formula, "formula_peak": need_bytes(formula),
             "peak_rss": rss if sys.platform == "darwin" else 1024 * rss}

@@ -85,10 +85,10 @@ def run(cfg: TrainConfig) -> dict:
         for note in read_config(cfg.init, cfg.n_head, moe_flags(cfg))[1]:
             print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)
     if rank0:
-        m = tr.model.cfg
+        m = tr.mcfg
         print(f"refmp train: {tr.ds.name}, {len(tr.ds.tokens):,} tokens, vocab {m.vocab_size}; "
               f"GPT {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {tr.T}, "
-              f"{tr.model.num_params():,} parameters ({cfg.dtype}); {tr.grid.describe()}"
+              f"{tr.num_params:,} parameters ({cfg.dtype}); {tr.grid.describe()}"
               f"{_on_nodes(tr.grid.nodes)}", flush=True)
         notes = crossing_notes(tr.grid.sizes, tr.grid.nodes)  # tp or cp across nodes
         notes += block_notes(tr.grid.sizes, tr.grid.nodes, cfg.hpz_size)  # hpZ's blocks
@@ -136,14 +136,14 @@ def run(cfg: TrainConfig) -> dict:
             timeline.write_trace(cfg.trace)
             print(f"pipeline timeline of the last step written to {cfg.trace}; measured "
                   f"bubble {100 * timeline.bubble():.1f}%", flush=True)
-    score = evaluate(tr.runner, tr.grid, tr.model.cfg, tr.T, tr.ds.task)
+    score = evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, tr.ds.task)
     memory = tr.grid.world.allgather_obj(tr.memory())
     if cfg.save:  # tensor by tensor: each gathered whole onto rank 0 alone, written, let go
         agreed(tr.grid.world, lambda: save_streamed(
-            cfg.save, tr.model.cfg, tr.runner.weight_dtype, tr.runner.gather_param,
+            cfg.save, tr.mcfg, tr.runner.weight_dtype, tr.runner.gather_param,
             tr.ds.vocab, tr.ds.tokenizer, write=rank0))
     # each rank's measured peak (after the run, the evaluation and --save) and the prediction
-    peaks = tr.grid.world.allgather_obj(measured(cfg, tr.model.cfg, tr.grid.sizes, tr.grid.coords))
+    peaks = tr.grid.world.allgather_obj(measured(cfg, tr.mcfg, tr.grid.sizes, tr.grid.coords))
     summary = {
         "summary": True, "steps": cfg.steps, "start_step": start, "final_loss": rec.get("loss"),
         "tokens_per_s": (cfg.steps - start) * cfg.batch_size * tr.T / max(seconds, 1e-9),

@@ -23,6 +23,7 @@ from refmp.config import TrainConfig
 from refmp.cost.model import Layout, split, train_config
 from refmp.cost.zero import hpz_per_step, local_shapes, memory_per_rank
 from refmp.nn.params import GPTConfig, param_shapes
+from refmp.nn.slices import BLOCK_BYTES
 from refmp.parallel.data.compress import compresses
 from refmp.parallel.pipeline.catalog import CATALOG, run_of_steps
 from refmp.parallel.pipeline.partition import rank_chunks
@@ -150,8 +151,9 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     pp - 1 - s on stage s (the schedule catalog's ``versions``, less the current one).
     ``workspace``: a backward's temporaries (the gradients of a cache's arrays), taken as
     one more whole cache of the largest piece, as recomputation rebuilds it (with ZeRO-3,
-    plus the largest unit, gathered whole while it runs). ``setup``: the full model, which
-    every rank builds (or reads from --init) before it keeps its slices.
+    plus the largest unit, gathered whole while it runs), and the largest set of gradients
+    one backward returns at once (grads_at_once). ``setup``: what building adds to
+    the state for a moment (setup_bytes): the rank reads its share one parameter at a time.
     """
     w = 8 if cfg.dtype == "float64" else 4
     pp, dp, cp, tp, ep = (sizes[a] for a in ("pp", "dp", "cp", "tp", "ep"))
@@ -208,8 +210,44 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     mem["workspace"] = max([rebuilt + moe] + ([head] if S - 1 in chunks else []))
     if cfg.zero == 3:  # and the whole unit gathered for the forward or backward running now
         mem["workspace"] += w * max(units.values())
-    mem["setup"] = w * model_elements(mcfg)
+    # and the gradients a backward returns at once, before the Sharder adds them in: a
+    # block's (its dense unit and its experts), or the embedding's (wte, wpe), the head's
+    mem["workspace"] += w * grads_at_once(units, 0 in chunks, S - 1 in chunks)
+    mem["setup"] = setup_bytes(cfg, shapes, dp * cp, ep, w)
     return mem
+
+
+def grads_at_once(units: dict, first: bool, last: bool) -> int:
+    """Elements of the largest set of gradients one backward returns together (Stage's
+    block_backward, embed_backward, head_backward): a block's dense unit plus its experts',
+    wte and wpe on the first stage, wte and ln_f on the last."""
+    blocks = [n + units.get(f"{u}.experts", 0) for u, n in units.items()
+              if u.startswith("h.") and not u.endswith(".experts")]
+    ends = ([units["wte"] + units["wpe"]] if first else []) + (
+        [units["wte"] + units["ln_f"]] if last else [])
+    return max(blocks + ends, default=0)
+
+
+def setup_bytes(cfg: TrainConfig, shapes: dict, n: int, ep: int, w: int) -> int:
+    """What a rank holds beyond its state while it builds (placement.ShardReader and the
+    Sharder, one unit at a time): its largest single read, a parameter's tp shard (at
+    ZeRO-3 without hpZ, only the part of it its slice owns: at most S elements of its unit),
+    and two read chunks (the block drawn or read and its cut, slices.BLOCK_BYTES each); one
+    whole unit's flat buffer in w bytes where it is not kept (mixed precision before its
+    rounding to the compute copy; ZeRO-3 with hpZ before it keeps its slices).
+    ``shapes``: unit -> {name: tp shard shape} (local_shapes); ``n`` the dense units' group
+    (dp cp), ``ep`` the experts' (edp = n/ep)."""
+    owned = cfg.zero == 3 and cfg.hpz_size <= 1
+    one, unit = 0, 0
+    for u, ks in shapes.items():
+        P = sum(math.prod(s) for s in ks.values())
+        biggest = max(math.prod(s) for s in ks.values())
+        group = n // ep if u.endswith(".experts") else n
+        one = max(one, min(biggest, -(-P // group)) if owned else biggest)
+        unit = max(unit, P)
+    whole_unit = (cfg.mixed_precision != "none" and cfg.zero < 3) or (
+        cfg.zero == 3 and not owned)
+    return w * (one + (unit if whole_unit else 0)) + 2 * BLOCK_BYTES
 
 
 @cache
@@ -219,8 +257,8 @@ def model_elements(mcfg: GPTConfig) -> int:
 
 
 def need_bytes(mem: dict) -> int:
-    """The peak of a rank: its state, plus the larger of the set-up's full model and the
-    step's activations and workspace (the full model is freed before the first step)."""
+    """The peak of a rank: its state, plus the larger of the set-up's transient (one read,
+    freed before the first step) and the step's activations and workspace."""
     step = mem["activations"] + mem["workspace"]
     state = mem["params"] + mem["grads"] + mem["optimizer"] + mem.get("error_feedback", 0) \
         + mem.get("versions", 0)

@@ -6,7 +6,7 @@ prefill, 1 in a decode step), Tl = T0/cp prompt tokens per cp rank, C channels, 
 heads here, HS head size, V vocabulary, Vl = Vp/tp vocabulary rows here.
 
 A call runs this pipeline stage's blocks on t new tokens per row, on the blocks and shards
-training selects (refmp.parallel.pipeline.partition.rank_chunks, placement.share) and
+training selects (refmp.parallel.pipeline.partition.rank_chunks, placement.held_indices) and
 through the Ops training builds (refmp.parallel.ops.make_ops: their embedding, blocks and head). The only
 piece that differs is the attention core, refmp.inference.attention.CachedAttention, handed
 to each block's Ops as their ``attn`` with the call's frozen record (``Call``): it appends the
@@ -55,7 +55,7 @@ from refmp.parallel.expert import ExpertDispatch
 from refmp.parallel.ops import make_ops
 from refmp.parallel.pipeline.partition import rank_chunks
 from refmp.parallel.pipeline.schedules import ChunkPlacement
-from refmp.parallel.placement import padded_vocab, shards_held, share
+from refmp.parallel.placement import held_indices, padded_vocab, shards_held
 from refmp.parallel.tensor import vocab
 from refmp.runtime import backend
 from refmp.runtime.backend import array_module
@@ -70,7 +70,7 @@ class Decoder:
     calls that run it on cached tokens. ``weights``: where the share comes from, either a
     Source (refmp.checkpoint.source: a file, a Hugging Face directory, a checkpoint of any
     layout, the shards a training run holds), of which it reads only its slices
-    (placement.share: ``read(name, tp_index, dtype)``), in ``dtype`` (None: the source's);
+    (placement.held_indices: ``read(name, tp_index, dtype)``), in ``dtype`` (None: the source's);
     or the whole model as a dict (GPT-2 names; host arrays, or device arrays on a GPU: a
     test's, a tutorial's), of which it keeps its shards (placement.shards_held). ``grid``:
     a refmp.distributed.grid.ProcessGrid; ``axes``: the grid axes the model is split over
@@ -112,8 +112,8 @@ class Decoder:
             held = shards_held(weights, self.blocks, self.first, self.last, self.tp, self.ep,
                                self.mcfg.n_expert)
             return held if dtype is None else {k: v.astype(dtype) for k, v in held.items()}
-        want = share(gpt.param_shapes(self.mcfg), self.blocks, self.first, self.last, self.tp,
-                     self.ep, self.mcfg.n_expert)
+        want = held_indices(gpt.param_shapes(self.mcfg), self.blocks, self.first, self.last,
+                            self.tp, self.ep, self.mcfg.n_expert)
         return {k: backend.from_host(weights.read(k, index, dtype)) for k, index in want.items()}
 
     def new_cache(self, S: int, tokens: int, block_size: int | None = None):

@@ -116,6 +116,24 @@ def take(full, index: Index):
     return np.array(out)  # a copy, never a view of ``full``
 
 
+def positions(shape: tuple[int, ...], index: Index) -> np.ndarray:
+    """The global flat position (C order) of every element of the slice ``index`` makes, -1
+    for padding rows: int64, shaped like the slice, made from one range per dimension
+    without the whole tensor (what a sharded checkpoint stores beside a rank's values)."""
+    check(shape, index)
+    per_dim = [np.concatenate([np.arange(a, b, dtype=np.int64)
+                               for a, b in ranges(shape, index, d)] or [np.zeros(0, np.int64)])
+               for d in range(len(shape))]
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    mesh = np.ix_(*per_dim)
+    out = sum(m * s for m, s in zip(mesh, strides, strict=True)) + np.zeros(
+        cut_shape(shape, index), np.int64)  # (cut shape,)
+    out[per_dim[0] >= shape[0]] = -1  # padding rows
+    if index.flat is not None:
+        return out.reshape(-1)[index.flat[0]:index.flat[1]].copy()
+    return out
+
+
 def fill(shape: tuple[int, ...], index: Index, dtype, read_rows: Callable, block: int):
     """The slice ``index`` of a tensor of global ``shape``, in ``dtype``, made by
     ``read_rows(g0, g1)``: rows [g0, g1) of the tensor with dimensions 1.. already cut (an

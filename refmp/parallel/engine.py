@@ -15,7 +15,6 @@ every tp rank saw a part of, and the tied wte's sum between the pipeline's two e
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import numpy as np
@@ -24,6 +23,7 @@ from refmp.config import ParallelConfig
 from refmp.distributed.waiting import wait
 from refmp.nn import gpt
 from refmp.nn.routing import moe_summary
+from refmp.nn.slices import positions
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
@@ -47,12 +47,13 @@ from refmp.parallel.pipeline.schedules import ChunkPlacement
 from refmp.parallel.pipeline.stage import Stage
 from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.placement import (
+    ShardReader,
     counts_in_norm,
     gather_experts,
     gather_tp,
+    held_shards,
     place,
-    shards_held,
-    tp_shard,
+    shard_index,
     units_of,
 )
 from refmp.parallel.tensor import sequence
@@ -78,24 +79,15 @@ def context_parallel(grid, layout: ParallelConfig, T: int, keep_scores: bool):
     return attn, [chunks.positions(r) for r in range(cp)]
 
 
-def take_params(model: gpt.GPT, chunks: dict[int, range], first: bool, last: bool, grid) -> dict:
-    """This rank's tp shard of every parameter it holds (placement.holds); frees the model."""
-    blocks = {i for c in chunks.values() for i in c}
-    local = shards_held(model.params, blocks, first, last, grid.comm["tp"], grid.comm["ep"],
-                        model.cfg.n_expert)
-    model.params = {}  # the engine keeps only its shards
-    model.grads = {}
-    return local
-
-
-def build_sharder(local: dict, grid, layout: ParallelConfig, seed: int) -> Sharder:
+def build_sharder(local: ShardReader, grid, layout: ParallelConfig, seed: int) -> Sharder:
     """The Sharder over ``local``: its units (placement.units_of), each over the group its
-    gradient is summed over (placement's "reduce": dp x cp, or edp for experts)."""
+    gradient is summed over (placement's "reduce": dp x cp, or edp for experts), each read
+    from the source as it is built."""
     dense, edp = grid.group("dp", "cp"), grid.comm["edp"]
     if layout.dp_reduce == "hierarchical":  # sums inside each node first (data/hierarchical.py)
         check_nodes(grid.sizes, grid.nodes, ("dp", "cp"))
         dense = HierarchicalComm(dense, grid.nodes)
-    units = units_of(local)
+    units = units_of(local.shapes)
     groups = {u: edp if "edp" in place(names[0], False).reduce else dense
               for u, names in units.items()}
     compute, grad_dtype = mixed_dtypes(layout)  # None, None without --mixed-precision
@@ -138,12 +130,14 @@ def build_executor(sched: Schedule, stage: Stage, pp, dtype, measure,
 
 
 class Engine:
-    """The runner (refmp.training.trainer.Runner) for any layout: ``model`` holds the full initial
-    weights (layout-independent), which the engine slices and then frees; ``layout`` how the
-    ranks split the work; ``T`` the block size the run trains on; ``seed`` the run's."""
+    """The runner (refmp.training.trainer.Runner) for any layout: ``mcfg`` the model's shape,
+    ``source`` its initial weights (refmp.checkpoint.source: a fresh init, a file), of which
+    each rank reads only its share, in ``dtype``; ``layout`` how the ranks split the work;
+    ``T`` the block size the run trains on; ``seed`` the run's."""
 
-    def __init__(self, model: gpt.GPT, grid, layout: ParallelConfig, T: int, seed: int = 0):
-        mc = self.mcfg = model.cfg
+    def __init__(self, mcfg: gpt.GPTConfig, source, grid, layout: ParallelConfig, T: int,
+                 seed: int = 0, dtype="float32"):
+        mc = self.mcfg = mcfg
         self.grid = grid
         self.tp = grid.comm["tp"]
         self.pp = grid.comm["pp"]
@@ -164,7 +158,7 @@ class Engine:
         chunks = rank_chunks(mc, T, self.pp.rank, placed, layout.stage_layers)
         self.first = 0 in chunks  # embeds the tokens
         self.last = self.n_chunks - 1 in chunks  # the head and the loss
-        local = take_params(model, chunks, self.first, self.last, grid)
+        local = held_shards(mc, source, chunks, self.first, self.last, grid, dtype)
         self.sharder = build_sharder(local, grid, layout, seed)
         self.stage = Stage(chunks, self.n_chunks, mc, self.ops, self.sharder,
                            moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
@@ -175,9 +169,9 @@ class Engine:
                                self.pp.rank, self.v)
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
-                                if k in local and "tp" in place(k, self.sp).reduce}
+                                if k in local.shapes and "tp" in place(k, self.sp).reduce}
         coords = {**grid.coords, "edp": grid.comm["edp"].rank}
-        self.counts_in_norm = counts_in_norm(self.sharder.params, local, coords, self.sp,
+        self.counts_in_norm = counts_in_norm(self.sharder.params, local.shapes, coords, self.sp,
                                              self.sharder.partitions, self.first, self.last)
         self.peak_activations = 0
         self._loss = (0.0, 0.0)  # the last step's (cross-entropy, MoE) loss shares here
@@ -323,9 +317,9 @@ class Engine:
         stores beside the values, so that any other layout can find its own elements."""
         shapes, index = gpt.param_shapes(self.mcfg), {}
         for unit in self.sharder.units.values():
-            for k in unit.shapes:
-                whole = np.arange(math.prod(shapes[k]), dtype=np.int64).reshape(shapes[k]) + 1
-                index[k] = tp_shard(k, whole, self.tp.rank, self.tp.size) - 1  # vocab pad: -1
+            for k in unit.shapes:  # the shard's positions alone, never the whole tensor's
+                index[k] = positions(shapes[k], shard_index(k, shapes[k], self.tp.rank,
+                                                            self.tp.size))
         return self.sharder.owned_index(index)
 
     def full_params(self) -> dict | None:

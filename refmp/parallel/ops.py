@@ -4,19 +4,16 @@ Shapes: B rows of one micro-batch, T tokens of a sequence this rank holds (T/cp 
 parallelism), C channels, NH heads, V vocabulary, Vl = Vp/tp vocabulary rows per tp rank.
 
 ``refmp.nn.gpt.block_forward`` / ``block_backward`` are written once, against an Ops object.
-The serial Ops run plain linears, the serial attention core and the serial embedding and
-head. A layout changes only the pieces its axes split, each axis touching only its own:
+The serial Ops run plain linears, the serial attention core, embedding and head. A layout
+changes only the pieces its axes split, each axis touching only its own:
 
-* ``attn`` (context parallelism, refmp.parallel.context; or a decoder's cached attention,
-  refmp.inference.decoder): another attention core, on whatever heads tp left this rank;
-  ``positions`` are the global positions of this rank's tokens, for the position embedding.
-  The linears and the ends stay serial: :class:`ContextOps`;
-* ``tp`` (Megatron, refmp.parallel.tensor.linear): the linears become column- and
-  row-parallel with f and g around them, each rank computes NH/tp heads, and the embedding,
-  tied head and cross-entropy are vocabulary-parallel (refmp.parallel.tensor.vocab):
-  :class:`ParallelOps`, around any of the attention cores above;
-* ``sp`` (over tp): the same ParallelOps given sequence parallelism's layers
-  (refmp.parallel.tensor.sequence.LAYERS: all-gather and reduce-scatter along T for f and g);
+* ``attn`` (cp, refmp.parallel.context; or a decoder's cached attention): another attention
+  core, on the heads tp left this rank; ``positions``: the global positions of this rank's
+  tokens, for the position embedding. Linears and ends stay serial: :class:`ContextOps`;
+* ``tp`` (Megatron, refmp.parallel.tensor.linear): column- and row-parallel linears with f
+  and g around them, NH/tp heads a rank, vocabulary-parallel embedding, tied head and
+  cross-entropy (refmp.parallel.tensor.vocab): :class:`ParallelOps`, around any ``attn``;
+  sequence parallelism hands it its own ``layers`` (refmp.parallel.tensor.sequence.LAYERS);
 * experts (refmp.parallel.expert) are not here: the MoE MLP takes its dispatch from its
   MoEContext, so an MoE block composes with all of the above: one object, not a runner per pair.
 """
@@ -32,8 +29,7 @@ from refmp.nn import layers as L
 from refmp.parallel.tensor import linear, vocab
 
 
-class Layers(NamedTuple):
-    """tp's layers by name: linears and vocabulary-parallel ends (SP's: sequence.LAYERS)."""
+class Layers(NamedTuple):  # tp's layers by name (SP's: refmp.parallel.tensor.sequence.LAYERS)
     linear: ModuleType  # column_forward, row_forward, their backwards and halves
     vocab: ModuleType  # embed_forward, logits_forward, head_forward, their backwards
 
@@ -43,10 +39,9 @@ MEGATRON = Layers(linear, vocab)  # Megatron's f and g: identity and all-reduce
 
 def make_ops(n_head: int, V: int, tp: Comm, layers: Layers = MEGATRON, attn=None,
              positions=None, keep_scores: bool = True) -> gpt.Ops:
-    """The Ops of a layout: ParallelOps over ``tp`` running ``layers`` when it has more than
-    one rank; else the serial Ops, around cp's attention core ``attn`` and the global
-    ``positions`` of the tokens when given (ContextOps). ``keep_scores`` False: the softmax
-    is recomputed in backward (selective recomputation)."""
+    """The Ops of a layout: ParallelOps over ``tp`` running ``layers`` when it has more than one
+    rank; else the serial Ops, around cp's ``attn`` and the tokens' global ``positions`` when
+    given (ContextOps). ``keep_scores`` False: selective recomputation of the softmax."""
     if tp.size > 1:
         return ParallelOps(n_head, V, tp, layers, attn, positions, keep_scores)
     if attn is None and positions is None:

@@ -3,9 +3,10 @@
 Shapes: C channels, NH heads, V vocabulary, Vp = V padded to a multiple of tp, E experts,
 El = E/ep experts per rank; pp, dp, cp, tp, ep (and edp = dp cp / ep) group sizes.
 
-This table is the only place that knows how a layout cuts the model. The engine slices the
-full (layout-independent) initial weights with it, the Sharder reads which group reduces each
-unit, clipping reads who counts each element once, ``--save`` reads how to glue shards back:
+This table is the only place that knows how a layout cuts the model. The engine reads each
+shard it holds from a Source with it (held_shards: a ShardReader of held_indices), the
+Sharder reads which group reduces each unit, clipping reads who counts each element once,
+``--save`` reads how to glue shards back:
 
     parameter            split              gradient summed over     copies (counted once)
     wte.weight           tp rows (Vp/tp)    dp cp                    dp cp; pp ends (tied)
@@ -26,7 +27,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from refmp.nn import experts as M
+from refmp.nn.params import param_shapes
+from refmp.nn.slices import WHOLE, Index, slice_shape, tp_index
 from refmp.runtime import backend
 
 # tp splits: name inside a block (or the top-level name) -> (dim, kind)
@@ -101,20 +106,51 @@ def shards_held(params: dict, blocks, first: bool, last: bool, tp, ep, n_expert:
             if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
 
 
-def shard_index(name: str, shape: tuple[int, ...], rank: int, tp: int):
-    """The refmp.nn.slices.Index of tp_shard's piece of a parameter of global ``shape``: what
-    a rank reads of it from a Source (refmp.checkpoint.source)."""
-    from refmp.nn.slices import WHOLE, tp_index
-
+def shard_index(name: str, shape: tuple[int, ...], rank: int, tp: int) -> Index:
+    """The refmp.nn.slices.Index of tp rank ``rank``'s shard of parameter ``name`` (global
+    ``shape``): exactly tp_shard's piece, padded vocabulary rows included."""
     split = TP_SPLITS.get(local_name(name))
     return WHOLE if split is None else tp_index(shape, *split, rank, tp)
 
 
-def share(shapes: dict, blocks, first: bool, last: bool, tp, ep, n_expert: int = 0) -> dict:
-    """shards_held without the whole model: {name: the Index of this rank's tp shard}, for
-    every parameter of ``shapes`` (name -> global shape, the model's order) it holds."""
+def held_indices(shapes: dict, blocks, first: bool, last: bool, tp, ep,
+                 n_expert: int = 0) -> dict[str, Index]:
+    """shards_held without the arrays: for every parameter this rank holds (``shapes``: the
+    global shapes, in the model's order), the Index of its tp shard, what a Source reads."""
     return {k: shard_index(k, s, tp.rank, tp.size) for k, s in shapes.items()
             if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
+
+
+class ShardReader:
+    """This rank's tp shard of every parameter it holds, read from a Source one at a time:
+    what the Sharder builds its units from (as refmp.parallel.data.sharder.InMemory).
+    ``indices``: name -> the Index of its shard (held_indices); ``shapes`` the
+    shards' shapes; ``read(name, flat)`` the shard, or elements [a, b) of it flattened
+    (ZeRO-3's owned range), in ``dtype`` on the backend's device."""
+
+    def __init__(self, source, shapes: dict, indices: dict, dtype):
+        self.source = source
+        self.indices = indices
+        self.dtype = np.dtype(dtype)
+        self.shapes = {k: slice_shape(shapes[k], i) for k, i in indices.items()}
+        self.xp = backend.xp
+
+    def read(self, name: str, flat: tuple[int, int] | None = None):
+        index = self.indices[name]
+        if flat is not None:
+            index = index._replace(flat=flat)
+        return backend.from_host(self.source.read(name, index, self.dtype))
+
+
+def held_shards(mcfg, source, chunks: dict[int, range], first: bool, last: bool, grid,
+                dtype) -> ShardReader:
+    """The reader of this rank's share (placement.holds: its chunks' blocks, the ends' wte,
+    wpe and ln_f, its experts; each parameter's tp shard) of ``source``."""
+    blocks = {i for c in chunks.values() for i in c}
+    shapes = param_shapes(mcfg)
+    indices = held_indices(shapes, blocks, first, last, grid.comm["tp"], grid.comm["ep"],
+                           mcfg.n_expert)
+    return ShardReader(source, shapes, indices, dtype)
 
 
 def unit_of(name: str) -> str:

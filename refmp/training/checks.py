@@ -183,7 +183,7 @@ def check_memory(cfg, mcfg, grid) -> None:
         where = "GPU" if cfg.device == "gpu" else "node"
         raise ConfigError(
             f"not enough memory: rank {grid.rank} needs about {size(need)} ({parts}, peak "
-            f"activations {size(mem['activations'] + mem['workspace'])}, the full model at set-up "
+            f"activations {size(mem['activations'] + mem['workspace'])}, one read at set-up "
             f"{size(mem['setup'])}); the {n} rank(s) on this {where} need {size(total)}, "
             f"but {size(free)} is available ({source}). Use a smaller --block-size or "
             f"--batch-size, more --microbatches, or more ranks (an estimate: docs/faults.md)")

@@ -27,24 +27,27 @@ from typing import Protocol
 import numpy as np
 
 from refmp.checkpoint.sharded import Checkpointed, Pieces, Stateful, load, save
+from refmp.checkpoint.source import InitSource, Source
 from refmp.config import TrainConfig, lr_at
 from refmp.distributed.faults import agreed, check_finite
 from refmp.distributed.grid import ProcessGrid
-from refmp.nn import GPT
+from refmp.nn.params import GPTConfig, param_shapes
 from refmp.runtime import backend
 from refmp.training.checks import model_config, moe_flags, validate
 from refmp.training.datasets import Dataset, get_batch, shuffle_perm
 from refmp.training.optim import SGD, AdamW, LossScaler, clip_grads
 
 
-def build_model(cfg: TrainConfig, ds: Dataset) -> GPT:
-    """A fresh GPT (GPT-2 init) or one loaded from --init, of model_config's shape."""
-    from refmp.checkpoint.weights import load_model
+def model_source(cfg: TrainConfig, ds: Dataset) -> tuple[GPTConfig, Source]:
+    """The model's shape and where its initial weights come from, nothing read yet: a fresh
+    GPT-2 init of model_config's shape (InitSource), or the --init file or Hugging Face
+    directory (its names and shapes checked, read slice by slice)."""
+    from refmp.checkpoint.weights import open_model
 
-    mcfg = model_config(cfg, ds)
     if cfg.init is not None:
-        return load_model(cfg.init, n_head=cfg.n_head, dtype=cfg.dtype, moe=moe_flags(cfg))
-    return GPT.create(mcfg, cfg.seed, cfg.dtype)
+        return open_model(cfg.init, n_head=cfg.n_head, moe=moe_flags(cfg))
+    mcfg = model_config(cfg, ds)
+    return mcfg, InitSource(mcfg, cfg.seed)
 
 
 class Runner(Pieces, Stateful, Protocol):
@@ -91,11 +94,13 @@ class Runner(Pieces, Stateful, Protocol):
     def memory(self) -> dict[str, int]: ...  # bytes held: params, grads, activations
 
 
-def build_runner(cfg: TrainConfig, grid: ProcessGrid, model: GPT) -> Runner:
-    """The one engine, for a layout whose rules were checked (refmp.parallel.rules)."""
+def build_runner(cfg: TrainConfig, grid: ProcessGrid, mcfg: GPTConfig, source: Source) -> Runner:
+    """The one engine, for a layout whose rules were checked (refmp.parallel.rules): each
+    rank reads its share of ``source``."""
     from refmp.parallel.engine import Engine
 
-    return Engine(model, grid, cfg.parallel, cfg.block_size or model.cfg.block_size, cfg.seed)
+    return Engine(mcfg, source, grid, cfg.parallel, cfg.block_size or mcfg.block_size,
+                  cfg.seed, cfg.dtype)
 
 
 def build_optimizer(cfg: TrainConfig, params: dict, decay=None):
@@ -137,8 +142,8 @@ class Trainer:
         # write, the data and the model's shape, the layout's rules, the memory it needs
         self.ds, mcfg = validate(cfg, self.grid, dataset)
         self.T = cfg.block_size or mcfg.block_size  # the block size the run trains on
-        self.model = agreed(world, lambda: build_model(cfg, self.ds))
-        self.runner = build_runner(cfg, self.grid, self.model)
+        self.mcfg, source = agreed(world, lambda: model_source(cfg, self.ds))
+        self.runner = build_runner(cfg, self.grid, self.mcfg, source)  # reads its share
         self.rows = self.runner.batch_rows(cfg.batch_size)
         self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
         self.opt = build_optimizer(cfg, self.runner.params, self.runner.decay)
@@ -148,6 +153,11 @@ class Trainer:
                        if cfg.mixed_precision == "fp16" else None)
         self.step_num = 0
         self.resumed = self.resume(cfg.resume) if cfg.resume else None  # its manifest
+
+    @property
+    def num_params(self) -> int:
+        """The whole model's parameters (from the shapes: no rank holds them all)."""
+        return sum(math.prod(s) for s in param_shapes(self.mcfg).values())
 
     def step(self) -> dict:
         """One training step; returns {step, loss, grad_norm, lr, tokens, seconds} (and with
@@ -209,7 +219,7 @@ class Trainer:
     def checkpointed(self) -> Checkpointed:
         """What a checkpoint saves and restores of this run: the runner's pieces, the
         optimizer, fp16's loss scaler, and this Trainer's progress."""
-        return Checkpointed(self.grid, self.cfg, self.model.cfg, self.runner, self.opt,
+        return Checkpointed(self.grid, self.cfg, self.mcfg, self.runner, self.opt,
                             self.scaler, progress=self, vocab=self.ds.vocab,
                             codec=self.runner)
 

@@ -171,7 +171,7 @@ def test_generation_and_resume_on_device(on_strict_device, tmp_path_factory):
     kw = dict(pp=2, tp=2, zero=3, microbatches=2)
     tr = Trainer(config(**kw), dataset=data())
     tr.step()
-    greedy = decoder(tr.runner, tr.grid, tr.model.cfg, tr.T)
+    greedy = decoder(tr.runner, tr.grid, tr.mcfg, tr.T)
     out = greedy.generate(backend.from_host(np.zeros((1, 2), dtype=np.int64)), 3)
     root = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if MPI.COMM_WORLD.rank == 0
                                 else None)

@@ -93,7 +93,7 @@ def cluster() -> dict:
     ckpt = os.path.join(out, "ckpt")
     tr = Trainer(BASE)
     result["nodes"] = list(tr.grid.nodes)
-    m = tr.model.cfg
+    m = tr.mcfg
     result["model"] = {"vocab_size": m.vocab_size, "block_size": m.block_size,
                        "n_layer": m.n_layer, "n_head": m.n_head, "n_embd": m.n_embd}
     result["crossing"] = {"dp2tp2": topology.crossing(tr.grid.sizes, tr.grid.nodes)}

@@ -15,9 +15,8 @@ After cp steps (cp-1 transfers) every query has attended over the whole sequence
 
     lse = log(e^lse1 + e^lse2),   y = e^(lse1 - lse) y1 + e^(lse2 - lse) y2.
 
-Causal masking works chunk by chunk (refmp.parallel.context.chunks.SequenceChunks): query
-chunk a sees key chunk b in full when b < a, with the causal triangle when b == a, and not at
-all when b > a -- those blocks are skipped, not computed and masked.
+Causal masking works chunk by chunk (SequenceChunks): query chunk a sees key chunk b in full
+when b < a, with the causal triangle when b == a, and not at all when b > a (skipped).
 
 Backward (FlashAttention-2's block gradient, ``attention_block_backward``) needs the merged
 y and lse of each query row, kept from the forward. The K/V blocks travel the ring once more

@@ -45,6 +45,8 @@ the serial run with the same compressor); ``gather`` (ZeRO-3) all-gathers weight
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from refmp.distributed.comm import Comm
@@ -54,9 +56,36 @@ from refmp.parallel.data.zero import Unit
 from refmp.runtime.backend import array_module
 
 
+class InMemory:
+    """Local arrays already whole in memory (a test's, a tutorial's) as what the Sharder
+    reads: ``shapes``, ``dtype``, ``xp`` and ``read(name, flat)``, the array or elements
+    [a, b) of it flattened (refmp.parallel.placement.ShardReader reads them from a Source)."""
+
+    def __init__(self, arrays: dict):
+        self.arrays = arrays
+        self.shapes = {k: tuple(v.shape) for k, v in arrays.items()}
+        p0 = next(iter(arrays.values()))
+        self.dtype = p0.dtype
+        self.xp = array_module(p0)
+
+    def read(self, name: str, flat: tuple[int, int] | None = None):
+        v = self.arrays[name]
+        return v if flat is None else v.reshape(-1)[flat[0] : flat[1]]
+
+
+def owned(unit: Unit, name: str) -> tuple[int, int] | None:
+    """[a, b): the elements of parameter ``name`` (flattened) that this rank's slice of
+    ``unit`` holds, the ``flat`` range of its refmp.nn.slices.Index (None: none of them)."""
+    o = unit.offsets[name]
+    a = max(o, unit.lo)
+    b = min(o + math.prod(unit.shapes[name]), unit.hi)
+    return (a - o, b - o) if a < b else None
+
+
 class Sharder:
-    """ZeRO ``stage`` over ``local`` (name -> array), cut into ``units`` (unit -> names), each
-    reduced over ``groups[unit]``. The model computes on ``weights(unit)``.
+    """ZeRO ``stage`` over ``local`` (name -> array, or a reader as InMemory: the engine's
+    reads each shard from a Source), cut into ``units`` (unit -> names), each reduced over
+    ``groups[unit]``, built one unit at a time. The model computes on ``weights(unit)``.
 
     Options: ``bucket_mb`` stage 0's all-reduce buckets (0: one after backward); ``compute``
     and ``grad_dtype`` mixed precision's dtypes (None: the parameters'); ``codec`` a gradient
@@ -64,7 +93,7 @@ class Sharder:
     ``hpz`` unit -> (inner, outer): ZeRO-3's gathers of that unit inside its inner group, from
     a secondary partition (refmp.parallel.data.hpz)."""
 
-    def __init__(self, local: dict, units: dict[str, list[str]], groups: dict[str, Comm],
+    def __init__(self, local, units: dict[str, list[str]], groups: dict[str, Comm],
                  stage: int, *, bucket_mb: float = 25.0, compute=None, grad_dtype=None,
                  codec=None, gather=None, hpz: dict | None = None):
         self.stage = stage
@@ -74,13 +103,13 @@ class Sharder:
         self.gather = gather
         self.hpz = hpz or {}
         self.step = -1  # zero_grad() calls - 1
-        p0 = next(iter(local.values()))
-        self.xp = array_module(p0)
-        self.dtype = p0.dtype  # the masters' (--dtype)
+        local = InMemory(local) if isinstance(local, dict) else local
+        self.xp = local.xp
+        self.dtype = np.dtype(local.dtype)  # the masters' (--dtype)
         self.compute = np.dtype(compute or self.dtype)  # what the model computes on
         self.gdtype = np.dtype(grad_dtype or self.compute)  # gradients, and their sums
         self.mixed = self.compute != self.dtype
-        self.units = {u: Unit(u, {k: tuple(local[k].shape) for k in ks},
+        self.units = {u: Unit(u, {k: tuple(local.shapes[k]) for k in ks},
                               groups[u].size if stage else 1, groups[u].rank if stage else 0)
                       for u, ks in units.items()}
         self.pbuf: dict = {}  # unit -> the weights the model computes on (Pp,), stage 3: (S,)
@@ -91,15 +120,8 @@ class Sharder:
         self.mgrad: dict = {}  # and their fp32 unscaled gradients
         self.params: dict = {}  # the owned pieces, by name (the optimizer's view)
         self.grads: dict = {}
-        for u, unit in self.units.items():
-            full = unit.flatten(local, self.xp, self.dtype)  # (Pp,)
-            if self.mixed:  # masters of my slice; the model gets the rounded compute copy
-                self.master[u] = full[unit.lo : unit.hi].copy()  # (S,) fp32
-                full = full.astype(self.compute)  # (Pp,) bf16 / fp16
-            self.pbuf[u] = full if stage < 3 else full[unit.lo : unit.hi].copy()  # stage 3: (S,)
-            if u in self.hpz:
-                inner = self.hpz[u][0]
-                self.sbuf[u] = secondary(full, inner.size, inner.rank, unit.shard)  # (N S,)
+        for u, unit in self.units.items():  # one unit read at a time
+            self._build(u, unit, local)
             self.gbuf[u] = self.xp.zeros(unit.padded if stage < 2 else unit.shard, self.gdtype)
             owned = self.pbuf[u][unit.lo : unit.hi] if stage < 3 else self.pbuf[u]
             self.params.update(unit.pieces(self.master[u] if self.mixed else owned))
@@ -108,6 +130,31 @@ class Sharder:
                       if any(len(unit.shapes.get(k, ())) >= 2 for unit in self.units.values())}
         self._open: list = []  # stage 0: [units, flat, request] of started all-reduces
         self._ready: dict[str, list[str]] = {}  # stage 0: complete units not yet started, by group
+
+    def _build(self, u: str, unit: Unit, local) -> None:
+        """Unit u's weight buffers from ``local``: stages 0-2 (and hpZ) read the whole unit
+        (Pp,), the one transient; stage 3 reads only the owned elements of each parameter."""
+        if self.stage == 3 and u not in self.hpz:
+            full = None
+            own = self.xp.zeros(unit.shard, self.dtype)  # (S,)
+            for k in unit.shapes:
+                r = owned(unit, k)
+                if r is not None:
+                    o = unit.offsets[k] + r[0] - unit.lo
+                    own[o : o + r[1] - r[0]] = local.read(k, r)
+        else:
+            full = self.xp.zeros(unit.padded, self.dtype)  # (Pp,)
+            for k, v in unit.views(full).items():
+                v[...] = local.read(k)
+            own = full[unit.lo : unit.hi]
+        if self.mixed:  # masters of my slice; the model gets the rounded compute copy
+            self.master[u] = own.copy()  # (S,) fp32
+            own = own.astype(self.compute)  # bf16 / fp16
+            full = None if full is None else full.astype(self.compute)
+        self.pbuf[u] = full if self.stage < 3 else own.copy() if full is not None else own
+        if u in self.hpz:
+            inner = self.hpz[u][0]
+            self.sbuf[u] = secondary(full, inner.size, inner.rank, unit.shard)  # (N S,)
 
     # --- what the stage means for the callers ---------------------------------------------------
 

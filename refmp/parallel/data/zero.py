@@ -61,11 +61,3 @@ class Unit:
             if a < b:
                 out[k] = shard[a - self.lo : b - self.lo]  # (b-a,) flat piece
         return out
-
-    def owned(self, name: str) -> tuple[int, int] | None:
-        """[a, b): the elements of parameter ``name`` (its flattened shard) that this rank's
-        slice holds, the ``flat`` range of its refmp.nn.slices.Index (None: none of them)."""
-        o = self.offsets[name]
-        a = max(o, self.lo)
-        b = min(o + math.prod(self.shapes[name]), self.hi)
-        return (a - o, b - o) if a < b else None

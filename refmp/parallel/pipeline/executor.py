@@ -124,8 +124,7 @@ class Executor:
 
     def step(self, actions: list[Action], xs: list, ys: list, denom: int, m: int) -> float:
         """Run one step's actions; xs[i], ys[i]: micro-batch i's (b_i, T) ids and targets, the
-        step's batch's ``m`` (all of them here). Returns this rank's loss share (non-zero on the
-        last chunk's rank)."""
+        step's ``m`` (all here). Returns this rank's loss share (non-zero on the last chunk's)."""
         stage = self.stage
         last = stage.n_chunks - 1  # the chunk with the head and the loss
         final_mb = m - 1  # the step's last micro-batch

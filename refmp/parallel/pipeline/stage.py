@@ -35,8 +35,7 @@ class Recompute(NamedTuple):
 
 
 class Route(NamedTuple):
-    """Where a pass takes its weights from and where its results go (Stage.route's, or the
-    asynchronous executors': a weight version, 2BW's GradStash, a later batch's figures)."""
+    """Where a pass's weights come from and its results go (Stage.route, or 2BW's versions)."""
 
     weights: Callable  # unit -> {name: array}
     sink: Any  # takes the gradients: accumulate(unit, g), grad_ready(unit, final)
@@ -93,8 +92,7 @@ class Stage:
     def forward(self, c: int, inp, targets=None, denom=None, route: Route | None = None):
         """Chunk c on one micro-batch: inp is token ids (chunk 0) or the previous chunk's
         output. Returns the output, or on the last chunk the loss share (logits without
-        targets), and the cache the backward needs. ``route``: where the weights come from
-        and the MoE figures go (default :meth:`route`)."""
+        targets), and the backward's cache. ``route``: weights and figures (:meth:`route`)."""
         route = route or self.route()
         weights = route.weights
         train = targets is not None
@@ -151,6 +149,7 @@ class Stage:
             w_todo = [] if split else None
             dx, g = gpt.block_backward(dx, bc, self.ops, w_todo, self.loss_scale)
             self._add_block(i, g, final, not split, sink)
+            del g  # one block's gradients alive at a time (the workspace's, cost/memory.py)
             if split:
                 todo.append((i, w_todo))
         if emb is None:
