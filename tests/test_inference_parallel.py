@@ -1,17 +1,30 @@
 """KV-cached decoding on split models under real MPI: every layout's tokens equal the serial
 decoder's, its logits (generate's, paged or not, and continuous batching's) the serial model's
 uncached forward's of the same tokens (float64, to 1e-12); the cache's bytes per rank and one
-decode step's messages equal their formulas.
+decode step's messages equal their formulas. A Decoder that reads its share from a Source (a
+GPT-2 file, a Hugging Face directory in several files, a sharded checkpoint) holds exactly the
+serial model's slices, with a traced peak of its share plus one read chunk.
 
 One launch per rank count: the 8 ranks are split into worlds of 1, 2 and 4 ranks (and one of
 8), each running its layout; every world rank checks what its own layout held.
 """
 
+import json
+import os
+import shutil
+import tempfile
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
+from safetensors.numpy import save_file
+from test_init_slices import traced_peak
+from test_slice_io import sharded_checkpoint
 
+from refmp.checkpoint.hf import hf_config
+from refmp.checkpoint.source import open_source
+from refmp.checkpoint.weights import save_model
 from refmp.cost.expert import alltoallv_bytes
 from refmp.distributed.grid import ProcessGrid
 from refmp.inference.cache import cache_bytes
@@ -21,6 +34,7 @@ from refmp.inference.sampling import Sampler
 from refmp.inference.scheduler import Request, serve
 from refmp.nn.gpt import GPT, GPTConfig
 from refmp.nn.moe import MoECache
+from refmp.nn.slices import BLOCK_BYTES
 
 pytestmark = pytest.mark.mpi
 
@@ -39,6 +53,10 @@ SAMPLED = Sampler(temperature=0.9, top_k=6, top_p=0.9, seed=4)
 
 def same(a, b, what: str) -> None:
     assert a == b, f"{what}: {a} != {b}"
+
+
+def at_most(a, b, what: str) -> None:
+    assert a <= b, f"{what}: {a} > {b}"
 
 
 def serial(m: GPT, sampler: Sampler):
@@ -168,4 +186,75 @@ def test_every_layout_decodes_like_the_serial_model():
     run_layout(MPI.COMM_WORLD, dict(pp=2, dp=2, cp=2, ep=4), bad, n_expert=4)
     for kw in (dict(pp=2, cp=2, tp=2), dict(dp=2, pp=2, tp=2)):
         step_ledger(MPI.COMM_WORLD, kw, bad)
+    bad.assert_none()
+
+
+READ = GPTConfig(vocab_size=63, block_size=16, n_layer=4, n_head=4, n_embd=64)  # 1.6 MB
+
+
+def write_sources(world) -> tuple[str, GPT]:
+    """(a folder, the model) holding READ's model as a GPT-2 file, a Hugging Face directory
+    in two files behind model.safetensors.index.json, and a sharded checkpoint whose pieces
+    line up with no layout; written by world rank 0, the folder bcast."""
+    m = GPT.create(READ, 2, "float32")
+    d = tempfile.mkdtemp(prefix="refmp-read-") if world.rank == 0 else None
+    d = world.bcast(d, root=0)
+    if world.rank == 0:
+        save_model(os.path.join(d, "m.safetensors"), m.params, READ)
+        os.makedirs(os.path.join(d, "hf"))
+        names = sorted(m.params)
+        halves = {"model-00001-of-00002.safetensors": names[::2],
+                  "model-00002-of-00002.safetensors": names[1::2]}
+        for fname, ks in halves.items():
+            save_file({"transformer." + k: m.params[k] for k in ks},
+                      os.path.join(d, "hf", fname), metadata={"format": "pt"})
+        with open(os.path.join(d, "hf", "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": {"transformer." + k: fname for fname, ks
+                                                      in halves.items() for k in ks}}, f)
+        with open(os.path.join(d, "hf", "config.json"), "w") as f:
+            json.dump(hf_config(READ, "float32"), f)
+        sharded_checkpoint(os.path.join(d, "ck"), m.params, READ)
+    world.barrier()
+    return d, m
+
+
+def read_layout(world, kw: dict, folder: str, m: GPT, bad: Mismatches) -> None:
+    """On each source: the Decoder's shards equal those it cuts from the whole model (the
+    serial slices, placement.shards_held), bitwise; its traced peak while reading is its
+    share plus one chunk and some bookkeeping: from a file at most the largest tensor (each
+    is under BLOCK_BYTES here, so read in one chunk), from a checkpoint two BLOCK_BYTES (the
+    file's hash, read in chunks, and one span of its values)."""
+    grid = ProcessGrid(world, **kw)
+    want = Decoder(READ, m.params, grid).params
+    largest = max(v.nbytes for v in m.params.values())
+    whole = sum(v.nbytes for v in m.params.values())
+    for kind in ("m.safetensors", "hf", "ck"):
+        src = open_source(os.path.join(folder, kind))
+        dec, peak = traced_peak(lambda src=src: Decoder(READ, src, grid, dtype="float32"))
+        bad.check(same, list(dec.params), list(want), f"{kw} {kind}: the names held")
+        for k, v in want.items():
+            bad.check(np.testing.assert_array_equal, dec.params[k], v, err_msg=f"{kw} {kind} {k}")
+        share = sum(v.nbytes for v in dec.params.values())
+        chunk = 2 * BLOCK_BYTES if kind == "ck" else largest  # ck: a hash chunk, a span
+        bad.check(at_most, peak, share + chunk + 65536, f"{kw} {kind}: the read's peak "
+                  f"past its share {share} + one chunk {chunk}")
+    if kw == dict(tp=2, pp=2):  # the bound says something: well under the whole model
+        bad.check(at_most, share + largest + 65536, whole // 2, "the bound is not below half "
+                  "the model")
+
+
+@pytest.mark.parallel(nprocs=8)
+@collective
+def test_generate_reads_only_its_share_from_a_file_a_directory_and_a_checkpoint():
+    w = MPI.COMM_WORLD
+    bad = Mismatches()
+    folder, m = write_sources(w)
+    quarter = w.Split(w.rank // 4, w.rank)
+    read_layout(quarter, dict(tp=2, pp=2) if w.rank < 4 else dict(pp=2, cp=2), folder, m, bad)
+    pair = w.Split(w.rank // 2, w.rank)
+    read_layout(pair, [dict(tp=2), dict(pp=2), dict(cp=2), dict(dp=2)][w.rank // 2],
+                folder, m, bad)
+    w.barrier()
+    if w.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
     bad.assert_none()

@@ -47,6 +47,9 @@ TOLERANCE = 0.10  # of the prediction, beside the baseline
 # 4 blocks of C 512 on bytes: 12.7M parameters, 51 MB in float32; AdamW's state 203 MB
 SHAPE = ["--n-layer", "4", "--n-embd", "512", "--n-head", "8", "--block-size", "32"]
 MODEL = GPTConfig(256, 32, 4, 8, 512)
+# decoding: 8 such blocks (25M parameters, 101 MB), so that a tp 2 rank's share (51 MB) puts
+# 10% of the prediction above the baseline's own variation between launches (about 3 MB)
+DECODE = GPTConfig(256, 32, 8, 8, 512)
 ONE = {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1}  # a layout's sizes
 ZERO = dict.fromkeys(ONE, 0)  # a rank's coordinates
 
@@ -124,6 +127,9 @@ def runs(tmp_path_factory):
         f.write(bytes(rng.integers(97, 123, 20000).astype(np.uint8)))
     m = GPT.create(MODEL, 0, "float32")
     save_model(os.path.join(d, "m.safetensors"), m.params, m.cfg, "bytes")
+    m = GPT.create(DECODE, 0, "float32")
+    save_model(os.path.join(d, "d.safetensors"), m.params, m.cfg, "bytes")
+    del m
     base = mpiexec(2, [sys.executable, "-c", BASELINE], env={"UCX_TLS": "tcp,self"})
     assert base.returncode == 0, base.stderr
     train = ["--", "refmp", "train", "--data", text, *SHAPE, "--batch-size", "4", "--steps",
@@ -137,7 +143,7 @@ def runs(tmp_path_factory):
                            os.path.join(d, "fits.jsonl"),
                            json_file=os.path.join(d, "cluster.json")),
             "decodes": launch(d, *two, "--", "refmp", "generate", "--init",
-                              os.path.join(d, "m.safetensors"), "--tp", "2", "--prompt",
+                              os.path.join(d, "d.safetensors"), "--tp", "2", "--prompt",
                               "abcdefgh", "--max-new-tokens", "8", "--json"),
             "refused": launch(d, *one, *train, "--dp", "2"),
             "killed": launch(d, *one, *train, "--pp", "2", "--microbatches", "2", env=fault)}
@@ -180,7 +186,7 @@ def test_decoding_reports_its_measured_peak_beside_the_prediction(runs):
     out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("{")))
     rows = out["memory_measured"]
     for t, m in enumerate(rows):  # 8 prompt tokens and 7 more run through the model
-        want = decode_memory(MODEL, {**ONE, "tp": 2}, {**ZERO, "tp": t}, 1, 15)
+        want = decode_memory(DECODE, {**ONE, "tp": 2}, {**ZERO, "tp": t}, 1, 15)
         assert m["predicted"] == want["peak"] and m["limit"] == cgroup.parse_size(LIMIT)
     assert within(rows, runs["baseline"]) == [], (runs["baseline"], rows)
 

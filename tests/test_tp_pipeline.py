@@ -7,8 +7,14 @@ each step (the tied wte summed between the two ends, SP's sum of the replicated 
 clipping). After the last step, one more with the ledger reset: its bytes and calls on tp
 per stage against the analytic formula and its bytes on pp; the gathered model in GPT-2
 order; greedy decoding through the stages and the vocabulary shards against the serial
-model's.
+model's, on the shards training holds (no whole model gathered, nothing broadcast). --save's
+stream (Engine.gather_param, one whole tensor onto rank 0 at a time) writes the gathered
+model, bitwise, with a traced peak on the writing rank of a few tensors, not the model.
 """
+
+import os
+import tempfile
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,7 +24,9 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, refmp, refused_each
 from parity import assert_same_run
 from safetensors.numpy import load_file
+from test_init_slices import traced_peak
 
+from refmp.checkpoint.weights import save_streamed
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.parallel.placement import padded_vocab, place
@@ -85,7 +93,12 @@ def check_ledger_model_and_decoding(par, bad: Mismatches) -> None:
     want = expected_ledger(cfg, run, cfg.batch_size // grid.sizes["dp"], par.T, m.n_embd)
     full = run.full_params()  # collective over tp and pp
     prompt = par.ds.tokens[: 2 * par.T].reshape(2, par.T)[:, : max(1, par.T - 2)]
-    greedy = decoder(run, grid, m, par.T)  # collective: the Decoder over tp and pp
+    bcasts = led.count("bcast", "world")
+    whole = AssertionError("evaluation gathered the whole model")
+    with mock.patch.object(type(run), "full_params", side_effect=whole):
+        greedy = decoder(run, grid, m, par.T)  # collective: the Decoder over tp and pp
+    bad.check(np.testing.assert_equal, led.count("bcast", "world"), bcasts,
+              err_msg="evaluation broadcast the model")
     decoded = greedy.generate(prompt, 2)  # collective
     if run.v == 1:  # one chunk per rank: the decoder's stage holds the blocks it trains
         trained = [i for c in run.stage.chunks.values() for i in c]
@@ -143,6 +156,58 @@ def test_tp2_x_pp2_training_equals_serial(schedule, sp, V, k, extra_layers, head
 
     free(assert_same_run(cfg, Dataset(rng.integers(0, V, 200), V, "random"), check=after))
     bad.assert_none()
+
+
+def saved_peak(tr, path: str):
+    """--save's stream of ``tr``'s model to ``path`` (collective): the traced peak of what
+    the writing rank (world rank 0) allocated meanwhile, None elsewhere."""
+    rank0 = tr.grid.rank == 0
+    out, peak = traced_peak(lambda: save_streamed(path, tr.runner.mcfg, tr.runner.weight_dtype,
+                                                  tr.runner.gather_param, write=rank0))
+    return peak if rank0 else None
+
+
+SAVES = [dict(tp=2, pp=2, microbatches=2), dict(dp=2, pp=2, zero=3, microbatches=2),
+         dict(dp=4, zero=3, mixed_precision="bf16")]
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_save_streams_each_tensor_through_rank_0_alone():
+    """tp x pp, ZeRO-3 over pp, and ZeRO-3's bf16 masters: the streamed file is the gathered
+    model, bitwise; the writing rank's traced peak is at most one ZeRO unit (a step gathers
+    it too) and four copies of the largest tensor (tp's contiguous piece, its all-gather,
+    the glued tensor, one more in flight), well under the model."""
+    world = MPI.COMM_WORLD
+    bad = Mismatches()
+    folder = world.bcast(tempfile.mkdtemp(prefix="refmp-save-") if world.rank == 0 else None)
+    for j, layout in enumerate(SAVES):
+        cfg = TrainConfig(n_layer=8, n_head=4, n_embd=64, block_size=16, batch_size=4, steps=1,
+                          dtype="float32" if "mixed_precision" in layout else "float64",
+                          progress=False, **layout)
+        tr = Trainer(cfg)
+        tr.step()
+        full = tr.runner.full_params()  # collective: the reference
+        path = os.path.join(folder, f"{j}.safetensors")
+        peak = saved_peak(tr, path)
+        if world.rank == 0:
+            saved = load_file(path)
+            bad.check(np.testing.assert_equal, sorted(saved), sorted(full), err_msg=str(layout))
+            for k, v in full.items():
+                bad.check(np.testing.assert_array_equal, saved[k], v, err_msg=f"{layout} {k}")
+            sizes = sorted(v.nbytes for v in full.values())
+            unit = 12 * cfg.n_embd ** 2 * full["wte.weight"].itemsize if cfg.zero == 3 else 0
+            bound = unit + 4 * sizes[-1] + 65536
+            bad.check(np.testing.assert_array_less, peak, bound, err_msg=f"{layout}: peak")
+            bad.check(np.testing.assert_array_less, bound, sum(sizes) / 2,
+                      err_msg=f"{layout}: the bound says nothing")
+        free(tr)
+    world.barrier()
+    if world.rank == 0:
+        for f in os.listdir(folder):
+            os.remove(os.path.join(folder, f))
+        os.rmdir(folder)
+    bad.assert_none(world)
 
 
 @pytest.mark.cli

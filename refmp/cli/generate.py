@@ -111,7 +111,7 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     from refmp.inference.decoder import Decoder
     from refmp.inference.generate import generate
     from refmp.inference.sampling import Sampler
-    from refmp.inference.sources import load_weights, read_prompts
+    from refmp.inference.sources import read_prompts, weight_source
     from refmp.runtime.cgroup import peak
 
     grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
@@ -119,10 +119,11 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     moe = {"top_k": args.moe_top_k, "moe_every": args.moe_every}
     text = args.prompt is not None or args.requests is not None  # prompts that may be text
-    mcfg, params, tok = agreed(world, lambda: load_weights(args.init, args.checkpoint, moe,
-                                                           args.n_head, args.tokenizer, text))
+    # the weights' Source: each rank reads only its slices (Decoder), never the whole model
+    mcfg, src, tok = agreed(world, lambda: weight_source(args.init, args.checkpoint, moe,
+                                                         args.n_head, args.tokenizer, text))
     if args.requests is not None:
-        return run_requests(args, grid, mcfg, params, tok, sampler)
+        return run_requests(args, grid, mcfg, src, tok, sampler)
     prompts = agreed(world, lambda: read_prompts(args.prompts, args.prompt, tok,
                                                  mcfg.vocab_size))
     check_fits(args, mcfg, grid.sizes, prompts)
@@ -135,8 +136,7 @@ def run_generate(args: argparse.Namespace) -> dict | None:
         raise ConfigError(f"{len(prompts[0])} prompt tokens and --max-new-tokens "
                           f"{args.max_new_tokens} need {len(prompts[0]) + args.max_new_tokens - 1}"
                           f" positions; the model has {mcfg.block_size}")
-    dec = Decoder(mcfg, {k: v.astype(args.dtype) for k, v in params.items()}, grid,
-                  args.cp_balance)
+    dec = Decoder(mcfg, src, grid, args.cp_balance, dtype=args.dtype)
     ids = np.array_split(np.arange(len(prompts)), grid.sizes["dp"])[grid.coords["dp"]]
     res = generate(dec, np.array(prompts, dtype=np.int64)[ids], args.max_new_tokens, sampler,
                    ids, args.kv_cache, args.kv_block_size)
@@ -145,7 +145,7 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     kv = world.allgather_obj(res.kv_cache_bytes)
     # each rank's measured peak beside the prediction (refmp.cost.decode)
     pred = decode_memory(mcfg, grid.sizes, grid.coords, len(ids), len(prompts[0]) + args.max_new_tokens
-                         - 1, np.dtype(args.dtype).itemsize, params["wte.weight"].itemsize)
+                         - 1, np.dtype(args.dtype).itemsize, src.read("ln_f.weight").itemsize)
     peaks = world.allgather_obj({**peak(), "predicted": pred["peak"]})
     prefill_s, decode_s = world.allreduce_metrics([res.prefill_s, res.decode_s], op="max")
     if world.rank != 0:
@@ -187,7 +187,7 @@ def report(args, tokens, logits, tok, summary: dict) -> None:
     print_measured(summary["memory_measured"], "refmp.cost.decode")
 
 
-def run_requests(args, grid, mcfg, params: dict, tok, sampler) -> dict | None:
+def run_requests(args, grid, mcfg, src, tok, sampler) -> dict | None:
     """``--requests``: continuous batching; request i is served by dp rank i mod dp."""
     from refmp.distributed.faults import agreed
     from refmp.inference.decoder import Decoder
@@ -202,7 +202,7 @@ def run_requests(args, grid, mcfg, params: dict, tok, sampler) -> dict | None:
                           "ep ranks would have to decode the same requests in step")
     if args.max_batch < 1:
         raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}")
-    dec = Decoder(mcfg, {k: v.astype(args.dtype) for k, v in params.items()}, grid)
+    dec = Decoder(mcfg, src, grid, dtype=args.dtype)
     ids = list(range(grid.coords["dp"], len(reqs), s["dp"]))
     mine = [Request(reqs[i]["prompt"], reqs[i]["max_new_tokens"], reqs[i]["arrival"])
             for i in ids]

@@ -19,7 +19,6 @@ from dataclasses import asdict, fields
 import numpy as np
 
 from refmp.cli.flags import add_train_args, check_flags, given_flags
-from refmp.config import saves_directory
 from refmp.distributed.faults import inject_fault
 from refmp.distributed.preemption import Preempted, Preemption
 from refmp.distributed.topology import crossing_notes
@@ -68,8 +67,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict:
 def run(cfg: TrainConfig) -> dict:
     """Train for cfg.steps steps; print progress and a summary on rank 0; return the summary."""
     from refmp.checkpoint.format import complete_steps
-    from refmp.checkpoint.hf import save_hf
-    from refmp.checkpoint.weights import save_model
+    from refmp.checkpoint.weights import save_streamed
+    from refmp.distributed.faults import agreed
 
     stop = Preemption(cfg.exit_signal)  # a bad signal name is bad input, before any work
     tr = Trainer(cfg)  # with --resume: the weights, optimizer state and step of a checkpoint
@@ -139,13 +138,10 @@ def run(cfg: TrainConfig) -> dict:
                   f"bubble {100 * timeline.bubble():.1f}%", flush=True)
     score = evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, tr.ds.task)
     memory = tr.grid.world.allgather_obj(tr.memory())
-    if cfg.save:
-        full = tr.runner.full_params()  # collective where the model is split; rank 0 gets it
-        if rank0 and saves_directory(cfg.save):  # a Hugging Face directory, with the tokenizer
-            save_hf(cfg.save, full, tr.mcfg, tr.ds.vocab, tr.ds.tokenizer)
-        elif rank0:
-            save_model(cfg.save, full, tr.mcfg, tr.ds.vocab)
-        tr.grid.world.barrier()
+    if cfg.save:  # tensor by tensor: each gathered whole onto rank 0 alone, written, let go
+        agreed(tr.grid.world, lambda: save_streamed(
+            cfg.save, tr.mcfg, tr.runner.weight_dtype, tr.runner.gather_param,
+            tr.ds.vocab, tr.ds.tokenizer, write=rank0))
     # each rank's measured peak (after the run, the evaluation and --save) and the prediction
     peaks = tr.grid.world.allgather_obj(measured(cfg, tr.mcfg, tr.grid.sizes, tr.grid.coords))
     summary = {

@@ -8,20 +8,21 @@ dtype, wf of the weights as read; pp, cp, tp, ep group sizes.
     weights   w x the rank's share (refmp.cost.zero.local_shapes: the stage's blocks as the
               Decoder splits them, the tp shards, the E/ep experts)
     kv_cache  2 Ls S (n/cp) (C/tp) w (refmp.inference.cache's formula)
-    read      wf x the whole model: every rank reads the weights whole
-              (refmp.inference.sources.load_weights) and keeps them while it decodes
-    cast      w x the whole model: the copy in the decoding dtype the Decoder takes its
-              share from, freed before the cache is made
-    peak      read + weights + max(cast, kv_cache)
+    read      wf x the largest whole tensor the rank reads from, plus one chunk
+              (refmp.nn.slices.BLOCK_BYTES): each rank reads only its share, slice by slice,
+              straight into the decoding dtype (refmp.checkpoint.source), but safetensors
+              maps the file, and a column slice (tp's c_attn, c_fc) touches every row's
+              pages, resident while that tensor is read
+    peak      weights + max(read, kv_cache)
 """
 
 from __future__ import annotations
 
 import math
 
-from refmp.cost.memory import model_elements
 from refmp.cost.zero import local_shapes
-from refmp.nn.params import GPTConfig
+from refmp.nn.params import GPTConfig, param_shapes
+from refmp.nn.slices import BLOCK_BYTES
 from refmp.parallel.pipeline.partition import partition, piece_costs
 
 
@@ -34,9 +35,10 @@ def decode_memory(mcfg: GPTConfig, sizes: dict, coords: dict, rows: int, tokens:
     blocks = partition(mcfg.n_layer, pp, costs)[r]  # the Decoder's split
     ep_rank = (coords["dp"] * cp + coords["cp"]) % ep
     shapes = local_shapes(mcfg, tp, list(blocks), r == 0, r == pp - 1, ep, ep_rank)
-    whole = model_elements(mcfg)
+    whole = param_shapes(mcfg)
+    largest = max(math.prod(whole[k]) for unit in shapes.values() for k in unit)
     m = {"weights": w * sum(math.prod(s) for unit in shapes.values() for s in unit.values()),
          "kv_cache": 2 * len(blocks) * rows * -(-tokens // cp) * (mcfg.n_embd // tp) * w,
-         "read": wf * whole, "cast": w * whole}
-    m["peak"] = m["read"] + m["weights"] + max(m["cast"], m["kv_cache"])
+         "read": wf * largest + BLOCK_BYTES}
+    m["peak"] = m["weights"] + max(m["read"], m["kv_cache"])
     return m

@@ -6,7 +6,7 @@ prefill, 1 in a decode step), Tl = T0/cp prompt tokens per cp rank, C channels, 
 heads here, HS head size, V vocabulary, Vl = Vp/tp vocabulary rows here.
 
 A call runs this pipeline stage's blocks on t new tokens per row, on the blocks and shards
-training selects (refmp.parallel.pipeline.partition.rank_chunks, placement.shards_held) and
+training selects (refmp.parallel.pipeline.partition.rank_chunks, placement.held_indices) and
 through the Ops training builds (refmp.parallel.ops.make_ops: their embedding, blocks and head). The only
 piece that differs is the attention core, refmp.inference.attention.CachedAttention, handed
 to each block's Ops as their ``attn`` with the call's frozen record (``Call``): it appends the
@@ -55,7 +55,7 @@ from refmp.parallel.expert import ExpertDispatch
 from refmp.parallel.ops import make_ops
 from refmp.parallel.pipeline.partition import rank_chunks
 from refmp.parallel.pipeline.schedules import ChunkPlacement
-from refmp.parallel.placement import padded_vocab, shards_held
+from refmp.parallel.placement import held_indices, padded_vocab, shards_held
 from refmp.parallel.tensor import vocab
 from refmp.runtime import backend
 from refmp.runtime.backend import array_module
@@ -67,18 +67,24 @@ SPLIT = ("tp", "pp", "cp", "ep")  # the axes a Decoder may split the model over
 
 class Decoder:
     """This rank's share of the model (its stage's blocks, its tp shard, its experts) and the
-    calls that run it on cached tokens. ``params``: the full model (GPT-2 names; host arrays,
-    or device arrays on a GPU); ``grid``: a refmp.distributed.grid.ProcessGrid; ``axes``: the
-    grid axes the model is split over (tp, pp, cp, ep), the others decode prompts of their
-    own (each axis left out is taken from a grid of one rank). ``capacity``: route to the
+    calls that run it on cached tokens. ``weights``: where the share comes from, either a
+    Source (refmp.checkpoint.source: a file, a Hugging Face directory, a checkpoint of any
+    layout, the shards a training run holds), of which it reads only its slices
+    (placement.held_indices: ``read(name, tp_index, dtype)``), in ``dtype`` (None: the source's);
+    or the whole model as a dict (GPT-2 names; host arrays, or device arrays on a GPU: a
+    test's, a tutorial's), of which it keeps its shards (placement.shards_held). ``grid``:
+    a refmp.distributed.grid.ProcessGrid; ``axes``: the grid axes the model is split over
+    (tp, pp, cp, ep), the others decode prompts of their own (each axis left out is taken
+    from a grid of one rank). ``capacity``: route to the
     experts with the model's capacity limit, as training and GPT.generate do (a token's
     output then depends on the tokens of its sequence, so only decoding without the cache is
     exact). ``T``: the block size the pipeline split (training's rank_chunks, one chunk per
     rank) is costed at: a run's ``--block-size`` (default the model's, as in training), so
     that a stage holds the blocks it trains."""
 
-    def __init__(self, mcfg, params: dict, grid, cp_balance: str = "zigzag",
-                 axes: tuple[str, ...] = SPLIT, capacity: bool = False, T: int | None = None):
+    def __init__(self, mcfg, weights, grid, cp_balance: str = "zigzag",
+                 axes: tuple[str, ...] = SPLIT, capacity: bool = False, T: int | None = None,
+                 dtype=None):
         self.mcfg = mcfg
         self.cp_balance = cp_balance
         alone = ProcessGrid(MPI.COMM_SELF) if set(SPLIT) - set(axes) else None
@@ -90,15 +96,25 @@ class Decoder:
         self.blocks = rank_chunks(mcfg, T or mcfg.block_size, r, ChunkPlacement(P))[r]  # training's split
         self.first = r == 0
         self.last = r == P - 1
-        self.params = shards_held(params, self.blocks, self.first, self.last, self.tp, self.ep,
-                                  mcfg.n_expert)  # as the engine's (refmp.parallel.placement)
-        self.dtype = params["wte.weight"].dtype
+        self.params = self._shards(weights, dtype)  # as the engine's (refmp.parallel.placement)
+        self.dtype = next(iter(self.params.values())).dtype
         self.nh = mcfg.n_head // self.tp.size  # heads here
         # experts: every token to its top-k (no capacity limit unless asked), over ep if split
         dispatch = ExpertDispatch(self.ep, mcfg.n_expert) if self.ep.size > 1 else None
         routing = mcfg if capacity else dataclasses.replace(mcfg, capacity_factor=0.0)
         self.moe = routing.moe_context(None, dispatch) if mcfg.n_expert else None
         self.cache = None  # this rank's KV cache: new_cache makes it, each call fills it
+
+    def _shards(self, weights, dtype) -> dict:
+        """This rank's tp shard of every parameter it holds: read slice by slice from a
+        Source, or cut from the whole model (a dict)."""
+        if isinstance(weights, dict):
+            held = shards_held(weights, self.blocks, self.first, self.last, self.tp, self.ep,
+                               self.mcfg.n_expert)
+            return held if dtype is None else {k: v.astype(dtype) for k, v in held.items()}
+        want = held_indices(gpt.param_shapes(self.mcfg), self.blocks, self.first, self.last,
+                            self.tp, self.ep, self.mcfg.n_expert)
+        return {k: backend.from_host(weights.read(k, index, dtype)) for k, index in want.items()}
 
     def new_cache(self, S: int, tokens: int, block_size: int | None = None):
         """A new cache of this rank's layers and heads for S slots of ``tokens`` each, which

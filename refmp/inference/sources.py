@@ -40,16 +40,6 @@ class Tokenizer:
         return "".join(self.chars[int(i)] if int(i) < len(self.chars) else "?" for i in ids)
 
 
-def load_weights(init: str | None, checkpoint: str | None, moe: dict | None = None,
-                 n_head: int | None = None, tokenizer: str | None = None, text: bool = True):
-    """(GPTConfig, full parameters as host arrays, tokenizer or None): weight_source's model
-    read whole (the one-rank case; a split decoder reads its slices from the Source)."""
-    from refmp.nn.params import param_shapes
-
-    mcfg, src, tok = weight_source(init, checkpoint, moe, n_head, tokenizer, text)
-    return mcfg, {k: src.read(k) for k in param_shapes(mcfg)}, tok
-
-
 def weight_source(init: str | None, checkpoint: str | None, moe: dict | None = None,
                   n_head: int | None = None, tokenizer: str | None = None, text: bool = True):
     """(GPTConfig, the weights' Source (refmp.checkpoint.source: read slice by slice),
