@@ -213,6 +213,8 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     # and the gradients a backward returns at once, before the Sharder adds them in: a
     # block's (its dense unit and its experts), or the embedding's (wte, wpe), the head's
     mem["workspace"] += w * grads_at_once(units, 0 in chunks, S - 1 in chunks)
+    if cfg.zero >= 2:  # and a unit's whole gradient (Pp,), summed into until its reduce-scatter
+        mem["workspace"] += w * max(units.values())
     mem["setup"] = setup_bytes(cfg, shapes, dp * cp, ep, w)
     return mem
 

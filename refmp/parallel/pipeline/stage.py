@@ -48,8 +48,7 @@ class Stage:
 
     ``moe(denom)`` makes the MoEContext of one forward (None: a dense model);
     ``sequence_shards`` is tp with sequence parallelism (a boundary activation holds T/tp
-    tokens), else 1. ``begin_step`` starts a step: the gradient backward starts from (1, or
-    fp16's loss scale) and fresh MoE figures.
+    tokens), else 1. ``begin_step``: the starting gradient (1, fp16's scale), new MoE figures.
     """
 
     def __init__(self, chunks: dict[int, range], n_chunks: int, cfg, ops, sharder, moe=None,
@@ -135,6 +134,7 @@ class Stage:
             if route.release:  # gathered again: the forward's copy was freed
                 head = attach(head, {**weights("ln_f"), **weights("wte")})
             dx, g = self.ops.head_backward(self.loss_scale, head)  # ln_f and the tied wte's head share
+            del head  # ZeRO-3's gathered wte goes before its gradient's buffer comes
             sink.accumulate("wte", {"wte.weight": g.pop("wte.weight")})
             sink.accumulate("ln_f", g)
             sink.grad_ready("ln_f", final)
