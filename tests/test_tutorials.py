@@ -20,6 +20,12 @@ def test_02_data_parallel(n):
     assert r.stdout.count("step 4:") == 1  # rank 0 alone narrates
 
 
+def test_16_no_rank_can_hold():
+    r = mpiexec(4, ["python", "tutorials/16_no_rank_can_hold.py"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: every rank made and trained only its share" in r.stdout
+
+
 def test_15_across_nodes():
     """As root: 2 nodes made of network namespaces (it runs mpiexec itself); else skipped."""
     import subprocess
