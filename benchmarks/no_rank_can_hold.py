@@ -80,6 +80,14 @@ def peaks(s: dict | None) -> str:
                      for r, m in enumerate(s["memory_measured"]))
 
 
+def json_line(log: pathlib.Path) -> dict | None:
+    """The JSON object ``refmp generate --json`` printed into ``log``, or None."""
+    for line in log.read_text().splitlines() if log.exists() else []:
+        if line.startswith("{"):
+            return json.loads(line)
+    return None
+
+
 def train(args, out: pathlib.Path, rows: list[str]) -> None:
     shape = SMALL_TRAIN if args.small else LARGE
     data = out / "tokens.npy"
@@ -144,7 +152,7 @@ def decode(args, out: pathlib.Path, rows: list[str]) -> None:
         out / "decode-serial.log")
     ref = np.load(out / "decode-serial.npy") if (out / "decode-serial.npy").exists() else None
     rows.append(f"| decode serial, uncapped | tokens {ref.tolist() if ref is not None else '-'} "
-                f"| - | - |")
+                f"| - | {peaks(json_line(out / 'decode-serial.log'))} |")
     for name, n, flags in (("tp5", 5, ["--tp", "5"]), ("pp4", 4, ["--pp", "4"])):
         toks = out / f"decode-{name}.npy"
         status = run(cluster(n, mem, out, f"decode-{name}") + gen + flags
@@ -152,8 +160,8 @@ def decode(args, out: pathlib.Path, rows: list[str]) -> None:
         same = (ref is not None and toks.exists()
                 and np.array_equal(np.load(toks), ref))
         rows.append(f"| decode {name}, {mem} | exit {status} | tokens "
-                    f"{'identical to' if same else 'DIFFERENT from'} serial | see "
-                    f"decode-{name}.log |")
+                    f"{'identical to' if same else 'DIFFERENT from'} serial | "
+                    f"{peaks(json_line(out / f'decode-{name}.log'))} |")
 
 
 def main() -> int:

@@ -85,6 +85,9 @@ def bad_runs(tmp_path_factory):
     bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
     cases = {str(args): ["train", "--no-progress", *args] for args, _ in BAD}
     cases["bad safetensors"] = ["train", "--init", str(bad), "--no-progress"]
+    gen = ["generate", "--init", "/nonexistent.safetensors", "--device", "gpu"]
+    cases["generate gpu"] = [*gen, "--prompt", "1+1="]
+    cases["generate gpu requests"] = [*gen, "--requests", "/nonexistent.jsonl"]
     return refused(2, cases)
 
 
@@ -100,6 +103,22 @@ def test_bad_input_fails_cleanly_on_every_rank(bad_runs, args, message):
 def test_bad_safetensors_file(bad_runs):
     r = bad_runs["bad safetensors"]
     assert r.returncode == 2 and "not a readable safetensors file" in r.stderr, r.stderr
+
+
+def test_generate_on_a_gpu_without_cupy_is_refused_before_the_weights(bad_runs):
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed: tests/gpu runs the GPU")
+    r = bad_runs["generate gpu"]
+    assert r.returncode == 2 and r.stderr.count("--device gpu needs CuPy") == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_generate_on_a_gpu_refuses_continuous_batching(bad_runs):
+    r = bad_runs["generate gpu requests"]
+    message = "--requests (continuous batching) runs on the CPU"
+    assert r.returncode == 2 and r.stderr.count(message) == 1, r.stderr
 
 
 def test_bench_json():

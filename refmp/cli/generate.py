@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import numpy as np
 
@@ -56,6 +57,8 @@ def add_parser(sub) -> None:
     d.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
     d.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     d.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    d.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
+                   help="cpu (NumPy) or gpu (CuPy, one GPU per rank); default $REFMP_DEVICE or cpu")
     d.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
                    help="recompute the whole sequence for every token (the baseline)")
     d.add_argument("--kv-block-size", type=int, default=None, metavar="N",
@@ -107,15 +110,22 @@ def run_generate(args: argparse.Namespace) -> dict | None:
 
     from refmp.cost.decode import decode_memory
     from refmp.distributed.faults import agreed
+    from refmp.distributed.gpu import start_gpu
     from refmp.distributed.grid import ProcessGrid
     from refmp.inference.decoder import Decoder
     from refmp.inference.generate import generate
     from refmp.inference.sampling import Sampler
     from refmp.inference.sources import read_prompts, weight_source
+    from refmp.runtime import backend
     from refmp.runtime.cgroup import peak
 
     grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     world = grid.world
+    if args.device == "gpu":
+        if args.requests is not None:
+            raise ConfigError("--device gpu decodes --prompts or --prompt; --requests "
+                              "(continuous batching) runs on the CPU")
+        start_gpu(grid)  # before any array: the Decoder's shards go straight to the GPU
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     moe = {"top_k": args.moe_top_k, "moe_every": args.moe_every}
     text = args.prompt is not None or args.requests is not None  # prompts that may be text
@@ -138,10 +148,11 @@ def run_generate(args: argparse.Namespace) -> dict | None:
                           f" positions; the model has {mcfg.block_size}")
     dec = Decoder(mcfg, src, grid, args.cp_balance, dtype=args.dtype)
     ids = np.array_split(np.arange(len(prompts)), grid.sizes["dp"])[grid.coords["dp"]]
-    res = generate(dec, np.array(prompts, dtype=np.int64)[ids], args.max_new_tokens, sampler,
-                   ids, args.kv_cache, args.kv_block_size)
+    mine = backend.from_host(np.array(prompts, dtype=np.int64)[ids])  # on the run's device
+    res = generate(dec, mine, args.max_new_tokens, sampler, ids, args.kv_cache, args.kv_block_size)
     holder = dec.last and grid.coords["tp"] == 0 and grid.coords["cp"] == 0
-    got = world.allgather_obj((ids, res.tokens, res.logits) if holder else None)
+    got = world.allgather_obj((ids, backend.to_host(res.tokens), backend.to_host(res.logits))
+                              if holder else None)
     kv = world.allgather_obj(res.kv_cache_bytes)
     # each rank's measured peak beside the prediction (refmp.cost.decode)
     pred = decode_memory(mcfg, grid.sizes, grid.coords, len(ids), len(prompts[0]) + args.max_new_tokens

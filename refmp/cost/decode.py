@@ -8,11 +8,12 @@ dtype, wf of the weights as read; pp, cp, tp, ep group sizes.
     weights   w x the rank's share (refmp.cost.zero.local_shapes: the stage's blocks as the
               Decoder splits them, the tp shards, the E/ep experts)
     kv_cache  2 Ls S (n/cp) (C/tp) w (refmp.inference.cache's formula)
-    read      wf x the largest whole tensor the rank reads from, plus one chunk
-              (refmp.nn.slices.BLOCK_BYTES): each rank reads only its share, slice by slice,
-              straight into the decoding dtype (refmp.checkpoint.source), but safetensors
-              maps the file, and a column slice (tp's c_attn, c_fc) touches every row's
-              pages, resident while that tensor is read
+    read      while the rank reads its share, tensor by tensor in the model's order, straight
+              into the decoding dtype (refmp.checkpoint.source): what it has read so far, the
+              tensor's slice, and the file's pages that read touches (safetensors maps the
+              file while one tensor is read: a column slice, tp's c_attn and c_fc, touches
+              every row's pages, wf x the whole tensor; a row slice only its rows), plus one
+              chunk (refmp.nn.slices.BLOCK_BYTES); its largest moment, beyond the weights
     peak      weights + max(read, kv_cache)
 """
 
@@ -24,6 +25,7 @@ from refmp.cost.zero import local_shapes
 from refmp.nn.params import GPTConfig, param_shapes
 from refmp.nn.slices import BLOCK_BYTES
 from refmp.parallel.pipeline.partition import partition, piece_costs
+from refmp.parallel.placement import TP_SPLITS, local_name
 
 
 def decode_memory(mcfg: GPTConfig, sizes: dict, coords: dict, rows: int, tokens: int,
@@ -36,9 +38,17 @@ def decode_memory(mcfg: GPTConfig, sizes: dict, coords: dict, rows: int, tokens:
     ep_rank = (coords["dp"] * cp + coords["cp"]) % ep
     shapes = local_shapes(mcfg, tp, list(blocks), r == 0, r == pp - 1, ep, ep_rank)
     whole = param_shapes(mcfg)
-    largest = max(math.prod(whole[k]) for unit in shapes.values() for k in unit)
-    m = {"weights": w * sum(math.prod(s) for unit in shapes.values() for s in unit.values()),
+    local = {k: s for unit in shapes.values() for k, s in unit.items()}
+    weights = w * sum(math.prod(s) for s in local.values())
+    held, read = 0, 0  # what is read so far; the largest moment of a read
+    for k in (k for k in whole if k in local):
+        split = TP_SPLITS.get(local_name(k))
+        columns = tp > 1 and split is not None and split[0] == 1  # every row's pages
+        pages = wf * math.prod(whole[k] if columns else local[k])
+        held += w * math.prod(local[k])
+        read = max(read, held + pages + BLOCK_BYTES - weights)
+    m = {"weights": weights,
          "kv_cache": 2 * len(blocks) * rows * -(-tokens // cp) * (mcfg.n_embd // tp) * w,
-         "read": wf * largest + BLOCK_BYTES}
+         "read": max(read, 0)}
     m["peak"] = m["weights"] + max(m["read"], m["kv_cache"])
     return m

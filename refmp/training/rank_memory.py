@@ -40,10 +40,12 @@ def check_rank_limit(cfg, mcfg, sizes: dict, coords: dict, rank: int) -> None:
     need, held = predicted_peak(cfg, mcfg, sizes, coords), cgroup.resident()
     if need + held <= limit:
         return
-    fit = layout_that_fits(cfg, mcfg, _world(sizes), limit - held)
-    hint = (f"a layout of these {_world(sizes)} ranks that fits: {fit[0]} (predicted "
+    n = _world(sizes)
+    fit = layout_that_fits(cfg, mcfg, n, limit - held)
+    ranks = f"{n} rank" + ("s" if n > 1 else "")
+    hint = (f"a layout of these {ranks} that fits: {fit[0]} (predicted "
             f"{size(fit[1])})" if fit else
-            f"no layout of {_world(sizes)} ranks fits (refmp plan --machine cpu "
+            f"no layout of {ranks} fits (refmp plan --machine cpu "
             f"--gpu-memory-gb {(limit - held) / 1e9:.3g} lists the candidates): use more ranks, "
             f"a larger --rank-memory, or a smaller model, batch or --block-size")
     raise ConfigError(

@@ -30,6 +30,7 @@ from refmp.checkpoint.sharded import Checkpointed, Pieces, Stateful, load, save
 from refmp.checkpoint.source import InitSource, Source
 from refmp.config import TrainConfig, lr_at
 from refmp.distributed.faults import agreed, check_finite
+from refmp.distributed.gpu import start_gpu
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn.params import GPTConfig, param_shapes
 from refmp.runtime import backend
@@ -110,18 +111,6 @@ def build_optimizer(cfg: TrainConfig, params: dict, decay=None):
                    decay=decay)
     return AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
                  decay=decay)
-
-
-def start_gpu(grid: ProcessGrid) -> dict:
-    """CuPy and this rank's GPU; CUDA-awareness detected, agreed, and set on every axis."""
-    from refmp.runtime.device import agree_cuda_aware, detect_cuda_aware, use_gpu
-
-    info = agreed(grid.world, lambda: use_gpu(grid.world.mpi))
-    answer, source = detect_cuda_aware()
-    aware = agree_cuda_aware(grid.world, answer)
-    grid.set_cuda_aware(aware)
-    return {**info, "device": f"gpu {info['device']}", "cuda_aware": aware,
-            "cuda_aware_source": source}
 
 
 class Trainer:
