@@ -12,8 +12,9 @@ dtype, wf of the weights as read; pp, cp, tp, ep group sizes.
               into the decoding dtype (refmp.checkpoint.source): what it has read so far, the
               tensor's slice, and the file's pages that read touches (safetensors maps the
               file while one tensor is read: a column slice, tp's c_attn and c_fc, touches
-              every row's pages, wf x the whole tensor; a row slice only its rows), plus one
-              chunk (refmp.nn.slices.BLOCK_BYTES); its largest moment, beyond the weights
+              every row's pages, wf x the whole tensor; a row slice only its rows), plus a
+              chunk of rows and its cut columns (2 x refmp.nn.slices.BLOCK_BYTES, as
+              training's setup counts them); its largest moment, beyond the weights
     peak      weights + max(read, kv_cache)
 """
 
@@ -46,7 +47,7 @@ def decode_memory(mcfg: GPTConfig, sizes: dict, coords: dict, rows: int, tokens:
         columns = tp > 1 and split is not None and split[0] == 1  # every row's pages
         pages = wf * math.prod(whole[k] if columns else local[k])
         held += w * math.prod(local[k])
-        read = max(read, held + pages + BLOCK_BYTES - weights)
+        read = max(read, held + pages + 2 * BLOCK_BYTES - weights)  # a chunk and its cut
     m = {"weights": weights,
          "kv_cache": 2 * len(blocks) * rows * -(-tokens // cp) * (mcfg.n_embd // tp) * w,
          "read": max(read, 0)}
