@@ -9,11 +9,11 @@ stage decodes with the weights it trains, read in place (``held_weights``). Wher
 schedule has several chunks per rank (interleaved, the V schedules) or --stage-layers moves
 them, the blocks a stage decodes but does not train come point to point, tensor by tensor,
 from the pp rank that trains them. ZeRO's units are all-gathered one by one as in a step
-and kept for the decoding (the stage's share whole, never the model: the dp x cp ranks
-decode prompts of their own, a different number of calls each, so they could not gather a
-unit in step for each use); an MoE block's experts are all-gathered over ep
-(the Decoder holds every expert of its blocks). The other axes (dp, cp) decode prompts of
-their own. No rank ever holds the whole model (nothing is broadcast).
+and kept for the decoding: the stage's tp share unpartitioned (the dp x cp ranks decode
+prompts of their own, a different number of calls each, so they could not gather a unit in
+step for each use), which with ZeRO-3 and pp = tp = 1 is the whole model; an MoE block's
+experts are all-gathered over ep (the Decoder holds every expert of its blocks). The other
+axes (dp, cp) decode prompts of their own. Nothing is broadcast.
 
 Messages of ``held_weights`` on a rank (w the compute dtype's bytes):
 
