@@ -18,7 +18,7 @@ refmp's init (nothing whole in memory), --decode-memory per rank:
 Every run's output lands in --out (a directory every node sees: not under /tmp), with a
 table (table.md) of the losses, tokens, and measured peaks against predictions.
 
-Run (root, the machine otherwise idle; about 15 minutes on 2 cores, 24 GB):
+Run (root, the machine otherwise idle; about 10 minutes on 2 cores, 24 GB):
     python benchmarks/no_rank_can_hold.py --out runs/no-rank-can-hold
 A quick run of the same steps at a small shape (seconds):
     python benchmarks/no_rank_can_hold.py --out runs/nrch-small --small
