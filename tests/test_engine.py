@@ -9,6 +9,8 @@ serial init's (or the --init file's) slices in every layout kind, and tracemallo
 while it builds is its share plus one read.
 """
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -19,6 +21,7 @@ from parity import assert_same_run
 
 from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
+from refmp.distributed.grid import ProcessGrid
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -374,3 +377,40 @@ def test_building_holds_the_share_plus_one_read_measured():
               f"bound {bound:,} whole model {whole:,}")
         assert peak <= bound, (kw, peak, bound, kept, one)
         assert bound < 0.75 * whole, (kw, bound, whole)  # the bound says something
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_evaluation_with_zero3_holds_a_unit_not_the_model_measured():
+    """ZeRO-3 over 4 ranks: tracemalloc's peak while the addition task is evaluated (every
+    dp rank decodes its quarter of the prompts, the weights gathered unit by unit as they are
+    read: a few units at once, 12 blocks here) stays under half the whole model (gathering
+    every unit for the decode held 1.3 times it), and the accuracy is the one the whole
+    model gives (decoded alone on each rank from Engine.full_params, the check only)."""
+    import tracemalloc
+
+    from refmp.inference.decoder import Decoder
+    from refmp.inference.generate import Greedy
+    from refmp.nn.params import param_shapes
+    from refmp.training.datasets import AdditionTask
+    from refmp.training.evaluate import evaluate
+
+    task = AdditionTask(digits=2, seed=0, n_train=200, n_test=40)
+    cfg = config(n_layer=12, n_embd=128, block_size=10, batch_size=4, steps=1, dp=4, zero=3)
+    tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_WORLD, dp=4), dataset=task.dataset())
+    tr.step()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        got = evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, task)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    whole = sum(math.prod(s) for s in param_shapes(tr.mcfg).values()) * 8  # float64
+    full = tr.runner.full_params()  # the check's reference: the whole model, gathered
+    full = MPI.COMM_WORLD.bcast(full, root=0)
+    alone = ProcessGrid(MPI.COMM_SELF)
+    want = task.score(Greedy(Decoder(tr.mcfg, full, alone, axes=("tp", "pp"))), task.test_pairs)
+    print(f"rank {MPI.COMM_WORLD.rank}: evaluation peak {peak:,} of a {whole:,}-byte model")
+    assert got == want, (got, want)
+    assert peak < 0.5 * whole, (peak, whole)

@@ -40,6 +40,7 @@ Messages of one decode step, B rows on a dp rank, w bytes per element, L blocks 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 from mpi4py import MPI
@@ -108,6 +109,8 @@ class Decoder:
     def _shards(self, weights, dtype) -> dict:
         """This rank's tp shard of every parameter it holds: read slice by slice from a
         Source, or cut from the whole model (a dict)."""
+        if isinstance(weights, Mapping) and not isinstance(weights, dict):
+            return weights  # the caller's own shards, read as the calls need them (Gathered)
         if isinstance(weights, dict):
             held = shards_held(weights, self.blocks, self.first, self.last, self.tp, self.ep,
                                self.mcfg.n_expert)

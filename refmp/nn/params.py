@@ -172,4 +172,4 @@ def init_params(cfg: GPTConfig, seed: int, dtype="float32") -> dict:
 def block_params(params: dict, i: int) -> dict:
     """Block i's parameters keyed by their name inside the block (views, no copies)."""
     prefix = f"h.{i}."
-    return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+    return {k[len(prefix):]: params[k] for k in params if k.startswith(prefix)}  # reads only these

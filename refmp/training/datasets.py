@@ -79,6 +79,8 @@ class AdditionTask:
     accuracy on them by greedy decoding.
     """
 
+    BATCH = 500  # prompts :meth:`score` decodes at once
+
     digits: int = 3
     seed: int = 0
     n_train: int = 200_000
@@ -117,7 +119,7 @@ class AdditionTask:
         return Dataset(self.encode(self.train_pairs).reshape(-1), len(ADD_CHARS),
                        f"addition ({self.digits}-digit)", task=self, vocab=ADD_CHARS)
 
-    def score(self, model, pairs: np.ndarray | None = None, batch: int = 500) -> tuple[int, int]:
+    def score(self, model, pairs: np.ndarray | None = None, batch: int = BATCH) -> tuple[int, int]:
         """(correct, total) exact-match answers by greedy decoding on held-out problems."""
         from refmp.runtime import backend
 

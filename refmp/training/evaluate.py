@@ -8,12 +8,13 @@ per rank, balanced, and tp cuts each parameter as training does (placement.tp_sh
 stage decodes with the weights it trains, read in place (``held_weights``). Where the
 schedule has several chunks per rank (interleaved, the V schedules) or --stage-layers moves
 them, the blocks a stage decodes but does not train come point to point, tensor by tensor,
-from the pp rank that trains them. ZeRO's units are all-gathered one by one as in a step
-and kept for the decoding: the stage's tp share unpartitioned (the dp x cp ranks decode
-prompts of their own, a different number of calls each, so they could not gather a unit in
-step for each use), which with ZeRO-3 and pp = tp = 1 is the whole model; an MoE block's
-experts are all-gathered over ep (the Decoder holds every expert of its blocks). The other
-axes (dp, cp) decode prompts of their own. Nothing is broadcast.
+from the pp rank that trains them. With ZeRO-3, where every dp x cp rank decodes its
+prompts in one batch (the same calls in the same order) and a stage decodes what it trains,
+each unit is all-gathered as the Decoder reads it and let go after, as in a step
+(``Gathered``); elsewhere ZeRO's units are all-gathered once and kept for the decoding (the
+stage's tp share, unpartitioned). An MoE block's experts are all-gathered over ep (the
+Decoder holds every expert of its blocks). The other axes (dp, cp) decode prompts of their
+own. Nothing is broadcast.
 
 Messages of ``held_weights`` on a rank (w the compute dtype's bytes):
 
@@ -25,6 +26,7 @@ Messages of ``held_weights`` on a rank (w the compute dtype's bytes):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -56,6 +58,50 @@ class Held:
     def read(self, name: str, index=WHOLE, dtype=None):
         v = self.shards[name]
         return v if dtype is None or v.dtype == dtype else v.astype(dtype)
+
+
+class Gathered(Mapping):
+    """ZeRO-3's weights for the Decoder, one unit at a time, as a step holds them: reading a
+    parameter all-gathers its unit (the Sharder's ``weights``, exact) and keeps that unit
+    alone, so a rank holds its slices and one unit (two while the embedding reads wte and
+    wpe). Collective: every rank of a unit's group reads the same parameters in the same
+    order, which evaluation's lockstep gives (``decoder``)."""
+
+    def __init__(self, sharder, names: list[str]):
+        self.sharder = sharder
+        self.names = names
+        self.unit_of = {k: u for u, unit in sharder.units.items() for k in unit.shapes}
+        self.unit = None  # the unit gathered now, and its parameters
+        self.held: dict = {}
+
+    def __getitem__(self, k: str):
+        u = self.unit_of[k]
+        if u != self.unit:
+            self.held = {}  # the last unit goes before the next is gathered
+            self.held = self.sharder.weights(u, exact=True)
+            self.unit = u
+        return self.held[k]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def gathered(run: Runner, grid: ProcessGrid, mcfg: GPTConfig, T: int) -> Gathered | None:
+    """With ZeRO-3, the Decoder's weights gathered unit by unit (Gathered) where every pp
+    rank decodes exactly the parameters it trains (one chunk per rank, no --stage-layers)
+    and experts are not split over ep; None elsewhere (collective over pp, ZeRO-3 only)."""
+    sh, pp = run.sharder, grid.comm["pp"]
+    shapes = gpt.param_shapes(mcfg)
+    blocks = rank_chunks(mcfg, T, pp.rank, ChunkPlacement(pp.size))[pp.rank]
+    need = [k for k in shapes if holds(k, blocks, pp.rank == 0, pp.rank == pp.size - 1, 0,
+                                        mcfg.n_expert)]
+    same = set(need) == {k for unit in sh.units.values() for k in unit.shapes}
+    if not all(pp.allgather_obj(same and grid.comm["ep"].size == 1)):
+        return None
+    return Gathered(sh, need)
 
 
 def held_weights(run: Runner, grid: ProcessGrid, mcfg: GPTConfig, T: int) -> dict:
@@ -107,14 +153,18 @@ def held_weights(run: Runner, grid: ProcessGrid, mcfg: GPTConfig, T: int) -> dic
     return out
 
 
-def decoder(run: Runner, grid: ProcessGrid, mcfg: GPTConfig, T: int) -> Greedy:
+def decoder(run: Runner, grid: ProcessGrid, mcfg: GPTConfig, T: int,
+            lockstep: bool = False) -> Greedy:
     """Greedy decoding of the model as it is now (collective over the world): a Decoder over
     the grid's tp and pp, split with the run's block size ``T``, on the weights the runner
-    holds (``held_weights``: no rank holds the whole model). An MoE model with a capacity
-    limit is decoded without the cache: its capacity, counted over a sequence, reroutes the
-    earlier tokens as the sequence grows, as GPT.generate recomputes them."""
+    holds (``held_weights``; with ZeRO-3 and ``lockstep``, the dp x cp ranks making the same
+    calls in the same order, gathered unit by unit as they are read: ``gathered``). An MoE
+    model with a capacity limit is decoded without the cache: its capacity, counted over a
+    sequence, reroutes the earlier tokens as the sequence grows, as GPT.generate recomputes
+    them."""
     dropping = bool(mcfg.n_expert) and mcfg.capacity_factor > 0
-    shards = Held(held_weights(run, grid, mcfg, T))
+    live = gathered(run, grid, mcfg, T) if run.sharder.stage == 3 and lockstep else None
+    shards = live if live is not None else Held(held_weights(run, grid, mcfg, T))
     dec = Decoder(mcfg, shards, grid, axes=("tp", "pp"), capacity=dropping, T=T)
     return Greedy(dec, use_cache=not dropping)
 
@@ -125,8 +175,11 @@ def evaluate(run: Runner, grid: ProcessGrid, mcfg: GPTConfig, T: int,
     the prompts split over dp x cp (collective over the world); None without a task."""
     if task is None:
         return None
-    model = decoder(run, grid, mcfg, T)
     comm = grid.group("dp", "cp")  # the ranks that decode prompts of their own
-    prompts = np.array_split(task.test_pairs, comm.size)[comm.rank]  # this rank's share
-    correct, total = task.score(model, prompts) if len(prompts) else (0, 0)
+    parts = np.array_split(task.test_pairs, comm.size)
+    prompts = parts[comm.rank]  # this rank's share
+    # one batch of prompts on every rank (task.score's): the same calls, in the same order
+    lockstep = all(0 < len(p) <= task.BATCH for p in parts)
+    model = decoder(run, grid, mcfg, T, lockstep)
+    correct, total = task.score(model, prompts, task.BATCH) if len(prompts) else (0, 0)
     return int(comm.allreduce_scalar(correct)), int(comm.allreduce_scalar(total))
