@@ -8,7 +8,7 @@ clipping). After the last step, one more with the ledger reset: its bytes and ca
 per stage against the analytic formula and its bytes on pp; the gathered model in GPT-2
 order; greedy decoding through the stages and the vocabulary shards against the serial
 model's, on the shards training holds (no whole model gathered, nothing broadcast). --save's
-stream (Engine.gather_param, one whole tensor onto rank 0 at a time) writes the gathered
+stream (Engine.param_gatherer, one whole tensor onto rank 0 at a time) writes the gathered
 model, bitwise, with a traced peak on the writing rank of a few tensors, not the model.
 """
 
@@ -163,7 +163,7 @@ def saved_peak(tr, path: str):
     the writing rank (world rank 0) allocated meanwhile, None elsewhere."""
     rank0 = tr.grid.rank == 0
     out, peak = traced_peak(lambda: save_streamed(path, tr.runner.mcfg, tr.runner.weight_dtype,
-                                                  tr.runner.gather_param, write=rank0))
+                                                  tr.runner.param_gatherer(), write=rank0))
     return peak if rank0 else None
 
 

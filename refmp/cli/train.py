@@ -140,7 +140,7 @@ def run(cfg: TrainConfig) -> dict:
     memory = tr.grid.world.allgather_obj(tr.memory())
     if cfg.save:  # tensor by tensor: each gathered whole onto rank 0 alone, written, let go
         agreed(tr.grid.world, lambda: save_streamed(
-            cfg.save, tr.mcfg, tr.runner.weight_dtype, tr.runner.gather_param,
+            cfg.save, tr.mcfg, tr.runner.weight_dtype, tr.runner.param_gatherer(),
             tr.ds.vocab, tr.ds.tokenizer, write=rank0))
     # each rank's measured peak (after the run, the evaluation and --save) and the prediction
     peaks = tr.grid.world.allgather_obj(measured(cfg, tr.mcfg, tr.grid.sizes, tr.grid.coords))

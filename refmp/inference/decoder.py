@@ -70,10 +70,11 @@ class Decoder:
     """This rank's share of the model (its stage's blocks, its tp shard, its experts) and the
     calls that run it on cached tokens. ``weights``: where the share comes from, either a
     Source (refmp.checkpoint.source: a file, a Hugging Face directory, a checkpoint of any
-    layout, the shards a training run holds), of which it reads only its slices
+    layout), of which it reads only its slices
     (placement.held_indices: ``read(name, tp_index, dtype)``), in ``dtype`` (None: the source's);
     or the whole model as a dict (GPT-2 names; host arrays, or device arrays on a GPU: a
-    test's, a tutorial's), of which it keeps its shards (placement.shards_held). ``grid``:
+    test's, a tutorial's), of which it keeps its shards (placement.shards_held); or a Mapping
+    that is not a dict: its own shards already (evaluation's, read in place). ``grid``:
     a refmp.distributed.grid.ProcessGrid; ``axes``: the grid axes the model is split over
     (tp, pp, cp, ep), the others decode prompts of their own (each axis left out is taken
     from a grid of one rank). ``capacity``: route to the
@@ -108,9 +109,10 @@ class Decoder:
 
     def _shards(self, weights, dtype) -> dict:
         """This rank's tp shard of every parameter it holds: read slice by slice from a
-        Source, or cut from the whole model (a dict)."""
+        Source, cut from the whole model (a dict), or, given a Mapping that is not a dict,
+        the caller's own shards, taken as they are (evaluation's: refmp.training.evaluate)."""
         if isinstance(weights, Mapping) and not isinstance(weights, dict):
-            return weights  # the caller's own shards, read as the calls need them (Gathered)
+            return weights
         if isinstance(weights, dict):
             held = shards_held(weights, self.blocks, self.first, self.last, self.tp, self.ep,
                                self.mcfg.n_expert)

@@ -327,12 +327,12 @@ class Engine:
         ZeRO groups, then tp, then ep; then each stage sends its part to the first."""
         return self._whole(self.sharder.full_local())
 
-    def gather_param(self, name: str):
-        """One whole parameter on world rank 0, None elsewhere (collective over the world):
-        refmp.parallel.whole.gather_param, what --save streams."""
-        from refmp.parallel.whole import gather_param
+    def param_gatherer(self):
+        """``gather(name)``: one whole parameter on world rank 0, None elsewhere (collective
+        over the world): refmp.parallel.whole.ParamGatherer, what --save streams."""
+        from refmp.parallel.whole import ParamGatherer
 
-        return gather_param(self, name)
+        return ParamGatherer(self)
 
     def full_grads(self) -> dict | None:
         """The whole gradient of the last step (after clipping), like full_params: what a

@@ -27,6 +27,7 @@ Messages of ``held_weights`` on a rank (w the compute dtype's bytes):
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,7 +38,7 @@ from refmp.inference.decoder import Decoder
 from refmp.inference.generate import Greedy
 from refmp.nn import GPTConfig, gpt
 from refmp.nn import experts as M
-from refmp.nn.slices import WHOLE, slice_shape
+from refmp.nn.slices import slice_shape
 from refmp.parallel.pipeline.partition import rank_chunks
 from refmp.parallel.pipeline.schedules import ChunkPlacement
 from refmp.parallel.placement import gather_experts, holds, shard_index
@@ -46,18 +47,6 @@ from refmp.runtime.backend import array_module
 if TYPE_CHECKING:
     from refmp.training.datasets import AdditionTask
     from refmp.training.trainer import Runner
-
-
-class Held:
-    """The Decoder's Source of shards already cut (``held_weights``): ``read`` gives the
-    array itself, whatever the index (it is the tp shard the Decoder asks for)."""
-
-    def __init__(self, shards: dict):
-        self.shards = shards
-
-    def read(self, name: str, index=WHOLE, dtype=None):
-        v = self.shards[name]
-        return v if dtype is None or v.dtype == dtype else v.astype(dtype)
 
 
 class Gathered(Mapping):
@@ -164,7 +153,8 @@ def decoder(run: Runner, grid: ProcessGrid, mcfg: GPTConfig, T: int,
     them."""
     dropping = bool(mcfg.n_expert) and mcfg.capacity_factor > 0
     live = gathered(run, grid, mcfg, T) if run.sharder.stage == 3 and lockstep else None
-    shards = live if live is not None else Held(held_weights(run, grid, mcfg, T))
+    # the rank's own shards (a Mapping that is not a dict: the Decoder takes it as it is)
+    shards = live if live is not None else MappingProxyType(held_weights(run, grid, mcfg, T))
     dec = Decoder(mcfg, shards, grid, axes=("tp", "pp"), capacity=dropping, T=T)
     return Greedy(dec, use_cache=not dropping)
 

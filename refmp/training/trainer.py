@@ -88,7 +88,7 @@ class Runner(Pieces, Stateful, Protocol):
     def loss_total(self) -> float: ...  # the step's global loss
 
     def full_params(self) -> dict | None: ...  # the whole model on rank 0 (collective)
-    def gather_param(self, name: str): ...  # one whole parameter on rank 0 (collective)
+    def param_gatherer(self): ...  # gather(name): one whole parameter on rank 0 (collective)
 
     def timeline(self): ...  # the last step's pipeline timeline (collective over pp)
 

@@ -223,17 +223,22 @@ class Sharder:
         each unit's group where they are sharded (collective over every group). With mixed
         precision: the fp32 masters, and the fp32 unscaled gradient of the last step."""
         out = {}
-        for u, unit in self.units.items():
-            if not grads and not self.mixed:
-                out.update({k: v.copy() for k, v in self.weights(u, exact=True).items()})
-                continue
-            # the optimizer's view: fp32 masters, and (mixed) the fp32 unscaled gradient
-            flat = self.master[u] if not grads else self.mgrad.get(u, self.owned_grad(u))
-            group = self.groups[u]
-            if self.stage > 0 and group.size > 1:
-                flat = group.allgather(self.xp.ascontiguousarray(flat))  # (Pp,)
-            out.update({k: v.copy() for k, v in unit.views(flat).items()})
+        for u in self.units:
+            out.update({k: v.copy() for k, v in self.whole_unit(u, grads).items()})
         return out
+
+    def whole_unit(self, u: str, grads: bool = False) -> dict:
+        """Unit u's parameters (or gradients) whole, as views (collective over its group where
+        sharded): the weights (ZeRO-3: all-gathered now), or with mixed precision the fp32
+        masters; the gradients: the owned slices (mixed: fp32, unscaled) all-gathered."""
+        if not grads and not self.mixed:
+            return self.weights(u, exact=True)
+        # the optimizer's view: fp32 masters, and (mixed) the fp32 unscaled gradient
+        flat = self.master[u] if not grads else self.mgrad.get(u, self.owned_grad(u))
+        group = self.groups[u]
+        if self.stage > 0 and group.size > 1:
+            flat = group.allgather(self.xp.ascontiguousarray(flat))  # (Pp,)
+        return self.units[u].views(flat)
 
     def owned_index(self, index: dict) -> dict:
         """The owned pieces of ``index`` (name -> integer array shaped like the local shard,
