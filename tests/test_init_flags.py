@@ -11,8 +11,9 @@ from refmp.checkpoint.convert import from_gpt2
 from refmp.checkpoint.weights import read_config, save_model
 from refmp.errors import ConfigError
 from refmp.nn import GPT, GPTConfig
+from refmp.training.checks import model_config
 from refmp.training.datasets import Dataset
-from refmp.training.trainer import TrainConfig, model_source
+from refmp.training.trainer import TrainConfig
 
 # 4 blocks, experts in blocks 0 and 2; every MoE setting away from GPTConfig's defaults
 SAVED = GPTConfig(256, 13, 4, 2, 8, n_expert=4, top_k=2, moe_every=2, capacity_factor=1.5,
@@ -30,7 +31,7 @@ def moe_file(tmp_path, metadata: bool = True) -> str:
 def loaded(path: str, **flags) -> GPTConfig:
     """The config `refmp train --init path` builds with these TrainConfig fields."""
     ds = Dataset(np.arange(200) % 256, 256, "tokens")
-    return model_source(TrainConfig(init=path, **flags), ds)[0]
+    return model_config(TrainConfig(init=path, **flags), ds)
 
 
 def test_flags_apply_to_a_file_without_metadata(tmp_path):

@@ -34,21 +34,20 @@ from refmp.distributed.gpu import start_gpu
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn.params import GPTConfig, param_shapes
 from refmp.runtime import backend
-from refmp.training.checks import model_config, moe_flags, validate
+from refmp.training.checks import moe_flags, validate
 from refmp.training.datasets import Dataset, get_batch, shuffle_perm
 from refmp.training.optim import SGD, AdamW, LossScaler, clip_grads
 
 
-def model_source(cfg: TrainConfig, ds: Dataset) -> tuple[GPTConfig, Source]:
-    """The model's shape and where its initial weights come from, nothing read yet: a fresh
-    GPT-2 init of model_config's shape (InitSource), or the --init file or Hugging Face
-    directory (its names and shapes checked, read slice by slice)."""
+def model_source(cfg: TrainConfig, mcfg: GPTConfig) -> Source:
+    """Where the initial weights of the model ``mcfg`` (validate's) come from, nothing read
+    yet: a fresh GPT-2 init (InitSource), or the --init file or Hugging Face directory (its
+    names and shapes checked, read slice by slice)."""
     from refmp.checkpoint.weights import open_model
 
     if cfg.init is not None:
-        return open_model(cfg.init, n_head=cfg.n_head, moe=moe_flags(cfg))
-    mcfg = model_config(cfg, ds)
-    return mcfg, InitSource(mcfg, cfg.seed)
+        return open_model(cfg.init, n_head=cfg.n_head, moe=moe_flags(cfg))[1]
+    return InitSource(mcfg, cfg.seed)
 
 
 class Runner(Pieces, Stateful, Protocol):
@@ -129,9 +128,11 @@ class Trainer:
         world = self.grid.world
         # before anything big, on every rank, in order: the flags, the files rank 0 will
         # write, the data and the model's shape, the layout's rules, the memory it needs
-        self.ds, mcfg = validate(cfg, self.grid, dataset)
+        ds, mcfg = validate(cfg, self.grid, dataset)
+        self.ds = ds
+        self.mcfg = mcfg  # the model's shape, validate's: nothing is read or built yet
         self.T = cfg.block_size or mcfg.block_size  # the block size the run trains on
-        self.mcfg, source = agreed(world, lambda: model_source(cfg, self.ds))
+        source = agreed(world, lambda: model_source(cfg, mcfg))
         self.runner = build_runner(cfg, self.grid, self.mcfg, source)  # reads its share
         self.rows = self.runner.batch_rows(cfg.batch_size)
         self.perm = shuffle_perm(self.ds.n_windows(self.T), cfg.seed) if cfg.shuffle else None
