@@ -153,6 +153,8 @@ class Engine:
                             keep_scores)
         self.schedule = CATALOG[layout.schedule]
         placed = self.schedule.chunk_placement(self.pp.size, layout.virtual_stages)
+        self.placed = placed  # where each chunk runs: the Decoder of evaluation splits as this
+        self.stage_layers = layout.stage_layers
         self.v = placed.v  # chunks per rank
         self.n_chunks = self.pp.size * self.v
         chunks = rank_chunks(mc, T, self.pp.rank, placed, layout.stage_layers)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -37,6 +37,10 @@ from refmp.runtime import backend
 from refmp.training.checks import moe_flags, validate
 from refmp.training.datasets import Dataset, get_batch, shuffle_perm
 from refmp.training.optim import SGD, AdamW, LossScaler, clip_grads
+
+if TYPE_CHECKING:
+    from refmp.parallel.data.sharder import Sharder
+    from refmp.parallel.pipeline.schedules import ChunkPlacement
 
 
 def model_source(cfg: TrainConfig, mcfg: GPTConfig) -> Source:
@@ -61,7 +65,9 @@ class Runner(Pieces, Stateful, Protocol):
     sums' codec), which a checkpoint saves rank by rank. Besides: ``grads`` their gradients,
     ``decay`` the names that get weight decay; ``stats`` the last step's extra figures for the
     log (MoE routing); ``weight_dtype`` the weights' (--dtype), ``compute_dtype`` what the
-    model computes on (with --mixed-precision the rounded copy).
+    model computes on (with --mixed-precision the rounded copy). For evaluation's Decoder
+    (refmp.training.evaluate), which decodes what each rank holds: ``sharder`` its weights
+    unit by unit, ``placed`` and ``stage_layers`` where its model chunks run.
     """
 
     grads: dict
@@ -69,6 +75,9 @@ class Runner(Pieces, Stateful, Protocol):
     stats: dict
     weight_dtype: np.dtype
     compute_dtype: np.dtype
+    sharder: Sharder
+    placed: ChunkPlacement
+    stage_layers: str | None
 
     def batch_rows(self, B: int) -> slice: ...  # the rows of the global batch this rank reads
 
