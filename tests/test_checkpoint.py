@@ -439,6 +439,8 @@ BAD = [  # (what to do to the checkpoint, extra flags, the file the message name
                  "optimizer is adamw", id="another-optimizer"),
     pytest.param(lambda d: shutil.rmtree(f"{d}/{STEP}"), [], "ck", "no complete checkpoint",
                  id="no-checkpoint"),
+    pytest.param(lambda d: None, ["--init", "w.safetensors"], "w.safetensors",
+                 "both give the starting weights", id="init-and-resume"),
 ]
 
 

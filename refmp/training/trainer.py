@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from refmp.checkpoint.sharded import Checkpointed, Pieces, Stateful, load, save
-from refmp.checkpoint.source import InitSource, Source
+from refmp.checkpoint.source import InitSource, Source, ZeroSource
 from refmp.config import TrainConfig, lr_at
 from refmp.distributed.faults import agreed, check_finite
 from refmp.distributed.gpu import start_gpu
@@ -46,9 +46,12 @@ if TYPE_CHECKING:
 def model_source(cfg: TrainConfig, mcfg: GPTConfig) -> Source:
     """Where the initial weights of the model ``mcfg`` (validate's) come from, nothing read
     yet: a fresh GPT-2 init (InitSource), or the --init file or Hugging Face directory (its
-    names and shapes checked, read slice by slice)."""
+    names and shapes checked, read slice by slice); with --resume zeros (ZeroSource: the
+    checkpoint sets every piece, so nothing is drawn or read twice)."""
     from refmp.checkpoint.weights import open_model
 
+    if cfg.resume:
+        return ZeroSource(mcfg, cfg.seed)
     if cfg.init is not None:
         return open_model(cfg.init, n_head=cfg.n_head, moe=moe_flags(cfg))[1]
     return InitSource(mcfg, cfg.seed)
