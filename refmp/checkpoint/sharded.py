@@ -35,6 +35,7 @@ from refmp.checkpoint.format import (
     publish,
     rank_file,
     read_file,
+    runs_of,
     step_name,
     write_json,
     write_rank_file,
@@ -116,14 +117,13 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
                 raise file_error("--checkpoint-dir", root, e) from e
 
     agreed(world, prepare)
-    pieces = {}
+    pieces = {}  # name -> (runs of its global indices, which elements are real, its arrays)
     for k, index in run.piece_index().items():  # my elements' global flat indices
         real = index >= 0  # -1: padding (ZeRO's, or the vocabulary's with tp)
         if not run.counts_in_norm[k] or not real.any():
             continue  # another rank writes this copy, or it holds nothing
-        host = {"param": backend.to_host(run.params[k])}
-        host.update({m: backend.to_host(a[k]) for m, a in moments.items()})
-        pieces[k] = (index[real], {m: np.asarray(v)[real] for m, v in host.items()})
+        arrays = {"param": run.params[k], **{m: a[k] for m, a in moments.items()}}
+        pieces[k] = (runs_of(index[real]), None if real.all() else real, arrays)
 
     stateful = cfg.grad_compress in STATEFUL and parts.codec is not None
     codec = {k: backend.to_host(v) for k, v in parts.codec.state().items()} if stateful else {}
@@ -131,7 +131,7 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
     def write():
         path = os.path.join(tmp, rank_file(world.rank))
         try:
-            entry = write_rank_file(path, pieces)
+            entry = write_rank_file(path, pieces, backend.to_host)  # a piece at a time
             if stateful:  # this rank's own codec state
                 path = os.path.join(tmp, codec_file(world.rank))
                 entry["codec"] = {"rank": world.rank, **write_tensors(path, codec)}
