@@ -1,6 +1,6 @@
-"""Tutorial 14: a hang, found -- the watchdog's report and the flight recorders.
+"""Tutorial 16: a hang, found -- the watchdog's report and the flight recorders.
 
-Run:  python tutorials/14_hangs.py        (it launches its two jobs with mpiexec)
+Run:  python tutorials/16_hangs.py        (it launches its two jobs with mpiexec)
 
 A collective program hangs when one rank does not reach a call the others wait in. Two
 jobs of `refmp train` are made to hang on purpose (the testing hook REFMP_FAULT_MODE,

@@ -1,6 +1,6 @@
-"""Tutorial 9: sharded checkpoints -- save on one layout, resume on another.
+"""Tutorial 11: sharded checkpoints -- save on one layout, resume on another.
 
-Run:  mpiexec -n 4 python tutorials/09_checkpoints.py
+Run:  mpiexec -n 4 python tutorials/11_checkpoints.py
 
 A GPT trained 4 steps (float64, AdamW, a cosine learning rate), stopped after step 2:
   1. on tp 2 x pp 2 with ZeRO-1, every rank writes the pieces it owns (weights and AdamW's
@@ -32,7 +32,7 @@ from refmp.training.trainer import TrainConfig, Trainer
 world = MPI.COMM_WORLD
 if world.size != 4:
     if world.rank == 0:
-        print("run me with: mpiexec -n 4 python tutorials/09_checkpoints.py", file=sys.stderr)
+        print("run me with: mpiexec -n 4 python tutorials/11_checkpoints.py", file=sys.stderr)
     sys.exit(2)
 rank0, failures = world.rank == 0, []
 
