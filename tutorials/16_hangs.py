@@ -95,7 +95,7 @@ def load(folder: str) -> dict[int, dict]:
     return states
 
 
-root = tempfile.mkdtemp(prefix="refmp-tutorial-14-")
+root = tempfile.mkdtemp(prefix="refmp-tutorial-16-")
 dp_dir, pp_dir = os.path.join(root, "dp"), os.path.join(root, "pp")
 t0 = time.perf_counter()
 jobs = {"dp": job(["--dp", "2"], "hang", dp_dir),  # both at once: they mostly wait
