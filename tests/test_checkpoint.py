@@ -485,7 +485,7 @@ def test_a_truncated_init_file_and_convert_input(saved, tmp_path):
 
 
 @pytest.mark.tutorial
-def test_tutorial_09_checkpoints():
-    r = mpiexec(4, ["python", "tutorials/09_checkpoints.py"])
+def test_tutorial_11_checkpoints():
+    r = mpiexec(4, ["python", "tutorials/11_checkpoints.py"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: resumed on another layout == the uninterrupted run" in r.stdout

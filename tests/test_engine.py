@@ -204,10 +204,10 @@ def test_cli_runs_a_4d_layout_with_experts(tmp_path):
 
 
 @pytest.mark.tutorial
-def test_tutorial_08_any_layout():
+def test_tutorial_09_any_layout():
     from mpi_helpers import mpiexec
 
-    r = mpiexec(8, ["python", "tutorials/08_any_layout.py"])
+    r = mpiexec(8, ["python", "tutorials/09_any_layout.py"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: any layout == serial" in r.stdout
     assert r.stdout.count("ZeRO-1 owns") == 1 and r.stdout.count("\n7 ") == 1  # 8 rows
@@ -217,7 +217,7 @@ def test_tutorial_08_any_layout():
                                    dict(pp=1, dp=4, cp=1, tp=2, ep=4)])
 def test_who_holds_numbers_the_ranks_as_the_grid_does(sizes):
     """holdings.who_holds (the guide's pictures) puts each rank where ProcessGrid does;
-    tutorial 8 checks the rest (blocks, tokens, experts) against a running engine."""
+    tutorial 9 checks the rest (blocks, tokens, experts) against a running engine."""
     from refmp.distributed.grid import ProcessGrid
     from refmp.nn.params import GPTConfig
     from refmp.parallel.holdings import who_holds

@@ -296,7 +296,7 @@ def test_every_strategy_page_shows_its_picture_and_the_explorer_table_is_small(s
     for page in STRATEGY_PAGES:
         assert (site / "img" / "holds" / f"{page}.svg").read_text().startswith("<svg"), page
         assert f'src="img/holds/{page}.svg"' in (site / f"{page}.html").read_text(), page
-    for page, svg in (("pipeline", "pipeline"), ("collectives", "collectives")):
+    for page, svg in (("pipeline_at_scale", "pipeline"), ("collectives", "collectives")):
         assert f'src="img/measured/{svg}.svg"' in (site / f"{page}.html").read_text(), page
     table = (site / "explorer" / "table.js").read_text()
     assert table.startswith("window.REFMP_EXPLORER = ") and len(table) < 50_000, len(table)

@@ -1,6 +1,6 @@
-"""Tutorial 4: tensor parallelism (Megatron-LM) and sequence parallelism, checked.
+"""Tutorial 5: tensor parallelism (Megatron-LM) and sequence parallelism, checked.
 
-    mpiexec -n 2 python tutorials/04_tensor_parallel.py      (or -n 4)
+    mpiexec -n 2 python tutorials/05_tensor_parallel.py      (or -n 4)
 
 All ranks form one tensor-parallel group. Each holds 1/tp of every big matrix: the q, k and v
 columns of its own heads, its rows of the attention and MLP output projections, its columns

@@ -1,6 +1,6 @@
-"""Tutorial 7: context parallelism -- ring attention, zig-zag balance, and Ulysses.
+"""Tutorial 6: context parallelism -- ring attention, zig-zag balance, and Ulysses.
 
-Run:  mpiexec -n 4 python tutorials/07_context_parallel.py      (cp = the number of ranks)
+Run:  mpiexec -n 4 python tutorials/06_context_parallel.py      (cp = the number of ranks)
 
 What it shows, each part checked against the serial model (exit status 1 on a mismatch):
   1. context parallelism by hand: each rank takes its tokens of every row (SequenceChunks), runs

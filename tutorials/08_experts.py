@@ -1,6 +1,6 @@
-"""Tutorial 5: mixture of experts and expert parallelism, checked against the serial model.
+"""Tutorial 8: mixture of experts and expert parallelism, checked against the serial model.
 
-    mpiexec -n 2 python tutorials/05_experts.py        (or -n 4)
+    mpiexec -n 2 python tutorials/08_experts.py        (or -n 4)
 
 Part 1 does expert parallelism by hand: each rank holds the dense weights and its E/ep
 experts of every MoE layer, runs the serial model (refmp.nn.gpt.GPT) on its rows with the
