@@ -127,7 +127,8 @@ def megatron() -> Svg:
                            f"{act:,} bytes", 10)
         per = comm_bytes_per_step(b, T, C, mcfg.n_layer, sp, isz)
         s.text(10, y + 90, "a whole step on tp, by the ledger's formula: " + ", ".join(
-            f"{op} {v / 2**20:.1f} MiB" for op, v in per.items() if v), 10)
+            f"{op} {v / 2**20:.1f} MiB" if v >= 2**20 else f"{op} {v / 2**10:.1f} KiB"
+            for op, v in per.items() if v), 10)
         s.text(10, y + 106, ("between the blocks each rank keeps T/tp tokens: LayerNorm, "
                              "dropout and residual on 1/tp of the activations" if sp else
                              "X, Z and the LayerNorms around them are whole on every rank"), 10)
