@@ -54,7 +54,8 @@ from __future__ import annotations
 import math
 from functools import cache
 
-from refmp.nn.gpt import GPTConfig, param_shapes
+from refmp.cost.family import shapes as family_shapes
+from refmp.nn.gpt import GPTConfig
 from refmp.parallel.data.compress import compresses
 from refmp.parallel.placement import TP_SPLITS, holds, local_name, padded_vocab, unit_of
 
@@ -73,13 +74,15 @@ def local_shapes(cfg: GPTConfig, tp: int = 1, blocks=None, first: bool = True,
 def _local_shapes(cfg: GPTConfig, tp: int, blocks: frozenset, first: bool, last: bool, ep: int,
                   ep_rank: int) -> dict[str, dict]:
     shapes: dict[str, dict] = {}
-    for k, s in param_shapes(cfg).items():
-        if not holds(k, blocks, first, last, ep_rank, cfg.n_expert, ep):
+    for k, s in family_shapes(cfg).items():
+        head = k.startswith("lm_head")  # an untied head: the last stage's, split as wte is
+        if not (last if head else holds(k, blocks, first, last, ep_rank, cfg.n_expert, ep)):
             continue
-        s, split = list(s), TP_SPLITS.get(local_name(k))
+        s, split = list(s), TP_SPLITS["wte.weight"] if head else TP_SPLITS.get(local_name(k))
         if split is not None:
-            s[split[0]] = (padded_vocab(s[0], tp) if k.startswith("wte") else s[split[0]]) // tp
-        shapes.setdefault(unit_of(k), {})[k] = tuple(s)
+            s[split[0]] = (padded_vocab(s[0], tp) if k.startswith(("wte", "lm_head"))
+                           else s[split[0]]) // tp
+        shapes.setdefault("lm_head" if head else unit_of(k), {})[k] = tuple(s)
     return shapes
 
 
@@ -153,12 +156,13 @@ def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int =
     if stage in (1, 2):
         return {"allreduce": 0, "reduce_scatter": (1 if stage == 1 else M) * itemsize * n_pad,
                 "allgather": w * n_pad}
-    g_wte = (1 if first else 0) + (2 if last else 0)
+    # wte: the embedding's gather, and the tied head's two; an untied head gathers lm_head twice
+    g_wte = (1 if first else 0) + (2 if last and "lm_head" not in sizes else 0)
     if quant_block:  # int8_gather_bytes per gather, counted in elements of 1 byte
         pad, w = {u: int8_gather_bytes(p, n, quant_block) for u, p in pad.items()}, 1
     blocks = sum(s for u, s in pad.items() if u.startswith("h."))
     gathered = (g_wte * pad.get("wte", 0) + pad.get("wpe", 0) + 2 * blocks
-                + 2 * pad.get("ln_f", 0))
+                + 2 * pad.get("ln_f", 0) + 2 * pad.get("lm_head", 0))
     return {"allreduce": 0, "reduce_scatter": M * itemsize * n_pad,
             "allgather": M * w * gathered}
 
