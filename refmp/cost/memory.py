@@ -228,8 +228,9 @@ def grads_at_once(units: dict, first: bool, last: bool) -> int:
     wte and wpe on the first stage, wte and ln_f on the last."""
     blocks = [n + units.get(f"{u}.experts", 0) for u, n in units.items()
               if u.startswith("h.") and not u.endswith(".experts")]
-    ends = ([units["wte"] + units["wpe"]] if first else []) + (
-        [units["wte"] + units["ln_f"]] if last else [])
+    head = units.get("lm_head", units.get("wte", 0))  # an untied head: lm_head
+    ends = ([units["wte"] + units.get("wpe", 0)] if first else []) + (
+        [head + units["ln_f"]] if last else [])
     return max(blocks + ends, default=0)
 
 
