@@ -28,7 +28,7 @@ MEGATRON_2021 for the published comparison).
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, field, fields, make_dataclass
+from dataclasses import Field, dataclass, field, fields, make_dataclass, replace
 from functools import cache, partial
 
 from refmp.config import ParallelConfig, TrainConfig, flag_name
@@ -36,7 +36,8 @@ from refmp.cost.family import ffn, is_llama, kv_heads, tied
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
 from refmp.cost.machines import Machine
 from refmp.cost.tensor import comm_bytes_per_step
-from refmp.cost.zero import LINEARS, comm_per_step, compressed_per_step, local_shapes, prefetched, unit_sizes
+from refmp.cost.zero import (comm_per_step, compressed_per_step, local_shapes, prefetched, ring_pass,
+                             unit_sizes, zero3_uses)
 from refmp.nn.params import GPTConfig
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.partition import partition, piece_costs
@@ -210,6 +211,11 @@ class Impl:
     # then an all-gather over NVLink (Narayanan et al. 2021, sec. 4.1)
     zero3_prefetch: bool = False  # stage 3 as DeepSpeed runs it (refmp.cost.zero.prefetched)
     fixed: tuple = ()  # (field, value): the layout choices the implementation has no other of
+    # fused attention (FlashAttention): the scores stay on chip, so the softmax's elementwise
+    # bytes (S) go, and the causal mask's blocks above the diagonal are skipped: the
+    # attention products at half (the model FLOPs still count them whole, 12 L T C)
+    flash_attention: bool = False
+    fp8_linears: bool = False  # the blocks' linears in Float8 (twice the bf16 peak)
 
 
 # Megatron-LM as Narayanan et al. 2021 ran it: dropout 0.1 (Megatron's default), the data-
@@ -221,7 +227,12 @@ MEGATRON_2021 = Impl(dropout=True, dp_overlap=False, pp_scatter_gather=True,
 # weight gathered for every use with the next one prefetched (zero.prefetched); no pipeline
 DEEPSPEED_ZERO3 = Impl(dropout=True, dp_overlap=False, zero3_prefetch=True,
                        fixed=(("zero", 3), ("pp", 1)))
-IMPLS = {"refmp": Impl(), "megatron-2021": MEGATRON_2021, "deepspeed-zero3": DEEPSPEED_ZERO3}
+# the published runs' own (docs/published_runs.md): Llama 3's (Dubey et al. 2024) and
+# torchtitan's fused attention, torchtitan's Float8 linears
+FUSED = Impl(flash_attention=True)
+TORCHTITAN = Impl(flash_attention=True, fp8_linears=True)
+IMPLS = {"refmp": Impl(), "megatron-2021": MEGATRON_2021, "deepspeed-zero3": DEEPSPEED_ZERO3,
+         "fused-attention": FUSED, "torchtitan-fp8": TORCHTITAN}
 
 
 def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
@@ -249,15 +260,17 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     # the family (refmp.cost.family): SwiGLU's gate and up in one (C, 2F) product; q and
     # the KV heads (each tp rank at least one, replicated when tp > KV)
     F, KV, llama = ffn(mcfg), kv_heads(mcfg), is_llama(mcfg)
-    f_mlp = gemm(m, C, (2 if llama else 1) * F // tp, mach, c) + gemm(m, F // tp, C, mach, c)
+    lin = replace(mach, peak_tflops=2 * mach.peak_tflops) if impl.fp8_linears else mach
+    f_mlp = gemm(m, C, (2 if llama else 1) * F // tp, lin, c) + gemm(m, F // tp, C, lin, c)
     qkv = (NH // tp + 2 * max(1, KV // tp)) * (C // NH)
     scores = (gemm(T, C // NH, T, mach, c, b * NH // (tp * cp)) if uly
               else gemm(Tl, C // NH, T, mach, c, b * NH // tp))
-    f_block = gemm(m, C, qkv, mach, c) + gemm(m, C // tp, C, mach, c) + f_mlp + 2 * scores
+    scores *= 0.5 if impl.flash_attention else 1.0  # the causal half, skipped
+    f_block = gemm(m, C, qkv, lin, c) + gemm(m, C // tp, C, lin, c) + f_mlp + 2 * scores
     # an MoE block: top_k experts' MLPs per token instead of one, and the router (m, C, E)
     K, E = mcfg.top_k, mcfg.n_expert
     f_moe = f_block + (K - 1) * f_mlp + (gemm(m, C, E, mach, c) if E else 0.0)
-    elem = elementwise_bytes(b, Tl, T, C, NH, tp, lay.sequence_parallel, lay.recompute,
+    elem = elementwise_bytes(b, Tl, 0 if impl.flash_attention else T, C, NH, tp, lay.sequence_parallel, lay.recompute,
                              impl.dropout, c, F, llama) / hbm
     # an MoE block: GELU on K rows a token (5 h each), the dispatch's gather and combine (4 n K)
     moe_elem = (K - 1) * 5 * c * 4 * m * C // tp / hbm + 4 * K * c * m * C / hbm if E else 0.0
@@ -366,32 +379,6 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
             "tflops_per_gpu": hw / step / gpus / 1e12,
             "mfu": flops / step / gpus / (mach.peak_tflops * 1e12), "bytes": moved,
             "stages": stages}
-
-
-def ring_pass(elements: float, n: int, c: int, bw: float, hop: float) -> float:
-    """Seconds of one all-gather or reduce-scatter of a weight on a ring of n ranks."""
-    return (n - 1) / n * c * elements / bw + (n - 1) * hop
-
-
-def zero3_uses(units: dict, blocks: list, block_t: list, head_t: float, full: bool,
-               ring) -> list[tuple[float, float, float]]:
-    """One micro-batch's weight uses, in order, as zero.prefetched takes them: the
-    embeddings, each block's four linears, the head (forward and backward), then each block
-    in reverse, its forward again (full recomputation) and its linears' backward. A block's
-    seconds ``block_t`` are split over its uses by FLOPs (forward 1, again 1, backward 2),
-    and over its linears by size; ``ring(elements)``: one gather or reduce-scatter."""
-    fwd, bwd, w = [], [], 3 + full
-    for i, t in zip(blocks, block_t, strict=True):
-        parts = [(x / 12 * t / w, ring(x / 12 * units[f"h.{i}"])) for x in LINEARS]
-        again = [(c, g, 0.0) for c, g in parts] if full else []
-        bwd = again + [(2 * c, g, g) for c, g in parts[::-1]] + bwd
-        fwd += [(c, g, 0.0) for c, g in parts]
-    first, last = "wpe" in units, "ln_f" in units
-    emb = units.get("wte", 0) * first + units.get("wpe", 0)
-    head = units.get("lm_head", units.get("wte", 0)) + units.get("ln_f", 0)
-    return ([(0.0, ring(emb), 0.0)] * first + fwd
-            + [(head_t, 2 * ring(head), ring(head))] * last + bwd
-            + [(0.0, 0.0, ring(units.get("wpe", 0)))] * first)
 
 
 @cache

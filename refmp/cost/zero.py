@@ -206,3 +206,29 @@ def prefetched(uses: list[tuple[float, float, float]], slowdown: float) -> float
         if i + 1 < len(uses):
             ready = ready_next
     return max(comp, comm)
+
+
+def ring_pass(elements: float, n: int, c: int, bw: float, hop: float) -> float:
+    """Seconds of one all-gather or reduce-scatter of a weight on a ring of n ranks."""
+    return (n - 1) / n * c * elements / bw + (n - 1) * hop
+
+
+def zero3_uses(units: dict, blocks: list, block_t: list, head_t: float, full: bool,
+               ring) -> list[tuple[float, float, float]]:
+    """One micro-batch's weight uses, in order, as zero.prefetched takes them: the
+    embeddings, each block's four linears, the head (forward and backward), then each block
+    in reverse, its forward again (full recomputation) and its linears' backward. A block's
+    seconds ``block_t`` are split over its uses by FLOPs (forward 1, again 1, backward 2),
+    and over its linears by size; ``ring(elements)``: one gather or reduce-scatter."""
+    fwd, bwd, w = [], [], 3 + full
+    for i, t in zip(blocks, block_t, strict=True):
+        parts = [(x / 12 * t / w, ring(x / 12 * units[f"h.{i}"])) for x in LINEARS]
+        again = [(c, g, 0.0) for c, g in parts] if full else []
+        bwd = again + [(2 * c, g, g) for c, g in parts[::-1]] + bwd
+        fwd += [(c, g, 0.0) for c, g in parts]
+    first, last = "wpe" in units, "ln_f" in units
+    emb = units.get("wte", 0) * first + units.get("wpe", 0)
+    head = units.get("lm_head", units.get("wte", 0)) + units.get("ln_f", 0)
+    return ([(0.0, ring(emb), 0.0)] * first + fwd
+            + [(head_t, 2 * ring(head), ring(head))] * last + bwd
+            + [(0.0, 0.0, ring(units.get("wpe", 0)))] * first)
