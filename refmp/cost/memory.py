@@ -20,7 +20,8 @@ from dataclasses import replace
 from functools import cache
 
 from refmp.config import TrainConfig
-from refmp.cost.family import cache_extra, shapes as family_shapes
+from refmp.cost.family import cache_extra
+from refmp.cost.family import shapes as family_shapes
 from refmp.cost.model import Layout, split, train_config
 from refmp.cost.zero import hpz_per_step, local_shapes, memory_per_rank
 from refmp.nn.params import GPTConfig

@@ -36,8 +36,15 @@ from refmp.cost.family import ffn, is_llama, kv_heads, tied
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
 from refmp.cost.machines import Machine
 from refmp.cost.tensor import comm_bytes_per_step
-from refmp.cost.zero import (comm_per_step, compressed_per_step, local_shapes, prefetched, ring_pass,
-                             unit_sizes, zero3_uses)
+from refmp.cost.zero import (
+    comm_per_step,
+    compressed_per_step,
+    local_shapes,
+    prefetched,
+    ring_pass,
+    unit_sizes,
+    zero3_uses,
+)
 from refmp.nn.params import GPTConfig
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.partition import partition, piece_costs
@@ -270,8 +277,9 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     # an MoE block: top_k experts' MLPs per token instead of one, and the router (m, C, E)
     K, E = mcfg.top_k, mcfg.n_expert
     f_moe = f_block + (K - 1) * f_mlp + (gemm(m, C, E, mach, c) if E else 0.0)
-    elem = elementwise_bytes(b, Tl, 0 if impl.flash_attention else T, C, NH, tp, lay.sequence_parallel, lay.recompute,
-                             impl.dropout, c, F, llama) / hbm
+    elem = elementwise_bytes(b, Tl, 0 if impl.flash_attention else T, C, NH, tp,
+                             lay.sequence_parallel, lay.recompute, impl.dropout, c, F,
+                             llama) / hbm
     # an MoE block: GELU on K rows a token (5 h each), the dispatch's gather and combine (4 n K)
     moe_elem = (K - 1) * 5 * c * 4 * m * C // tp / hbm + 4 * K * c * m * C / hbm if E else 0.0
     Vl = -(-V // tp)
