@@ -78,6 +78,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "other of (megatron-2021: --zero 0; deepspeed-zero3: --zero 3 --pp 1)")
     p.add_argument("--top", type=int, default=10, help="layouts printed (10)")
     p.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')
+    p.add_argument("--published", action="store_true",
+                   help="the published runs the planner is held to, each against its figure "
+                        "(docs/published_runs.md); the other flags are not read")
 
 
 def model_of(args) -> GPTConfig:
@@ -246,6 +249,9 @@ def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, fl
 
 
 def run_plan(args: argparse.Namespace) -> dict:
+    if args.published:
+        from refmp.cli.plan_published import run_published
+        return run_published(args.json)
     mcfg, mach = model_of(args), machine_of(args)
     gpus = args.gpus or mach.gpus_per_node
     fixed = {f.name: getattr(args, f.name) for f in fields(Layout)

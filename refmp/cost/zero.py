@@ -55,6 +55,7 @@ import math
 from functools import cache
 
 from refmp.cost.family import shapes as family_shapes
+from refmp.cost.family import tied
 from refmp.nn.gpt import GPTConfig
 from refmp.parallel.data.compress import compresses
 from refmp.parallel.placement import TP_SPLITS, holds, local_name, padded_vocab, unit_of
@@ -76,8 +77,9 @@ def _local_shapes(cfg: GPTConfig, tp: int, blocks: frozenset, first: bool, last:
     shapes: dict[str, dict] = {}
     for k, s in family_shapes(cfg).items():
         head = k.startswith("lm_head")  # an untied head: the last stage's, split as wte is
-        if not (last if head else holds(k, blocks, first, last, ep_rank, cfg.n_expert, ep)):
-            continue
+        held = last if head else holds(k, blocks, first, last, ep_rank, cfg.n_expert, ep)
+        if not held or (k.startswith("wte") and not first and not tied(cfg)):
+            continue  # (untied, wte is the first stage's alone)
         s, split = list(s), TP_SPLITS["wte.weight"] if head else TP_SPLITS.get(local_name(k))
         if split is not None:
             s[split[0]] = (padded_vocab(s[0], tp) if k.startswith(("wte", "lm_head"))
