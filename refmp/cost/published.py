@@ -113,12 +113,13 @@ RUNS = [
         ("ZeRO-3 for FSDP",), 829, "tokens", "torchtitan-fp8",
         machine_over={"gpu_memory_gb": 96, "hbm_gbs": 2400}, lacks=TITAN_TERMS),
     *[Run(f"playbook-{size}", PLAYBOOK, f"{size}B on one node: {words}", f"playbook-{size}b",
-          "h100", 8, 256, lay, ("no recomputation", "no SP (tp 1)"), mfu, "mfu",
-          "fused-attention", lacks=PLAYBOOK_TERMS, top3=True)
-      for size, words, lay, mfu in (
-          ("1.34", "DP 4 PP 2, MBS 4, ZeRO-1", dict(dp=4, pp=2, zero=1, microbatch_size=4), 44.32),
-          ("3.57", "DP 4 PP 2, MBS 2, ZeRO-1", dict(dp=4, pp=2, zero=1, microbatch_size=2), 46.68),
-          ("8.86", "DP 2 PP 4, MBS 1, ZeRO-1", dict(dp=2, pp=4, zero=1, microbatch_size=1), 45.22))],
+          "h100", 8, 256, dict(tp=1, dp=dp, pp=pp, zero=1, recompute="none", microbatch_size=b),
+          ("no recomputation", "no SP (tp 1)"), mfu, "mfu", "fused-attention",
+          lacks=PLAYBOOK_TERMS, top3=True)
+      for size, words, dp, pp, b, mfu in (
+          ("1.34", "DP 4 PP 2, MBS 4, ZeRO-1", 4, 2, 4, 44.32),
+          ("3.57", "DP 4 PP 2, MBS 2, ZeRO-1", 4, 2, 2, 46.68),
+          ("8.86", "DP 2 PP 4, MBS 1, ZeRO-1", 2, 4, 1, 45.22))],
 ]
 
 
