@@ -49,8 +49,10 @@ def _k(key, name, gpus, tp, pp, batch, mfu, **kw):
     lay = dict(tp=tp, pp=pp, dp=gpus // (tp * pp), sequence_parallel=True,
                recompute="selective", microbatch_size=1, zero=0)
     lay.update(kw.pop("lay", {}))
+    assumed = ("schedule (1F1B)",) + (("dp 8 and batch 2,240: the 280-GPU row 8 times",)
+                                      if gpus == 2240 else ())
     return Run(key, KORTHIKANTI, kw.pop("what"), name, "dgx-a100", gpus, batch, lay,
-               ("schedule (1F1B)",), mfu, "mfu", "megatron-2021", **kw)
+               assumed, mfu, "mfu", "megatron-2021", **kw)
 
 
 def _l(key, gpus, dp, cp, batch, tflops, what, over=None):
