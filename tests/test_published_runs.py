@@ -5,11 +5,13 @@ The published figures are written here again, as their sources give them, so tha
 refmp.cost.published cannot drift from its source unseen; the planner's figures are
 computed, never pasted."""
 
+import argparse
 import json
 import math
 
 import pytest
 
+from refmp.cli import plan as plan_cli
 from refmp.cli.main import main
 from refmp.cost import family as F
 from refmp.cost.flops import active_params
@@ -108,6 +110,11 @@ def test_a_cluster_takes_the_measured_link_where_it_is_below_the_set_rate():
     assert cluster(host, 2, 0.3, 80.0).inter_node_gbs == pytest.approx(share)
     assert cluster(host, 2, 0.3, 80.0, 0.6 * share).inter_node_gbs == pytest.approx(0.6 * share)
     assert cluster(host, 2, 0.3, 80.0, 2 * share).inter_node_gbs == pytest.approx(share)
+    p = argparse.ArgumentParser()
+    plan_cli.add_plan_args(p)
+    args = p.parse_args(["--gpus-per-node", "2", "--link-gbit", "0.3", "--link-measured-gbs",
+                         str(0.6 * share)])
+    assert plan_cli.machine_of(args).inter_node_gbs == pytest.approx(0.6 * share)
 
 
 def test_plan_describes_the_llama_family_from_the_command_line(capsys):

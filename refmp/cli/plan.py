@@ -62,6 +62,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="nodes with one link each, of this many Gbit/s each way, shared by "
                         "their --gpus-per-node ranks (refmp cluster's): --inter-node-gbs is "
                         "a rank's share of it (docs/nodes.md)")
+    g.add_argument("--link-measured-gbs", type=float, default=None,
+                   help="with --link-gbit: a rank's share of the link as measured (GB/s, "
+                        "every pair crossing at once), taken where below the set rate's "
+                        "(refmp.cost.nodes.cluster; docs/published_runs.md)")
     g = p.add_argument_group("layout (each fixes that choice; the rest is searched)")
     for f in fields(Layout):  # refmp.config's searched fields (refmp.cost.model)
         m, plan = f.metadata, f.metadata["plan"]
@@ -119,7 +123,8 @@ def machine_of(args) -> Machine:
     if args.link_gbit is not None:
         if "inter_node_gbs" in over or not args.link_gbit > 0:
             raise ConfigError("--link-gbit (positive) sets --inter-node-gbs: give one of them")
-        mach = cluster(mach, mach.gpus_per_node, args.link_gbit, mach.inter_latency_us)
+        mach = cluster(mach, mach.gpus_per_node, args.link_gbit, mach.inter_latency_us,
+                       args.link_measured_gbs)
     return mach
 
 
