@@ -56,8 +56,18 @@ class ExtendAttention:
         _, N, C3 = qkv.shape  # (1, N, 3C/tp)
         hs = C3 // 3 // n_head
         q, k, v = qkv[0].reshape(N, 3, n_head, hs).transpose(1, 2, 0, 3)  # (NH, N, HS) each
-        y = array_module(qkv).zeros((n_head, N, hs), qkv.dtype)  # (NH, N, HS)
-        for s in self.segments:
+        xp = array_module(qkv)
+        segs, cache = self.segments, self.cache
+        slots = [s.slot for s in segs]
+        if len({s.t for s in segs}) == 1 and cache.equal(slots):  # equal rows: all at once
+            at = xp.asarray([[s.start + j for j in range(s.t)] for s in segs])  # (B, t)
+            qb, kb, vb = (a[:, at].transpose(1, 0, 2, 3) for a in (q, k, v))  # (B, NH, t, HS)
+            cache.append_rows(self.layer, slots, kb, vb)
+            kc, vc = cache.view_rows(self.layer, slots, extra=segs[0].t)  # (B, NH, n + t, HS)
+            y = causal_after(qb, kc, vc).transpose(0, 2, 1, 3)  # (B, t, NH, HS)
+            return y.reshape(1, N, n_head * hs), None  # (1, N, C/tp): segments in order
+        y = xp.zeros((n_head, N, hs), qkv.dtype)  # (NH, N, HS)
+        for s in segs:
             new = slice(s.start, s.start + s.t)
             self.cache.append(self.layer, s.slot, k[:, new], v[:, new])
             kc, vc = self.cache.view(self.layer, s.slot, extra=s.t)  # (NH, n + t, HS)
@@ -66,13 +76,13 @@ class ExtendAttention:
 
 
 def causal_after(q, k, v):
-    """q (NH, t, HS) of the last t of the n + t tokens of k, v (NH, n + t, HS): query i sees
-    keys 0..n + i. Returns (NH, t, HS)."""
+    """q (..., NH, t, HS) of the last t of the n + t tokens of k, v (..., NH, n + t, HS):
+    query i sees keys 0..n + i. Returns (..., NH, t, HS)."""
     xp = array_module(q)
-    t, n = q.shape[1], k.shape[1] - q.shape[1]
-    s = (q @ k.transpose(0, 2, 1)) / math.sqrt(q.shape[-1])  # (NH, t, n + t)
+    t, n = q.shape[-2], k.shape[-2] - q.shape[-2]
+    s = (q @ k.swapaxes(-1, -2)) / math.sqrt(q.shape[-1])  # (..., NH, t, n + t)
     s += xp.triu(xp.full((t, n + t), -xp.inf, dtype=s.dtype), k=n + 1)  # key j > n + i hidden
-    m = s.max(axis=-1, keepdims=True)  # (NH, t, 1)
+    m = s.max(axis=-1, keepdims=True)  # (..., NH, t, 1)
     p = xp.exp(s - m)  # (NH, t, n + t)
     return (p @ v) / p.sum(axis=-1, keepdims=True)  # (NH, t, HS)
 
