@@ -5,10 +5,14 @@ the serial model's uncached forward (float64, 1e-12). Speculative sampling keeps
 distribution (frequencies over many seeds, a stated bound). Split layouts and
 disaggregation: tests/test_serving_parallel.py."""
 
+import json
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+from refmp.checkpoint.weights import save_model
+from refmp.cli.main import main
 from refmp.distributed.grid import ProcessGrid
 from refmp.inference.decoder import Decoder
 from refmp.inference.generate import generate
@@ -157,3 +161,62 @@ def test_speculative_sampling_keeps_the_target_distribution():
             assert np.any(np.abs(q - p) > bound), "the draft is too close to tell apart"
     a = got.accepted / got.proposed
     assert 0 < a < 1 and abs(got.tokens_per_pass - got.predicted_per_pass) < 0.5, got
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The test's model and a smaller draft of its vocabulary as files, requests sharing a
+    prefix as a jsonl."""
+    d = tmp_path_factory.mktemp("serving")
+    m, small = model(), model(9, n_layer=1, C=16, n_head=2)
+    save_model(str(d / "m.safetensors"), m.params, m.cfg)
+    save_model(str(d / "d.safetensors"), small.params, small.cfg)
+    with open(d / "r.jsonl", "w") as f:
+        for r in SHARED:
+            f.write(json.dumps({"prompt": r.prompt, "max_new_tokens": r.max_new_tokens,
+                                "arrival": r.arrival}) + "\n")
+    return d
+
+
+def test_generate_command_serving_flags(files, capsys):
+    """``refmp generate`` with --draft (a model, prompt lookup) and with --prefix-cache and
+    --prefill-chunk: the new tokens of the same command without them."""
+    def run(*flags):
+        assert main(["generate", "--init", str(files / "m.safetensors"), "--dtype", "float64",
+                     "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    np.save(files / "p.npy", np.random.default_rng(1).integers(0, V, (3, 6)))
+    plain = run("--prompts", str(files / "p.npy"), "--max-new-tokens", "6")
+    for draft in (str(files / "d.safetensors"), "lookup"):
+        got = run("--prompts", str(files / "p.npy"), "--max-new-tokens", "6", "--draft", draft,
+                  "--gamma", "2")
+        assert got["new_tokens"] == plain["new_tokens"] and got["target_passes"] > 0
+    plain = run("--requests", str(files / "r.jsonl"), "--max-batch", "2")
+    got = run("--requests", str(files / "r.jsonl"), "--max-batch", "2", "--prefix-cache",
+              "--kv-block-size", "4", "--prefill-chunk", "3")
+    assert got["new_tokens"] == plain["new_tokens"] and got["prefix_saved_tokens"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--requests", "R", "--prefix-cache"], "give --kv-block-size"),
+    (["--prompts", "P", "--prefix-cache", "--kv-block-size", "2"], "serve --requests"),
+    (["--requests", "R", "--prefill-chunk", "0"], "--prefill-chunk must be at least 1"),
+    (["--prompts", "P", "--draft", "lookup", "--gamma", "0"], "--gamma must be at least 1"),
+    (["--requests", "R", "--draft", "lookup"], "not --requests"),
+    (["--prompts", "P", "--draft", "lookup", "--no-kv-cache"], "drop --no-kv-cache"),
+    (["--prompts", "P", "--draft", "lookup", "--prefill-tp", "1"], "are separate modes"),
+    (["--prompts", "P", "--prefill-tp", "2"], "the world has 1"),
+    (["--prompts", "P", "--draft", "M"], "the draft has 16 positions"),
+])
+def test_serving_refusals_are_one_message_and_exit_2(files, flags, message, capsys):
+    short = GPT.create(GPTConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_embd=16),
+                       1, "float64")
+    save_model(str(files / "short.safetensors"), short.params, short.cfg)
+    np.save(files / "p.npy", np.zeros((2, 4), dtype=np.int64))
+    names = {"R": str(files / "r.jsonl"), "P": str(files / "p.npy"),
+             "M": str(files / "short.safetensors")}
+    flags = [names.get(f, f) for f in flags]
+    assert main(["generate", "--init", str(files / "m.safetensors"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("error:") == 1, err
