@@ -8,14 +8,24 @@ One launch of 4 ranks: two worlds of 2 ranks (tp 2, pp 2; one rank prefilling fo
 other), then the whole world (tp 2 prefilling for pp 2, and pp 2 for tp 2).
 """
 
+import json
+import os
+import shutil
+import tempfile
+from contextlib import redirect_stderr, redirect_stdout
+from io import StringIO
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 
+from refmp.checkpoint.weights import save_model
+from refmp.cli.main import main
+from refmp.cost.serving import kv_transfer_bytes
 from refmp.distributed.grid import ProcessGrid
 from refmp.inference.decoder import Decoder
-from refmp.inference.disaggregate import disaggregated, kv_transfer_bytes
+from refmp.inference.disaggregate import disaggregated
 from refmp.inference.generate import generate
 from refmp.inference.sampling import Sampler
 from refmp.inference.scheduler import Request, serve
@@ -91,6 +101,33 @@ def disaggregation(world, prefill: dict, decode: dict, bad: Mismatches) -> None:
                   err_msg=f"disaggregated {prefill} -> {decode} tokens")
 
 
+def command(world, bad: Mismatches) -> None:
+    """``refmp generate --prefill-tp 2 --pp 2`` on the 4 ranks: rank 0 prints generate's
+    tokens; a world of the wrong size is refused on every rank with exit 2."""
+    m = model()
+    d = world.bcast(tempfile.mkdtemp(prefix="refmp-serving-") if world.rank == 0 else None)
+    if world.rank == 0:
+        save_model(os.path.join(d, "m.safetensors"), m.params, m.cfg)
+        np.save(os.path.join(d, "p.npy"), PROMPTS)
+    world.barrier()
+    base = ["generate", "--init", os.path.join(d, "m.safetensors"), "--prompts",
+            os.path.join(d, "p.npy"), "--max-new-tokens", "5", "--dtype", "float64", "--json"]
+    out, err = StringIO(), StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main([*base, "--prefill-tp", "2", "--pp", "2"])
+        refused = main([*base, "--prefill-tp", "2", "--pp", "3"])
+    bad.check(same, (code, refused), (0, 2), f"exit statuses, rank {world.rank}: {err.getvalue()}")
+    if world.rank == 0:
+        want = generate(Decoder(m.cfg, m.params, ProcessGrid(MPI.COMM_SELF)), PROMPTS, 5,
+                        Sampler()).tokens[:, 6:]
+        lines = out.getvalue().splitlines()
+        bad.check(same, json.loads(lines[0])["new_tokens"], want.tolist(), "the command's tokens")
+        bad.check(same, err.getvalue().count("error:"), 1, "one message")
+    world.barrier()
+    if world.rank == 0:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.mark.parallel(nprocs=4)
 @collective
 def test_serving_on_split_models_changes_no_token():
@@ -101,4 +138,5 @@ def test_serving_on_split_models_changes_no_token():
     disaggregation(pair, {}, {}, bad)  # one rank prefills, the other decodes
     disaggregation(w, dict(tp=2), dict(pp=2), bad)  # tp 2 -> 1: both halves of the heads
     disaggregation(w, dict(pp=2), dict(tp=2), bad)  # tp 1 -> 2: a slice to each
+    command(w, bad)
     bad.assert_none()

@@ -169,6 +169,7 @@ def _holder(grid) -> bool:
 
 
 def _speculative(args, mcfg, src, tok, sampler, prompts, n_new, draft) -> dict | None:
+    from refmp.cost.serving import tokens_per_pass
     from refmp.distributed.grid import ProcessGrid
     from refmp.inference.decoder import Decoder
     from refmp.inference.speculative import speculate
@@ -188,13 +189,12 @@ def _speculative(args, mcfg, src, tok, sampler, prompts, n_new, draft) -> dict |
     rows = {i: t for g in mine for i, t in zip(g[1], g[2], strict=True)}
     passes, proposed, accepted = (sum(g[k] for g in mine) for k in (3, 4, 5))
     a = accepted / proposed if proposed else 0.0
-    g = args.gamma
     return _report(args, tok, [rows[i] for i in range(len(prompts))], prompts,
                    max(x[6] for x in got),
                    {"target_passes": passes, "draft_proposed": proposed,
                     "draft_accepted": accepted, "acceptance": a,
                     "tokens_per_pass": (accepted + passes) / max(passes, 1),
-                    "predicted_tokens_per_pass": (1 - a ** (g + 1)) / (1 - a) if a < 1 else g + 1})
+                    "predicted_tokens_per_pass": tokens_per_pass(a, args.gamma)})
 
 
 def _disaggregated(args, mcfg, src, tok, sampler, prompts, n_new) -> dict | None:

@@ -15,7 +15,8 @@ and v together. When tp_p and tp_d differ this is the resharding: a decode rank 
 heads from every prefill rank whose heads overlap them (tp 2 -> 1: both halves; 1 -> 2: one
 slice each). Each (layer, head, token) of k and of v crosses once, so a request sends
 
-    2 L T0 C w bytes  (``kv_transfer_bytes``; the ledger's send@kv, tests/test_serving.py)
+    2 L T0 C w bytes  (refmp.cost.serving.kv_transfer_bytes; the ledger's send@kv,
+                       tests/test_serving_parallel.py)
 
 The last prefill stage also sends the first new token (B int64) to every decode rank; the
 decode group then runs plain decode steps from its cache. Messages between one pair of ranks
@@ -52,11 +53,6 @@ class Disaggregated(NamedTuple):
     kv_bytes_sent: int
     prefill: bool
     seconds: float
-
-
-def kv_transfer_bytes(n_layer: int, T0: int, C: int, itemsize: int) -> int:
-    """Bytes of one request's KV cache sent prefill to decode: 2 L T0 C w."""
-    return 2 * n_layer * T0 * C * itemsize
 
 
 def check_groups(world_size: int, prefill: dict, decode: dict, mcfg) -> None:

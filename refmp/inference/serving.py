@@ -106,7 +106,7 @@ def serve_chunked(dec: Decoder, requests: list[Request], sampler: Sampler, slots
         at = [last[k] for k, (s, *_) in enumerate(rows) if any(s == p for p, _ in picking)]
         logits = extend(dec, x if dec.first else None, positions, segments, at)
         picked = np.zeros(len(picking), dtype=np.int64)
-        for k, (s, i) in enumerate(picking if dec.last else ()):
+        for k, (_, i) in enumerate(picking if dec.last else ()):
             j = len(tokens[i]) - len(requests[i].prompt)
             picked[k] = sampler.pick(logits[k][None], [ids[i]], j)[0]
             kept[i].append(logits[k])

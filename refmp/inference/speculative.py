@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from refmp.cost.serving import tokens_per_pass
 from refmp.errors import ConfigError
 from refmp.inference.decoder import Decoder
 from refmp.inference.extend import extend, flat
@@ -216,8 +217,7 @@ def speculate(dec: Decoder, prompts: list[list[int]], n_new: int, sampler: Sampl
             dec.cache.truncate(b, len(seqs[b]) - 1)  # the rejected drafts' keys and values
             draft.rollback(b, len(seqs[b]) - 1)
     seconds = time.perf_counter() - t0
-    a = accepted / proposed if proposed else 0.0
-    predicted = (1 - a ** (gamma + 1)) / (1 - a) if a < 1 else gamma + 1.0
+    predicted = tokens_per_pass(accepted / proposed if proposed else 0.0, gamma)
     return Speculated([np.array(s, dtype=np.int64) for s in seqs],
                       [np.stack(k) for k in kept] if dec.last else None, passes, proposed,
                       accepted, (accepted + passes) / max(passes, 1), predicted, seconds)
