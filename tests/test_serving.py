@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from refmp.checkpoint.weights import save_model
 from refmp.cli.main import main
+from refmp.cost.serving import prefill_flops, prefix_saving, speculative_speedup, tokens_per_pass
 from refmp.distributed.grid import ProcessGrid
 from refmp.inference.decoder import Decoder
 from refmp.inference.generate import generate
@@ -220,3 +221,15 @@ def test_serving_refusals_are_one_message_and_exit_2(files, flags, message, caps
     assert main(["generate", "--init", str(files / "m.safetensors"), *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("error:") == 1, err
+
+
+def test_the_cost_terms_compose():
+    """A prompt prefilled in two chunks costs what it costs whole (the second chunk attends
+    over the first), so a prefix hit of s tokens saves exactly the prefill of those s; the
+    tokens per pass are 1 at a = 0 and g + 1 at a = 1."""
+    L, C, T0 = 2, 32, 13
+    for s in (0, 4, 12):
+        assert prefill_flops(L, C, s) + prefill_flops(L, C, T0 - s, s) == prefill_flops(L, C, T0)
+        assert prefix_saving(L, C, T0, s) == prefill_flops(L, C, s)
+    assert tokens_per_pass(0.0, 4) == 1 and tokens_per_pass(1.0, 4) == 5
+    assert tokens_per_pass(0.5, 2) == 1.75 and speculative_speedup(0.5, 2, 0.0) == 1.75
