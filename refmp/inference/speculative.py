@@ -30,8 +30,10 @@ runs it whole: it is small, and every rank then holds the same drafts without a 
 :class:`PromptLookup`, no model: the tokens that followed the last earlier occurrence of the
 sequence's final n-gram (Saxena 2023, prompt lookup decoding), q one-hot.
 
-Each draw has its own uniform number, from a generator keyed by (seed, request, position,
-purpose): the draft's draw, the acceptance test and the resampling never share one.
+Each draw has its own uniform number, from a generator keyed by (seed, request, position of
+the token it decides, purpose): the draft's draw, the acceptance test and the resampling never
+share one, and as each position is decided once (the tests before it all passed, then it is
+accepted or drawn), no number decides two tokens.
 """
 
 from __future__ import annotations
@@ -61,18 +63,19 @@ def draw(p: np.ndarray, u: float) -> int:
 
 
 def verify(drafts: list[int], q: np.ndarray, p: np.ndarray, us: list[float],
-           u_resample: float) -> list[int]:
+           rs: list[float]) -> list[int]:
     """The rejection rule (the module docstring) on one request's round: drafts (g,), their
-    distributions q (g, V), the target's p (g + 1, V), g uniforms for the tests and one for
-    the last draw. Returns the k accepted drafts and one more token (k + 1 tokens)."""
+    distributions q (g, V), the target's p (g + 1, V), the uniforms of each position's test
+    ``us`` (g,) and of its draw ``rs`` (g + 1,). Returns the k accepted drafts and one more
+    token (k + 1 tokens)."""
     out = []
     for i, d in enumerate(drafts):
         if us[i] < min(1.0, p[i, d] / q[i, d]):
             out.append(d)
             continue
         residual = np.maximum(p[i] - q[i], 0.0)  # (V,): where the target wants more than q
-        return out + [draw(residual, u_resample)]
-    return out + [draw(p[len(drafts)], u_resample)]
+        return out + [draw(residual, rs[i])]
+    return out + [draw(p[len(drafts)], rs[len(drafts)])]
 
 
 class PromptLookup:
@@ -203,7 +206,8 @@ def speculate(dec: Decoder, prompts: list[list[int]], n_new: int, sampler: Sampl
             p = np.stack([sampler.probs(z) for z in logits[seg.start : seg.start + seg.t]])
             n = len(seqs[b])
             us = [uniform(sampler, requests[b], n + i, ACCEPT) for i in range(len(d))]
-            got = verify(d, q, p, us, uniform(sampler, requests[b], n + len(d), RESAMPLE))
+            rs = [uniform(sampler, requests[b], n + i, RESAMPLE) for i in range(len(d) + 1)]
+            got = verify(d, q, p, us, rs)
             new[k, : len(got)] = got
             kept[b] += list(logits[seg.start : seg.start + len(got)])
         if dec.pp.size > 1:  # every stage learns the round's tokens
