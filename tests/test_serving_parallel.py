@@ -4,8 +4,8 @@ decoder (logits to 1e-12 of the serial model's uncached forward); prefill/decode
 disaggregation between groups of other tp and pp sizes gives generate's tokens, and sends
 exactly 2 L T0 C w bytes of KV cache per request (the ledger's send@kv).
 
-One launch of 4 ranks: two worlds of 2 ranks (tp 2, pp 2; one rank prefilling for the
-other), then the whole world (tp 2 prefilling for pp 2, and pp 2 for tp 2).
+One launch of 4 ranks: two worlds of 2 ranks (tp 2, pp 2), then the whole world (tp 2
+prefilling for pp 2, pp 2 for tp 2, and the command).
 """
 
 import json
@@ -135,7 +135,6 @@ def test_serving_on_split_models_changes_no_token():
     bad = Mismatches()
     pair = w.Split(w.rank // 2, w.rank)
     serving_layout(pair, [dict(tp=2), dict(pp=2)][w.rank // 2], bad)
-    disaggregation(pair, {}, {}, bad)  # one rank prefills, the other decodes
     disaggregation(w, dict(tp=2), dict(pp=2), bad)  # tp 2 -> 1: both halves of the heads
     disaggregation(w, dict(pp=2), dict(tp=2), bad)  # tp 1 -> 2: a slice to each
     command(w, bad)
