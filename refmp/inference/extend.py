@@ -59,11 +59,13 @@ class ExtendAttention:
         xp = array_module(qkv)
         segs, cache = self.segments, self.cache
         slots = [s.slot for s in segs]
-        if len({s.t for s in segs}) == 1 and cache.equal(slots):  # equal rows: all at once
+        t = segs[0].t
+        if all(s.t == t and s.start == b * t for b, s in enumerate(segs)) and cache.equal(slots):
+            # equal rows, one after another: all at once
             at = xp.asarray([[s.start + j for j in range(s.t)] for s in segs])  # (B, t)
             qb, kb, vb = (a[:, at].transpose(1, 0, 2, 3) for a in (q, k, v))  # (B, NH, t, HS)
             cache.append_rows(self.layer, slots, kb, vb)
-            kc, vc = cache.view_rows(self.layer, slots, extra=segs[0].t)  # (B, NH, n + t, HS)
+            kc, vc = cache.view_rows(self.layer, slots, extra=t)  # (B, NH, n + t, HS)
             y = causal_after(qb, kc, vc).transpose(0, 2, 1, 3)  # (B, t, NH, HS)
             return y.reshape(1, N, n_head * hs), None  # (1, N, C/tp): segments in order
         y = xp.zeros((n_head, N, hs), qkv.dtype)  # (NH, N, HS)
