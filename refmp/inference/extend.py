@@ -85,8 +85,8 @@ def causal_after(q, k, v):
     s = (q @ k.swapaxes(-1, -2)) / math.sqrt(q.shape[-1])  # (..., NH, t, n + t)
     s += xp.triu(xp.full((t, n + t), -xp.inf, dtype=s.dtype), k=n + 1)  # key j > n + i hidden
     m = s.max(axis=-1, keepdims=True)  # (..., NH, t, 1)
-    p = xp.exp(s - m)  # (NH, t, n + t)
-    return (p @ v) / p.sum(axis=-1, keepdims=True)  # (NH, t, HS)
+    p = xp.exp(s - m)  # (..., NH, t, n + t)
+    return (p @ v) / p.sum(axis=-1, keepdims=True)  # (..., NH, t, HS)
 
 
 def extend(dec: Decoder, ids, positions, segments: list[Segment], at) -> object:
@@ -97,19 +97,24 @@ def extend(dec: Decoder, ids, positions, segments: list[Segment], at) -> object:
     None elsewhere (collective over tp, pp and ep)."""
     N = len(positions)
     where = backend.from_host(np.asarray(positions))
-    if dec.first:
-        p = {"wte.weight": dec.params["wte.weight"], "wpe.weight": dec.params["wpe.weight"]}
-        x, _ = dec._ops(where).embed(p, ids)  # (1, N, C)
-    else:
-        x = dec.pp.recv((1, N, dec.mcfg.n_embd), dec.dtype, dec.pp.rank - 1, TAG_ACT)
-    for i in dec.blocks:
-        ops = dec._ops(where, ExtendAttention(dec.cache, segments, i))
-        x, _ = gpt.block_forward(gpt.block_params(dec.params, i), x, ops,
-                                 dec.moe if dec.mcfg.is_moe(i) else None)
+    last_chunk = dec.placed.pp * dec.placed.v - 1
+    x = None
+    for c, blocks in dec.chunks.items():  # in model order, as Decoder.forward runs them
+        if c == 0:
+            p = {k: dec.params[k] for k in ("wte.weight", "wpe.weight")}
+            x, _ = dec._ops(where).embed(p, ids)  # (1, N, C)
+        elif c - 1 not in dec.chunks:  # the chunk before ran on another rank
+            x = dec.pp.recv((1, N, dec.mcfg.n_embd), dec.dtype, dec.placed.rank(c - 1), TAG_ACT)
+        for i in blocks:
+            ops = dec._ops(where, ExtendAttention(dec.cache, segments, i))
+            x, _ = gpt.block_forward(gpt.block_params(dec.params, i), x, ops,
+                                     dec.moe if dec.mcfg.is_moe(i) else None)
+        if c + 1 not in dec.chunks and c != last_chunk:  # the next chunk is another rank's
+            x = array_module(x).ascontiguousarray(x)
+            wait(dec.pp.send(x, dec.placed.rank(c + 1), TAG_ACT))
     for s in segments:
         dec.cache.advance(s.slot, s.t)
     if not dec.last:
-        wait(dec.pp.send(array_module(x).ascontiguousarray(x), dec.pp.rank + 1, TAG_ACT))
         return None
     rows = x[0, list(at)][:, None]  # (len(at), 1, C): each wanted token a row of the head
     return dec._logits(dec._ops(where), rows)  # (len(at), V)

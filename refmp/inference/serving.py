@@ -111,7 +111,7 @@ def serve_chunked(dec: Decoder, requests: list[Request], sampler: Sampler, slots
             picked[k] = sampler.pick(logits[k][None], [ids[i]], j)[0]
             kept[i].append(logits[k])
         if dec.pp.size > 1:  # every stage learns the tokens (the first feeds them next turn)
-            picked = dec.pp.bcast(picked, root=dec.pp.size - 1)
+            picked = dec.pp.bcast(picked, root=dec.last_rank)
         for (s, i), tok in zip(picking, picked.tolist(), strict=True):
             tokens[i].append(tok)
             if prefix and len(tokens[i]) == len(requests[i].prompt) + 1:

@@ -211,7 +211,7 @@ def speculate(dec: Decoder, prompts: list[list[int]], n_new: int, sampler: Sampl
             new[k, : len(got)] = got
             kept[b] += list(logits[seg.start : seg.start + len(got)])
         if dec.pp.size > 1:  # every stage learns the round's tokens
-            new = dec.pp.bcast(new, root=dec.pp.size - 1)
+            new = dec.pp.bcast(new, root=dec.last_rank)
         for k, b in enumerate(going):
             got = [int(t) for t in new[k] if t >= 0]
             passes += 1
