@@ -4,8 +4,8 @@ decoder (logits to 1e-12 of the serial model's uncached forward); prefill/decode
 disaggregation between groups of other tp and pp sizes gives generate's tokens, and sends
 exactly 2 L T0 C w bytes of KV cache per request (the ledger's send@kv).
 
-One launch of 4 ranks: two worlds of 2 ranks (tp 2, pp 2), then the whole world (tp 2
-prefilling for pp 2, pp 2 for tp 2, and the command).
+One launch of 3 ranks: two of them decode on tp 2 and pp 2, then the three disaggregate
+(tp 2 prefilling for one rank, one rank for tp 2, pp 2 for one rank) and run the command.
 """
 
 import json
@@ -102,8 +102,8 @@ def disaggregation(world, prefill: dict, decode: dict, bad: Mismatches) -> None:
 
 
 def command(world, bad: Mismatches) -> None:
-    """``refmp generate --prefill-tp 2 --pp 2`` on the 4 ranks: rank 0 prints generate's
-    tokens; a world of the wrong size is refused on every rank with exit 2."""
+    """``refmp generate --prefill-tp 2`` on the 3 ranks (one decodes): rank 0 prints
+    generate's tokens; a world of the wrong size is refused on every rank with exit 2."""
     m = model()
     d = world.bcast(tempfile.mkdtemp(prefix="refmp-serving-") if world.rank == 0 else None)
     if world.rank == 0:
@@ -114,8 +114,8 @@ def command(world, bad: Mismatches) -> None:
             os.path.join(d, "p.npy"), "--max-new-tokens", "5", "--dtype", "float64", "--json"]
     out, err = StringIO(), StringIO()
     with redirect_stdout(out), redirect_stderr(err):
-        code = main([*base, "--prefill-tp", "2", "--pp", "2"])
-        refused = main([*base, "--prefill-tp", "2", "--pp", "3"])
+        code = main([*base, "--prefill-tp", "2"])
+        refused = main([*base, "--prefill-tp", "2", "--pp", "2"])
     bad.check(same, (code, refused), (0, 2), f"exit statuses, rank {world.rank}: {err.getvalue()}")
     if world.rank == 0:
         want = generate(Decoder(m.cfg, m.params, ProcessGrid(MPI.COMM_SELF)), PROMPTS, 5,
@@ -128,14 +128,17 @@ def command(world, bad: Mismatches) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parallel(nprocs=3)
 @collective
 def test_serving_on_split_models_changes_no_token():
     w = MPI.COMM_WORLD
     bad = Mismatches()
-    pair = w.Split(w.rank // 2, w.rank)
-    serving_layout(pair, [dict(tp=2), dict(pp=2)][w.rank // 2], bad)
-    disaggregation(w, dict(tp=2), dict(pp=2), bad)  # tp 2 -> 1: both halves of the heads
-    disaggregation(w, dict(pp=2), dict(tp=2), bad)  # tp 1 -> 2: a slice to each
+    pair = w.Split(0 if w.rank < 2 else MPI.UNDEFINED, w.rank)
+    if w.rank < 2:  # rank 2 goes on to the disaggregation, and waits there
+        for kw in (dict(tp=2), dict(pp=2)):
+            serving_layout(pair, kw, bad)
+    disaggregation(w, dict(tp=2), {}, bad)  # tp 2 -> 1: both halves of the heads
+    disaggregation(w, {}, dict(tp=2), bad)  # tp 1 -> 2: a slice to each
+    disaggregation(w, dict(pp=2), {}, bad)  # two stages' layers to one rank
     command(w, bad)
     bad.assert_none()
