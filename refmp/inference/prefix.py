@@ -18,12 +18,12 @@ A radix tree would share the same blocks; the chain needs only one dict from key
 Blocks carry a reference count (the slots that use them). A request's prefill first matches
 its prompt's full blocks, chain link by chain link, to cached blocks (their count goes up),
 and prefills only the tokens after them (refmp.inference.extend). At least the prompt's last
-token is always prefilled: its logits choose the first new token. After the prefill, the
-prompt's full blocks are keyed. A finished request's blocks go back: a keyed block with no
-user stays cached, in least-recently-used order, and is evicted (unkeyed and reused) only
-when the pool of never-keyed blocks is empty. A shared block is never written: a match
-covers whole blocks, so the request's next token starts a block of its own.
-"""
+token is always prefilled: its logits choose the first new token. Once prefilled (a chunk at a
+time: refmp.inference.serving), the prompt's full blocks are keyed. A finished request's
+blocks go back: a keyed block with no user stays cached, in least-recently-used order, and is
+evicted (unkeyed and reused) only when the pool of never-keyed blocks is empty. A shared block
+is never written: a match covers whole blocks, so the request's next token starts a block of
+its own. """
 
 from __future__ import annotations
 

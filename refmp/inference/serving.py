@@ -7,11 +7,13 @@ vocabulary.
 Each turn runs one flat batch through the model: every decoding slot's newest token and, for
 every slot still prefilling, the next c tokens of its prompt (Sarathi-Serve, Agrawal et al.
 2024: a long prompt no longer holds the decodes up for a whole prefill; c = None prefills a
-prompt in one piece). A slot picks a token when its row's last token is its prompt's last or
-a decoded one. Before its first chunk, a request admitted into a free slot takes the cached
+prompt in one piece). A slot picks a token when its row's last token is its prompt's last or a
+decoded one. Before its first chunk, a request admitted into a free slot takes the cached
 blocks of its longest cached prefix (``prefix``: refmp.inference.prefix) and prefills only the
-rest. What a turn runs depends on the arrivals, the counts and the prompts, all known on
-every rank, never on the tokens picked: the ranks agree on every turn without talking.
+rest; a prompt's blocks are keyed as soon as a chunk fills them, so a request may share the
+prefix of one still prefilling. What a turn runs depends on the arrivals, the counts and the
+prompts, all known on every rank, never on the tokens picked: the ranks agree on every turn
+without talking.
 
 Every turn is one pass through all the stages, the picked tokens broadcast back over pp (B
 int64): with pp > 1 the stages take turns (a bubble that refmp.inference.scheduler's groups
@@ -105,6 +107,10 @@ def serve_chunked(dec: Decoder, requests: list[Request], sampler: Sampler, slots
         x, positions, segments, last = flat(rows)
         at = [last[k] for k, (s, *_) in enumerate(rows) if any(s == p for p, _ in picking)]
         logits = extend(dec, x if dec.first else None, positions, segments, at)
+        if prefix:  # the prompt blocks this turn filled: later requests may share them
+            for s, _, _ in rows:
+                if where[s] is not None:
+                    dec.cache.register(s, requests[where[s]].prompt[: fed[s]])
         picked = np.zeros(len(picking), dtype=np.int64)
         for k, (_, i) in enumerate(picking if dec.last else ()):
             j = len(tokens[i]) - len(requests[i].prompt)
@@ -114,8 +120,6 @@ def serve_chunked(dec: Decoder, requests: list[Request], sampler: Sampler, slots
             picked = dec.pp.bcast(picked, root=dec.last_rank)
         for (s, i), tok in zip(picking, picked.tolist(), strict=True):
             tokens[i].append(tok)
-            if prefix and len(tokens[i]) == len(requests[i].prompt) + 1:
-                dec.cache.register(s, requests[i].prompt)
             if len(tokens[i]) == len(requests[i].prompt) + requests[i].max_new_tokens:
                 dec.cache.free(s)
                 where[s] = None
