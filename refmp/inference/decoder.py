@@ -143,6 +143,11 @@ class Decoder:
                                       self.dtype)
         return self.cache
 
+    def use_cache(self, cache) -> None:
+        """The calls from now on fill ``cache`` (a cache new_cache does not make: serving's,
+        refmp.inference.prefix)."""
+        self.cache = cache
+
     def kv_tokens(self, T0: int, n_decoded: int) -> int:
         """Tokens of one row this rank's cache holds: its Tl of the prompt and its share of
         the n_decoded tokens run back through the model (round robin over cp)."""
