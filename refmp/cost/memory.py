@@ -169,7 +169,8 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     units = {u: sum(math.prod(s) for s in unit.values()) for u, unit in shapes.items()}
     dense = {u: n for u, n in units.items() if not u.endswith(".experts")}
     expert = {u: n for u, n in units.items() if u.endswith(".experts")}
-    mem = memory_per_rank(dense, dp * cp, cfg.zero, w)
+    shard = (cfg.dp_shard or dp) * cp  # the dense units' ZeRO group (HSDP: a shard group)
+    mem = memory_per_rank(dense, shard, cfg.zero, w)
     version = mem["params"]  # a weight version copies the weights as held
     if cfg.hpz_size > 1:  # hpZ: the secondary slices too, and a version keeps those alone
         hpz = hpz_per_step(dense, dp * cp, cfg.hpz_size, w)

@@ -33,6 +33,7 @@ from functools import cache, partial
 
 from refmp.config import ParallelConfig, TrainConfig, flag_name
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
+from refmp.cost.levels import hsdp_per_step, hybrid_cp_ledger
 from refmp.cost.machines import Machine
 from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import LINEARS, comm_per_step, compressed_per_step, local_shapes, prefetched, unit_sizes
@@ -280,9 +281,15 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         op, nbytes, calls = cp_ledger(lay, bd, Tl, C, Ls, M, c)
         t_cp = collective(op, nbytes, calls, cp, *link(tp * cp))
         moved[r]["cp"] = {op: nbytes}
-        if op == "send" and mach.overlaps_p2p:  # cp-1 transfers, behind the core's steps
+        if lay.cp_ulysses > 1:  # hierarchical: all-to-alls in groups of U, the ring across
+            U, lv = lay.cp_ulysses, hybrid_cp_ledger(lay, bd, Tl, C, Ls, M, c)
+            (a2a, a_calls), (nbytes, calls) = lv["alltoall", "cp.ulysses"], lv["send", "cp.ring"]
+            t_cp = collective("alltoall", a2a, a_calls, U, *link(tp * U)) + collective(
+                "send", nbytes, calls, cp // U, *link(tp * cp))
+            moved[r]["cp"] = {"alltoall": a2a, "send": nbytes}
+        if op == "send" and mach.overlaps_p2p:  # R-1 transfers (R = cp/U), behind the core
             core = M * Ls * 2 * (4 if full else 3) * scores  # q k^T, att v: fwd, 2 bwd, again
-            t_cp = max(0.0, t_cp - (cp - 1) / cp * core)
+            t_cp = max(0.0, t_cp - (1 - lay.cp_ulysses / cp) * core)
         # experts: dispatch and combine, forward and backward (again with full
         # recomputation), K b Tl C each (ep carved from dp x cp: the group spans tp ep ranks)
         k = 6 if full else 4
@@ -299,7 +306,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
                     + collective("allgather", x, calls, tp, *link(tp)))
         units = units_of(mcfg, tp, tuple(stage_blocks), first, last)
         # --grad-compress (refmp.cost.zero's formulas): a codec takes fp32 gradients
-        n, codec = dp * cp, lay.grad_compress
+        # HSDP (--dp-shard N): ZeRO over a shard group of N cp ranks, the slice summed across
+        n, codec = (lay.dp_shard or dp) * cp, lay.grad_compress
         gw = {"none": c, "bf16": 2}.get(codec, 4)
         g = comm_per_step(dict(units), n, lay.zero, M, gw, first, last, c,
                           lay.quant_block if lay.weight_gather == "int8" else 0)
@@ -309,6 +317,10 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         moved[r]["dp"] = dict(g)
         t_dp = sum(collective(op, x, 1 if lay.zero < 2 else M * len(units), n, *link(tp * n))
                    for op, x in g.items())
+        across = hsdp_per_step(dict(units), n, dp * cp // n, gw) if lay.zero else 0
+        if across:  # once a step, after the last reduce-scatter; its ranks are n apart
+            t_dp += collective("allreduce", across, len(units), dp * cp // n, *link(tp * dp * cp))
+            moved[r]["dp"]["allreduce"] += across
         if pp > 1 and (first or last) and "wte" in units:  # the tied wte's two copies
             # swap their gradients after the sums (refmp.parallel.engine's tied embedding; a
             # codec's: before, whole): a send each way, of what the rank owns
