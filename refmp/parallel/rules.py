@@ -30,8 +30,8 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
     if cfg.dp_reduce == "hierarchical" and cfg.zero > 0:
         raise ConfigError(f"--dp-reduce hierarchical is ZeRO 0's all-reduce; --zero {cfg.zero} "
                           f"reduce-scatters and all-gathers over the flat group (use --zero 0)")
-    check_hpz(cfg, dp * cp)
     check_dp_shard(cfg, dp)
+    check_hpz(cfg, dp * cp)
     if cfg.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"--recompute must be none, selective or full, got {cfg.recompute!r}")
     if M < 1:

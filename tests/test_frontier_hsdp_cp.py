@@ -1,0 +1,156 @@
+"""Hierarchical context parallelism (--cp-ulysses) and HSDP (--dp-shard) under real MPI: the
+attention layer and whole training runs equal the serial model (float64), the ledger's bytes
+per level and the memory equal refmp.cost's formulas, bad input is refused with one message.
+
+One launch of 4 ranks (the parallel tests) and one of 2 (the refusals).
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import Mismatches, collective, refused_each
+from parity import assert_same_run
+
+from refmp.cost.levels import hsdp_per_step, hybrid_cp_ledger
+from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
+from refmp.distributed.comm import Comm
+from refmp.distributed.ledger import Ledger
+from refmp.nn import layers as L
+from refmp.parallel.context.chunks import SequenceChunks
+from refmp.parallel.context.hybrid import HybridAttention, split_cp
+from refmp.training.datasets import Dataset
+from refmp.training.trainer import TrainConfig
+
+pytestmark = pytest.mark.mpi
+
+TOL = dict(rtol=1e-9, atol=1e-12)
+TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, steps=2, lr=0.01, warmup_steps=1,
+            grad_clip=0.05, dtype="float64", seed=3, progress=False)
+
+
+def random_data(seed: int = 0, V: int = 11) -> Dataset:
+    return Dataset(np.random.default_rng(seed).integers(0, V, 200), V, "random")
+
+
+def per_step(par) -> dict:
+    """(op, label) -> bytes per step of the run's ledger (its own gathers kept out)."""
+    return {k: v[0] / par.cfg.steps for k, v in par.grid.ledger.entries.items()}
+
+
+# --- hierarchical context parallelism --------------------------------------------------------
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+@collective
+def test_hybrid_attention_layer_equals_serial(balance):
+    """cp 4 = Ulysses 2 x ring 2: every rank's tokens of the output and of the input's
+    gradient equal serial causal attention's; each level's bytes equal the formula's."""
+    comm = Comm(MPI.COMM_WORLD, "cp", Ledger())
+    cp, r, U, NH, HS, B = comm.size, comm.rank, 2, 4, 2, 2
+    C = NH * HS
+    seq = SequenceChunks(2 * cp * 2 if balance == "zigzag" else cp * 2, cp, balance)
+    rng = np.random.default_rng(7)
+    qkv, dout = rng.standard_normal((B, seq.T, 3 * C)), rng.standard_normal((B, seq.T, C))
+    y_ref, cache_ref = L.attention_forward(qkv, NH)
+    dqkv_ref = L.attention_backward(dout, cache_ref)
+    attn = HybridAttention(*split_cp(comm, U, (0,) * cp), seq)
+    mine = seq.positions(r)
+    y, cache = attn.forward(qkv[:, mine], NH)
+    dqkv = attn.backward(dout[:, mine], cache)
+    bad = Mismatches()
+    bad.check(np.testing.assert_allclose, y, y_ref[:, mine], **TOL, err_msg=f"y, rank {r}")
+    bad.check(np.testing.assert_allclose, dqkv, dqkv_ref[:, mine], **TOL, err_msg=f"dqkv {r}")
+    lay = SimpleNamespace(tp=1, cp=cp, cp_ulysses=U, recompute="none")
+    want = hybrid_cp_ledger(lay, B, seq.T // cp, C, 1, 1, 8)
+    got = {k: (v[0], v[1]) for k, v in comm.ledger.entries.items()}
+    bad.check(np.testing.assert_equal, got, want, err_msg="bytes by level")
+    bad.assert_none(MPI.COMM_WORLD)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("case", [dict(cp=4, zero=1, microbatches=2),
+                                  dict(cp=4, cp_balance="contiguous", recompute="full")])
+@collective
+def test_hybrid_cp_training_equals_serial(case):
+    """cp 4 = Ulysses 2 x ring 2 through the engine: every step equals the serial run, and
+    the ledger's all-to-alls in the groups and sends around the ring equal the formulas."""
+    cfg = TrainConfig(**TINY, batch_size=4, cp_ulysses=2, **case)
+    par = assert_same_run(cfg, random_data())
+    want = hybrid_cp_ledger(cfg, cfg.batch_size, par.T // 4, 16, 2, cfg.microbatches, 8)
+    got = per_step(par)
+    assert {k: got.get(k) for k in want} == {k: b for k, (b, _) in want.items()}, got
+    assert not [k for k in got if k[0] in ("send", "recv", "alltoall") and k[1] == "cp"]
+
+
+# --- HSDP ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("zero", [1, 2, 3])
+@collective
+def test_hsdp_equals_serial(zero, monkeypatch):
+    """dp 4 = 2 replicas x shard groups of 2, on 2 nodes of 2 ranks (REFMP_RANKS_PER_NODE):
+    every step equals the serial run (and so plain dp); the shard group's bytes are ZeRO's
+    over 2 ranks, the replicas' all-reduce the owned slice once a step, memory is ZeRO's
+    over 2; and what crosses between the nodes is that all-reduce alone (the world's are
+    the loss and the norm, scalars)."""
+    monkeypatch.setenv("REFMP_RANKS_PER_NODE", "2")
+    cfg = TrainConfig(**TINY, batch_size=8, dp_shard=2, zero=zero, microbatches=2)
+    par = assert_same_run(cfg, random_data(1))
+    sizes = unit_sizes(par.runner.mcfg)
+    want = comm_per_step(sizes, 2, zero, 2, 8)
+    got = per_step(par)
+    assert got.get(("reduce_scatter", "dp.shard[intra]")) == want["reduce_scatter"], got
+    assert got.get(("allgather", "dp.shard[intra]")) == want["allgather"], got
+    assert got.get(("allreduce", "dp.replicate[inter]")) == hsdp_per_step(sizes, 2, 2, 8), got
+    across = {k for k, b in got.items() if k[1].endswith("[inter]") and b and k[1] != "world[inter]"}
+    assert across == {("allreduce", "dp.replicate[inter]")}, got
+    mem, held = par.memory(), memory_per_rank(sizes, 2, zero, itemsize=8)
+    assert {k: mem[k] for k in held} == held, mem
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_hsdp_over_cp_with_hierarchical_cp():
+    """dp 2 x cp 2 with --dp-shard 1: the shard group is a dp rank's cp ranks, the replicas
+    the dp ranks; cp 2 = Ulysses 2 (a ring of one). ZeRO-3, 2 micro-batches."""
+    cfg = TrainConfig(**TINY, batch_size=4, cp=2, cp_ulysses=2, dp_shard=1, zero=3,
+                      microbatches=2)
+    par = assert_same_run(cfg, random_data(2))
+    got = per_step(par)
+    sizes = unit_sizes(par.runner.mcfg)
+    assert got[("allreduce", "dp+cp.replicate")] == hsdp_per_step(sizes, 2, 2, 8), got
+    assert got[("reduce_scatter", "dp+cp.shard")] == comm_per_step(sizes, 2, 3, 2, 8)["reduce_scatter"]
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--batch-size", "4", "--steps", "1",
+         "--no-progress", "--dtype", "float64", "--block-size", "8"]
+BAD = [
+    (["--cp", "2", "--cp-ulysses", "2", "--n-head", "3", "--n-embd", "6"],
+     "n_head/tp = 3 heads of a tp rank, which must be divisible by 2"),
+    (["--cp", "2", "--cp-ulysses", "2", "--block-size", "6"], "block size 6 is not divisible by 4"),
+    (["--cp", "2", "--cp-ulysses", "4"], "--cp-ulysses 4 must be at least 1 and divide --cp 2"),
+    (["--cp", "2", "--cp-ulysses", "2", "--cp-algo", "ulysses"], "leave --cp-algo ring"),
+    (["--dp-shard", "3", "--zero", "1"], "--dp-shard 3 must divide --dp 2"),
+    (["--dp-shard", "1"], "--zero 0 shards nothing"),
+    (["--dp-shard", "1", "--zero", "3", "--hpz-size", "2"], "--dp-shard 1 with --hpz-size"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_runs():
+    return refused_each(2, ["train", *SMALL], BAD)
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("args,message", BAD)
+def test_bad_layouts_are_refused(bad_runs, args, message):
+    r = bad_runs[str(args)]
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count(message) == 1, r.stderr  # every rank refused; rank 0 says it once
+    assert "Traceback" not in r.stderr
