@@ -168,7 +168,10 @@ def table(fits: list[dict], bad: list[dict]) -> str:
             f"{'recompute':>9} {'mp':>4} {'b':>2} {'schedule':>11} {'v':>2} {'GB/rank':>8} "
             f"{'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}")
     reduce = any("dp_reduce" in r for r in fits)  # nodes on a shared link: flat or hierarchical
-    lines = [head + (f" {'dp-reduce':>12}" if reduce else "")]
+    # the two-level options, where a row takes one: Ulysses groups of cp, HSDP's shard groups
+    levels = [k for k in ("cp_ulysses", "dp_shard") if any(r[k] > 1 - (k == "dp_shard") for r in fits)]
+    lines = [head + "".join(f" {k.replace('_', '-'):>10}" for k in levels)
+             + (f" {'dp-reduce':>12}" if reduce else "")]
     for i, r in enumerate(fits):
         gb = sum(r["memory_bytes"].values()) / 1e9
         lines.append(f"{i + 1:>2} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['cp']:>3} "
@@ -177,6 +180,7 @@ def table(fits: list[dict], bad: list[dict]) -> str:
                      f"{r['schedule']:>11} {r['virtual_stages']:>2} {gb:>8.2f} "
                      f"{r['step_seconds']:>8.3f} {r['tokens_per_s']:>10.0f} "
                      f"{r['tflops_per_gpu']:>8.3g} {100 * r['mfu']:>5.1f}%"
+                     + "".join(f" {r[k]:>10}" for k in levels)
                      + (f" {r['dp_reduce']:>12}" if reduce else ""))
     if len(fits) >= 2:
         lines.append(why(fits[0], fits[1]))
