@@ -318,9 +318,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         t_dp = sum(collective(op, x, 1 if lay.zero < 2 else M * len(units), n, *link(tp * n))
                    for op, x in g.items())
         across = hsdp_per_step(dict(units), n, dp * cp // n, gw) if lay.zero else 0
-        if across:  # once a step, after the last reduce-scatter; its ranks are n apart
-            t_dp += collective("allreduce", across, len(units), dp * cp // n, *link(tp * dp * cp))
-            moved[r]["dp"]["allreduce"] += across
+        moved[r]["dp"]["allreduce"] += across  # HSDP: once a step, after backward (below)
         if pp > 1 and (first or last) and "wte" in units:  # the tied wte's two copies
             # swap their gradients after the sums (refmp.parallel.engine's tied embedding; a
             # codec's: before, whole): a send each way, of what the rank owns
@@ -341,6 +339,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
             slow = mach.sms / (mach.sms - mach.comm_sms) if mach.sms else 1.0
             t_dp = prefetched(zero3_uses(units, stage_blocks, block_t, 3 * head + head_elem,
                                          full, ring) * M, slow) - comp - t_elem
+        t_dp += collective("allreduce", across, len(units), dp * cp // n, *link(tp * dp * cp))
         owned = sum(units.values()) / (n if lay.zero else 1)
         # AdamW: reads masters, two moments and the gradient, writes them and the compute
         # copy, and the clipping norm reads the gradient again (w = 4; c = g)
