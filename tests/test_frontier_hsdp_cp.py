@@ -14,10 +14,13 @@ from mpi_helpers import Mismatches, collective, refused_each
 from parity import assert_same_run
 
 from refmp.cost.levels import hsdp_per_step, hybrid_cp_ledger
+from refmp.cost.machines import MACHINES
+from refmp.cost.search import search
 from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
 from refmp.distributed.comm import Comm
 from refmp.distributed.ledger import Ledger
 from refmp.nn import layers as L
+from refmp.nn.params import GPTConfig
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.hybrid import HybridAttention, split_cp
 from refmp.training.datasets import Dataset
@@ -154,3 +157,25 @@ def test_bad_layouts_are_refused(bad_runs, args, message):
     assert r.returncode == 2, r.stderr
     assert r.stderr.count(message) == 1, r.stderr  # every rank refused; rank 0 says it once
     assert "Traceback" not in r.stderr
+
+
+# --- the planner -----------------------------------------------------------------------------
+
+
+def test_the_planner_takes_them_where_they_win():
+    """refmp plan's search offers both and ranks them by its step-time model: HSDP with a
+    node's 8 dp ranks as the shard group for GPT-2 XL at ZeRO-3 on 4 nodes of 8 H100s (every
+    use's weight gathers off the link between nodes), and Ulysses groups inside a node for cp
+    16 over 2 nodes (one ring hop across instead of fifteen)."""
+    mach = MACHINES["dgx-h100"]
+    xl = GPTConfig(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, block_size=1024)
+    fixed = dict(tp=1, pp=1, cp=1, zero=3, recompute="full", microbatch_size=8)
+    fits, _ = search(xl, 512, 32, mach, fixed, top=2)
+    assert [r["dp_shard"] for r in fits] == [8, 0], fits
+    assert fits[0]["seconds"]["dp"] < fits[1]["seconds"]["dp"]
+    assert fits[0]["memory_bytes"]["optimizer"] == 4 * fits[1]["memory_bytes"]["optimizer"]
+    long = GPTConfig(n_layer=48, n_embd=1600, n_head=32, vocab_size=50257, block_size=16384)
+    fixed = dict(tp=1, pp=1, cp=16, cp_algo="ring", zero=1, recompute="full", microbatch_size=1)
+    fits, _ = search(long, 512, 16, mach, fixed, top=5)
+    best = {r["cp_ulysses"]: r["step_seconds"] for r in fits}
+    assert fits[0]["cp_ulysses"] > 1 and best[1] > fits[0]["step_seconds"], best
