@@ -23,6 +23,7 @@ from refmp.nn import layers as L
 from refmp.nn.params import GPTConfig
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.hybrid import HybridAttention, split_cp
+from refmp.parallel.data.hsdp import shard_notes
 from refmp.training.datasets import Dataset
 from refmp.training.trainer import TrainConfig
 
@@ -149,3 +150,12 @@ def test_the_planner_takes_them_where_they_win():
     fits, _ = search(long, 512, 16, mach, fixed, top=5)
     best = {r["cp_ulysses"]: r["step_seconds"] for r in fits}
     assert fits[0]["cp_ulysses"] > 1 and best[1] > fits[0]["step_seconds"], best
+
+
+def test_a_shard_group_across_nodes_is_warned_of():
+    """refmp train's warning (shard_notes, pure): none when every shard group is on a node."""
+    sizes = dict(pp=1, dp=4, cp=1, tp=1, ep=1)
+    assert shard_notes(sizes, (0, 0, 1, 1), 2) == [] and shard_notes(sizes, (0, 1, 2, 3), 0) == []
+    (note,) = shard_notes(sizes, (0, 1, 2, 3), 2)  # nodes of one rank: every group crosses
+    assert note.startswith("--dp-shard 2: the shard group of world ranks 0, 1 spans nodes"), note
+    assert shard_notes({**sizes, "dp": 2, "cp": 2}, (0, 0, 1, 1), 1) == []  # dp 2 x cp 2

@@ -31,6 +31,7 @@ the slice crosses between nodes: Pp/n per rank, 1/n of what a flat all-reduce ca
 
 from __future__ import annotations
 
+from refmp.distributed import topology
 from refmp.distributed.comm import Comm
 from refmp.parallel.data.hierarchical import two_levels
 
@@ -42,3 +43,23 @@ def shard_groups(flat: Comm, n: int, nodes: tuple[int, ...]) -> tuple[Comm, Comm
     ``nodes``."""
     block, index = divmod(flat.rank, n)
     return two_levels(flat, block, index, ("shard", "replicate"), nodes)
+
+
+def shard_notes(sizes: dict[str, int], nodes: tuple[int, ...], N: int) -> list[str]:
+    """A warning when a shard group (N cp consecutive ranks of a dp x cp group, the grid's
+    rank order) spans nodes: its reduce-scatters and all-gathers, every micro-batch at
+    stages 2-3, would cross the link that HSDP keeps them off. Pure; empty when every shard
+    group stays on one node, or HSDP is off (N 0 or dp)."""
+    if N in (0, sizes["dp"]):
+        return []
+    n = N * sizes["cp"]
+    for r in range(len(nodes)):
+        group = topology.members(r, sizes, ("dp", "cp"))  # in the ZeRO group's rank order
+        k = group.index(r) // n
+        block = group[k * n : (k + 1) * n]
+        if topology.span(block, nodes) == "inter":
+            return [f"--dp-shard {N}: the shard group of world ranks {', '.join(map(str, block))} "
+                    f"spans nodes, so ZeRO's reduce-scatters and all-gathers cross the link "
+                    f"between them, which HSDP is there to keep them off: give --dp-shard the "
+                    f"dp ranks of one node or a divisor of them (docs/frontier.md)"]
+    return []
