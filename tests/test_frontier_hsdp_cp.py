@@ -5,6 +5,7 @@ model says they win. The parallel tests share one launch of 4 ranks; the refusal
 options are cases of tests/test_cli.py's launch (BAD), one message on every rank.
 """
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,6 +16,7 @@ from parity import assert_same_run
 
 from refmp.cost.levels import hsdp_per_step, hybrid_cp_ledger
 from refmp.cost.machines import MACHINES
+from refmp.cost.nodes import cluster
 from refmp.cost.search import search
 from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
 from refmp.distributed.comm import Comm
@@ -136,7 +138,8 @@ def test_hsdp_over_cp_with_hierarchical_cp():
 def test_the_planner_takes_them_where_they_win():
     """refmp plan's search offers both and ranks them by its step-time model: HSDP with a
     node's 8 dp ranks as the shard group for GPT-2 XL at ZeRO-3 on 4 nodes of 8 H100s (every
-    use's weight gathers off the link between nodes), and Ulysses groups inside a node for cp
+    use's weight gathers off the link between nodes), the same on nodes of 2 ranks sharing a
+    1 Gbit/s link (--link-gbit), and Ulysses groups inside a node for cp
     16 over 2 nodes (one ring hop across instead of fifteen)."""
     mach = MACHINES["dgx-h100"]
     xl = GPTConfig(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, block_size=1024)
@@ -145,6 +148,13 @@ def test_the_planner_takes_them_where_they_win():
     assert [r["dp_shard"] for r in fits] == [8, 0], fits
     assert fits[0]["seconds"]["dp"] < fits[1]["seconds"]["dp"]
     assert fits[0]["memory_bytes"]["optimizer"] == 4 * fits[1]["memory_bytes"]["optimizer"]
+    # --link-gbit 1 (refmp.cost.nodes.cluster): nodes of 2 ranks on a 1 Gbit/s link, dp 4
+    slow = cluster(replace(mach, gpus_per_node=2), 2, 1.0, 50.0)
+    small = GPTConfig(n_layer=4, n_embd=128, n_head=4, vocab_size=256, block_size=64)
+    fixed = dict(tp=1, pp=1, cp=1, zero=3, recompute="none", microbatch_size=2,
+                 mixed_precision="none")
+    fits, _ = search(small, 16, 4, slow, fixed, top=2)
+    assert [r["dp_shard"] for r in fits] == [2, 0], fits
     long = GPTConfig(n_layer=48, n_embd=1600, n_head=32, vocab_size=50257, block_size=16384)
     fixed = dict(tp=1, pp=1, cp=16, cp_algo="ring", zero=1, recompute="full", microbatch_size=1)
     fits, _ = search(long, 512, 16, mach, fixed, top=5)
