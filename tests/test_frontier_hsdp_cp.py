@@ -14,11 +14,11 @@ from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 from parity import assert_same_run
 
-from refmp.cost.levels import hsdp_per_step, hybrid_cp_ledger
+from refmp.cost.context import hybrid_cp_ledger
 from refmp.cost.machines import MACHINES
 from refmp.cost.nodes import cluster
 from refmp.cost.search import search
-from refmp.cost.zero import comm_per_step, memory_per_rank, unit_sizes
+from refmp.cost.zero import comm_per_step, hsdp_per_step, memory_per_rank, unit_sizes
 from refmp.distributed.comm import Comm
 from refmp.distributed.ledger import Ledger
 from refmp.nn import layers as L
