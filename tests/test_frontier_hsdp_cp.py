@@ -32,7 +32,7 @@ from refmp.training.trainer import TrainConfig
 pytestmark = pytest.mark.mpi
 
 TOL = dict(rtol=1e-9, atol=1e-12)
-TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, steps=2, lr=0.01, warmup_steps=1,
+TINY = dict(n_layer=2, n_head=2, n_embd=8, block_size=8, steps=2, lr=0.01, warmup_steps=1,
             grad_clip=0.05, dtype="float64", seed=3, progress=False)
 
 
@@ -85,7 +85,7 @@ def test_hybrid_cp_training_equals_serial(case):
     the ledger's all-to-alls in the groups and sends around the ring equal the formulas."""
     cfg = TrainConfig(**TINY, batch_size=4, cp_ulysses=2, **case)
     par = assert_same_run(cfg, random_data())
-    want = hybrid_cp_ledger(cfg, cfg.batch_size, par.T // 4, 16, 2, cfg.microbatches, 8)
+    want = hybrid_cp_ledger(cfg, cfg.batch_size, par.T // 4, 8, 2, cfg.microbatches, 8)
     got = per_step(par)
     assert {k: got.get(k) for k in want} == {k: b for k, (b, _) in want.items()}, got
     assert not [k for k in got if k[0] in ("send", "recv", "alltoall") and k[1] == "cp"]
