@@ -54,7 +54,7 @@ def sharded_checkpoint(root, params, cfg, ranks=3, seed=0):
                                  [np.zeros(0, np.int64)])
             if idx.size:
                 flat = v.reshape(-1)[idx]
-                pieces[k] = (idx, {"param": flat, "m": 2 * flat, "v": 3 * flat})
+                pieces[k] = (F.runs_of(idx), None, {"param": flat, "m": 2 * flat, "v": 3 * flat})
         entry = F.write_rank_file(os.path.join(ckpt, F.rank_file(r)), pieces)
         files[F.rank_file(r)] = {"rank": r, "coords": {}, **entry}
     F.write_json(os.path.join(ckpt, F.MANIFEST), {
@@ -199,8 +199,8 @@ def test_convert_streams_what_save_model_and_save_hf_write(sources, tmp_path):
     back = from_gpt2(paths["hf-index"], str(tmp_path / "ck"))  # several files in, streamed
     src = CheckpointSource(back)
     entry = src.man["files"]["rank-00000.safetensors"]
-    old = F.write_rank_file(str(tmp_path / "old"), {  # what the whole-dict writer makes
-        k: (np.arange(v.size), {"param": v.reshape(-1)}) for k, v in params.items()})
+    old = F.write_rank_file(str(tmp_path / "old"), {  # what a training run's writer makes
+        k: (F.runs_of(np.arange(v.size)), None, {"param": v.reshape(-1)}) for k, v in params.items()})
     assert (entry["bytes"], entry["sha256"]) == (old["bytes"], old["sha256"])
     assert entry["pieces"] == old["pieces"]
 
