@@ -122,8 +122,9 @@ class ParallelConfig:
     no_error_feedback: bool = flag(False, "PowerSGD / top-k: drop what was not sent instead of adding it "
                                           "to the next step's gradient", COMPRESS)
     weight_gather: str = flag("none", "ZeRO-3's weight all-gathers in block-wise int8, one scale per "
-                                      "--quant-block elements (ZeRO++ qwZ) (%(default)s)", COMPRESS,
-                              choices=("none", "int8"), plan={})
+                                      "--quant-block elements (ZeRO++ qwZ), or in MXFP8 (E4M3, one "
+                                      "power-of-two scale per 32) (%(default)s)", COMPRESS,
+                              choices=("none", "int8", "fp8"), plan={})
     quant_block: int = flag(256, "--weight-gather int8: elements per scale (%(default)s)", COMPRESS,
                             plan={})
 

@@ -22,6 +22,7 @@ from test_engine import config, data
 
 from refmp.cost.fp8 import amax_bytes_per_step, cached_linear_input_bytes
 from refmp.cost.tensor import comm_bytes_per_step
+from refmp.cost.zero import comm_per_step, unit_sizes
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.parallel import fp8 as P
@@ -93,8 +94,11 @@ def test_the_amax_formula():
 
 
 def serial_of(cfg: TrainConfig, microbatches: int) -> TrainConfig:
+    """The serial run: one rank, ``microbatches``; ZeRO-3 kept where the weights are gathered
+    in FP8 (one rank gathers nothing, but the codec still rounds: its serial run)."""
     defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in SERIAL_ONLY}
-    return replace(cfg, **{**defaults, "microbatches": microbatches})
+    zero = 3 if cfg.weight_gather != "none" else 0
+    return replace(cfg, **{**defaults, "microbatches": microbatches, "zero": zero})
 
 
 def run_against_serial(cfg: TrainConfig, serial_mb: int, check=None) -> Trainer:
@@ -122,6 +126,8 @@ LAYOUTS = [  # (layout, the serial run's micro-batches)
     (dict(fp8="delayed", tp=2, dp=2, zero=3), 2),
     (dict(fp8="delayed", pp=2, dp=2, zero=1, microbatches=2), 4),
     (dict(fp8="mxfp8", tp=2, dp=2, zero=2, n_embd=64), 2),
+    # every unit's shard a multiple of 32 elements: the FP8 gather's blocks are the serial's
+    (dict(fp8="tensor", pp=2, dp=2, zero=3, weight_gather="fp8", microbatches=2, n_embd=64), 4),
 ]
 
 
@@ -139,6 +145,12 @@ def test_layout_equals_the_serial_fp8_run(layout, serial_mb):
             b = cfg.batch_size // g.sizes["dp"]
             megatron = comm_bytes_per_step(b, cfg.block_size // g.sizes["cp"], cfg.n_embd, L, False, 8)
             assert led.bytes("allreduce", "tp") == megatron["allreduce"] + want["tp"]
+        if cfg.weight_gather == "fp8":  # 1 byte a parameter and 1 a block of 32
+            r = par.runner
+            sizes = unit_sizes(r.mcfg, 1, [i for b in r.stage.chunks.values() for i in b], r.first, r.last)
+            zero3 = comm_per_step(sizes, 2, 3, cfg.microbatches, 8, r.first, r.last, quant_block=32,
+                                  scale_bytes=1)
+            assert led.bytes("allgather", "dp") == zero3["allgather"]
         dense = g.group("dp", "cp")
         if dense.size > 1 and cfg.fp8 == "delayed" and cfg.zero > 0:  # (ZeRO sums by reduce-scatter)
             assert led.bytes("allreduce", dense.axis) == want["dense"]
