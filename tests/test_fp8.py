@@ -24,8 +24,11 @@ from refmp.cost.fp8 import amax_bytes_per_step, cached_linear_input_bytes
 from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import comm_per_step, unit_sizes
 from refmp.distributed.grid import ProcessGrid
+from refmp.errors import ConfigError
 from refmp.nn import gpt
+from refmp.nn.params import GPTConfig
 from refmp.parallel import fp8 as P
+from refmp.parallel.rules import check_layout
 from refmp.runtime import fp8 as F
 from refmp.runtime.arrays import activation_bytes
 from refmp.training.trainer import TrainConfig, Trainer
@@ -88,6 +91,20 @@ def test_the_amax_formula():
     assert amax_bytes_per_step("mxfp8", 2, 3, True, 2, 2, 4) == {"tp": 0, "cp": 0, "dense": 0}
     later = amax_bytes_per_step("delayed", 2, 3, True, 2, 1, 2, first_step=False)
     assert later == {"tp": 8 * 24, "cp": 0, "dense": 8 * 24}
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(fp8="delayed", pp=2, schedule="interleaved", virtual_stages=2, microbatches=2, n_layer=4),
+     "one model chunk per rank: --schedule interleaved runs 2"),
+    (dict(fp8="delayed", recompute="full"), "--recompute full runs each block's forward again"),
+    (dict(fp8="tensor", device="gpu"), "emulated on the CPU"),
+    (dict(weight_gather="fp8", zero=2), "--weight-gather fp8 quantizes ZeRO-3's all-gathers"),
+])
+def test_bad_combinations_are_refused(kw, message):
+    cfg = config(**kw)
+    with pytest.raises(ConfigError, match=message):
+        check_layout(cfg, GPTConfig(n_layer=cfg.n_layer, n_head=4, n_embd=16, block_size=8,
+                                    vocab_size=17), cfg.pp)
 
 
 # --- every layout against the serial FP8 run ---------------------------------------------------

@@ -29,14 +29,18 @@ ranks with M micro-batches each equal the serial run with dp M micro-batches.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from refmp.distributed.comm import Comm
+from refmp.errors import ConfigError
+from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.runtime import fp8 as F
 from refmp.runtime.arrays import map_leaves
 from refmp.runtime.backend import array_module
+
+if TYPE_CHECKING:  # (the layout's rules import this module; cost/ never imports MPI)
+    from refmp.distributed.comm import Comm
 
 RECIPES = ("tensor", "delayed", "mxfp8")
 X, W, G = 0, 1, 2  # the roles: a linear's input, its weight, the gradient of its output
@@ -194,3 +198,21 @@ def apply_fp8(ops, recipe: str, grid, sp: bool, mcfg, chunks: dict[int, range]) 
     n_sites = sum(2 if mcfg.is_moe(i) else 4 for blocks in chunks.values() for i in blocks)
     return FP8Ops(ops, recipe, grid.comm["tp"], sp, n_sites, groups=[grid.group("dp", "cp")],
                   cp=grid.comm["cp"])
+
+
+def check_fp8(cfg) -> None:
+    """Refuse what the FP8 emulation cannot run, with why (``cfg`` a TrainConfig)."""
+    if cfg.fp8 == "none":
+        return
+    if cfg.device == "gpu":
+        raise ConfigError(f"--fp8 {cfg.fp8} is emulated on the CPU (ml_dtypes' float8 types): "
+                          "drop --device gpu")
+    sched = CATALOG.get(cfg.schedule)
+    chunks = sched.chunks_per_rank(cfg.virtual_stages) if sched is not None else 1
+    why = "keeps each linear's amax history by its place in a rank's forward, which needs {}"
+    if cfg.fp8 == "delayed" and chunks > 1:
+        raise ConfigError(f"--fp8 delayed {why.format('one model chunk per rank')}: --schedule "
+                          f"{cfg.schedule} runs {chunks} (or use --fp8 tensor)")
+    if cfg.fp8 == "delayed" and cfg.recompute == "full":
+        raise ConfigError(f"--fp8 delayed {why.format('each forward run once')}: --recompute full "
+                          "runs each block's forward again in its backward (or use --fp8 tensor)")

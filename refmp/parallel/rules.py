@@ -10,6 +10,7 @@ from __future__ import annotations
 from refmp.config import check_sizes
 from refmp.errors import ConfigError
 from refmp.parallel.context.chunks import ALGOS, SequenceChunks
+from refmp.parallel.fp8 import check_fp8
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.partition import check_pipeline, parse_stage_layers
 
@@ -78,6 +79,7 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
     check_pipeline(mcfg.n_layer, pp, M, cfg.schedule, cfg.virtual_stages,
                    parse_stage_layers(cfg.stage_layers), B // dp)
     check_compression(cfg)
+    check_fp8(cfg)
     return s
 
 

@@ -34,6 +34,7 @@ import zlib
 
 import numpy as np
 
+from refmp.parallel.data.fp8_gather import FP8Gather
 from refmp.runtime.backend import array_module, from_host
 from refmp.runtime.precision import BF16
 
@@ -194,6 +195,5 @@ def make_codecs(cfg, seed: int = 0) -> tuple:
     grad = {"none": None, "bf16": lambda: Codec(start, BF16),
             "powersgd": lambda: PowerSGD(cfg.compress_rank, seed, start, ef),
             "topk": lambda: TopK(cfg.compress_ratio, start, ef)}[cfg.grad_compress]
-    from refmp.parallel.data.fp8_gather import FP8Gather  # (it imports gathered from here)
     gather = {"none": None, "int8": lambda: Int8Gather(cfg.quant_block), "fp8": FP8Gather}[cfg.weight_gather]
     return grad() if grad else None, gather() if gather else None

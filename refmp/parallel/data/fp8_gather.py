@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from refmp.parallel.data.compress import gathered
 from refmp.runtime.backend import array_module
 from refmp.runtime.fp8 import E4M3, MX_BLOCK, Quantized, dequantize, quantize_blocks
+
+
+def gathered(group, buf):
+    """Every rank's ``buf`` in rank order (alone: ``buf``, nothing sent)."""
+    return group.allgather(buf) if group.size > 1 else buf
 
 
 class FP8Gather:
