@@ -69,10 +69,6 @@ class ParallelConfig:
                                         "fp16, fp32 master weights and optimizer state (--dtype); on the "
                                         "CPU products run in fp32 on the rounded operands (%(default)s)",
                                 PRECISION, choices=("none", "bf16", "fp16"), plan={})
-    fp8: str = flag("none", "FP8 linears, emulated: E4M3 inputs and weights, E5M2 gradients, "
-                            "products in the run's dtype; scales per tensor now (tensor), from an "
-                            "amax history (delayed), or per 32 elements (mxfp8) (%(default)s)",
-                    PRECISION, choices=("none", "tensor", "delayed", "mxfp8"))
     microbatches: int = flag(1, "micro-batches per step: pipeline micro-batches, or gradient accumulation "
                                 "without --pp (%(default)s)", plan={})
     schedule: str = flag("1f1b", "pipeline schedule (default %(default)s)", PIPELINE,
@@ -127,6 +123,10 @@ class ParallelConfig:
                               choices=("none", "int8", "fp8"), plan={})
     quant_block: int = flag(256, "--weight-gather int8: elements per scale (%(default)s)", COMPRESS,
                             plan={})
+    fp8: str = flag("none", "FP8 linears, emulated: E4M3 inputs and weights, E5M2 gradients, "
+                            "products in the run's dtype; scales per tensor now (tensor), from an "
+                            "amax history (delayed), or per 32 elements (mxfp8) (%(default)s)",
+                    PRECISION, choices=("none", "tensor", "delayed", "mxfp8"), plan={})
 
     def as_dict(self, sizes: dict[str, int] | None = None) -> dict:
         """The layout's fields, the axis sizes as a grid resolved them (``sizes``: dp filled

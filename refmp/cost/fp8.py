@@ -48,3 +48,23 @@ def cached_linear_input_bytes(elements: int, itemsize: int, recipe: str) -> int:
     if recipe == "none":
         return elements * itemsize
     return elements + (-(-elements // 32) if recipe == "mxfp8" else 1)
+
+
+def _fp8_bytes(rows: int, cols: int, recipe: str) -> int:
+    """Bytes of a (rows, cols) tensor in FP8, blocks (MXFP8) along ``cols``: one byte a value
+    and one a scale (MXFP8 pads each row to whole blocks)."""
+    if recipe == "mxfp8":
+        return rows * -(-cols // 32) * 33
+    return rows * cols + 1
+
+
+def block_cache_delta(b: int, Tl: int, C: int, tp: int, w: int, recipe: str, moe: bool = False) -> int:
+    """What FP8 changes in one block's forward cache, in bytes (tp without SP, cp 1, no full
+    recomputation): each linear's input X (b Tl, K) is kept in FP8 instead of in ``w``
+    bytes, and its weight's FP8 copy (K, N) joins it (without FP8 the cache refers to the
+    weight itself, not an activation). Column linears c_attn (C, 3C/tp) and c_fc (C, 4C/tp),
+    row linears attn.c_proj (C/tp, C) and mlp.c_proj (4C/tp, C); an MoE block's experts
+    stay in the run's dtype. MXFP8 blocks X along K and W along K too."""
+    linears = [(C, 3 * C // tp), (C // tp, C)] + ([] if moe else [(C, 4 * C // tp), (4 * C // tp, C)])
+    N = b * Tl
+    return sum(_fp8_bytes(N, K, recipe) + _fp8_bytes(n, K, recipe) - w * N * K for K, n in linears)
