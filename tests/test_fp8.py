@@ -21,6 +21,7 @@ from parity import SERIAL_ONLY, TOL, compare_step, gathered
 from test_engine import config, data
 
 from refmp.cost.fp8 import amax_bytes_per_step, cached_linear_input_bytes
+from refmp.cost.memory import estimate_memory
 from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import comm_per_step, unit_sizes
 from refmp.distributed.grid import ProcessGrid
@@ -84,6 +85,22 @@ def test_the_cache_keeps_fp8_and_the_formula_says_how_much():
         assert cx.q.dtype == F.E4M3 and cw.q.dtype == F.E4M3
         assert activation_bytes(cx) == cached_linear_input_bytes(x.size, 8, recipe)
     assert cached_linear_input_bytes(x.size, 8, "none") == x.nbytes
+
+
+@pytest.mark.parametrize("kw", [dict(fp8="tensor"), dict(fp8="mxfp8", n_embd=48),
+                                dict(fp8="delayed", microbatches=2, zero=3)])
+def test_the_memory_estimate_holds_the_fp8_caches(kw):
+    """The activations' peak of an FP8 run, measured, equals estimate_memory's (the X and W
+    each linear keeps in FP8 instead of X in float64), and is below the run without FP8."""
+    cfg = config(**{"n_embd": 32, "n_head": 2, "steps": 1, **kw})
+    peaks = []
+    for c in (cfg, replace(cfg, fp8="none")):
+        tr = Trainer(c, grid=ProcessGrid(MPI.COMM_SELF), dataset=data())
+        tr.step()
+        est = estimate_memory(c, tr.mcfg, tr.grid.sizes, tr.grid.coords)["activations"]
+        assert tr.runner.memory()["activations"] == est
+        peaks.append(est)
+    assert peaks[0] < peaks[1]
 
 
 def test_the_amax_formula():
@@ -168,6 +185,9 @@ def test_layout_equals_the_serial_fp8_run(layout, serial_mb):
             zero3 = comm_per_step(sizes, 2, 3, cfg.microbatches, 8, r.first, r.last, quant_block=32,
                                   scale_bytes=1)
             assert led.bytes("allgather", "dp") == zero3["allgather"]
+        if not cfg.sequence_parallel and g.sizes["cp"] == 1:  # the FP8 caches' peak, to the byte
+            est = estimate_memory(cfg, par.runner.mcfg, g.sizes, g.coords)["activations"]
+            assert par.runner.memory()["activations"] == est
         dense = g.group("dp", "cp")
         if dense.size > 1 and cfg.fp8 == "delayed" and cfg.zero > 0:  # (ZeRO sums by reduce-scatter)
             assert led.bytes("allreduce", dense.axis) == want["dense"]
