@@ -115,6 +115,7 @@ def test_the_amax_formula():
      "one model chunk per rank: --schedule interleaved runs 2"),
     (dict(fp8="delayed", recompute="full"), "--recompute full runs each block's forward again"),
     (dict(fp8="tensor", device="gpu"), "emulated on the CPU"),
+    (dict(fp8="delayed", resume="ckpt"), "amax history is not in a checkpoint"),
     (dict(weight_gather="fp8", zero=2), "--weight-gather fp8 quantizes ZeRO-3's all-gathers"),
 ])
 def test_bad_combinations_are_refused(kw, message):

@@ -213,6 +213,9 @@ def check_fp8(cfg) -> None:
     if cfg.fp8 == "delayed" and chunks > 1:
         raise ConfigError(f"--fp8 delayed {why.format('one model chunk per rank')}: --schedule "
                           f"{cfg.schedule} runs {chunks} (or use --fp8 tensor)")
+    if cfg.fp8 == "delayed" and cfg.resume:
+        raise ConfigError("--fp8 delayed's amax history is not in a checkpoint: --resume would "
+                          "start it afresh and not continue the run (use --fp8 tensor or mxfp8)")
     if cfg.fp8 == "delayed" and cfg.recompute == "full":
         raise ConfigError(f"--fp8 delayed {why.format('each forward run once')}: --recompute full "
                           "runs each block's forward again in its backward (or use --fp8 tensor)")
