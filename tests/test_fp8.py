@@ -116,13 +116,14 @@ def test_the_amax_formula():
     (dict(fp8="delayed", recompute="full"), "--recompute full runs each block's forward again"),
     (dict(fp8="tensor", device="gpu"), "emulated on the CPU"),
     (dict(fp8="delayed", resume="ckpt"), "amax history is not in a checkpoint"),
+    (dict(fp8="mxfp8", tp=2), "C/tp = 8 channels"),
     (dict(weight_gather="fp8", zero=2), "--weight-gather fp8 quantizes ZeRO-3's all-gathers"),
 ])
 def test_bad_combinations_are_refused(kw, message):
     cfg = config(**kw)
     with pytest.raises(ConfigError, match=message):
         check_layout(cfg, GPTConfig(n_layer=cfg.n_layer, n_head=4, n_embd=16, block_size=8,
-                                    vocab_size=17), cfg.pp)
+                                    vocab_size=17), cfg.pp * cfg.tp)
 
 
 # --- every layout against the serial FP8 run ---------------------------------------------------

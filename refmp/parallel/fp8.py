@@ -200,10 +200,16 @@ def apply_fp8(ops, recipe: str, grid, sp: bool, mcfg, chunks: dict[int, range]) 
                   cp=grid.comm["cp"])
 
 
-def check_fp8(cfg) -> None:
-    """Refuse what the FP8 emulation cannot run, with why (``cfg`` a TrainConfig)."""
+def check_fp8(cfg, n_embd: int, tp: int) -> None:
+    """Refuse what the FP8 emulation cannot run, with why (``cfg`` a TrainConfig; the model's
+    ``n_embd``; ``tp`` ranks)."""
     if cfg.fp8 == "none":
         return
+    if cfg.fp8 == "mxfp8" and tp > 1 and (n_embd // tp) % F.MX_BLOCK:
+        raise ConfigError(f"--fp8 mxfp8 with --tp {tp}: each tp rank holds C/tp = {n_embd // tp} "
+                          f"channels of a block's activations, not a multiple of {F.MX_BLOCK}, so a "
+                          "block of 32 would cross a shard's edge and be scaled unlike the serial "
+                          "run's: choose n_embd and --tp with C/tp a multiple of 32")
     if cfg.device == "gpu":
         raise ConfigError(f"--fp8 {cfg.fp8} is emulated on the CPU (ml_dtypes' float8 types): "
                           "drop --device gpu")

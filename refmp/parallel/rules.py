@@ -79,7 +79,7 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
     check_pipeline(mcfg.n_layer, pp, M, cfg.schedule, cfg.virtual_stages,
                    parse_stage_layers(cfg.stage_layers), B // dp)
     check_compression(cfg)
-    check_fp8(cfg)
+    check_fp8(cfg, mcfg.n_embd, tp)
     return s
 
 
