@@ -21,7 +21,7 @@ from parity import SERIAL_ONLY, TOL, compare_step, gathered
 from test_engine import config, data
 
 from refmp.cost.fp8 import amax_bytes_per_step, cached_linear_input_bytes
-from refmp.cost.memory import estimate_memory
+from refmp.cost.memory import estimate_memory, stage_memory
 from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import comm_per_step, unit_sizes
 from refmp.distributed.grid import ProcessGrid
@@ -101,6 +101,16 @@ def test_the_memory_estimate_holds_the_fp8_caches(kw):
         assert tr.runner.memory()["activations"] == est
         peaks.append(est)
     assert peaks[0] < peaks[1]
+
+
+def test_fp8_over_bf16_mixed_precision():
+    """With --mixed-precision bf16 the FP8 values dequantize into the bf16 compute copy
+    exactly; the planner's stage_memory (which rescales the estimate to 2-byte caches) equals
+    the measured peak."""
+    cfg = config(fp8="tensor", n_embd=32, n_head=2, steps=1, dtype="float32", mixed_precision="bf16")
+    tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=data())
+    assert np.isfinite(tr.step()["loss"])
+    assert tr.runner.memory()["activations"] == stage_memory(cfg, tr.mcfg, tr.grid.sizes, 0)["activations"]
 
 
 def test_the_amax_formula():
