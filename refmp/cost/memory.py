@@ -20,7 +20,7 @@ from dataclasses import replace
 from functools import cache
 
 from refmp.config import TrainConfig
-from refmp.cost.family import cache_extra
+from refmp.cost.family import cache_extra, is_gpt2
 from refmp.cost.family import shapes as family_shapes
 from refmp.cost.fp8 import block_cache_delta
 from refmp.cost.model import Layout, split, train_config
@@ -199,9 +199,9 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     moe = moe_extra_bytes(b, Tl, T, C, mcfg.n_expert, mcfg.top_k, cf, tp, sp, w, ep) \
         if mcfg.n_expert else 0
     kept_moe = 0 if cfg.recompute == "full" else moe
-    if cfg.fp8 != "none" and cfg.recompute != "full" and not sp and cp == 1:  # refmp.cost.fp8
+    if cfg.fp8 != "none" and cfg.recompute != "full" and not sp and cp == 1 and is_gpt2(mcfg):
         fp8 = {i: block_cache_delta(b, Tl, C, tp, w, cfg.fp8, mcfg.is_moe(i)) for i in stage_blocks}
-    else:  # (with SP or cp the FP8 caches are not counted: the estimate stays above them)
+    else:  # (refmp.cost.fp8's GPT-2 linears; with SP or cp the FP8 caches are not counted)
         fp8 = dict.fromkeys(stage_blocks, 0)
     head = head_cache_bytes(b, Tl, C, V, tp, sp, w)
     embed = embed_cache_bytes(b, Tl, tp)
