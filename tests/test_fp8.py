@@ -113,6 +113,18 @@ def test_fp8_over_bf16_mixed_precision():
     assert tr.runner.memory()["activations"] == stage_memory(cfg, tr.mcfg, tr.grid.sizes, 0)["activations"]
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(n_expert=4, moe_every=2)])
+def test_one_forward_runs_every_site_once(kw):
+    """Delayed scaling keys its history by a linear's place in the rank's forward: a forward
+    runs n_sites linears (4 a dense block, 2 an MoE block: its experts stay unrounded)."""
+    cfg = config(**{"fp8": "delayed", "n_embd": 32, "n_head": 2, "steps": 1, "n_layer": 2, **kw})
+    tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF), dataset=data())
+    tr.step()
+    fp8 = tr.runner.fp8
+    assert fp8.n_sites == (6 if kw else 8) and fp8.calls == fp8.n_sites
+    assert (fp8.scales.past[0] > 0).all()  # every site and role recorded an amax
+
+
 def test_the_amax_formula():
     assert amax_bytes_per_step("tensor", 2, 3, False, 2) == {"tp": 8 * 8 * 2 * 3, "cp": 0, "dense": 0}
     assert amax_bytes_per_step("mxfp8", 2, 3, True, 2, 2, 4) == {"tp": 0, "cp": 0, "dense": 0}
