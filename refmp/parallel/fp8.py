@@ -42,7 +42,6 @@ from refmp.runtime.backend import array_module
 if TYPE_CHECKING:  # (the layout's rules import this module; cost/ never imports MPI)
     from refmp.distributed.comm import Comm
 
-RECIPES = ("tensor", "delayed", "mxfp8")
 X, W, G = 0, 1, 2  # the roles: a linear's input, its weight, the gradient of its output
 FORMAT = {X: F.E4M3, W: F.E4M3, G: F.E5M2}
 # Megatron's layers over tp > 1: which of (X, W, dY) each linear holds a shard of; with
