@@ -125,10 +125,15 @@ class ParallelConfig:
     no_error_feedback: bool = flag(False, "PowerSGD / top-k: drop what was not sent instead of adding it "
                                           "to the next step's gradient", COMPRESS)
     weight_gather: str = flag("none", "ZeRO-3's weight all-gathers in block-wise int8, one scale per "
-                                      "--quant-block elements (ZeRO++ qwZ) (%(default)s)", COMPRESS,
-                              choices=("none", "int8"), plan={})
+                                      "--quant-block elements (ZeRO++ qwZ), or in MXFP8 (E4M3, one "
+                                      "power-of-two scale per 32) (%(default)s)", COMPRESS,
+                              choices=("none", "int8", "fp8"), plan={})
     quant_block: int = flag(256, "--weight-gather int8: elements per scale (%(default)s)", COMPRESS,
                             plan={})
+    fp8: str = flag("none", "FP8 linears, emulated: E4M3 inputs and weights, E5M2 gradients, "
+                            "products in the run's dtype; scales per tensor now (tensor), from an "
+                            "amax history (delayed), or per 32 elements (mxfp8) (%(default)s)",
+                    PRECISION, choices=("none", "tensor", "delayed", "mxfp8"), plan={})
 
     def as_dict(self, sizes: dict[str, int] | None = None) -> dict:
         """The layout's fields, the axis sizes as a grid resolved them (``sizes``: dp filled

@@ -20,8 +20,9 @@ from dataclasses import replace
 from functools import cache
 
 from refmp.config import TrainConfig
-from refmp.cost.family import cache_extra
+from refmp.cost.family import cache_extra, is_gpt2
 from refmp.cost.family import shapes as family_shapes
+from refmp.cost.fp8 import block_cache_delta
 from refmp.cost.model import Layout, split, train_config
 from refmp.cost.zero import hpz_per_step, local_shapes, memory_per_rank
 from refmp.nn.params import GPTConfig
@@ -199,12 +200,16 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     moe = moe_extra_bytes(b, Tl, T, C, mcfg.n_expert, mcfg.top_k, cf, tp, sp, w, ep) \
         if mcfg.n_expert else 0
     kept_moe = 0 if cfg.recompute == "full" else moe
+    if cfg.fp8 != "none" and cfg.recompute != "full" and not sp and cp == 1 and is_gpt2(mcfg):
+        fp8 = {i: block_cache_delta(b, Tl, C, tp, w, cfg.fp8, mcfg.is_moe(i)) for i in stage_blocks}
+    else:  # (refmp.cost.fp8's GPT-2 linears; with SP or cp the FP8 caches are not counted)
+        fp8 = dict.fromkeys(stage_blocks, 0)
     head = head_cache_bytes(b, Tl, C, V, tp, sp, w)
     embed = embed_cache_bytes(b, Tl, tp)
     # with cp the positions (Tl,) are the engine's one array of this rank's token positions,
     # which every micro-batch's embedding cache references: counted once, not per micro-batch
     shared = {0: 8 * Tl} if cp > 1 and 0 in chunks else {}
-    chunk_bytes = {c: sum(block + (kept_moe if mcfg.is_moe(i) else 0) for i in chunks[c])
+    chunk_bytes = {c: sum(block + fp8[i] + (kept_moe if mcfg.is_moe(i) else 0) for i in chunks[c])
                    + (embed - 8 * Tl * (cp > 1) if c == 0 else 0)
                    + (head if c == S - 1 else 0) for c in chunks}
     # 2bw and pipedream carry caches from step to step: the peak over a run of 2 pp steps

@@ -325,8 +325,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         # HSDP (--dp-shard N): ZeRO over a shard group of N cp ranks, the slice summed across
         n, codec = (lay.dp_shard or dp) * cp, lay.grad_compress
         gw = {"none": c, "bf16": 2}.get(codec, 4)
-        g = comm_per_step(dict(units), n, lay.zero, M, gw, first, last, c,
-                          lay.quant_block if lay.weight_gather == "int8" else 0)
+        block, scale = {"int8": (lay.quant_block, 4), "fp8": (32, 1)}.get(lay.weight_gather, (0, 4))
+        g = comm_per_step(dict(units), n, lay.zero, M, gw, first, last, c, block, scale)
         if codec in ("powersgd", "topk"):  # after backward, no overlap
             g = compressed_per_step(local_shapes(mcfg, tp, stage_blocks, first, last), n, codec,
                                     lay.compress_rank, lay.compress_ratio, gw)

@@ -30,7 +30,7 @@ def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dic
 
     gpu = mach.name != "cpu"
     codec = {k: fixed[k] for k in ("grad_compress", "compress_rank", "compress_ratio",
-                                   "weight_gather", "quant_block") if fixed.get(k) is not None}
+                                   "weight_gather", "quant_block", "fp8") if fixed.get(k) is not None}
     for tp in pick("tp", [d for d in divisors(gpus) if d <= mach.gpus_per_node]):
         for pp in pick("pp", [d for d in divisors(gpus // tp) if d <= mcfg.n_layer]):
             cps = [(cp, algo, U) for cp in pick("cp", [1])

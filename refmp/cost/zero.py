@@ -114,10 +114,11 @@ def compressed_per_step(shapes: dict[str, dict], n: int, codec: str, rank: int =
     return {"allreduce": 0, "allgather": n * kept * (itemsize + 4)}
 
 
-def int8_gather_bytes(padded_elems: int, n: int, block: int) -> int:
-    """Ledger bytes of one int8 all-gather of a unit of ``padded_elems`` (Pp) elements."""
+def int8_gather_bytes(padded_elems: int, n: int, block: int, scale_bytes: int = 4) -> int:
+    """Ledger bytes of one int8 all-gather of a unit of ``padded_elems`` (Pp) elements
+    (``scale_bytes`` 1: the FP8 gather, MXFP8's one-byte scales, block 32)."""
     blocks = -(-(padded_elems // n) // block)
-    return n * blocks * (block + 4)
+    return n * blocks * (block + scale_bytes)
 
 
 def padded(n: int, group: int) -> int:
@@ -147,11 +148,12 @@ def memory_per_rank(sizes: dict[str, int], n: int, stage: int, itemsize: int = 4
 
 def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int = 1,
                   itemsize: int = 4, first: bool = True, last: bool = True,
-                  param_itemsize: int | None = None, quant_block: int = 0) -> dict[str, int]:
+                  param_itemsize: int | None = None, quant_block: int = 0,
+                  scale_bytes: int = 4) -> dict[str, int]:
     """Ledger bytes per step on the ZeRO group, by operation (the list above). ``itemsize``:
     the gradients' bytes per element (reductions); ``param_itemsize``: the weights' (the
     all-gathers; default the same: with mixed precision, the compute dtype's); ``quant_block``
-    (stage 3, not 0): the weights gathered in int8 blocks."""
+    (stage 3, not 0): the weights gathered in int8 blocks (FP8's: 32, ``scale_bytes`` 1)."""
     w = itemsize if param_itemsize is None else param_itemsize
     if n == 1:
         return {"allreduce": 0, "reduce_scatter": 0, "allgather": 0}
@@ -165,7 +167,7 @@ def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int =
     # wte: the embedding's gather, and the tied head's two; an untied head gathers lm_head twice
     g_wte = (1 if first else 0) + (2 if last and "lm_head" not in sizes else 0)
     if quant_block:  # int8_gather_bytes per gather, counted in elements of 1 byte
-        pad, w = {u: int8_gather_bytes(p, n, quant_block) for u, p in pad.items()}, 1
+        pad, w = {u: int8_gather_bytes(p, n, quant_block, scale_bytes) for u, p in pad.items()}, 1
     blocks = sum(s for u, s in pad.items() if u.startswith("h."))
     gathered = (g_wte * pad.get("wte", 0) + pad.get("wpe", 0) + 2 * blocks
                 + 2 * pad.get("ln_f", 0) + 2 * pad.get("lm_head", 0))

@@ -41,6 +41,7 @@ from refmp.parallel.data.hierarchical import HierarchicalComm, check_nodes
 from refmp.parallel.data.hsdp import shard_groups
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
+from refmp.parallel.fp8 import apply_fp8
 from refmp.parallel.ops import MEGATRON, make_ops
 from refmp.parallel.pipeline.asynchronous import ASYNC_EXECUTORS
 from refmp.parallel.pipeline.catalog import CATALOG, Schedule
@@ -172,6 +173,9 @@ class Engine:
         self.first = 0 in chunks  # embeds the tokens
         self.last = self.n_chunks - 1 in chunks  # the head and the loss
         local = held_shards(mc, source, chunks, self.first, self.last, grid, dtype)
+        self.fp8 = (None if layout.fp8 == "none"  # FP8 linears (refmp.parallel.fp8)
+                    else apply_fp8(self.ops, layout.fp8, grid, self.sp, mc, chunks))
+        self.ops = self.ops if self.fp8 is None else self.fp8
         self.sharder = build_sharder(local, grid, layout, seed)
         self.stage = Stage(chunks, self.n_chunks, mc, self.ops, self.sharder,
                            moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
@@ -251,6 +255,8 @@ class Engine:
         ys = [y for _, y in mbs]
         acts = self.actions(fill=self.executor.fills, ahead=len(rows) - 1)
         ce = self.executor.step(acts, xs, ys, denom, self.microbatches)
+        if self.fp8 is not None:
+            self.fp8.end_step()  # delayed scaling: this step's amaxes join the history
         self._loss = (ce, self.stage.aux)
 
     def _measure(self, caches: dict) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from refmp.config import check_sizes
 from refmp.errors import ConfigError
 from refmp.parallel.context.chunks import ALGOS, SequenceChunks
+from refmp.parallel.fp8 import check_fp8
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.partition import check_pipeline, parse_stage_layers
 
@@ -80,6 +81,7 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
     check_pipeline(mcfg.n_layer, pp, M, cfg.schedule, cfg.virtual_stages,
                    parse_stage_layers(cfg.stage_layers), B // dp)
     check_compression(cfg)
+    check_fp8(cfg, mcfg.n_embd, tp)
     return s
 
 
@@ -100,9 +102,9 @@ def check_compression(cfg) -> None:
     if codec in ("bf16", "topk") and cfg.device == "gpu":
         raise ConfigError(f"--grad-compress {codec} runs on the CPU (bf16 through ml_dtypes; top-k's "
                           f"scatter-add in rank order): on the GPU use powersgd")
-    if cfg.weight_gather == "int8" and cfg.zero != 3:
-        raise ConfigError("--weight-gather int8 quantizes ZeRO-3's all-gathers of the weights for "
-                          "each use; other stages keep whole weights (their all-gather after the "
+    if cfg.weight_gather != "none" and cfg.zero != 3:
+        raise ConfigError(f"--weight-gather {cfg.weight_gather} quantizes ZeRO-3's all-gathers of the "
+                          "weights for each use; other stages keep whole weights (their all-gather after the "
                           "step is the update itself): add --zero 3")
 
 
@@ -154,9 +156,9 @@ def check_hpz(cfg, n: int) -> None:
     if cfg.zero != 3:
         raise ConfigError(f"--hpz-size partitions ZeRO-3's weights a second time; --zero {cfg.zero} "
                           f"gathers none for each use: add --zero 3, or leave --hpz-size 1")
-    if cfg.weight_gather == "int8":
-        raise ConfigError("--hpz-size with --weight-gather int8: the int8 gathers run over the whole "
-                          "group; use one of the two")
+    if cfg.weight_gather != "none":
+        raise ConfigError(f"--hpz-size with --weight-gather {cfg.weight_gather}: the {cfg.weight_gather} "
+                          "gathers run over the whole group; use one of the two")
     if n % G or G >= n:
         raise ConfigError(f"--hpz-size {G} must divide the dp x cp ranks of a ZeRO group ({n}) and "
                           f"be below it (a node's ranks of the group)")

@@ -34,6 +34,7 @@ import zlib
 
 import numpy as np
 
+from refmp.parallel.data.fp8_gather import FP8Gather
 from refmp.runtime.backend import array_module, from_host
 from refmp.runtime.precision import BF16
 
@@ -186,12 +187,13 @@ class Int8Gather:
         return (qs * scales).reshape(group.size, nb * B)[:, :S].reshape(-1).astype(shard.dtype)
 
 
-def make_codecs(cfg, seed: int = 0) -> tuple[Codec | None, Int8Gather | None]:
-    """The gradient codec and the weight gather of a layout (None: plain); ``seed``: the
+def make_codecs(cfg, seed: int = 0) -> tuple:
+    """The gradient codec and the weight gather of a layout (None: plain; int8, or FP8's
+    refmp.parallel.data.fp8_gather); ``seed``: the
     run's, from which PowerSGD's first Q is drawn on every rank alike."""
     ef, start = not cfg.no_error_feedback, cfg.compress_start
     grad = {"none": None, "bf16": lambda: Codec(start, BF16),
             "powersgd": lambda: PowerSGD(cfg.compress_rank, seed, start, ef),
             "topk": lambda: TopK(cfg.compress_ratio, start, ef)}[cfg.grad_compress]
-    return (grad() if grad else None,
-            Int8Gather(cfg.quant_block) if cfg.weight_gather == "int8" else None)
+    gather = {"none": None, "int8": lambda: Int8Gather(cfg.quant_block), "fp8": FP8Gather}[cfg.weight_gather]
+    return grad() if grad else None, gather() if gather else None

@@ -1,0 +1,70 @@
+"""What FP8 training (refmp.parallel.fp8) adds: the amaxes' all-reduces, the memory it saves.
+
+Per step, L dense blocks on a rank, M micro-batches, one amax = one float64 (8 bytes):
+
+* ``tensor`` scaling reduces each amax of a tensor tp splits (max over tp), per linear and
+  micro-batch: without SP a column linear's W and dY, a row linear's X and W (8 a block);
+  with SP also the column's X and the row's dY (12 a block). With cp, every X and dY over
+  cp (8 a block). So tp: 8 (8 or 12) L M bytes, cp: 8 * 8 L M bytes.
+* ``delayed`` scaling does that on its first step only; after each step it reduces its
+  (sites, 3) amaxes, 4 L sites, once over tp and once over dp x cp: 8 * 12 L bytes each.
+* ``mxfp8`` reduces nothing (its blocks stay inside a shard when C/tp is a multiple of 32).
+
+Memory: a linear's cache keeps X (and a reference to W) in FP8, 1 byte an element plus the
+scales, where the run without FP8 keeps X in the activations' dtype: the activations
+a linear caches shrink by that factor (refmp.cost.memory's per-block terms); MXFP8 adds one
+scale byte per 32 elements.
+"""
+
+from __future__ import annotations
+
+AMAX_BYTES = 8  # the amaxes travel as float64
+
+
+def amax_bytes_per_step(recipe: str, n_layer: int, microbatches: int, sp: bool, tp: int,
+                        cp: int = 1, dense: int = 1, first_step: bool = True) -> dict[str, int]:
+    """Ledger bytes of the amax all-reduces in one step, by axis ("tp", "cp", and "dense" for
+    delayed scaling's history), for ``n_layer`` dense blocks on this rank; ``dense`` the
+    dp x cp ranks (the ledger labels that group by its axes of more than one rank)."""
+    out = {"tp": 0, "cp": 0, "dense": 0}
+    per_use = recipe == "tensor" or (recipe == "delayed" and first_step)
+    if per_use:
+        if tp > 1:
+            out["tp"] += AMAX_BYTES * (12 if sp else 8) * n_layer * microbatches
+        if cp > 1:
+            out["cp"] += AMAX_BYTES * 8 * n_layer * microbatches
+    if recipe == "delayed":
+        history = AMAX_BYTES * 3 * 4 * n_layer  # (sites, roles) once a step
+        if tp > 1:
+            out["tp"] += history
+        if dense > 1:
+            out["dense"] += history
+    return out
+
+
+def cached_linear_input_bytes(elements: int, itemsize: int, recipe: str) -> int:
+    """Bytes a linear's cache holds for an input of ``elements``: ``itemsize`` each without
+    FP8, 1 each with it (plus one scale byte per 32 with MXFP8)."""
+    if recipe == "none":
+        return elements * itemsize
+    return elements + (-(-elements // 32) if recipe == "mxfp8" else 1)
+
+
+def _fp8_bytes(rows: int, cols: int, recipe: str) -> int:
+    """Bytes of a (rows, cols) tensor in FP8, blocks (MXFP8) along ``cols``: one byte a value
+    and one a scale (MXFP8 pads each row to whole blocks)."""
+    if recipe == "mxfp8":
+        return rows * -(-cols // 32) * 33
+    return rows * cols + 1
+
+
+def block_cache_delta(b: int, Tl: int, C: int, tp: int, w: int, recipe: str, moe: bool = False) -> int:
+    """What FP8 changes in one block's forward cache, in bytes (tp without SP, cp 1, no full
+    recomputation): each linear's input X (b Tl, K) is kept in FP8 instead of in ``w``
+    bytes, and its weight's FP8 copy (K, N) joins it (without FP8 the cache refers to the
+    weight itself, not an activation). Column linears c_attn (C, 3C/tp) and c_fc (C, 4C/tp),
+    row linears attn.c_proj (C/tp, C) and mlp.c_proj (4C/tp, C); an MoE block's experts
+    stay in the run's dtype. MXFP8 blocks X along K and W along K too."""
+    linears = [(C, 3 * C // tp), (C // tp, C)] + ([] if moe else [(C, 4 * C // tp), (4 * C // tp, C)])
+    N = b * Tl
+    return sum(_fp8_bytes(N, K, recipe) + _fp8_bytes(n, K, recipe) - w * N * K for K, n in linears)
