@@ -1,0 +1,240 @@
+"""A Llama-family model (Touvron et al. 2023), serial reference, built from
+refmp.nn.llama_layers: pre-RMSNorm blocks, grouped-query attention with rotary positions,
+a SwiGLU MLP, no biases, a tied or untied head.
+
+Shapes: B batch, T time, C channels (n_embd), V vocabulary, L layers, NH query heads,
+NKV key/value heads, HS head size (C/NH), F the MLP's width (n_inner).
+
+Parameter names follow refmp's GPT-2 names where the piece is the same (``wte``, ``h.{i}.``,
+``ln_1``, ``ln_2``, ``ln_f``) and Hugging Face Llama's projection names inside a block; a
+linear weight is stored (in, out) as everywhere in refmp (refmp.checkpoint.hf_llama
+transposes to and from a LlamaForCausalLM directory):
+
+    wte.weight (V, C)                      h.{i}.ln_1.weight (C,)     (input_layernorm)
+    h.{i}.attn.q_proj.weight (C, NH HS)    h.{i}.attn.k_proj.weight (C, NKV HS)
+    h.{i}.attn.v_proj.weight (C, NKV HS)   h.{i}.attn.o_proj.weight (NH HS, C)
+    h.{i}.ln_2.weight (C,)                 (post_attention_layernorm)
+    h.{i}.mlp.gate_proj.weight (C, F)      h.{i}.mlp.up_proj.weight (C, F)
+    h.{i}.mlp.down_proj.weight (F, C)      ln_f.weight (C,)            (model.norm)
+    lm_head.weight (V, C)                  only when the head is untied
+
+Initialization is refmp.nn.params.init_slice's (seed, name, element) draw, which for these
+names is Hugging Face's: N(0, 0.02) for every matrix, 1 for the RMSNorm weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from dataclasses import dataclass
+
+from refmp.errors import ConfigError
+from refmp.nn import layers as L
+from refmp.nn import llama_layers as LL
+from refmp.nn.params import block_params, init_slice
+from refmp.runtime import backend
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256
+    block_size: int = 64  # max_position_embeddings
+    n_layer: int = 2
+    n_head: int = 4
+    n_kv_head: int = 2  # num_key_value_heads; n_head for plain multi-head attention
+    n_embd: int = 64
+    n_inner: int = 172  # intermediate_size
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tied: bool = False  # tie_word_embeddings: logits = h wte^T
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    def check(self) -> None:
+        """Refuse shapes that cannot make the model (a ConfigError with the reason)."""
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd",
+                     "n_inner"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head "
+                              f"({self.n_head})")
+        if self.head_size % 2:
+            raise ConfigError(f"the head size ({self.head_size}) must be even: rotary "
+                              f"embeddings rotate its two halves")
+        if self.n_head % self.n_kv_head:
+            raise ConfigError(f"n_kv_head ({self.n_kv_head}) must divide n_head "
+                              f"({self.n_head})")
+        if self.rope_theta <= 0 or self.rms_eps <= 0:
+            raise ConfigError("rope_theta and rms_eps must be positive")
+
+
+def block_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one block's parameters, by their name inside the block."""
+    C, F, kv = cfg.n_embd, cfg.n_inner, cfg.n_kv_head * cfg.head_size
+    return {
+        "ln_1.weight": (C,),
+        "attn.q_proj.weight": (C, C),
+        "attn.k_proj.weight": (C, kv),
+        "attn.v_proj.weight": (C, kv),
+        "attn.o_proj.weight": (C, C),
+        "ln_2.weight": (C,),
+        "mlp.gate_proj.weight": (C, F),
+        "mlp.up_proj.weight": (C, F),
+        "mlp.down_proj.weight": (F, C),
+    }
+
+
+def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global shape, in the model's order."""
+    shapes = {"wte.weight": (cfg.vocab_size, cfg.n_embd)}
+    for i in range(cfg.n_layer):
+        for name, shape in block_param_shapes(cfg).items():
+            shapes[f"h.{i}.{name}"] = shape
+    shapes["ln_f.weight"] = (cfg.n_embd,)
+    if not cfg.tied:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.n_embd)
+    return shapes
+
+
+def init_params(cfg: LlamaConfig, seed: int, dtype="float32") -> dict:
+    """All parameters at full size (init_slice's draw: N(0, 0.02) matrices, unit norms)."""
+    return {name: backend.from_host(init_slice(name, shape, cfg, seed, dtype=dtype))
+            for name, shape in param_shapes(cfg).items()}
+
+
+# --- the pieces: block and head -------------------------------------------------------------
+
+# What one block's backward needs, in forward order
+AttnCache = namedtuple("AttnCache", "ln_1 q k v core o")
+MLPCache = namedtuple("MLPCache", "ln_2 gate up swiglu down")
+BlockCache = namedtuple("BlockCache", "attn mlp")
+
+
+def block_forward(p: dict, x, cfg: LlamaConfig, cos, sin, keep_scores: bool = True):
+    """x + attn(rmsnorm_1(x)), then + mlp(rmsnorm_2(.)), rotary tables (T, HS) for x's tokens."""
+    h, ln_1 = LL.rmsnorm_forward(x, p["ln_1.weight"], cfg.rms_eps)  # (B, T, C)
+    q, cq = L.linear_forward(h, p["attn.q_proj.weight"])  # (B, T, NH HS)
+    k, ck = L.linear_forward(h, p["attn.k_proj.weight"])  # (B, T, NKV HS)
+    v, cv = L.linear_forward(h, p["attn.v_proj.weight"])  # (B, T, NKV HS)
+    a, core = LL.gqa_forward(q, k, v, cfg.n_head, cfg.n_kv_head, cos, sin, keep_scores)
+    a, co = L.linear_forward(a, p["attn.o_proj.weight"])  # (B, T, C)
+    x = x + a  # residual
+    h, ln_2 = LL.rmsnorm_forward(x, p["ln_2.weight"], cfg.rms_eps)  # (B, T, C)
+    g, cg = L.linear_forward(h, p["mlp.gate_proj.weight"])  # (B, T, F)
+    u, cu = L.linear_forward(h, p["mlp.up_proj.weight"])  # (B, T, F)
+    s, sw = LL.swiglu_forward(g, u)  # (B, T, F)
+    h, cd = L.linear_forward(s, p["mlp.down_proj.weight"])  # (B, T, C)
+    cache = BlockCache(AttnCache(ln_1, cq, ck, cv, core, co), MLPCache(ln_2, cg, cu, sw, cd))
+    return x + h, cache  # residual
+
+
+def block_backward(dout, cache: BlockCache):
+    """Mirror of block_forward; returns dx and the block's gradients (names inside it)."""
+    g = {}
+    m, a = cache.mlp, cache.attn
+    # forward was: out = x + h   (the residual passes dout to both branches)
+    ds, g["mlp.down_proj.weight"], _ = L.linear_backward(dout, m.down)  # (B, T, F)
+    dg, du = LL.swiglu_backward(ds, m.swiglu)
+    dh, g["mlp.gate_proj.weight"], _ = L.linear_backward(dg, m.gate)  # (B, T, C)
+    dhu, g["mlp.up_proj.weight"], _ = L.linear_backward(du, m.up)
+    dx, g["ln_2.weight"] = LL.rmsnorm_backward(dh + dhu, m.ln_2)
+    dx += dout
+    # forward was: x = x + a
+    da, g["attn.o_proj.weight"], _ = L.linear_backward(dx, a.o)  # (B, T, NH HS)
+    dq, dk, dv = LL.gqa_backward(da, a.core)
+    dh, g["attn.q_proj.weight"], _ = L.linear_backward(dq, a.q)  # (B, T, C)
+    dhk, g["attn.k_proj.weight"], _ = L.linear_backward(dk, a.k)
+    dhv, g["attn.v_proj.weight"], _ = L.linear_backward(dv, a.v)
+    dh, g["ln_1.weight"] = LL.rmsnorm_backward(dh + dhk + dhv, a.ln_1)
+    return dx + dh, g
+
+
+def head_weight_name(cfg: LlamaConfig) -> str:
+    """The (V, C) matrix the logits are read with: wte when tied, else lm_head."""
+    return "wte.weight" if cfg.tied else "lm_head.weight"
+
+
+def head_forward(p: dict, x, cfg: LlamaConfig, targets=None, denom=None):
+    """Final RMSNorm, logits = h W^T (W: head_weight_name), cross-entropy if targets given."""
+    w = p[head_weight_name(cfg)]
+    h, ln_f = LL.rmsnorm_forward(x, p["ln_f.weight"], cfg.rms_eps)  # (B, T, C)
+    logits = h @ w.T  # (B, T, V)
+    if targets is None:
+        return logits, None
+    loss, ce = L.cross_entropy_forward(logits, targets, denom)
+    return loss, (ln_f, h, w, ce)
+
+
+def head_backward(dloss, cache, cfg: LlamaConfig):
+    """Returns dx and the head's gradients (ln_f and the head matrix)."""
+    ln_f, h, w, ce = cache
+    dlogits = L.cross_entropy_backward(dloss, ce)  # (B, T, V)
+    g = {}
+    # forward was: logits = h @ w^T
+    dh = dlogits @ w  # (B, T, C)
+    g[head_weight_name(cfg)] = dlogits.reshape(-1, w.shape[0]).T @ h.reshape(-1, h.shape[-1])
+    dx, g["ln_f.weight"] = LL.rmsnorm_backward(dh, ln_f)
+    return dx, g
+
+
+# --- the whole model -------------------------------------------------------------------------
+
+
+class Llama:
+    """Holds parameters and their gradients; forward returns a cache that backward consumes
+    (the interface of refmp.nn.gpt.GPT)."""
+
+    def __init__(self, cfg: LlamaConfig, params: dict):
+        self.cfg = cfg
+        self.params = params
+        self.grads = {k: None for k in params}
+
+    @classmethod
+    def create(cls, cfg: LlamaConfig, seed: int = 0, dtype="float32") -> Llama:
+        return cls(cfg, init_params(cfg, seed, dtype))
+
+    def num_params(self) -> int:
+        return sum(math.prod(s) for s in param_shapes(self.cfg).values())
+
+    def rope(self, positions):
+        """The rotary tables (T, HS) of the tokens at ``positions`` (T,)."""
+        dtype = self.params["wte.weight"].dtype
+        return LL.rope_tables(positions, self.cfg.head_size, self.cfg.rope_theta, dtype)
+
+    def forward(self, idx, targets=None, denom=None, keep_scores: bool = True):
+        """(loss, cache) given targets (B, T); (logits, cache) without them. ``denom``: the
+        token count the loss is a mean over (default: these B T tokens)."""
+        cfg = self.cfg
+        xp = backend.array_module(self.params["wte.weight"])
+        if targets is not None and denom is None:
+            denom = idx.size
+        cos, sin = self.rope(xp.arange(idx.shape[1]))  # (T, HS) each
+        x, emb = L.embedding_forward(idx, self.params["wte.weight"])  # (B, T, C)
+        blocks = []
+        for i in range(cfg.n_layer):
+            x, c = block_forward(block_params(self.params, i), x, cfg, cos, sin, keep_scores)
+            blocks.append(c)
+        out, head = head_forward(self.params, x, cfg, targets, denom)
+        return out, (emb, blocks, head)
+
+    def backward(self, cache, dloss=1.0) -> None:
+        """Accumulate gradients into self.grads (zero_grad first for a fresh step)."""
+        emb, blocks, head = cache
+        dx, g = head_backward(dloss, head, self.cfg)
+        self.accumulate(g)
+        for i in reversed(range(self.cfg.n_layer)):
+            dx, g = block_backward(dx, blocks[i])
+            self.accumulate(g, prefix=f"h.{i}.")
+        # a tied head has already added its share to wte's gradient
+        self.accumulate({"wte.weight": L.embedding_backward(dx, emb)})
+
+    def zero_grad(self) -> None:
+        self.grads = {k: None for k in self.params}
+
+    def accumulate(self, g: dict, prefix: str = "") -> None:
+        for k, v in g.items():
+            name = prefix + k
+            self.grads[name] = v if self.grads[name] is None else self.grads[name] + v
