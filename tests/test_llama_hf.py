@@ -1,0 +1,162 @@
+"""refmp's Llama against transformers' LlamaForCausalLM (refmp.nn.llama, refmp.checkpoint.hf_llama).
+
+* a directory written by transformers' save_pretrained loads into refmp with its logits, and
+  refmp's directory loads into from_pretrained with refmp's;
+* training: refmp's steps (its AdamW) equal LlamaForCausalLM's with torch.optim.AdamW in
+  float64, loss, every gradient and every weight after each step, to rounding; grouped-query
+  attention and multi-head, tied head and untied;
+* a config.json setting refmp does not compute is refused with its name.
+
+transformers computes RMSNorm's statistics and the rotary tables in float32 whatever the
+model's dtype (and its eager attention its softmax; these tests run its sdpa attention, which
+keeps the model's dtype). The logits test compares the unchanged model at float32's
+precision; the others compute those two in the model's dtype (``float64_hf``), so that the
+comparison is at float64's rounding.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from extras import reason
+
+from refmp.checkpoint.hf_llama import hf_name, llama_config, load_llama, save_llama
+from refmp.errors import ConfigError
+from refmp.nn.llama import Llama, param_shapes
+from refmp.training.optim import AdamW
+
+torch = pytest.importorskip("torch", reason=reason("torch", "hf"))
+transformers = pytest.importorskip("transformers", reason=reason("transformers", "hf"))
+ML = pytest.importorskip("transformers.models.llama.modeling_llama")
+
+TOL = dict(rtol=1e-9, atol=1e-12)
+
+
+def hf_model(n_kv_head: int = 2, tied: bool = False, seed: int = 0):
+    """A toy LlamaForCausalLM in float64, every weight random (norms too)."""
+    conf = transformers.LlamaConfig(
+        vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=n_kv_head, max_position_embeddings=16,
+        rope_theta=500.0, rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(conf).to(torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3 if p.ndim == 1 else 0.2)
+            if p.ndim == 1:
+                p.add_(1.0)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+@pytest.fixture
+def float64_hf(monkeypatch):
+    """transformers' RMSNorm and rotary tables in the model's dtype (float64), not float32."""
+
+    def rmsnorm(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        hs = self.inv_freq.shape[0] * 2
+        theta = self.config.rope_parameters["rope_theta"]
+        inv = 1.0 / theta ** (torch.arange(0, hs, 2, dtype=torch.float64) / hs)
+        ang = position_ids[..., None].to(torch.float64) * inv
+        ang = torch.cat((ang, ang), dim=-1)
+        return ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+
+    monkeypatch.setattr(ML.LlamaRMSNorm, "forward", rmsnorm)
+    monkeypatch.setattr(ML.LlamaRotaryEmbedding, "forward", rotary)
+
+
+def refmp_of(model, tmp_path) -> Llama:
+    model.save_pretrained(tmp_path / "hf")
+    cfg, params = load_llama(str(tmp_path / "hf"))
+    return Llama(cfg, params)
+
+
+def tokens(seed: int = 1, B: int = 3, T: int = 9):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 37, (B, T)), rng.integers(0, 37, (B, T))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_of_a_transformers_directory(tmp_path, tied):
+    hf = hf_model(tied=tied)
+    ours = refmp_of(hf, tmp_path)
+    assert ours.cfg.n_kv_head == 2 and ours.cfg.tied == tied
+    idx, _ = tokens()
+    want = hf(torch.tensor(idx)).logits.detach().numpy()
+    np.testing.assert_allclose(ours.forward(idx)[0], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_kv_head,tied", [(2, False), (4, True), (1, False)])
+def test_training_equals_transformers_adamw(tmp_path, float64_hf, n_kv_head, tied):
+    hf = hf_model(n_kv_head, tied)
+    ours = refmp_of(hf, tmp_path)
+    decay = [p for p in hf.parameters() if p.ndim >= 2]
+    rest = [p for p in hf.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}], lr=1e-2, eps=1e-8)
+    ropt = AdamW(ours.params, lr=1e-2, weight_decay=0.1, eps=1e-8)
+    hp = dict(hf.named_parameters())
+    for step in range(3):
+        idx, tgt = tokens(10 + step)
+        logits = hf(torch.tensor(idx)).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 37), torch.tensor(tgt).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        rloss, cache = ours.forward(idx, tgt)
+        ours.zero_grad()
+        ours.backward(cache)
+        np.testing.assert_allclose(rloss, loss.item(), **TOL, err_msg=f"loss at step {step}")
+        for name in param_shapes(ours.cfg):
+            key, transposed = hf_name(name)
+            g = hp[key].grad.numpy()
+            np.testing.assert_allclose(ours.grads[name], g.T if transposed else g, **TOL,
+                                       err_msg=f"gradient {name} at step {step}")
+        opt.step()
+        ropt.step(ours.grads)
+        for name in param_shapes(ours.cfg):
+            key, transposed = hf_name(name)
+            w = hp[key].detach().numpy()
+            np.testing.assert_allclose(ours.params[name], w.T if transposed else w, **TOL,
+                                       err_msg=f"weight {name} after step {step}")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_refmp_directory_loads_in_transformers(tmp_path, float64_hf, tied):
+    hf = hf_model(tied=tied)
+    ours = refmp_of(hf, tmp_path)
+    save_llama(str(tmp_path / "out"), ours.cfg, ours.params)
+    back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"),
+                                                         dtype=torch.float64)
+    back.config._attn_implementation = "sdpa"
+    idx, _ = tokens()
+    np.testing.assert_allclose(back(torch.tensor(idx)).logits.detach().numpy(),
+                               ours.forward(idx)[0], **TOL)
+    cfg, params = load_llama(str(tmp_path / "out"))
+    assert cfg == ours.cfg
+    for k, v in ours.params.items():
+        np.testing.assert_array_equal(params[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("sliding_window", 4),
+    ("attention_bias", True),
+    ("mlp_bias", True),
+    ("hidden_act", "gelu"),
+    ("head_dim", 8),
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4}),
+    ("model_type", "mistral"),
+])
+def test_what_refmp_does_not_compute_is_refused_by_name(key, value):
+    conf = json.loads(hf_model().config.to_json_string())
+    conf[key] = value
+    name = "rope_type" if key == "rope_parameters" else key
+    with pytest.raises(ConfigError, match=name):
+        llama_config(conf)
