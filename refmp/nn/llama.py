@@ -113,13 +113,18 @@ MLPCache = namedtuple("MLPCache", "ln_2 gate up swiglu down")
 BlockCache = namedtuple("BlockCache", "attn mlp")
 
 
-def block_forward(p: dict, x, cfg: LlamaConfig, cos, sin, keep_scores: bool = True):
-    """x + attn(rmsnorm_1(x)), then + mlp(rmsnorm_2(.)), rotary tables (T, HS) for x's tokens."""
+def block_forward(p: dict, x, cfg: LlamaConfig, cos, sin, keep_scores: bool = True,
+                  attention=LL.gqa_forward):
+    """x + attn(rmsnorm_1(x)), then + mlp(rmsnorm_2(.)), rotary tables (T, HS) for x's tokens.
+
+    ``attention(q, k, v, NH, NKV, cos, sin, keep_scores) -> (y, cache)``: the attention core
+    (default the serial grouped-query attention; a decoder passes one that reads and extends
+    its KV cache)."""
     h, ln_1 = LL.rmsnorm_forward(x, p["ln_1.weight"], cfg.rms_eps)  # (B, T, C)
     q, cq = L.linear_forward(h, p["attn.q_proj.weight"])  # (B, T, NH HS)
     k, ck = L.linear_forward(h, p["attn.k_proj.weight"])  # (B, T, NKV HS)
     v, cv = L.linear_forward(h, p["attn.v_proj.weight"])  # (B, T, NKV HS)
-    a, core = LL.gqa_forward(q, k, v, cfg.n_head, cfg.n_kv_head, cos, sin, keep_scores)
+    a, core = attention(q, k, v, cfg.n_head, cfg.n_kv_head, cos, sin, keep_scores)
     a, co = L.linear_forward(a, p["attn.o_proj.weight"])  # (B, T, C)
     x = x + a  # residual
     h, ln_2 = LL.rmsnorm_forward(x, p["ln_2.weight"], cfg.rms_eps)  # (B, T, C)
