@@ -9,7 +9,7 @@ once per query head, so it is R times smaller than multi-head attention's:
 
     bytes = 2 (k and v) x L x B x tokens x NKV x HS x itemsize
 
-A decode step runs refmp.nn.llama.block_forward with ``attention`` = :class:`CachedGQA`:
+A decode step runs refmp.nn.llama.block_forward with the Ops :class:`CachedGQA`:
 the new tokens' q, k, v at their global positions (their own rotary tables), k and v
 appended, and q attending over every cached token (query j of the t new ones sits at
 position n - t + j and sees the keys up to it).
@@ -31,18 +31,19 @@ def gqa_cache_bytes(cfg: LM.LlamaConfig, B: int, tokens: int, itemsize: int) -> 
     return 2 * cfg.n_layer * B * tokens * cfg.n_kv_head * cfg.head_size * itemsize
 
 
-class CachedGQA:
-    """Grouped-query attention over layer ``layer``'s cache (the ``attention`` of
-    refmp.nn.llama.block_forward, forward only): appends this call's k, v and attends
-    over all the cached tokens."""
+class CachedGQA(LM.Ops):
+    """The serial Ops whose grouped-query attention reads layer ``layer``'s cache (forward
+    only): appends this call's k, v and attends over all the cached tokens."""
 
-    def __init__(self, cache: KVCache, layer: int, slots: list[int]):
+    def __init__(self, cfg: LM.LlamaConfig, cache: KVCache, layer: int, slots: list[int]):
+        super().__init__(cfg.n_head, cfg.n_kv_head)
         self.cache = cache
         self.layer = layer
         self.slots = slots
 
-    def __call__(self, q, k, v, n_head: int, n_kv_head: int, cos, sin, keep_scores=True):
+    def attention(self, q, k, v, cos, sin):
         xp = backend.array_module(q)
+        n_head, n_kv_head = self.n_head, self.n_kv_head
         t = q.shape[1]
         r = n_head // n_kv_head
         qh = LL.rope_forward(LL.heads(q, n_head), cos, sin)  # (B, NH, t, HS)
@@ -71,7 +72,7 @@ def forward_cached(model: LM.Llama, idx, cache: KVCache):
     x = model.params["wte.weight"][idx]  # (B, t, C)
     for i in range(model.cfg.n_layer):
         x, _ = LM.block_forward(block_params(model.params, i), x, model.cfg, cos, sin,
-                                attention=CachedGQA(cache, i, slots))
+                                CachedGQA(model.cfg, cache, i, slots))
     for s in slots:
         cache.advance(s, t)
     logits, _ = LM.head_forward(model.params, x, model.cfg)

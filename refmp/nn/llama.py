@@ -107,53 +107,85 @@ def init_params(cfg: LlamaConfig, seed: int, dtype="float32") -> dict:
 
 # --- the pieces: block and head -------------------------------------------------------------
 
+
+class Ops:
+    """What a layout changes in a Llama block, serial here (refmp.parallel.tensor.llama
+    splits it over tp): the heads this rank computes (``n_head`` query, ``n_kv_head``
+    key/value), Megatron's f and g around the parallel region (``enter`` before the q, k, v
+    and gate, up projections, ``leave`` after o_proj and down_proj: identity here), the
+    attention (refmp.nn.llama_layers.gqa_forward over ``core``, the serial core or cp's) and
+    the global ``positions`` (T,) of the tokens (None: 0 .. T-1) for the rotary tables."""
+
+    def __init__(self, n_head: int, n_kv_head: int, core=None, positions=None):
+        self.n_head = n_head
+        self.n_kv_head = n_kv_head
+        self.core = LL.SerialCore() if core is None else core
+        self.positions = positions
+
+    def enter(self, h):
+        return h  # f forward
+
+    def enter_backward(self, dh):
+        return dh  # f backward
+
+    def leave(self, z):
+        return z  # g forward
+
+    def leave_backward(self, dz):
+        return dz  # g backward
+
+    def attention(self, q, k, v, cos, sin):
+        return LL.gqa_forward(q, k, v, self.n_head, self.n_kv_head, cos, sin, self.core)
+
+    def attention_backward(self, da, cache):
+        return LL.gqa_backward(da, cache)  # dq, dk, dv
+
+
 # What one block's backward needs, in forward order
 AttnCache = namedtuple("AttnCache", "ln_1 q k v core o")
 MLPCache = namedtuple("MLPCache", "ln_2 gate up swiglu down")
 BlockCache = namedtuple("BlockCache", "attn mlp")
 
 
-def block_forward(p: dict, x, cfg: LlamaConfig, cos, sin, keep_scores: bool = True,
-                  attention=LL.gqa_forward):
-    """x + attn(rmsnorm_1(x)), then + mlp(rmsnorm_2(.)), rotary tables (T, HS) for x's tokens.
-
-    ``attention(q, k, v, NH, NKV, cos, sin, keep_scores) -> (y, cache)``: the attention core
-    (default the serial grouped-query attention; a decoder passes one that reads and extends
-    its KV cache)."""
+def block_forward(p: dict, x, cfg: LlamaConfig, cos, sin, ops: Ops):
+    """x + attn(rmsnorm_1(x)), then + mlp(rmsnorm_2(.)); rotary tables (T, HS) of x's tokens.
+    Under tp the projections hold this rank's heads and columns (``/tp`` below)."""
     h, ln_1 = LL.rmsnorm_forward(x, p["ln_1.weight"], cfg.rms_eps)  # (B, T, C)
-    q, cq = L.linear_forward(h, p["attn.q_proj.weight"])  # (B, T, NH HS)
-    k, ck = L.linear_forward(h, p["attn.k_proj.weight"])  # (B, T, NKV HS)
-    v, cv = L.linear_forward(h, p["attn.v_proj.weight"])  # (B, T, NKV HS)
-    a, core = attention(q, k, v, cfg.n_head, cfg.n_kv_head, cos, sin, keep_scores)
-    a, co = L.linear_forward(a, p["attn.o_proj.weight"])  # (B, T, C)
-    x = x + a  # residual
+    h = ops.enter(h)
+    q, cq = L.linear_forward(h, p["attn.q_proj.weight"])  # (B, T, NH HS /tp)
+    k, ck = L.linear_forward(h, p["attn.k_proj.weight"])  # (B, T, NKV HS /tp)
+    v, cv = L.linear_forward(h, p["attn.v_proj.weight"])  # (B, T, NKV HS /tp)
+    a, core = ops.attention(q, k, v, cos, sin)  # (B, T, NH HS /tp)
+    a, co = L.linear_forward(a, p["attn.o_proj.weight"])  # (B, T, C) partial over tp
+    x = x + ops.leave(a)  # residual
     h, ln_2 = LL.rmsnorm_forward(x, p["ln_2.weight"], cfg.rms_eps)  # (B, T, C)
-    g, cg = L.linear_forward(h, p["mlp.gate_proj.weight"])  # (B, T, F)
-    u, cu = L.linear_forward(h, p["mlp.up_proj.weight"])  # (B, T, F)
-    s, sw = LL.swiglu_forward(g, u)  # (B, T, F)
-    h, cd = L.linear_forward(s, p["mlp.down_proj.weight"])  # (B, T, C)
+    h = ops.enter(h)
+    g, cg = L.linear_forward(h, p["mlp.gate_proj.weight"])  # (B, T, F /tp)
+    u, cu = L.linear_forward(h, p["mlp.up_proj.weight"])  # (B, T, F /tp)
+    s, sw = LL.swiglu_forward(g, u)  # (B, T, F /tp)
+    h, cd = L.linear_forward(s, p["mlp.down_proj.weight"])  # (B, T, C) partial over tp
     cache = BlockCache(AttnCache(ln_1, cq, ck, cv, core, co), MLPCache(ln_2, cg, cu, sw, cd))
-    return x + h, cache  # residual
+    return x + ops.leave(h), cache  # residual
 
 
-def block_backward(dout, cache: BlockCache):
+def block_backward(dout, cache: BlockCache, ops: Ops):
     """Mirror of block_forward; returns dx and the block's gradients (names inside it)."""
     g = {}
     m, a = cache.mlp, cache.attn
-    # forward was: out = x + h   (the residual passes dout to both branches)
-    ds, g["mlp.down_proj.weight"], _ = L.linear_backward(dout, m.down)  # (B, T, F)
-    dg, du = LL.swiglu_backward(ds, m.swiglu)
-    dh, g["mlp.gate_proj.weight"], _ = L.linear_backward(dg, m.gate)  # (B, T, C)
+    # forward was: out = x + leave(h)   (the residual passes dout to both branches)
+    ds, g["mlp.down_proj.weight"], _ = L.linear_backward(ops.leave_backward(dout), m.down)
+    dg, du = LL.swiglu_backward(ds, m.swiglu)  # (B, T, F /tp)
+    dh, g["mlp.gate_proj.weight"], _ = L.linear_backward(dg, m.gate)  # (B, T, C) partial
     dhu, g["mlp.up_proj.weight"], _ = L.linear_backward(du, m.up)
-    dx, g["ln_2.weight"] = LL.rmsnorm_backward(dh + dhu, m.ln_2)
+    dx, g["ln_2.weight"] = LL.rmsnorm_backward(ops.enter_backward(dh + dhu), m.ln_2)
     dx += dout
-    # forward was: x = x + a
-    da, g["attn.o_proj.weight"], _ = L.linear_backward(dx, a.o)  # (B, T, NH HS)
-    dq, dk, dv = LL.gqa_backward(da, a.core)
-    dh, g["attn.q_proj.weight"], _ = L.linear_backward(dq, a.q)  # (B, T, C)
+    # forward was: x = x + leave(a)
+    da, g["attn.o_proj.weight"], _ = L.linear_backward(ops.leave_backward(dx), a.o)
+    dq, dk, dv = ops.attention_backward(da, a.core)
+    dh, g["attn.q_proj.weight"], _ = L.linear_backward(dq, a.q)  # (B, T, C) partial
     dhk, g["attn.k_proj.weight"], _ = L.linear_backward(dk, a.k)
     dhv, g["attn.v_proj.weight"], _ = L.linear_backward(dv, a.v)
-    dh, g["ln_1.weight"] = LL.rmsnorm_backward(dh + dhk + dhv, a.ln_1)
+    dh, g["ln_1.weight"] = LL.rmsnorm_backward(ops.enter_backward(dh + dhk + dhv), a.ln_1)
     return dx + dh, g
 
 
@@ -209,29 +241,37 @@ class Llama:
         dtype = self.params["wte.weight"].dtype
         return LL.rope_tables(positions, self.cfg.head_size, self.cfg.rope_theta, dtype)
 
-    def forward(self, idx, targets=None, denom=None, keep_scores: bool = True):
+    def ops(self) -> Ops:
+        """The serial Ops: every head here."""
+        return Ops(self.cfg.n_head, self.cfg.n_kv_head)
+
+    def forward(self, idx, targets=None, denom=None, ops: Ops | None = None):
         """(loss, cache) given targets (B, T); (logits, cache) without them. ``denom``: the
-        token count the loss is a mean over (default: these B T tokens)."""
+        token count the loss is a mean over (default: these B T tokens; a rank holding part
+        of the batch or of the sequence passes the global count, so its loss is its share).
+        ``ops``: a layout's (default the serial Ops)."""
         cfg = self.cfg
+        ops = self.ops() if ops is None else ops
         xp = backend.array_module(self.params["wte.weight"])
         if targets is not None and denom is None:
             denom = idx.size
-        cos, sin = self.rope(xp.arange(idx.shape[1]))  # (T, HS) each
+        positions = xp.arange(idx.shape[1]) if ops.positions is None else ops.positions
+        cos, sin = self.rope(positions)  # (T, HS) each, at the tokens' global positions
         x, emb = L.embedding_forward(idx, self.params["wte.weight"])  # (B, T, C)
         blocks = []
         for i in range(cfg.n_layer):
-            x, c = block_forward(block_params(self.params, i), x, cfg, cos, sin, keep_scores)
+            x, c = block_forward(block_params(self.params, i), x, cfg, cos, sin, ops)
             blocks.append(c)
         out, head = head_forward(self.params, x, cfg, targets, denom)
-        return out, (emb, blocks, head)
+        return out, (emb, blocks, head, ops)
 
     def backward(self, cache, dloss=1.0) -> None:
         """Accumulate gradients into self.grads (zero_grad first for a fresh step)."""
-        emb, blocks, head = cache
+        emb, blocks, head, ops = cache
         dx, g = head_backward(dloss, head, self.cfg)
         self.accumulate(g)
         for i in reversed(range(self.cfg.n_layer)):
-            dx, g = block_backward(dx, blocks[i])
+            dx, g = block_backward(dx, blocks[i], ops)
             self.accumulate(g, prefix=f"h.{i}.")
         # a tied head has already added its share to wte's gradient
         self.accumulate({"wte.weight": L.embedding_backward(dx, emb)})

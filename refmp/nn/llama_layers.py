@@ -127,24 +127,41 @@ def unrepeat_kv(dx, r: int):
     return dx.reshape(B, NH // r, r, T, hs).sum(axis=2)  # (B, NKV, T, HS)
 
 
-def gqa_forward(q, k, v, n_head: int, n_kv_head: int, cos, sin, keep_scores: bool = True):
+class SerialCore:
+    """The serial attention core (refmp.nn.layers) over a [q | k | v] of NH heads each:
+    every token of each sequence is here. Context parallelism passes its ring or Ulysses
+    core instead (refmp.parallel.context), which has the same two methods."""
+
+    def __init__(self, keep_scores: bool = True):
+        self.keep_scores = keep_scores  # False: selective recomputation of the softmax
+
+    def forward(self, qkv, n_head: int):
+        return L.attention_forward(qkv, n_head, self.keep_scores)  # (B, T, C)
+
+    def backward(self, dout, cache):
+        return L.attention_backward(dout, cache)  # (B, T, 3C)
+
+
+def gqa_forward(q, k, v, n_head: int, n_kv_head: int, cos, sin, core=None):
     """Causal attention of q (B, T, NH HS) over k, v (B, T, NKV HS), rotary positions from
-    the tables (T, HS). Returns y (B, T, NH HS)."""
+    the tables (T, HS) of these tokens. Returns y (B, T, NH HS). ``core``: the attention core
+    (default SerialCore())."""
     xp = array_module(q)
+    core = SerialCore() if core is None else core
     r = n_head // n_kv_head
     qh = rope_forward(heads(q, n_head), cos, sin)  # (B, NH, T, HS)
     kh = repeat_kv(rope_forward(heads(k, n_kv_head), cos, sin), r)  # (B, NH, T, HS)
     vh = repeat_kv(heads(v, n_kv_head), r)  # (B, NH, T, HS)
     qkv = xp.concatenate([merge_heads(qh), merge_heads(kh), merge_heads(vh)], axis=-1)  # (B, T, 3C)
-    y, core = L.attention_forward(qkv, n_head, keep_scores)  # (B, T, NH HS)
-    return y, (core, n_head, n_kv_head, cos, sin)
+    y, cache = core.forward(qkv, n_head)  # (B, T, NH HS)
+    return y, (core, cache, n_head, n_kv_head, cos, sin)
 
 
 def gqa_backward(dout, cache):
     """Returns dq (B, T, NH HS), dk, dv (B, T, NKV HS)."""
-    core, n_head, n_kv_head, cos, sin = cache
+    core, core_cache, n_head, n_kv_head, cos, sin = cache
     r = n_head // n_kv_head
-    dqkv = L.attention_backward(dout, core)  # (B, T, 3C)
+    dqkv = core.backward(dout, core_cache)  # (B, T, 3C)
     dq, dk, dv = (heads(a, n_head) for a in array_module(dout).split(dqkv, 3, axis=-1))
     # forward was: kh = repeat_kv(rope(k)), vh = repeat_kv(v), qh = rope(q)
     dk = rope_backward(unrepeat_kv(dk, r), cos, sin)  # (B, NKV, T, HS)
