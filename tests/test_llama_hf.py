@@ -177,4 +177,40 @@ def test_decoding_with_the_gqa_cache_equals_transformers_generate(tmp_path, floa
     _, plain, _ = generate(ours, idx, 6, use_cache=False)
     for s, (a, b) in enumerate(zip(steps, plain)):
         np.testing.assert_allclose(a, b, **TOL, err_msg=f"logits of step {s}")
-    assert cache.nbytes == gqa_cache_bytes(ours.cfg, 2, 10, 8) == 2 * 2 * 2 * 10 * n_kv_head * 4 * 8
+    assert cache.nbytes == gqa_cache_bytes(ours.cfg, 2, 9, 8) == 2 * 2 * 2 * 9 * n_kv_head * 4 * 8
+
+
+WORDS = [f"w{i}" for i in range(36)] + ["[unk]"]  # a 37-word vocabulary: the toy model's V
+
+
+def word_tokenizer(folder) -> None:
+    """A word-level tokenizer.json for the toy model, made by the tokenizers library."""
+    tokenizers = pytest.importorskip("tokenizers", reason=reason("tokenizers", "text"))
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    tok = tokenizers.Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[unk]"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def test_refmp_generate_reads_a_llama_directory_and_its_tokenizer(tmp_path, float64_hf, capsys):
+    from refmp.cli.main import main
+
+    hf = hf_model(1)
+    hf.save_pretrained(tmp_path / "llama")
+    word_tokenizer(tmp_path / "llama")
+    prompt = "w3 w1 w4 w1 w5"
+    ids = [int(w[1:]) for w in prompt.split()]
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    capsys.readouterr()
+    assert main(["generate", "--init", str(tmp_path / "llama"), "--prompt", prompt,
+                 "--max-new-tokens", "4", "--dtype", "float64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["new_tokens"] == [want[0, 5:].tolist()]
+    assert out["texts"] == [" ".join(WORDS[i] for i in out["new_tokens"][0])]
+    assert out["kv_cache_bytes"] == [2 * 2 * 1 * 8 * 1 * 4 * 8]  # 2 L B T NKV HS w
+    for flags, says in ((["--tp", "2"], "--tp 2"), (["--temperature", "1"], "--temperature")):
+        assert main(["generate", "--init", str(tmp_path / "llama"), "--prompt", prompt,
+                     *flags]) == 2
+        assert says in capsys.readouterr().err

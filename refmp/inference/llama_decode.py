@@ -87,8 +87,9 @@ def generate(model: LM.Llama, idx, max_new_tokens: int, use_cache: bool = True):
     B, T0 = idx.shape
     cfg = model.cfg
     dtype = model.params["wte.weight"].dtype
-    cache = KVCache(range(cfg.n_layer), B, cfg.n_kv_head, T0 + max_new_tokens, cfg.head_size,
-                    dtype)
+    # the tokens it will hold: the prompt and every new token but the last (never fed back)
+    cache = KVCache(range(cfg.n_layer), B, cfg.n_kv_head, T0 + max_new_tokens - 1,
+                    cfg.head_size, dtype)
     steps = []
     new = idx
     for _ in range(max_new_tokens):
