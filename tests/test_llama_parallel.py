@@ -1,13 +1,15 @@
-"""The Llama block split over real MPI ranks equals the serial model (float64): tp with
+"""The Llama model split over real MPI ranks equals the serial model (float64): tp with
 grouped-query attention (tp larger than the key/value heads: replicated heads, their
 gradients summed over the copies), cp (ring and Ulysses, zig-zag chunks) with the rotary
-tables at each token's global position, dp, and their products.
+tables at each token's global position, pp with an untied head under the catalog's flush
+schedules (refmp.parallel.pipeline.llama_stage, the real executor), dp, and products.
 
 Every rank runs the serial model on the whole batch itself (the same weights: the same
-draw), then its share of the layout: its dp rows, its cp tokens (SequenceChunks), its tp
-shard of each parameter (refmp.parallel.tensor.llama.shard). After each step the loss (its
-share, summed over dp x cp) and every gradient and weight shard it holds are compared with
-the serial run's piece; two AdamW steps.
+draw), then its share of the layout: its dp rows, its cp tokens (SequenceChunks), its
+pipeline chunks, its tp shard of each parameter (refmp.parallel.tensor.llama.shard). After
+each step the loss (the shares summed) and every gradient and weight piece it holds are
+compared with the serial run's; two AdamW steps. The ledger's tp bytes are held to
+Megatron's four all-reduces per block and the key/value copies' sums.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from refmp.nn import llama as LM
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
+from refmp.parallel.pipeline.catalog import CATALOG
+from refmp.parallel.pipeline.executor import Executor
+from refmp.parallel.pipeline.llama_stage import LlamaStage, chunk_blocks, held_names
 from refmp.parallel.tensor import llama as TPL
 from refmp.training.optim import AdamW
 
@@ -31,31 +36,40 @@ TOL = dict(rtol=1e-9, atol=1e-12)
 B, T, V = 4, 8, 23
 
 
-def config(n_kv_head: int) -> LM.LlamaConfig:
-    return LM.LlamaConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_kv_head=n_kv_head,
-                          n_embd=16, n_inner=24, rope_theta=100.0)
+def config(n_kv_head: int, n_layer: int = 2, tied: bool = False) -> LM.LlamaConfig:
+    return LM.LlamaConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=4,
+                          n_kv_head=n_kv_head, n_embd=16, n_inner=24, rope_theta=100.0,
+                          tied=tied)
 
 
-def run_layout(dp: int, cp: int, tp: int, n_kv_head: int, algo: str = "ring") -> None:
-    cfg = config(n_kv_head)
-    grid = ProcessGrid(MPI.COMM_WORLD, dp=dp, cp=cp, tp=tp)
+def attention_core(grid, seq, algo: str):
+    if grid.sizes["cp"] == 1:
+        return None
+    cp = grid.comm["cp"]
+    return RingAttention(cp, seq) if algo == "ring" else UlyssesAttention(cp, seq)
+
+
+def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", m: int = 1,
+               virtual: int = 1, **sizes) -> None:
+    grid = ProcessGrid(MPI.COMM_WORLD, **sizes)
+    dp, cp, tp, pp = (grid.sizes[a] for a in ("dp", "cp", "tp", "pp"))
     d, c, t = (grid.coords[a] for a in ("dp", "cp", "tp"))
     serial = LM.Llama.create(cfg, seed=3, dtype="float64")
-    whole = {k: v.copy() for k, v in serial.params.items()}
-    mine = LM.Llama(cfg, {k: TPL.shard(k, v, cfg, t, tp).copy() for k, v in whole.items()})
     seq = SequenceChunks(T, cp, "zigzag")
     pos = seq.positions(c)
-    core = None
-    if cp > 1:
-        core = (RingAttention(grid.comm["cp"], seq) if algo == "ring"
-                else UlyssesAttention(grid.comm["cp"], seq))
-    if tp > 1:
-        ops = TPL.TensorOps(cfg, grid.comm["tp"], core, pos)
-    else:
-        ops = LM.Ops(cfg.n_head, cfg.n_kv_head, core, pos)
+    core = attention_core(grid, seq, algo)
+    ops = (TPL.TensorOps(cfg, grid.comm["tp"], core, pos) if tp > 1
+           else LM.Ops(cfg.n_head, cfg.n_kv_head, core, pos))
+    sched = CATALOG[schedule]
+    placed = sched.chunk_placement(pp, virtual)
+    blocks = chunk_blocks(cfg, pp * placed.v, placed.chunks(grid.coords["pp"]))
+    names = held_names(cfg, blocks, pp * placed.v)
+    stage = LlamaStage(cfg, blocks, pp * placed.v, ops,
+                       {k: TPL.shard(k, serial.params[k], cfg, t, tp).copy() for k in names})
+    executor = Executor(stage, grid.comm["pp"], np.dtype("float64"), placed=placed)
     kv = TPL.kv_group(grid.comm["tp"], cfg)
     dpcp = grid.group("dp", "cp")
-    opts = [AdamW(m.params, lr=1e-2, weight_decay=0.1) for m in (serial, mine)]
+    opts = [AdamW(s.params, lr=1e-2, weight_decay=0.1) for s in (serial, stage)]
     bad = Mismatches()
     rng = np.random.default_rng(7)
     rows = slice(d * B // dp, (d + 1) * B // dp)
@@ -64,31 +78,38 @@ def run_layout(dp: int, cp: int, tp: int, n_kv_head: int, algo: str = "ring") ->
         loss, cache = serial.forward(idx, tgt)
         serial.zero_grad()
         serial.backward(cache)
-        share, cache = mine.forward(idx[rows][:, pos], tgt[rows][:, pos], B * T, ops)
-        mine.zero_grad()
-        mine.backward(cache)
-        for g in mine.grads.values():  # the shares of every token: summed over dp x cp
+        xs = np.array_split(idx[rows][:, pos], m)  # micro-batches of my rows and tokens
+        ys = np.array_split(tgt[rows][:, pos], m)
+        stage.zero_grad()
+        acts = sched.actions(pp, m, grid.coords["pp"], placed.v, fill=True, ahead=0)
+        share = executor.step(acts, xs, ys, B * T, m)
+        for g in stage.grads.values():  # the shares of every token: summed over dp x cp
             dpcp.allreduce(g)
-        TPL.reduce_kv_grads(mine.grads, kv)
-        total = dpcp.allreduce(np.array([share]))[0]
+        TPL.reduce_kv_grads(stage.grads, kv)
+        total = grid.world.allreduce(np.array([share]))[0] / tp  # each tp rank has the loss
         bad.check(np.testing.assert_allclose, total, loss, **TOL, err_msg=f"loss at step {step}")
-        for k, g in mine.grads.items():
+        for k, g in stage.grads.items():
             want = TPL.shard(k, serial.grads[k], cfg, t, tp)
             bad.check(np.testing.assert_allclose, g, want, **TOL, err_msg=f"gradient {k} at {step}")
-        for o, m in zip(opts, (serial, mine)):
-            o.step(m.grads)
-        for k, w in mine.params.items():
+        for o, s in zip(opts, (serial, stage)):
+            o.step(s.grads)
+        for k, w in stage.params.items():
             want = TPL.shard(k, serial.params[k], cfg, t, tp)
             bad.check(np.testing.assert_allclose, w, want, **TOL, err_msg=f"weight {k} at {step}")
-    # the ledger: Megatron's four all-reduces of (b, T/cp, C) per block, and the copies'
-    # key/value gradients (C, HS) each, k and v, per block, when tp > NKV
+    # the ledger: Megatron's four all-reduces of (b, T/cp, C) per block (the blocks here),
+    # and the copies' key/value gradients (C, HS), k and v, per block, when tp > NKV
+    n_blocks = sum(len(r) for r in blocks.values())
     act = (B // dp) * (T // cp) * cfg.n_embd * 8
-    want = 2 * cfg.n_layer * 4 * act if tp > 1 else 0
+    want = 2 * n_blocks * 4 * act if tp > 1 else 0
     bad.check(np.testing.assert_equal, grid.ledger.bytes("allreduce", "tp"), want,
               err_msg="tp all-reduce bytes")
-    kv_want = 2 * cfg.n_layer * 2 * cfg.n_embd * cfg.head_size * 8 if tp > n_kv_head else 0
+    kv_want = 2 * n_blocks * 2 * cfg.n_embd * cfg.head_size * 8 if tp > cfg.n_kv_head else 0
     bad.check(np.testing.assert_equal, grid.ledger.bytes("allreduce", "tp-kv"), kv_want,
               err_msg="key/value copies' all-reduce bytes")
+    if pp > 1 and not cfg.tied:  # no parameter on two stages: wte and lm_head apart
+        bad.check(np.testing.assert_equal, ("wte.weight" in names, "lm_head.weight" in names),
+                  (grid.coords["pp"] == 0, grid.coords["pp"] == pp - 1) if placed.kind == "loop"
+                  else (grid.coords["pp"] == 0, grid.coords["pp"] == 0), err_msg="the ends")
     bad.assert_none(MPI.COMM_WORLD)
 
 
@@ -96,20 +117,40 @@ def run_layout(dp: int, cp: int, tp: int, n_kv_head: int, algo: str = "ring") ->
 @pytest.mark.parametrize("n_kv_head", [1, 2])
 @collective
 def test_tp4_with_fewer_kv_heads_than_ranks(n_kv_head):
-    run_layout(1, 1, 4, n_kv_head)
+    run_layout(config(n_kv_head), tp=4)
 
 
 @pytest.mark.parallel(nprocs=4)
 @pytest.mark.parametrize("algo", ["ring", "ulysses"])
 @collective
 def test_cp4_rotary_at_global_positions(algo):
-    run_layout(1, 4, 1, 2, algo)
+    run_layout(config(2), algo, cp=4)
 
 
 @pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("dp,cp,tp,n_kv_head,algo", [(1, 2, 2, 1, "ring"), (2, 1, 2, 2, "ring"),
-                                                     (2, 2, 1, 2, "ulysses")])
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                              ("zb-h1", 1), ("zb-v", 1), ("dualpipev", 1)])
 @collective
-def test_products_of_layouts(dp, cp, tp, n_kv_head, algo):
-    """tp > NKV under cp; tp = NKV (no copies) under dp."""
-    run_layout(dp, cp, tp, n_kv_head, algo)
+def test_pp2_untied_head_every_flush_schedule(schedule, virtual):
+    """pp 2 x dp 2, two micro-batches of one row; four layers (four chunks under the
+    interleaved and V schedules)."""
+    run_layout(config(2, n_layer=4), schedule=schedule, m=2, virtual=virtual, pp=2, dp=2)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("sizes,n_kv_head,algo", [
+    (dict(cp=2, tp=2), 1, "ring"),  # tp > NKV under cp
+    (dict(dp=2, tp=2), 2, "ring"),  # tp = NKV: no copies
+    (dict(dp=2, cp=2), 2, "ulysses"),
+    (dict(pp=2, tp=2), 1, "ring"),  # tp > NKV in a pipeline
+])
+@collective
+def test_products_of_layouts(sizes, n_kv_head, algo):
+    run_layout(config(n_kv_head), algo, m=2 if "pp" in sizes else 1, **sizes)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_tied_head_on_a_v_pipeline():
+    """ZB-V puts chunk 0 and the last chunk on rank 0: a tied head stays on one rank."""
+    run_layout(config(1, n_layer=4, tied=True), schedule="zb-v", m=4, pp=2, tp=2)
