@@ -26,7 +26,8 @@ from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.executor import Executor
-from refmp.parallel.pipeline.llama_stage import LlamaStage, chunk_blocks, held_names
+from refmp.parallel.data.sharder import Sharder
+from refmp.parallel.pipeline.llama_stage import LlamaStage, chunk_blocks, held_names, units_of
 from refmp.parallel.tensor import llama as TPL
 from refmp.training.optim import AdamW
 
@@ -50,7 +51,7 @@ def attention_core(grid, seq, algo: str):
 
 
 def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", m: int = 1,
-               virtual: int = 1, **sizes) -> None:
+               virtual: int = 1, zero: int = 0, **sizes) -> None:
     grid = ProcessGrid(MPI.COMM_WORLD, **sizes)
     dp, cp, tp, pp = (grid.sizes[a] for a in ("dp", "cp", "tp", "pp"))
     d, c, t = (grid.coords[a] for a in ("dp", "cp", "tp"))
@@ -64,12 +65,15 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
     placed = sched.chunk_placement(pp, virtual)
     blocks = chunk_blocks(cfg, pp * placed.v, placed.chunks(grid.coords["pp"]))
     names = held_names(cfg, blocks, pp * placed.v)
-    stage = LlamaStage(cfg, blocks, pp * placed.v, ops,
-                       {k: TPL.shard(k, serial.params[k], cfg, t, tp).copy() for k in names})
+    local = {k: TPL.shard(k, serial.params[k], cfg, t, tp).copy() for k in names}
+    units = units_of(names)
+    dpcp = grid.group("dp", "cp")
+    sharder = Sharder(local, units, {u: dpcp for u in units}, zero, bucket_mb=0)
+    stage = LlamaStage(cfg, blocks, pp * placed.v, ops, sharder)
     executor = Executor(stage, grid.comm["pp"], np.dtype("float64"), placed=placed)
     kv = TPL.kv_group(grid.comm["tp"], cfg)
-    dpcp = grid.group("dp", "cp")
-    opts = [AdamW(s.params, lr=1e-2, weight_decay=0.1) for s in (serial, stage)]
+    opts = [AdamW(serial.params, lr=1e-2, weight_decay=0.1),
+            AdamW(sharder.params, lr=1e-2, weight_decay=0.1, decay=sharder.decay)]
     bad = Mismatches()
     rng = np.random.default_rng(7)
     rows = slice(d * B // dp, (d + 1) * B // dp)
@@ -80,30 +84,34 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
         serial.backward(cache)
         xs = np.array_split(idx[rows][:, pos], m)  # micro-batches of my rows and tokens
         ys = np.array_split(tgt[rows][:, pos], m)
-        stage.zero_grad()
+        sharder.zero_grad()
         acts = sched.actions(pp, m, grid.coords["pp"], placed.v, fill=True, ahead=0)
         share = executor.step(acts, xs, ys, B * T, m)
-        for g in stage.grads.values():  # the shares of every token: summed over dp x cp
-            dpcp.allreduce(g)
-        TPL.reduce_kv_grads(stage.grads, kv)
+        sharder.finish()  # the shares of every token: summed over dp x cp (ZeRO's way)
+        TPL.reduce_kv_grads(sharder.grads, kv)
         total = grid.world.allreduce(np.array([share]))[0] / tp  # each tp rank has the loss
         bad.check(np.testing.assert_allclose, total, loss, **TOL, err_msg=f"loss at step {step}")
-        for k, g in stage.grads.items():
+        for k, g in sharder.full_local(grads=True).items():
             want = TPL.shard(k, serial.grads[k], cfg, t, tp)
             bad.check(np.testing.assert_allclose, g, want, **TOL, err_msg=f"gradient {k} at {step}")
-        for o, s in zip(opts, (serial, stage)):
-            o.step(s.grads)
-        for k, w in stage.params.items():
+        opts[0].step(serial.grads)
+        opts[1].step(sharder.grads)
+        sharder.after_step()
+        for k, w in sharder.full_local().items():
             want = TPL.shard(k, serial.params[k], cfg, t, tp)
             bad.check(np.testing.assert_allclose, w, want, **TOL, err_msg=f"weight {k} at {step}")
     # the ledger: Megatron's four all-reduces of (b, T/cp, C) per block (the blocks here),
-    # and the copies' key/value gradients (C, HS), k and v, per block, when tp > NKV
+    # and the copies' key/value gradients (C, HS), k and v, per block, when tp > NKV (two
+    # steps of each)
     n_blocks = sum(len(r) for r in blocks.values())
     act = (B // dp) * (T // cp) * cfg.n_embd * 8
     want = 2 * n_blocks * 4 * act if tp > 1 else 0
     bad.check(np.testing.assert_equal, grid.ledger.bytes("allreduce", "tp"), want,
               err_msg="tp all-reduce bytes")
     kv_want = 2 * n_blocks * 2 * cfg.n_embd * cfg.head_size * 8 if tp > cfg.n_kv_head else 0
+    if zero and kv_want:  # ZeRO: each rank sums the part of the copies it owns
+        kv_want = 2 * sum(g.nbytes for k, g in sharder.grads.items()
+                          if k.split(".", 2)[-1] in TPL.KV)
     bad.check(np.testing.assert_equal, grid.ledger.bytes("allreduce", "tp-kv"), kv_want,
               err_msg="key/value copies' all-reduce bytes")
     if pp > 1 and not cfg.tied:  # no parameter on two stages: wte and lm_head apart
@@ -154,3 +162,13 @@ def test_products_of_layouts(sizes, n_kv_head, algo):
 def test_tied_head_on_a_v_pipeline():
     """ZB-V puts chunk 0 and the last chunk on rank 0: a tied head stays on one rank."""
     run_layout(config(1, n_layer=4, tied=True), schedule="zb-v", m=4, pp=2, tp=2)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("zero,sizes", [(1, dict(dp=4)), (2, dict(dp=2, tp=2)),
+                                        (3, dict(dp=2, cp=2)), (3, dict(pp=2, dp=2))])
+@collective
+def test_zero_stages(zero, sizes):
+    """ZeRO 1-3 over dp (x cp): the Sharder's units are the Llama stage's; ZeRO-3 gathers
+    each unit for its forward and again for its backward."""
+    run_layout(config(1), zero=zero, m=2 if "pp" in sizes else 1, **sizes)

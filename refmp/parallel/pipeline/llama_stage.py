@@ -25,7 +25,7 @@ from refmp.nn import layers as L
 from refmp.nn import llama as LM
 from refmp.nn import llama_layers as LL
 from refmp.nn.params import block_params
-from refmp.runtime import backend
+from refmp.runtime.arrays import attach, detach
 
 
 def chunk_blocks(cfg: LM.LlamaConfig, n_chunks: int, chunks: list[int]) -> dict[int, range]:
@@ -58,32 +58,46 @@ def held_names(cfg: LM.LlamaConfig, blocks: dict[int, range], n_chunks: int) -> 
     return out
 
 
+def units_of(names) -> dict[str, list[str]]:
+    """The Sharder units (refmp.parallel.data.sharder) of these parameters: ``wte``, each
+    block ``h.{i}``, ``ln_f``, ``lm_head`` (unit -> its names, in order)."""
+    units: dict[str, list[str]] = {}
+    for k in names:
+        u = ".".join(k.split(".")[:2]) if k.startswith("h.") else k.split(".")[0]
+        units.setdefault(u, []).append(k)
+    return units
+
+
 class LlamaStage:
     """This rank's chunks (chunk id -> blocks), the layout's Ops (refmp.nn.llama.Ops: serial,
-    tp's, around cp's attention core), its parameters (held_names, its tp shards) and their
-    gradients, accumulated over the step's micro-batches."""
+    tp's, around cp's attention core) and a Sharder over its parameters (held_names, its tp
+    shards, in units_of's units): every pass computes on ``sharder.weights(unit)`` (ZeRO-3:
+    gathered for the forward, let go, gathered again for the backward) and hands each
+    unit's gradient to the Sharder when it is complete, which sums it over dp x cp (ZeRO 0:
+    all-reduce; 2-3: reduce-scatter) while the schedule goes on."""
 
     def __init__(self, cfg: LM.LlamaConfig, chunks: dict[int, range], n_chunks: int,
-                 ops: LM.Ops, params: dict):
+                 ops: LM.Ops, sharder):
         self.cfg = cfg
         self.chunks = chunks
         self.n_chunks = n_chunks
         self.ops = ops
-        self.params = params
-        self.grads = {k: None for k in params}
-
-    def zero_grad(self) -> None:
-        self.grads = {k: None for k in self.params}
+        self.sharder = sharder
+        self.release = sharder.releases_weights  # ZeRO-3: a cache names its weights
+        self.head_unit = "wte" if cfg.tied else "lm_head"
 
     def act_shape(self, b: int, T: int) -> tuple[int, int, int]:
         return (b, T, self.cfg.n_embd)  # what crosses a stage boundary
 
+    def weights(self, *units: str) -> dict:
+        return {k: v for u in units for k, v in self.sharder.weights(u).items()}
+
     def tables(self, T: int):
         """The rotary tables (T, HS) of this rank's tokens (their global positions)."""
-        xp = backend.array_module(next(iter(self.params.values())))
+        xp = self.sharder.xp
         positions = xp.arange(T) if self.ops.positions is None else self.ops.positions
-        dtype = next(iter(self.params.values())).dtype
-        return LL.rope_tables(positions, self.cfg.head_size, self.cfg.rope_theta, dtype)
+        return LL.rope_tables(positions, self.cfg.head_size, self.cfg.rope_theta,
+                              self.sharder.compute)
 
     def forward(self, c: int, inp, targets=None, denom=None):
         """Chunk c on one micro-batch: ``inp`` is token ids (chunk 0) or the previous chunk's
@@ -91,34 +105,43 @@ class LlamaStage:
         cos, sin = self.tables(inp.shape[1])
         x, emb, head, blocks = inp, None, None, []
         if c == 0:
-            x, emb = L.embedding_forward(inp, self.params["wte.weight"])  # (b, T, C)
+            x, emb = L.embedding_forward(inp, self.weights("wte")["wte.weight"])  # (b, T, C)
         for i in self.chunks[c]:
-            x, bc = LM.block_forward(block_params(self.params, i), x, self.cfg, cos, sin, self.ops)
-            blocks.append(bc)
+            p = block_params(self.weights(f"h.{i}"), i)
+            x, bc = LM.block_forward(p, x, self.cfg, cos, sin, self.ops)
+            blocks.append(detach(bc, p) if self.release else bc)
         if c == self.n_chunks - 1:
-            x, head = LM.head_forward(self.params, x, self.cfg, targets, denom)
+            p = self.weights("ln_f", self.head_unit)
+            x, head = LM.head_forward(p, x, self.cfg, targets, denom)
+            head = detach(head, p) if self.release and head is not None else head
         return x, (emb, blocks, head)
 
     def backward(self, c: int, dout, cache, split: bool, final: bool):
         """Chunk c's backward; returns (the input's gradient, or None on chunk 0; nothing
-        left for a W action)."""
+        left for a W action). ``final``: the step's last micro-batch."""
         emb, blocks, head = cache
+        sink = self.sharder
         dx = dout
         if head is not None:
+            if self.release:
+                head = attach(head, self.weights("ln_f", self.head_unit))
             dx, g = LM.head_backward(1.0, head, self.cfg)
-            self.accumulate(g)
+            sink.accumulate("ln_f", {"ln_f.weight": g.pop("ln_f.weight")})
+            sink.accumulate(self.head_unit, g)
+            sink.grad_ready("ln_f", final)
+            if not self.cfg.tied:  # a tied wte is complete after the embedding's share
+                sink.grad_ready("lm_head", final)
         for i, bc in zip(reversed(self.chunks[c]), reversed(blocks), strict=True):
+            if self.release:
+                bc = attach(bc, block_params(self.weights(f"h.{i}"), i))
             dx, g = LM.block_backward(dx, bc, self.ops)
-            self.accumulate(g, prefix=f"h.{i}.")
+            sink.accumulate(f"h.{i}", {f"h.{i}.{k}": v for k, v in g.items()})
+            sink.grad_ready(f"h.{i}", final)
         if emb is None:
             return dx, []
-        self.accumulate({"wte.weight": L.embedding_backward(dx, emb)})
+        sink.accumulate("wte", {"wte.weight": L.embedding_backward(dx, emb)})
+        sink.grad_ready("wte", final)
         return None, []
 
     def weight(self, todo, final: bool) -> None:
         """A zero-bubble W: every weight gradient was taken in B."""
-
-    def accumulate(self, g: dict, prefix: str = "") -> None:
-        for k, v in g.items():
-            name = prefix + k
-            self.grads[name] = v if self.grads[name] is None else self.grads[name] + v
