@@ -51,7 +51,7 @@ def attention_core(grid, seq, algo: str):
 
 
 def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", m: int = 1,
-               virtual: int = 1, zero: int = 0, **sizes) -> None:
+               virtual: int = 1, zero: int = 0, sp: bool = False, **sizes) -> None:
     grid = ProcessGrid(MPI.COMM_WORLD, **sizes)
     dp, cp, tp, pp = (grid.sizes[a] for a in ("dp", "cp", "tp", "pp"))
     d, c, t = (grid.coords[a] for a in ("dp", "cp", "tp"))
@@ -59,8 +59,10 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
     seq = SequenceChunks(T, cp, "zigzag")
     pos = seq.positions(c)
     core = attention_core(grid, seq, algo)
-    ops = (TPL.TensorOps(cfg, grid.comm["tp"], core, pos) if tp > 1
-           else LM.Ops(cfg.n_head, cfg.n_kv_head, core, pos))
+    if tp > 1:
+        ops = (TPL.SequenceOps if sp else TPL.TensorOps)(cfg, grid.comm["tp"], core, pos)
+    else:
+        ops = LM.Ops(cfg.n_head, cfg.n_kv_head, core, pos)
     sched = CATALOG[schedule]
     placed = sched.chunk_placement(pp, virtual)
     blocks = chunk_blocks(cfg, pp * placed.v, placed.chunks(grid.coords["pp"]))
@@ -89,7 +91,10 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
         share = executor.step(acts, xs, ys, B * T, m)
         sharder.finish()  # the shares of every token: summed over dp x cp (ZeRO's way)
         TPL.reduce_kv_grads(sharder.grads, kv)
-        total = grid.world.allreduce(np.array([share]))[0] / tp  # each tp rank has the loss
+        if sp:
+            TPL.reduce_sp_grads(sharder.grads, grid.comm["tp"])
+        # the loss: on the last stage, each tp rank's whole share, or with SP its T/tp's
+        total = grid.world.allreduce(np.array([share]))[0] / (1 if sp else tp)
         bad.check(np.testing.assert_allclose, total, loss, **TOL, err_msg=f"loss at step {step}")
         for k, g in sharder.full_local(grads=True).items():
             want = TPL.shard(k, serial.grads[k], cfg, t, tp)
@@ -105,9 +110,14 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
     # steps of each)
     n_blocks = sum(len(r) for r in blocks.values())
     act = (B // dp) * (T // cp) * cfg.n_embd * 8
-    want = 2 * n_blocks * 4 * act if tp > 1 else 0
-    bad.check(np.testing.assert_equal, grid.ledger.bytes("allreduce", "tp"), want,
-              err_msg="tp all-reduce bytes")
+    if sp:  # f and g as four all-gathers and four reduce-scatters of (b, T/cp, C) a block
+        for op in ("allgather", "reduce_scatter"):
+            bad.check(np.testing.assert_equal, grid.ledger.bytes(op, "tp"), 2 * n_blocks * 4 * act,
+                      err_msg=f"SP {op} bytes")
+    else:
+        want = 2 * n_blocks * 4 * act if tp > 1 else 0
+        bad.check(np.testing.assert_equal, grid.ledger.bytes("allreduce", "tp"), want,
+                  err_msg="tp all-reduce bytes")
     kv_want = 2 * n_blocks * 2 * cfg.n_embd * cfg.head_size * 8 if tp > cfg.n_kv_head else 0
     if zero and kv_want:  # ZeRO: each rank sums the part of the copies it owns
         kv_want = 2 * sum(g.nbytes for k, g in sharder.grads.items()
@@ -172,3 +182,12 @@ def test_zero_stages(zero, sizes):
     """ZeRO 1-3 over dp (x cp): the Sharder's units are the Llama stage's; ZeRO-3 gathers
     each unit for its forward and again for its backward."""
     run_layout(config(1), zero=zero, m=2 if "pp" in sizes else 1, **sizes)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("sizes,n_kv_head,zero", [(dict(tp=4), 1, 0), (dict(tp=2, cp=2), 2, 0),
+                                                  (dict(pp=2, tp=2), 1, 3)])
+@collective
+def test_sequence_parallel(sizes, n_kv_head, zero):
+    """SP: RMSNorms, residuals, embedding and head on T/tp tokens; with cp, with pp x ZeRO-3."""
+    run_layout(config(n_kv_head), m=2 if "pp" in sizes else 1, zero=zero, sp=True, **sizes)

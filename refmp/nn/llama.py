@@ -114,13 +114,19 @@ class Ops:
     key/value), Megatron's f and g around the parallel region (``enter`` before the q, k, v
     and gate, up projections, ``leave`` after o_proj and down_proj: identity here), the
     attention (refmp.nn.llama_layers.gqa_forward over ``core``, the serial core or cp's) and
-    the global ``positions`` (T,) of the tokens (None: 0 .. T-1) for the rotary tables."""
+    the global ``positions`` (T,) of the tokens (None: 0 .. T-1) for the rotary tables;
+    ``sequence`` the tokens the residual stream keeps (sequence parallelism: T/tp)."""
+
+    sequence_shards = 1  # sequence parallelism: the residual stream holds T/tp tokens
 
     def __init__(self, n_head: int, n_kv_head: int, core=None, positions=None):
         self.n_head = n_head
         self.n_kv_head = n_kv_head
         self.core = LL.SerialCore() if core is None else core
         self.positions = positions
+
+    def sequence(self, a):
+        return a  # the tokens of (B, T, ...) the residual stream holds here: all
 
     def enter(self, h):
         return h  # f forward

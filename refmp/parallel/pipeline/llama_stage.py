@@ -87,7 +87,7 @@ class LlamaStage:
         self.head_unit = "wte" if cfg.tied else "lm_head"
 
     def act_shape(self, b: int, T: int) -> tuple[int, int, int]:
-        return (b, T, self.cfg.n_embd)  # what crosses a stage boundary
+        return (b, T // self.ops.sequence_shards, self.cfg.n_embd)  # crosses a stage boundary
 
     def weights(self, *units: str) -> dict:
         return {k: v for u in units for k, v in self.sharder.weights(u).items()}
@@ -102,17 +102,19 @@ class LlamaStage:
     def forward(self, c: int, inp, targets=None, denom=None):
         """Chunk c on one micro-batch: ``inp`` is token ids (chunk 0) or the previous chunk's
         output. Returns the output, or on the last chunk the loss share, and the cache."""
-        cos, sin = self.tables(inp.shape[1])
+        T = inp.shape[1] * (1 if c == 0 else self.ops.sequence_shards)  # tokens attended
+        cos, sin = self.tables(T)
         x, emb, head, blocks = inp, None, None, []
-        if c == 0:
-            x, emb = L.embedding_forward(inp, self.weights("wte")["wte.weight"])  # (b, T, C)
+        if c == 0:  # (b, T, C), or with SP the rank's (b, T/tp, C)
+            x, emb = L.embedding_forward(self.ops.sequence(inp), self.weights("wte")["wte.weight"])
         for i in self.chunks[c]:
             p = block_params(self.weights(f"h.{i}"), i)
             x, bc = LM.block_forward(p, x, self.cfg, cos, sin, self.ops)
             blocks.append(detach(bc, p) if self.release else bc)
         if c == self.n_chunks - 1:
             p = self.weights("ln_f", self.head_unit)
-            x, head = LM.head_forward(p, x, self.cfg, targets, denom)
+            tg = None if targets is None else self.ops.sequence(targets)
+            x, head = LM.head_forward(p, x, self.cfg, tg, denom)
             head = detach(head, p) if self.release and head is not None else head
         return x, (emb, blocks, head)
 

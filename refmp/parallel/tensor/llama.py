@@ -28,6 +28,7 @@ from __future__ import annotations
 from refmp.distributed.comm import Comm
 from refmp.errors import ConfigError
 from refmp.nn import llama as LM
+from refmp.parallel.tensor import sequence as SP
 
 COLUMN = ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight",
           "mlp.gate_proj.weight", "mlp.up_proj.weight")  # split along dim 1
@@ -95,6 +96,47 @@ class TensorOps(LM.Ops):
     def leave(self, z):
         """g forward: completes the row-parallel sum over the ranks' rows."""
         return self.tp.allreduce(z)  # (B, T, C) partial over tp -> summed
+
+
+class SequenceOps(TensorOps):
+    """Tensor parallelism with sequence parallelism (Korthikanti et al. 2022, sec. 4.2): the
+    residual stream, the RMSNorms, the embedding and the head hold T/tp of the tokens; f
+    all-gathers them along T before the column-parallel projections (reduce-scatter
+    backward) and g reduce-scatters the row-parallel sums along T (all-gather backward).
+    The replicated weights (RMSNorms, wte, lm_head) then see T/tp tokens a rank: their
+    gradients are partial over tp (reduce_sp_grads). The projections keep the gathered
+    (B, T, C) input for their backward (Korthikanti's sec. 4.2.3 keeps the T/tp shard and
+    gathers it again: less memory, one more all-gather each)."""
+
+    def __init__(self, cfg: LM.LlamaConfig, tp: Comm, core=None, positions=None):
+        super().__init__(cfg, tp, core, positions)
+        self.sequence_shards = tp.size
+
+    def sequence(self, a):
+        """This rank's T/tp tokens of ``a`` (B, T, ...): the residual stream's share."""
+        n = a.shape[1] // self.tp.size
+        return a[:, self.tp.rank * n : (self.tp.rank + 1) * n]
+
+    def enter(self, h):
+        return SP.gather_from_sp(h, self.tp)  # (B, T/tp, C) -> (B, T, C)
+
+    def enter_backward(self, dh):
+        return SP.gather_from_sp_backward(dh, self.tp)  # (B, T, C) partial -> (B, T/tp, C)
+
+    def leave(self, z):
+        return SP.reduce_scatter_to_sp(z, self.tp)  # (B, T, C) partial -> (B, T/tp, C)
+
+    def leave_backward(self, dz):
+        return SP.reduce_scatter_to_sp_backward(dz, self.tp)  # (B, T/tp, C) -> (B, T, C)
+
+
+def reduce_sp_grads(grads: dict, tp: Comm) -> None:
+    """Sequence parallelism: sum over tp the gradients of the weights every tp rank holds
+    whole but saw only T/tp tokens for (in place)."""
+    for name, g in grads.items():
+        inner = name.split(".", 2)[-1]
+        if inner not in COLUMN and inner not in ROW and not name.endswith(".padding"):
+            tp.allreduce(g)  # partial over tp -> summed
 
 
 def reduce_kv_grads(grads: dict, kv: Comm) -> None:
