@@ -15,7 +15,8 @@ from gradcheck import assert_grad_close, numeric_grad
 
 from refmp.errors import ConfigError
 from refmp.nn import llama_layers as LL
-from refmp.nn.llama import Llama, LlamaConfig
+from refmp.nn.llama import Llama, LlamaConfig, Ops
+from refmp.nn.llama_layers import SerialCore
 
 RNG = np.random.default_rng(0)
 
@@ -115,3 +116,19 @@ def test_model_grad(tied):
 def test_bad_shapes_refused(shape, says):
     with pytest.raises(ConfigError, match=says):
         LlamaConfig(**shape).check()
+
+
+def test_selective_recomputation_is_bitwise():
+    """Without the kept softmax (SerialCore(keep_scores=False)) backward recomputes it by the
+    same operations: the same gradients, bitwise."""
+    cfg = LlamaConfig(vocab_size=11, block_size=8, n_layer=1, n_head=4, n_kv_head=2, n_embd=8,
+                      n_inner=12)
+    idx = np.random.default_rng(3).integers(0, 11, (2, 6))
+    got = []
+    for keep in (True, False):
+        model = Llama.create(cfg, 0, "float64")
+        loss, cache = model.forward(idx, idx, ops=Ops(4, 2, SerialCore(keep)))
+        model.backward(cache)
+        got.append(model.grads)
+    for k in got[0]:
+        np.testing.assert_array_equal(got[0][k], got[1][k], err_msg=k)

@@ -51,7 +51,8 @@ def attention_core(grid, seq, algo: str):
 
 
 def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", m: int = 1,
-               virtual: int = 1, zero: int = 0, sp: bool = False, **sizes) -> None:
+               virtual: int = 1, zero: int = 0, sp: bool = False, recompute: bool = False,
+               **sizes) -> None:
     grid = ProcessGrid(MPI.COMM_WORLD, **sizes)
     dp, cp, tp, pp = (grid.sizes[a] for a in ("dp", "cp", "tp", "pp"))
     d, c, t = (grid.coords[a] for a in ("dp", "cp", "tp"))
@@ -71,7 +72,7 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
     units = units_of(names)
     dpcp = grid.group("dp", "cp")
     sharder = Sharder(local, units, {u: dpcp for u in units}, zero, bucket_mb=0)
-    stage = LlamaStage(cfg, blocks, pp * placed.v, ops, sharder)
+    stage = LlamaStage(cfg, blocks, pp * placed.v, ops, sharder, recompute)
     executor = Executor(stage, grid.comm["pp"], np.dtype("float64"), placed=placed)
     kv = TPL.kv_group(grid.comm["tp"], cfg)
     opts = [AdamW(serial.params, lr=1e-2, weight_decay=0.1),
@@ -110,6 +111,7 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
     # steps of each)
     n_blocks = sum(len(r) for r in blocks.values())
     act = (B // dp) * (T // cp) * cfg.n_embd * 8
+    act = act * 6 // 4 if recompute else act  # the forward's two all-reduces run again
     if sp:  # f and g as four all-gathers and four reduce-scatters of (b, T/cp, C) a block
         for op in ("allgather", "reduce_scatter"):
             bad.check(np.testing.assert_equal, grid.ledger.bytes(op, "tp"), 2 * n_blocks * 4 * act,
@@ -191,3 +193,10 @@ def test_zero_stages(zero, sizes):
 def test_sequence_parallel(sizes, n_kv_head, zero):
     """SP: RMSNorms, residuals, embedding and head on T/tp tokens; with cp, with pp x ZeRO-3."""
     run_layout(config(n_kv_head), m=2 if "pp" in sizes else 1, zero=zero, sp=True, **sizes)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_full_recomputation():
+    """Each block keeps its input and runs its forward (and its tp all-reduces) again."""
+    run_layout(config(1), m=2, recompute=True, pp=2, tp=2)

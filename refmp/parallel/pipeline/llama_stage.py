@@ -20,6 +20,8 @@ weight gradients in its B (the numbers are the same; only the timeline differs).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from refmp.errors import ConfigError
 from refmp.nn import layers as L
 from refmp.nn import llama as LM
@@ -58,6 +60,15 @@ def held_names(cfg: LM.LlamaConfig, blocks: dict[int, range], n_chunks: int) -> 
     return out
 
 
+class Recompute(NamedTuple):
+    """A block's cache under full recomputation (Korthikanti et al. 2022, sec. 5): its input
+    (b, T, C) and the rotary tables; backward runs the forward again for the rest."""
+
+    x: Any
+    cos: Any
+    sin: Any
+
+
 def units_of(names) -> dict[str, list[str]]:
     """The Sharder units (refmp.parallel.data.sharder) of these parameters: ``wte``, each
     block ``h.{i}``, ``ln_f``, ``lm_head`` (unit -> its names, in order)."""
@@ -77,8 +88,9 @@ class LlamaStage:
     all-reduce; 2-3: reduce-scatter) while the schedule goes on."""
 
     def __init__(self, cfg: LM.LlamaConfig, chunks: dict[int, range], n_chunks: int,
-                 ops: LM.Ops, sharder):
+                 ops: LM.Ops, sharder, recompute: bool = False):
         self.cfg = cfg
+        self.recompute = recompute  # full recomputation: keep only each block's input
         self.chunks = chunks
         self.n_chunks = n_chunks
         self.ops = ops
@@ -109,7 +121,10 @@ class LlamaStage:
             x, emb = L.embedding_forward(self.ops.sequence(inp), self.weights("wte")["wte.weight"])
         for i in self.chunks[c]:
             p = block_params(self.weights(f"h.{i}"), i)
+            x_in = x
             x, bc = LM.block_forward(p, x, self.cfg, cos, sin, self.ops)
+            if self.recompute:  # the input is all we keep (and the tables, shared by all)
+                bc = Recompute(x_in, cos, sin)
             blocks.append(detach(bc, p) if self.release else bc)
         if c == self.n_chunks - 1:
             p = self.weights("ln_f", self.head_unit)
@@ -134,7 +149,10 @@ class LlamaStage:
             if not self.cfg.tied:  # a tied wte is complete after the embedding's share
                 sink.grad_ready("lm_head", final)
         for i, bc in zip(reversed(self.chunks[c]), reversed(blocks), strict=True):
-            if self.release:
+            if isinstance(bc, Recompute):  # the block's forward again, its communication too
+                p = block_params(self.weights(f"h.{i}"), i)
+                _, bc = LM.block_forward(p, bc.x, self.cfg, bc.cos, bc.sin, self.ops)
+            elif self.release:
                 bc = attach(bc, block_params(self.weights(f"h.{i}"), i))
             dx, g = LM.block_backward(dx, bc, self.ops)
             sink.accumulate(f"h.{i}", {f"h.{i}.{k}": v for k, v in g.items()})
