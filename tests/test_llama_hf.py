@@ -166,7 +166,7 @@ def test_what_refmp_does_not_compute_is_refused_by_name(key, value):
 def test_decoding_with_the_gqa_cache_equals_transformers_generate(tmp_path, float64_hf, n_kv_head):
     """Greedy tokens equal transformers' generate (its own cache); each cached step's
     logits equal the uncached forward's; the cache holds 2 L B T NKV HS w bytes."""
-    from refmp.inference.llama_decode import gqa_cache_bytes, generate
+    from refmp.inference.llama_decode import generate, gqa_cache_bytes
 
     hf = hf_model(n_kv_head)
     ours = refmp_of(hf, tmp_path)
@@ -175,7 +175,7 @@ def test_decoding_with_the_gqa_cache_equals_transformers_generate(tmp_path, floa
     got, steps, cache = generate(ours, idx, 6)
     np.testing.assert_array_equal(got, want.numpy())
     _, plain, _ = generate(ours, idx, 6, use_cache=False)
-    for s, (a, b) in enumerate(zip(steps, plain)):
+    for s, (a, b) in enumerate(zip(steps, plain, strict=True)):
         np.testing.assert_allclose(a, b, **TOL, err_msg=f"logits of step {s}")
     assert cache.nbytes == gqa_cache_bytes(ours.cfg, 2, 9, 8) == 2 * 2 * 2 * 9 * n_kv_head * 4 * 8
 

@@ -24,9 +24,9 @@ from refmp.nn import llama as LM
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
+from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.executor import Executor
-from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.pipeline.llama_stage import LlamaStage, chunk_blocks, held_names, units_of
 from refmp.parallel.tensor import llama as TPL
 from refmp.training.optim import AdamW
