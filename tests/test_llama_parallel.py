@@ -141,32 +141,20 @@ def test_tp4_with_fewer_kv_heads_than_ranks(n_kv_head):
 
 
 @pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("algo", ["ring", "ulysses"])
 @collective
-def test_cp4_rotary_at_global_positions(algo):
-    run_layout(config(2), algo, cp=4)
+def test_cp4_rotary_at_global_positions():
+    run_layout(config(2), "ring", cp=4)
 
 
 @pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
-                                              ("zb-h1", 1), ("zb-v", 1), ("dualpipev", 1)])
+@pytest.mark.parametrize("schedule,virtual,zero", [("gpipe", 1, 0), ("interleaved", 2, 1),
+                                                   ("zb-v", 1, 3)])
 @collective
-def test_pp2_untied_head_every_flush_schedule(schedule, virtual):
+def test_pp2_untied_head(schedule, virtual, zero):
     """pp 2 x dp 2, two micro-batches of one row; four layers (four chunks under the
-    interleaved and V schedules)."""
-    run_layout(config(2, n_layer=4), schedule=schedule, m=2, virtual=virtual, pp=2, dp=2)
-
-
-@pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("sizes,n_kv_head,algo", [
-    (dict(cp=2, tp=2), 1, "ring"),  # tp > NKV under cp
-    (dict(dp=2, tp=2), 2, "ring"),  # tp = NKV: no copies
-    (dict(dp=2, cp=2), 2, "ulysses"),
-    (dict(pp=2, tp=2), 1, "ring"),  # tp > NKV in a pipeline
-])
-@collective
-def test_products_of_layouts(sizes, n_kv_head, algo):
-    run_layout(config(n_kv_head), algo, m=2 if "pp" in sizes else 1, **sizes)
+    interleaved and V schedules); ZeRO over dp. (1F1B runs in the other pipeline tests.)"""
+    run_layout(config(2, n_layer=4), schedule=schedule, m=2, virtual=virtual, zero=zero, pp=2,
+               dp=2)
 
 
 @pytest.mark.parallel(nprocs=4)
@@ -177,26 +165,28 @@ def test_tied_head_on_a_v_pipeline():
 
 
 @pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("zero,sizes", [(1, dict(dp=4)), (2, dict(dp=2, tp=2)),
-                                        (3, dict(dp=2, cp=2)), (3, dict(pp=2, dp=2))])
+@pytest.mark.parametrize("sizes,n_kv_head,algo,zero", [
+    (dict(cp=2, tp=2), 1, "ring", 0),  # tp > NKV under cp
+    (dict(dp=2, tp=2), 1, "ring", 2),  # ZeRO-2: each rank sums the part of the copies it owns
+    (dict(dp=2, cp=2), 2, "ulysses", 3),
+])
 @collective
-def test_zero_stages(zero, sizes):
-    """ZeRO 1-3 over dp (x cp): the Sharder's units are the Llama stage's; ZeRO-3 gathers
-    each unit for its forward and again for its backward."""
-    run_layout(config(1), zero=zero, m=2 if "pp" in sizes else 1, **sizes)
+def test_products_and_zero(sizes, n_kv_head, algo, zero):
+    run_layout(config(n_kv_head), algo, zero=zero, **sizes)
 
 
 @pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("sizes,n_kv_head,zero", [(dict(tp=4), 1, 0), (dict(tp=2, cp=2), 2, 0),
+@pytest.mark.parametrize("sizes,n_kv_head,zero", [(dict(tp=2, cp=2), 2, 0),
                                                   (dict(pp=2, tp=2), 1, 3)])
 @collective
 def test_sequence_parallel(sizes, n_kv_head, zero):
-    """SP: RMSNorms, residuals, embedding and head on T/tp tokens; with cp, with pp x ZeRO-3."""
+    """SP: RMSNorms, residuals, embedding and head on T/tp tokens; tp = NKV with cp; pp x
+    ZeRO-3 with tp > NKV."""
     run_layout(config(n_kv_head), m=2 if "pp" in sizes else 1, zero=zero, sp=True, **sizes)
 
 
 @pytest.mark.parallel(nprocs=4)
 @collective
-def test_full_recomputation():
+def test_full_recomputation_under_pp_and_tp():
     """Each block keeps its input and runs its forward (and its tp all-reduces) again."""
     run_layout(config(1), m=2, recompute=True, pp=2, tp=2)

@@ -1,6 +1,7 @@
 """The chunks of a Llama model (refmp.nn.llama) one pipeline rank holds, for the flush
-executor (refmp.parallel.pipeline.executor.Executor): every flush schedule of the catalog
-(naive, GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV) runs it unchanged.
+executor (refmp.parallel.pipeline.executor.Executor): the catalog's flush schedules (naive,
+GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV) run it unchanged
+(tests/test_llama_parallel.py runs GPipe, 1F1B, interleaved and ZB-V).
 
 Shapes: b rows of one micro-batch, T tokens of a sequence this rank holds (T/cp under
 context parallelism), C channels, L layers, S = pp v chunks.
