@@ -190,3 +190,29 @@ def test_sequence_parallel(sizes, n_kv_head, zero):
 def test_full_recomputation_under_pp_and_tp():
     """Each block keeps its input and runs its forward (and its tp all-reduces) again."""
     run_layout(config(1), m=2, recompute=True, pp=2, tp=2)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+@collective
+def test_tp4_decoding_with_the_gqa_cache(n_kv_head):
+    """Greedy decoding on tp 4 (each rank its query head, its key/value head held or
+    replicated): the serial run's tokens and logits; a rank's cache holds one head."""
+    from refmp.inference.llama_decode import generate, gqa_cache_bytes
+
+    cfg = config(n_kv_head)
+    grid = ProcessGrid(MPI.COMM_WORLD, tp=4)
+    serial = LM.Llama.create(cfg, seed=5, dtype="float64")
+    t = grid.coords["tp"]
+    mine = LM.Llama(cfg, {k: TPL.shard(k, v, cfg, t, 4).copy() for k, v in serial.params.items()})
+    idx = np.random.default_rng(2).integers(0, V, (2, 3))
+    want, want_logits, _ = generate(serial, idx, 5)
+    got, logits, cache = generate(mine, idx, 5, ops=TPL.TensorOps(cfg, grid.comm["tp"]))
+    bad = Mismatches()
+    bad.check(np.testing.assert_array_equal, got, want, err_msg="tokens")
+    for s, (a, b) in enumerate(zip(logits, want_logits, strict=True)):
+        bad.check(np.testing.assert_allclose, a, b, **TOL, err_msg=f"logits of step {s}")
+    bad.check(np.testing.assert_equal, cache.nbytes, gqa_cache_bytes(cfg, 2, 7, 8, tp=4),
+              err_msg="cache bytes")
+    bad.check(np.testing.assert_equal, cache.nbytes, 2 * 2 * 2 * 7 * 1 * 4 * 8, err_msg="one head")
+    bad.assert_none(MPI.COMM_WORLD)
