@@ -29,11 +29,14 @@ from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.executor import Executor
 from refmp.parallel.pipeline.llama_stage import LlamaStage, chunk_blocks, held_names, units_of
 from refmp.parallel.tensor import llama as TPL
+from refmp.runtime.precision import BF16
 from refmp.training.optim import AdamW
 
 pytestmark = pytest.mark.mpi
 
 TOL = dict(rtol=1e-9, atol=1e-12)
+U_BF16 = 2.0**-8  # bf16's unit roundoff
+GRAD_K, LOSS_K = 8, 1  # as tests/test_mixed_precision.py holds them
 B, T, V = 4, 8, 23
 
 
@@ -52,7 +55,11 @@ def attention_core(grid, seq, algo: str):
 
 def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", m: int = 1,
                virtual: int = 1, zero: int = 0, sp: bool = False, recompute: bool = False,
-               **sizes) -> None:
+               mixed: bool = False, **sizes) -> None:
+    """``cfg`` trained two steps on a grid of ``sizes`` and serially in float64, compared
+    step by step (module docstring). ``mixed``: bf16 compute and fp32 masters, compared as
+    tests/test_mixed_precision.py does (the first gradient within GRAD_K u, each loss
+    within u, and the compute copy the masters rounded, bitwise)."""
     grid = ProcessGrid(MPI.COMM_WORLD, **sizes)
     dp, cp, tp, pp = (grid.sizes[a] for a in ("dp", "cp", "tp", "pp"))
     d, c, t = (grid.coords[a] for a in ("dp", "cp", "tp"))
@@ -68,12 +75,14 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
     placed = sched.chunk_placement(pp, virtual)
     blocks = chunk_blocks(cfg, pp * placed.v, placed.chunks(grid.coords["pp"]))
     names = held_names(cfg, blocks, pp * placed.v)
-    local = {k: TPL.shard(k, serial.params[k], cfg, t, tp).copy() for k in names}
+    dtype = np.float32 if mixed else np.float64  # the masters'
+    local = {k: TPL.shard(k, serial.params[k], cfg, t, tp).astype(dtype) for k in names}
     units = units_of(names)
     dpcp = grid.group("dp", "cp")
-    sharder = Sharder(local, units, {u: dpcp for u in units}, zero, bucket_mb=0)
+    sharder = Sharder(local, units, {u: dpcp for u in units}, zero, bucket_mb=0,
+                      compute=BF16 if mixed else None)
     stage = LlamaStage(cfg, blocks, pp * placed.v, ops, sharder, recompute)
-    executor = Executor(stage, grid.comm["pp"], np.dtype("float64"), placed=placed)
+    executor = Executor(stage, grid.comm["pp"], sharder.compute, placed=placed)
     kv = TPL.kv_group(grid.comm["tp"], cfg)
     opts = [AdamW(serial.params, lr=1e-2, weight_decay=0.1),
             AdamW(sharder.params, lr=1e-2, weight_decay=0.1, decay=sharder.decay)]
@@ -96,13 +105,24 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
             TPL.reduce_sp_grads(sharder.grads, grid.comm["tp"])
         # the loss: on the last stage, each tp rank's whole share, or with SP its T/tp's
         total = grid.world.allreduce(np.array([share]))[0] / (1 if sp else tp)
-        bad.check(np.testing.assert_allclose, total, loss, **TOL, err_msg=f"loss at step {step}")
-        for k, g in sharder.full_local(grads=True).items():
-            want = TPL.shard(k, serial.grads[k], cfg, t, tp)
-            bad.check(np.testing.assert_allclose, g, want, **TOL, err_msg=f"gradient {k} at {step}")
+        grads = sharder.master_grads() if mixed else sharder.grads  # mixed: fp32, unscaled
+        if mixed:
+            check_mixed(bad, sharder, total, loss, serial.grads, cfg, t, tp, step)
+        else:
+            bad.check(np.testing.assert_allclose, total, loss, **TOL, err_msg=f"loss at {step}")
+            for k, g in sharder.full_local(grads=True).items():
+                want = TPL.shard(k, serial.grads[k], cfg, t, tp)
+                bad.check(np.testing.assert_allclose, g, want, **TOL, err_msg=f"gradient {k} at {step}")
         opts[0].step(serial.grads)
-        opts[1].step(sharder.grads)
+        opts[1].step(grads)
         sharder.after_step()
+        if mixed:  # the compute copy is the masters rounded, bitwise
+            for u in units:
+                masters = sharder.whole_unit(u)
+                for k, w in sharder.weights(u, exact=True).items():
+                    bad.check(np.testing.assert_array_equal, w, masters[k].astype(BF16),
+                              err_msg=f"compute copy of {k} at {step}")
+            continue
         for k, w in sharder.full_local().items():
             want = TPL.shard(k, serial.params[k], cfg, t, tp)
             bad.check(np.testing.assert_allclose, w, want, **TOL, err_msg=f"weight {k} at {step}")
@@ -110,7 +130,8 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
     # and the copies' key/value gradients (C, HS), k and v, per block, when tp > NKV (two
     # steps of each)
     n_blocks = sum(len(r) for r in blocks.values())
-    act = (B // dp) * (T // cp) * cfg.n_embd * 8
+    w = sharder.compute.itemsize  # what crosses on tp: the compute dtype's
+    act = (B // dp) * (T // cp) * cfg.n_embd * w
     act = act * 6 // 4 if recompute else act  # the forward's two all-reduces run again
     if sp:  # f and g as four all-gathers and four reduce-scatters of (b, T/cp, C) a block
         for op in ("allgather", "reduce_scatter"):
@@ -120,7 +141,7 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
         want = 2 * n_blocks * 4 * act if tp > 1 else 0
         bad.check(np.testing.assert_equal, grid.ledger.bytes("allreduce", "tp"), want,
                   err_msg="tp all-reduce bytes")
-    kv_want = 2 * n_blocks * 2 * cfg.n_embd * cfg.head_size * 8 if tp > cfg.n_kv_head else 0
+    kv_want = 2 * n_blocks * 2 * cfg.n_embd * cfg.head_size * w if tp > cfg.n_kv_head else 0
     if zero and kv_want:  # ZeRO: each rank sums the part of the copies it owns
         kv_want = 2 * sum(g.nbytes for k, g in sharder.grads.items()
                           if k.split(".", 2)[-1] in TPL.KV)
@@ -131,6 +152,20 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
                   (grid.coords["pp"] == 0, grid.coords["pp"] == pp - 1) if placed.kind == "loop"
                   else (grid.coords["pp"] == 0, grid.coords["pp"] == 0), err_msg="the ends")
     bad.assert_none(MPI.COMM_WORLD)
+
+
+def check_mixed(bad, sharder, total, loss, serial_grads, cfg, t, tp, step) -> None:
+    """A bf16 step against the float64 one: the loss within LOSS_K u, and (the first step,
+    from the same weights but rounded) every gradient within GRAD_K u in relative norm."""
+    bad.check(np.testing.assert_array_less, abs(total - loss) / loss, LOSS_K * U_BF16,
+              err_msg=f"loss at {step}")
+    if step:
+        return
+    for k, g in sharder.full_local(grads=True).items():
+        want = TPL.shard(k, serial_grads[k], cfg, t, tp)
+        err = float(np.linalg.norm(g - want) / np.linalg.norm(want))
+        if not err <= GRAD_K * U_BF16:
+            bad.errors.append(f"gradient {k} off by {err:.3g} > {GRAD_K} u")
 
 
 @pytest.mark.parallel(nprocs=4)
@@ -216,3 +251,11 @@ def test_tp4_decoding_with_the_gqa_cache(n_kv_head):
               err_msg="cache bytes")
     bad.check(np.testing.assert_equal, cache.nbytes, 2 * 2 * 2 * 7 * 1 * 4 * 8, err_msg="one head")
     bad.assert_none(MPI.COMM_WORLD)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("sizes,zero", [(dict(dp=2, tp=2), 1), (dict(pp=2, cp=2), 3)])
+@collective
+def test_mixed_precision(sizes, zero):
+    """bf16 compute, fp32 masters: tp > NKV under dp with ZeRO-1; pp x cp with ZeRO-3."""
+    run_layout(config(1), m=2 if "pp" in sizes else 1, zero=zero, mixed=True, **sizes)

@@ -33,6 +33,7 @@ from refmp.nn import layers as L
 from refmp.nn import llama_layers as LL
 from refmp.nn.params import block_params, init_slice
 from refmp.runtime import backend
+from refmp.runtime.precision import autocast
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,7 @@ def head_weight_name(cfg: LlamaConfig) -> str:
     return "wte.weight" if cfg.tied else "lm_head.weight"
 
 
+@autocast
 def head_forward(p: dict, x, cfg: LlamaConfig, targets=None, denom=None):
     """Final RMSNorm, logits = h W^T (W: head_weight_name), cross-entropy if targets given."""
     w = p[head_weight_name(cfg)]
@@ -211,6 +213,7 @@ def head_forward(p: dict, x, cfg: LlamaConfig, targets=None, denom=None):
     return loss, (ln_f, h, w, ce)
 
 
+@autocast
 def head_backward(dloss, cache, cfg: LlamaConfig):
     """Returns dx and the head's gradients (ln_f and the head matrix)."""
     ln_f, h, w, ce = cache

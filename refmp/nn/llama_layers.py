@@ -142,6 +142,7 @@ class SerialCore:
         return L.attention_backward(dout, cache)  # (B, T, 3C)
 
 
+@autocast
 def gqa_forward(q, k, v, n_head: int, n_kv_head: int, cos, sin, core=None):
     """Causal attention of q (B, T, NH HS) over k, v (B, T, NKV HS), rotary positions from
     the tables (T, HS) of these tokens. Returns y (B, T, NH HS). ``core``: the attention core
@@ -157,6 +158,7 @@ def gqa_forward(q, k, v, n_head: int, n_kv_head: int, cos, sin, core=None):
     return y, (core, cache, n_head, n_kv_head, cos, sin)
 
 
+@autocast
 def gqa_backward(dout, cache):
     """Returns dq (B, T, NH HS), dk, dv (B, T, NKV HS)."""
     core, core_cache, n_head, n_kv_head, cos, sin = cache

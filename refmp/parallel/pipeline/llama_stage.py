@@ -109,8 +109,8 @@ class LlamaStage:
         """The rotary tables (T, HS) of this rank's tokens (their global positions)."""
         xp = self.sharder.xp
         positions = xp.arange(T) if self.ops.positions is None else self.ops.positions
-        return LL.rope_tables(positions, self.cfg.head_size, self.cfg.rope_theta,
-                              self.sharder.compute)
+        dtype = self.sharder.dtype if self.sharder.mixed else self.sharder.compute  # fp32 when mixed
+        return LL.rope_tables(positions, self.cfg.head_size, self.cfg.rope_theta, dtype)
 
     def forward(self, c: int, inp, targets=None, denom=None):
         """Chunk c on one micro-batch: ``inp`` is token ids (chunk 0) or the previous chunk's
