@@ -19,6 +19,7 @@ import pytest
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 
+from refmp.checkpoint.hf_llama import load_llama, save_llama
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import llama as LM
 from refmp.parallel.context.chunks import SequenceChunks
@@ -27,7 +28,13 @@ from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.executor import Executor
-from refmp.parallel.pipeline.llama_stage import LlamaStage, chunk_blocks, held_names, units_of
+from refmp.parallel.pipeline.llama_stage import (
+    LlamaStage,
+    chunk_blocks,
+    held_names,
+    units_of,
+    whole_params,
+)
 from refmp.parallel.tensor import llama as TPL
 from refmp.runtime.precision import BF16
 from refmp.training.optim import AdamW
@@ -55,15 +62,20 @@ def attention_core(grid, seq, algo: str):
 
 def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", m: int = 1,
                virtual: int = 1, zero: int = 0, sp: bool = False, recompute: bool = False,
-               mixed: bool = False, **sizes) -> None:
+               mixed: bool = False, init: dict | None = None, save: str | None = None,
+               **sizes) -> None:
     """``cfg`` trained two steps on a grid of ``sizes`` and serially in float64, compared
     step by step (module docstring). ``mixed``: bf16 compute and fp32 masters, compared as
     tests/test_mixed_precision.py does (the first gradient within GRAD_K u, each loss
-    within u, and the compute copy the masters rounded, bitwise)."""
+    within u, and the compute copy the masters rounded, bitwise). ``init``: the starting
+    weights (default the seed-3 draw); ``save``: a directory the trained model is gathered
+    into (whole_params) and written to as a LlamaForCausalLM directory, after comparing it
+    with the serial run's weights."""
     grid = ProcessGrid(MPI.COMM_WORLD, **sizes)
     dp, cp, tp, pp = (grid.sizes[a] for a in ("dp", "cp", "tp", "pp"))
     d, c, t = (grid.coords[a] for a in ("dp", "cp", "tp"))
-    serial = LM.Llama.create(cfg, seed=3, dtype="float64")
+    serial = (LM.Llama.create(cfg, seed=3, dtype="float64") if init is None
+              else LM.Llama(cfg, {k: v.copy() for k, v in init.items()}))
     seq = SequenceChunks(T, cp, "zigzag")
     pos = seq.positions(c)
     core = attention_core(grid, seq, algo)
@@ -151,6 +163,12 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
         bad.check(np.testing.assert_equal, ("wte.weight" in names, "lm_head.weight" in names),
                   (grid.coords["pp"] == 0, grid.coords["pp"] == pp - 1) if placed.kind == "loop"
                   else (grid.coords["pp"] == 0, grid.coords["pp"] == 0), err_msg="the ends")
+    if save is not None:  # --save DIR from this layout: the whole model, on rank 0
+        whole = whole_params(sharder, grid, cfg)
+        if grid.rank == 0:
+            for k, v in serial.params.items():
+                bad.check(np.testing.assert_allclose, whole[k], v, **TOL, err_msg=f"saved {k}")
+            save_llama(save, cfg, whole)
     bad.assert_none(MPI.COMM_WORLD)
 
 
@@ -259,3 +277,17 @@ def test_tp4_decoding_with_the_gqa_cache(n_kv_head):
 def test_mixed_precision(sizes, zero):
     """bf16 compute, fp32 masters: tp > NKV under dp with ZeRO-1; pp x cp with ZeRO-3."""
     run_layout(config(1), m=2 if "pp" in sizes else 1, zero=zero, mixed=True, **sizes)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_save_from_one_layout_and_train_on_another(tmp_path):
+    """pp 2 x tp 2 (tp > NKV) trains and writes its whole model as a LlamaForCausalLM
+    directory; dp 2 x cp 2 with ZeRO-3 reads it (each rank its share) and goes on, equal to
+    the serial run from the same weights: resharding through a directory."""
+    folder = MPI.COMM_WORLD.bcast(str(tmp_path / "llama") if MPI.COMM_WORLD.rank == 0 else None)
+    run_layout(config(1), m=2, pp=2, tp=2, save=folder)
+    MPI.COMM_WORLD.barrier()
+    cfg, params = load_llama(folder)
+    assert cfg == config(1)
+    run_layout(cfg, "ulysses", zero=3, init=params, dp=2, cp=2)

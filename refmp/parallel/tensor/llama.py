@@ -29,6 +29,7 @@ from refmp.distributed.comm import Comm
 from refmp.errors import ConfigError
 from refmp.nn import llama as LM
 from refmp.parallel.tensor import sequence as SP
+from refmp.runtime import backend
 
 COLUMN = ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight",
           "mlp.gate_proj.weight", "mlp.up_proj.weight")  # split along dim 1
@@ -69,6 +70,21 @@ def shard(name: str, w, cfg: LM.LlamaConfig, rank: int, tp: int):
         n = w.shape[0] // tp
         return w[rank * n : (rank + 1) * n]  # (in/tp, C)
     return w  # replicated
+
+
+def unshard(name: str, pieces: list, cfg: LM.LlamaConfig):
+    """shard's inverse: the whole parameter ``name`` from the tp ranks' ``pieces`` (rank
+    order). Replicated key/value heads are taken once, from the first rank of their copies."""
+    xp = backend.array_module(pieces[0])
+    tp = len(pieces)
+    inner = name.split(".", 2)[-1]
+    if inner in KV and tp > cfg.n_kv_head:
+        pieces = pieces[:: tp // cfg.n_kv_head]  # one copy of each head
+    if inner in COLUMN:
+        return xp.concatenate(pieces, axis=1)
+    if inner in ROW:
+        return xp.concatenate(pieces, axis=0)
+    return pieces[0]
 
 
 def kv_group(tp: Comm, cfg: LM.LlamaConfig) -> Comm:
