@@ -22,8 +22,9 @@ from mpi_helpers import Mismatches, collective
 from refmp.checkpoint.hf_llama import load_llama, save_llama
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import llama as LM
+from refmp.nn.llama_layers import RepeatedCore
 from refmp.parallel.context.chunks import SequenceChunks
-from refmp.parallel.context.ring import RingAttention
+from refmp.parallel.context.gqa_ring import GQARingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.pipeline.catalog import CATALOG
@@ -54,10 +55,12 @@ def config(n_kv_head: int, n_layer: int = 2, tied: bool = False) -> LM.LlamaConf
 
 
 def attention_core(grid, seq, algo: str):
+    """cp's core for grouped-query attention: the ring passing NKV heads, or Ulysses on
+    the repeated heads (its all-to-all splits heads, which NKV may not cover)."""
     if grid.sizes["cp"] == 1:
         return None
     cp = grid.comm["cp"]
-    return RingAttention(cp, seq) if algo == "ring" else UlyssesAttention(cp, seq)
+    return GQARingAttention(cp, seq) if algo == "ring" else RepeatedCore(UlyssesAttention(cp, seq))
 
 
 def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", m: int = 1,
@@ -159,6 +162,11 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
                           if k.split(".", 2)[-1] in TPL.KV)
     bad.check(np.testing.assert_equal, grid.ledger.bytes("allreduce", "tp-kv"), kv_want,
               err_msg="key/value copies' all-reduce bytes")
+    if cp > 1 and algo == "ring":  # 3 (cp - 1) sends of a K/V block of NKV heads a block
+        kv_block = 2 * (B // dp) * max(cfg.n_kv_head // tp, 1) * (T // cp) * cfg.head_size * w
+        per_block = 3 + (1 if recompute else 0)  # full recomputation: the forward's again
+        bad.check(np.testing.assert_equal, grid.ledger.bytes("send", "cp"),
+                  2 * n_blocks * per_block * (cp - 1) * kv_block, err_msg="ring bytes")
     if pp > 1 and not cfg.tied:  # no parameter on two stages: wte and lm_head apart
         bad.check(np.testing.assert_equal, ("wte.weight" in names, "lm_head.weight" in names),
                   (grid.coords["pp"] == 0, grid.coords["pp"] == pp - 1) if placed.kind == "loop"

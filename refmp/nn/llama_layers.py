@@ -68,11 +68,13 @@ def rotate_half(x):
     return xp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
 
 
+@autocast
 def rope_forward(x, cos, sin):
     """x cos + rotate_half(x) sin for x (B, H, T, HS) and tables (T, HS)."""
     return x * cos + rotate_half(x) * sin
 
 
+@autocast
 def rope_backward(dout, cos, sin):
     """The rotation's transpose: rotate_half^T(g) = -rotate_half(g), so
     dx = dout cos - rotate_half(dout sin)."""
@@ -127,10 +129,34 @@ def unrepeat_kv(dx, r: int):
     return dx.reshape(B, NH // r, r, T, hs).sum(axis=2)  # (B, NKV, T, HS)
 
 
-class SerialCore:
-    """The serial attention core (refmp.nn.layers) over a [q | k | v] of NH heads each:
-    every token of each sequence is here. Context parallelism passes its ring or Ulysses
-    core instead (refmp.parallel.context), which has the same two methods."""
+class RepeatedCore:
+    """Grouped-query attention on a core that takes GPT-2's [q | k | v] (refmp.nn.layers'
+    attention, cp's Ulysses): k and v repeated to NH heads, laid out with q, and the copies'
+    gradients summed back onto their head. ``inner`` has forward(qkv, n_head) -> (y, cache)
+    and backward(dout, cache) -> dqkv."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def forward(self, q, k, v):
+        """q (B, NH, T, HS), k, v (B, NKV, T, HS) -> y (B, NH, T, HS)."""
+        xp = array_module(q)
+        n_head, r = q.shape[1], q.shape[1] // k.shape[1]
+        qkv = xp.concatenate([merge_heads(q), merge_heads(repeat_kv(k, r)),
+                              merge_heads(repeat_kv(v, r))], axis=-1)  # (B, T, 3C)
+        y, cache = self.inner.forward(qkv, n_head)  # (B, T, NH HS)
+        return heads(y, n_head), (cache, n_head, r)
+
+    def backward(self, dy, cache):
+        """dy (B, NH, T, HS) -> dq (B, NH, T, HS), dk, dv (B, NKV, T, HS)."""
+        inner, n_head, r = cache
+        dqkv = self.inner.backward(merge_heads(dy), inner)  # (B, T, 3C)
+        dq, dk, dv = (heads(a, n_head) for a in array_module(dy).split(dqkv, 3, axis=-1))
+        return dq, unrepeat_kv(dk, r), unrepeat_kv(dv, r)  # the copies summed
+
+
+class LocalCore:
+    """refmp.nn.layers' attention core: every token of each sequence is here."""
 
     def __init__(self, keep_scores: bool = True):
         self.keep_scores = keep_scores  # False: selective recomputation of the softmax
@@ -142,31 +168,28 @@ class SerialCore:
         return L.attention_backward(dout, cache)  # (B, T, 3C)
 
 
-@autocast
+def SerialCore(keep_scores: bool = True) -> RepeatedCore:  # noqa: N802  (reads as a class)
+    """The serial grouped-query core: refmp.nn.layers' attention on the repeated heads.
+    Context parallelism passes its own (refmp.parallel.context.gqa_ring, or Ulysses in a
+    RepeatedCore), with the same two methods."""
+    return RepeatedCore(LocalCore(keep_scores))
+
+
 def gqa_forward(q, k, v, n_head: int, n_kv_head: int, cos, sin, core=None):
     """Causal attention of q (B, T, NH HS) over k, v (B, T, NKV HS), rotary positions from
     the tables (T, HS) of these tokens. Returns y (B, T, NH HS). ``core``: the attention core
-    (default SerialCore())."""
-    xp = array_module(q)
+    on heads, forward(q, k, v) with k, v of NKV heads (default SerialCore())."""
     core = SerialCore() if core is None else core
-    r = n_head // n_kv_head
     qh = rope_forward(heads(q, n_head), cos, sin)  # (B, NH, T, HS)
-    kh = repeat_kv(rope_forward(heads(k, n_kv_head), cos, sin), r)  # (B, NH, T, HS)
-    vh = repeat_kv(heads(v, n_kv_head), r)  # (B, NH, T, HS)
-    qkv = xp.concatenate([merge_heads(qh), merge_heads(kh), merge_heads(vh)], axis=-1)  # (B, T, 3C)
-    y, cache = core.forward(qkv, n_head)  # (B, T, NH HS)
-    return y, (core, cache, n_head, n_kv_head, cos, sin)
+    kh = rope_forward(heads(k, n_kv_head), cos, sin)  # (B, NKV, T, HS)
+    y, cache = core.forward(qh, kh, heads(v, n_kv_head))  # (B, NH, T, HS)
+    return merge_heads(y), (core, cache, n_head, cos, sin)
 
 
-@autocast
 def gqa_backward(dout, cache):
     """Returns dq (B, T, NH HS), dk, dv (B, T, NKV HS)."""
-    core, core_cache, n_head, n_kv_head, cos, sin = cache
-    r = n_head // n_kv_head
-    dqkv = core.backward(dout, core_cache)  # (B, T, 3C)
-    dq, dk, dv = (heads(a, n_head) for a in array_module(dout).split(dqkv, 3, axis=-1))
-    # forward was: kh = repeat_kv(rope(k)), vh = repeat_kv(v), qh = rope(q)
-    dk = rope_backward(unrepeat_kv(dk, r), cos, sin)  # (B, NKV, T, HS)
-    dv = unrepeat_kv(dv, r)
-    dq = rope_backward(dq, cos, sin)  # (B, NH, T, HS)
-    return merge_heads(dq), merge_heads(dk), merge_heads(dv)
+    core, core_cache, n_head, cos, sin = cache
+    dq, dk, dv = core.backward(heads(dout, n_head), core_cache)  # (B, NH | NKV, T, HS)
+    # forward was: qh = rope(q), kh = rope(k), y = core(qh, kh, v)
+    return (merge_heads(rope_backward(dq, cos, sin)), merge_heads(rope_backward(dk, cos, sin)),
+            merge_heads(dv))
