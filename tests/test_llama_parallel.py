@@ -299,3 +299,28 @@ def test_save_from_one_layout_and_train_on_another(tmp_path):
     cfg, params = load_llama(folder)
     assert cfg == config(1)
     run_layout(cfg, "ulysses", zero=3, init=params, dp=2, cp=2)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_refmp_generate_on_tp_ranks(tmp_path):
+    """``mpiexec -n 4 refmp generate --init LLAMA_DIR --tp 4``: the serial run's tokens;
+    a layout the Llama decoder does not split is refused on every rank (exit 2)."""
+    from refmp.cli.main import main
+    from refmp.inference.llama_decode import generate
+
+    comm = MPI.COMM_WORLD
+    folder = comm.bcast(str(tmp_path) if comm.rank == 0 else None)
+    cfg = config(1)
+    serial = LM.Llama.create(cfg, seed=9, dtype="float64")
+    prompts = np.random.default_rng(4).integers(0, V, (2, 3))
+    if comm.rank == 0:
+        save_llama(f"{folder}/llama", cfg, serial.params)
+        np.save(f"{folder}/prompts.npy", prompts)
+    comm.barrier()
+    argv = ["generate", "--init", f"{folder}/llama", "--prompts", f"{folder}/prompts.npy",
+            "--max-new-tokens", "4", "--dtype", "float64", "--json"]
+    assert main([*argv, "--tp", "4", "--save-tokens", f"{folder}/out.npy"]) == 0
+    assert main([*argv, "--tp", "2", "--pp", "2"]) == 2
+    if comm.rank == 0:
+        np.testing.assert_array_equal(np.load(f"{folder}/out.npy"), generate(serial, prompts, 4)[0])
