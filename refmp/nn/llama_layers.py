@@ -168,11 +168,13 @@ class LocalCore:
         return L.attention_backward(dout, cache)  # (B, T, 3C)
 
 
-def SerialCore(keep_scores: bool = True) -> RepeatedCore:  # noqa: N802  (reads as a class)
+class SerialCore(RepeatedCore):
     """The serial grouped-query core: refmp.nn.layers' attention on the repeated heads.
     Context parallelism passes its own (refmp.parallel.context.gqa_ring, or Ulysses in a
     RepeatedCore), with the same two methods."""
-    return RepeatedCore(LocalCore(keep_scores))
+
+    def __init__(self, keep_scores: bool = True):
+        super().__init__(LocalCore(keep_scores))
 
 
 def gqa_forward(q, k, v, n_head: int, n_kv_head: int, cos, sin, core=None):
