@@ -107,6 +107,33 @@ def test_resume_on_the_same_layout_is_bitwise_the_uninterrupted_run():
     bad.assert_none()
 
 
+def test_save_and_resume_hold_one_piece_at_a_time_measured(tmp_path):
+    """tracemalloc's peaks while a run saves a checkpoint and loads it: its state is already
+    allocated, and each adds a piece or two at a time (written as it is cut out, read
+    straight into the array it sets, the elements' global indices computed a unit at a
+    time), not the state again (copying every piece first, with every piece's int64
+    indices, held more than the whole state again). One rank, the pytest process."""
+    import tracemalloc
+
+    from refmp.nn.slices import BLOCK_BYTES
+
+    cfg = config(n_layer=8, n_embd=64, steps=2)
+    tr, _ = train(cfg, 2, data(), grid=ProcessGrid(MPI.COMM_SELF))
+    largest = max(int(p.nbytes) for p in tr.runner.params.values())
+    state = sum(int(p.nbytes) for p in tr.runner.params.values()) + tr.opt.state_bytes()
+    bound = 4 * largest + 2 * BLOCK_BYTES + 2**18  # verify's sha256 reads a block at a time
+    assert bound < 0.5 * state, (bound, state)  # the bound says something
+    for what, call in (("save", tr.save_checkpoint), ("resume", tr.resume)):
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            call(str(tmp_path))
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        assert peak < bound, (what, peak, bound, state)
+
+
 # --- another layout: float64 rounding ------------------------------------------------------------
 
 
@@ -412,6 +439,8 @@ BAD = [  # (what to do to the checkpoint, extra flags, the file the message name
                  "optimizer is adamw", id="another-optimizer"),
     pytest.param(lambda d: shutil.rmtree(f"{d}/{STEP}"), [], "ck", "no complete checkpoint",
                  id="no-checkpoint"),
+    pytest.param(lambda d: None, ["--init", "w.safetensors"], "w.safetensors",
+                 "both give the starting weights", id="init-and-resume"),
 ]
 
 
@@ -456,7 +485,7 @@ def test_a_truncated_init_file_and_convert_input(saved, tmp_path):
 
 
 @pytest.mark.tutorial
-def test_tutorial_09_checkpoints():
-    r = mpiexec(4, ["python", "tutorials/09_checkpoints.py"])
+def test_tutorial_11_checkpoints():
+    r = mpiexec(4, ["python", "tutorials/11_checkpoints.py"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: resumed on another layout == the uninterrupted run" in r.stdout

@@ -287,8 +287,8 @@ def test_cp_train_command():
 
 
 @pytest.mark.tutorial
-def test_tutorial_07_context_parallel():
-    r = mpiexec(4, ["python", "tutorials/07_context_parallel.py"], timeout=120)
+def test_tutorial_06_context_parallel():
+    r = mpiexec(4, ["python", "tutorials/06_context_parallel.py"], timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all checks passed" in r.stdout
     assert "== 1. by hand: cp = 4" in r.stdout

@@ -65,6 +65,22 @@ def test_the_flag_table_is_the_parser():
     assert set(rows) == parser, {"missing": parser - set(rows), "not a flag": set(rows) - parser}
 
 
+def test_the_tutorials_are_numbered_in_the_guides_order():
+    """mkdocs.yml's numbered entries ("N · title") run 1, 2, ... in the nav's order, and the
+    page of entry N (its first page) runs tutorials/NN_*.py, which exists."""
+    nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:\n")[1].splitlines()
+    numbered = []
+    for i, line in enumerate(nav):
+        m = re.match(r'\s*- "(\d+) · [^"]*":\s*(\S+\.md)?\s*$', line)
+        if m:
+            page = m.group(2) or re.search(r"(\S+\.md)\s*$", nav[i + 1]).group(1)
+            numbered.append((int(m.group(1)), page))
+    assert [n for n, _ in numbered] == list(range(1, len(numbered) + 1)), numbered
+    for n, page in numbered:
+        names = set(re.findall(rf"tutorials/({n:02d}_\w+\.py)", (DOCS / page).read_text()))
+        assert names and all((ROOT / "tutorials" / name).is_file() for name in names), (n, page)
+
+
 HISTORY = re.compile(r"\bsessions?\b|first version|earlier version|the code before|used to "
                      r"\w+ (?:show|be|scatter|probe)|\bwas once\b|\b20\d\d-\d\d-\d\d\b", re.I)
 

@@ -204,10 +204,10 @@ def test_cli_runs_a_4d_layout_with_experts(tmp_path):
 
 
 @pytest.mark.tutorial
-def test_tutorial_08_any_layout():
+def test_tutorial_09_any_layout():
     from mpi_helpers import mpiexec
 
-    r = mpiexec(8, ["python", "tutorials/08_any_layout.py"])
+    r = mpiexec(8, ["python", "tutorials/09_any_layout.py"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: any layout == serial" in r.stdout
     assert r.stdout.count("ZeRO-1 owns") == 1 and r.stdout.count("\n7 ") == 1  # 8 rows
@@ -217,7 +217,7 @@ def test_tutorial_08_any_layout():
                                    dict(pp=1, dp=4, cp=1, tp=2, ep=4)])
 def test_who_holds_numbers_the_ranks_as_the_grid_does(sizes):
     """holdings.who_holds (the guide's pictures) puts each rank where ProcessGrid does;
-    tutorial 8 checks the rest (blocks, tokens, experts) against a running engine."""
+    tutorial 9 checks the rest (blocks, tokens, experts) against a running engine."""
     from refmp.distributed.grid import ProcessGrid
     from refmp.nn.params import GPTConfig
     from refmp.parallel.holdings import who_holds
@@ -379,38 +379,58 @@ def test_building_holds_the_share_plus_one_read_measured():
         assert bound < 0.75 * whole, (kw, bound, whole)  # the bound says something
 
 
+EVALUATED = [  # 4 ranks; each decodes with what it trains, nothing more
+    dict(dp=4, zero=3),
+    dict(dp=4, ep=2, zero=3, n_expert=4),  # the experts stay on their ep ranks
+    dict(pp=2, dp=2, zero=3, schedule="zb-v", microbatches=2),  # a V: two chunks a rank
+    dict(tp=2, pp=2, microbatches=2, schedule="interleaved", virtual_stages=2),
+]
+
+
 @pytest.mark.parallel(nprocs=4)
 @collective
-def test_evaluation_with_zero3_holds_a_unit_not_the_model_measured():
-    """ZeRO-3 over 4 ranks: tracemalloc's peak while the addition task is evaluated (every
-    dp rank decodes its quarter of the prompts, the weights gathered unit by unit as they are
-    read: a few units at once, 12 blocks here) stays under half the whole model (gathering
-    every unit for the decode held 1.3 times it), and the accuracy is the one the whole
-    model gives (decoded alone on each rank from Engine.full_params, the check only)."""
+def test_evaluation_decodes_what_each_rank_holds_measured():
+    """tracemalloc's peak while the addition task is evaluated, in layouts where the
+    decoder's split could differ from training's (a V, interleaving: training's chunks are
+    decoded as trained) or hold more than a share (ZeRO-3: units gathered as read; ep:
+    experts left on their ranks), stays under half the whole model (with ZeRO-3 alone,
+    gathering every unit held 1.3 times it); 3 prompts over 4 dp ranks, so one decodes a
+    stand-in batch in lockstep. The accuracy, and the greedy tokens of the evaluation's
+    decoder, are the ones the whole model gives (decoded alone on each rank from
+    Engine.full_params, the check only)."""
     import tracemalloc
 
     from refmp.inference.decoder import Decoder
     from refmp.inference.generate import Greedy
     from refmp.nn.params import param_shapes
     from refmp.training.datasets import AdditionTask
-    from refmp.training.evaluate import evaluate
+    from refmp.training.evaluate import decoder, evaluate
 
-    task = AdditionTask(digits=2, seed=0, n_train=200, n_test=40)
-    cfg = config(n_layer=12, n_embd=128, block_size=10, batch_size=4, steps=1, dp=4, zero=3)
-    tr = Trainer(cfg, grid=ProcessGrid(MPI.COMM_WORLD, dp=4), dataset=task.dataset())
-    tr.step()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        got = evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, task)
-        peak = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
-    whole = sum(math.prod(s) for s in param_shapes(tr.mcfg).values()) * 8  # float64
-    full = tr.runner.full_params()  # the check's reference: the whole model, gathered
-    full = MPI.COMM_WORLD.bcast(full, root=0)
-    alone = ProcessGrid(MPI.COMM_SELF)
-    want = task.score(Greedy(Decoder(tr.mcfg, full, alone, axes=("tp", "pp"))), task.test_pairs)
-    print(f"rank {MPI.COMM_WORLD.rank}: evaluation peak {peak:,} of a {whole:,}-byte model")
-    assert got == want, (got, want)
-    assert peak < 0.5 * whole, (peak, whole)
+    task = AdditionTask(digits=2, seed=0, n_train=200, n_test=3)
+    for kw in EVALUATED:
+        cfg = config(n_layer=8, n_embd=128, block_size=10, batch_size=4, steps=1, **kw)
+        grid = ProcessGrid(MPI.COMM_WORLD, **{a: kw.get(a, 1) for a in ("dp", "tp", "pp", "ep")})
+        tr = Trainer(cfg, grid=grid, dataset=task.dataset())
+        tr.step()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            got = evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, task)
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        whole = sum(math.prod(s) for s in param_shapes(tr.mcfg).values()) * 8  # float64
+        full = MPI.COMM_WORLD.bcast(tr.runner.full_params(), root=0)  # the check's reference
+        alone = ProcessGrid(MPI.COMM_SELF)
+        dropping = tr.mcfg.n_expert > 0  # capacity 1.0: decoded without the cache
+        model = Greedy(Decoder(tr.mcfg, full, alone, axes=("tp", "pp"), capacity=dropping),
+                       use_cache=not dropping)
+        want = task.score(model, task.test_pairs)
+        prompts = task.encode(task.test_pairs)[:, : 2 * task.digits + 2]  # "aa+bb="
+        tokens = decoder(tr.runner, tr.grid, tr.mcfg, tr.T).generate(prompts, 3)  # lockstep
+        np.testing.assert_array_equal(tokens, model.generate(prompts, 3), err_msg=str(kw))
+        print(f"rank {MPI.COMM_WORLD.rank} {kw}: evaluation peak {peak:,} of a "
+              f"{whole:,}-byte model")
+        assert got == want, (kw, got, want)
+        held = 0.5 if kw.get("zero") == 3 else 0.1  # ZeRO-3: a unit or two; else read in place
+        assert peak < held * whole, (kw, peak, whole)

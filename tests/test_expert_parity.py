@@ -271,8 +271,8 @@ def test_cli_expert_parallel_run_saves_the_full_model_and_reports_stats(tmp_path
 
 @pytest.mark.tutorial
 @pytest.mark.parametrize("n", [2, 4])
-def test_tutorial_05_experts(n):
-    r = mpiexec(n, ["python", "tutorials/05_experts.py"], timeout=200)
+def test_tutorial_08_experts(n):
+    r = mpiexec(n, ["python", "tutorials/08_experts.py"], timeout=200)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: expert parallel == serial" in r.stdout and "DROP" in r.stdout
     assert "Part 1. by hand: ep = " in r.stdout

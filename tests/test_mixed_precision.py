@@ -299,10 +299,10 @@ def test_mixed_precision_flags_are_checked():
 
 
 @pytest.mark.tutorial
-def test_tutorial_10_memory():
+def test_tutorial_01_memory():
     from mpi_helpers import mpiexec
 
-    r = mpiexec(2, ["python", "tutorials/10_memory.py"])
+    r = mpiexec(2, ["python", "tutorials/01_memory.py"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: memory per rank equals the formulas" in r.stdout
 

@@ -223,7 +223,7 @@ def test_train_trace_and_bench_report_the_bubble(tmp_path):
 
 
 def test_tutorial_runs_and_checks_itself():
-    out = mpiexec(2, ["python", "tutorials/03_pipeline.py"], timeout=120)
+    out = mpiexec(2, ["python", "tutorials/07_pipeline.py"], timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "matches the serial run" in out.stdout
     assert "1. by hand: pp = 2" in out.stdout

@@ -247,16 +247,17 @@ def test_schedule_command_refuses_bad_input(capsys):
 
 
 def test_docs_timelines_are_what_refmp_prints(capsys):
-    """docs/pipeline.md shows `refmp schedule` output; it must match what refmp prints now."""
+    """docs/pipeline*.md show `refmp schedule` output; it must match what refmp prints now."""
     import pathlib
     import re
 
-    page = (pathlib.Path(__file__).parent.parent / "docs" / "pipeline.md").read_text()
-    blocks = re.findall(r"<!-- schedule: (.*?) -->\n```text\n(.*?)```\n", page, re.S)
+    pages = sorted((pathlib.Path(__file__).parent.parent / "docs").glob("pipeline*.md"))
+    blocks = [(page.name, args, shown) for page in pages for args, shown in
+              re.findall(r"<!-- schedule: (.*?) -->\n```text\n(.*?)```\n", page.read_text(), re.S)]
     assert len(blocks) == 8
-    for args, shown in blocks:
+    for name, args, shown in blocks:
         assert main(["schedule", *args.split()]) == 0
-        assert capsys.readouterr().out == shown, f"docs/pipeline.md drifted for {args}"
+        assert capsys.readouterr().out == shown, f"docs/{name} drifted for {args}"
 
 
 @pytest.mark.parametrize("zero, n_expert", [(0, 0), (3, 0), (2, 2)])

@@ -362,10 +362,10 @@ def test_cli_nothing_fits_exits_2():
     assert "needs" in r.stdout
 
 
-def test_tutorial_11_checks_itself():
-    """tutorials/11_plan.py as a reader runs it: the search, the terms, and every rank's
+def test_tutorial_13_checks_itself():
+    """tutorials/13_plan.py as a reader runs it: the search, the terms, and every rank's
     measured memory against the plan (data parallel and a 2-stage pipeline in bf16)."""
-    r = mpiexec(2, ["python", "tutorials/11_plan.py"])
+    r = mpiexec(2, ["python", "tutorials/13_plan.py"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: every rank's memory is the plan's" in r.stdout
     assert r.stdout.count("faster than the runner-up") == 1  # rank 0 alone narrates

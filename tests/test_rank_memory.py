@@ -1,5 +1,5 @@
 """Ranks with a memory size (refmp cluster --rank-memory, docs/nodes.md) and each rank's
-measured peak beside the planner's prediction (docs/memory.md).
+measured peak beside the planner's prediction (docs/memory_at_scale.md).
 
 Pure: sizes, and bad limits refused with one message before any node is made. As root with
 a kernel memory controller (skipped elsewhere, with the reason), on clusters of network

@@ -281,6 +281,8 @@ def test_the_search_finds_a_page(browser):
 
 STRATEGY_PAGES = ["data_parallel", "pipeline", "tensor_parallel", "experts", "zero", "compression",
                   "context_parallel", "architecture"]
+FLOWS = {"ring_allreduce": "collectives", "megatron": "tensor_parallel", "zero_flat": "zero",
+         "ulysses": "context_parallel", "moe": "experts"}  # docs/_hooks/flows.py, by page
 
 
 def hook(name: str):
@@ -296,8 +298,11 @@ def test_every_strategy_page_shows_its_picture_and_the_explorer_table_is_small(s
     for page in STRATEGY_PAGES:
         assert (site / "img" / "holds" / f"{page}.svg").read_text().startswith("<svg"), page
         assert f'src="img/holds/{page}.svg"' in (site / f"{page}.html").read_text(), page
-    for page, svg in (("pipeline", "pipeline"), ("collectives", "collectives")):
+    for page, svg in (("pipeline_at_scale", "pipeline"), ("collectives", "collectives")):
         assert f'src="img/measured/{svg}.svg"' in (site / f"{page}.html").read_text(), page
+    for name, page in FLOWS.items():  # the data-flow pictures, each on its page
+        assert (site / "img" / "flow" / f"{name}.svg").read_text().startswith("<svg"), name
+        assert f'src="img/flow/{name}.svg"' in (site / f"{page}.html").read_text(), name
     table = (site / "explorer" / "table.js").read_text()
     assert table.startswith("window.REFMP_EXPLORER = ") and len(table) < 50_000, len(table)
     for name in hook("explorer").MODELS:  # one file a model, each loaded on its own
@@ -437,7 +442,8 @@ def test_every_picture_loads_and_nothing_comes_from_another_host(browser):
     open_page(tools, f"{base}/tensor_parallel.html")
     assert tools.js(PAGE_CHECK)["imgsDrawn"] == tools.js(PAGE_CHECK)["imgs"]
     svgs = [f"img/holds/{p}.svg" for p in STRATEGY_PAGES] + ["img/measured/pipeline.svg",
-                                                             "img/measured/collectives.svg"]
+                                                             "img/measured/collectives.svg"] \
+        + [f"img/flow/{name}.svg" for name in FLOWS]
     widths = tools.js(f"""Promise.all({json.dumps(svgs)}.map(src => new Promise(done => {{
       const i = new Image();
       i.onload = () => done(i.naturalWidth);
@@ -449,3 +455,92 @@ def test_every_picture_loads_and_nothing_comes_from_another_host(browser):
     urls = [e["params"]["request"]["url"] for e in tools.events
             if e.get("method") == "Network.requestWillBeSent"]
     assert urls and all(u.startswith((base, "data:")) for u in urls), sorted(set(urls))
+
+
+# --- the core files annotated side by side (docs/_hooks/annotate.py) -------------------------
+
+
+def core_files() -> list[str]:
+    return hook("annotate").core_files((DOCS / "reading.md").read_text())
+
+
+def test_every_line_of_a_core_file_is_shown_once_in_order():
+    """The cut loses nothing: each line is code, a whole-line comment or a docstring line, once;
+    the code keeps the file's order, the notes hold every comment and docstring, and the
+    coloured lines are the file's lines."""
+    import ast
+
+    annotate = hook("annotate")
+    files = core_files()
+    assert len(files) >= 16, files
+    for path in files:
+        source = (ROOT / path).read_text()
+        n = len(source.splitlines())
+        cut = annotate.cut(source)
+        code = [k for s in cut.sections for k in s.code]
+        assert code == sorted(set(code)), path
+        blank = {k for k, line in enumerate(source.splitlines(), 1) if not line.strip()}
+        shown = set(code) | cut.comments | cut.docstrings
+        assert not (set(code) & (cut.comments | cut.docstrings)), path
+        assert shown | blank == set(range(1, n + 1)), (path, sorted(set(range(1, n + 1)) - shown))
+        notes = "\n".join(p for s in cut.sections for p in s.note)
+        for node in ast.walk(ast.parse(source)):
+            doc = ast.get_docstring(node) if isinstance(
+                node, ast.Module | ast.ClassDef | ast.FunctionDef) else None
+            assert doc is None or doc in notes, (path, doc[:60] if doc else doc)
+        plain = [re.sub(r"<[^>]+>", "", line) for line in annotate.coloured_lines(source)]
+        import html as html_lib
+        assert [html_lib.unescape(line) for line in plain][:n] == source.splitlines(), path
+
+
+def test_a_note_typesets_its_math_and_the_pages_are_linked(site):
+    """TeX in a comment becomes MathML, as on every page; every core file has its page, linked
+    from docs/reading.md's table, its code lines in it."""
+    annotate = hook("annotate")
+
+    class Page:
+        class file:  # noqa: N801 (what the MathML hook reads of a page)
+            src_uri = "source/x.md"
+
+    body = annotate.typeset(annotate.page_html("x.py", "# the norm \\(\\sqrt{x^2}\\)\ny = 1\n",
+                                               "../reading.html"), Page)
+    assert "<math" in body and "arithmatex" not in body and "<msqrt>" in body, body
+    reading = (site / "reading.html").read_text()
+    for path in core_files():
+        page = annotate.page_of(path).replace(".md", ".html")
+        assert f'href="{page}"' in reading, page
+        text = (site / page).read_text()
+        assert 'class="annotated"' in text and path in text, page
+    assert "source/refmp.parallel.tensor.linear.html" in (site / "tensor_parallel.html").read_text()
+
+
+SIDE_BY_SIDE = """(() => {
+  const notes = [...document.querySelectorAll(".annotated > .note")];
+  const codes = [...document.querySelectorAll(".annotated > .code")];
+  const box = e => e.getBoundingClientRect();
+  return {
+    rows: notes.length, codes: codes.length,
+    beside: notes.filter((n, i) => box(n).right <= box(codes[i]).left + 1
+                                   && Math.abs(box(n).top - box(codes[i]).top) < 2).length,
+    code: codes.map(c => c.innerText).join("\\n"),
+    note: notes.map(n => n.innerText).join("\\n"),
+    coloured: document.querySelectorAll(".annotated .code .k, .annotated .code .nf").length,
+    overflow: document.documentElement.scrollWidth - window.innerWidth,
+    back: document.querySelector('.md-content a[href="../reading.html"]') !== null,
+  };
+})()"""
+
+
+@needs_chromium
+def test_a_browser_draws_a_core_file_side_by_side(browser):
+    """ring.py's page: each note beside its code, coloured, no page-wide overflow, no error."""
+    tools, base = browser
+    open_page(tools, f"{base}/source/refmp.parallel.context.ring.html")
+    got = tools.js(SIDE_BY_SIDE)
+    assert got["rows"] == got["codes"] >= 4 and got["beside"] == got["rows"], got
+    assert "def _ring(self, kv, tag):" in got["code"] and "yield i, (r - i) % cp, kv" in got["code"]
+    assert "lse = log(e^lse1 + e^lse2)" in got["note"] and "Liu et al. 2023" in got["note"]
+    assert '"""' not in got["code"], "a docstring was left in the code column"
+    assert got["coloured"] > 20 and got["overflow"] <= 0 and got["back"], got
+    assert screenshot_colours(tools) > 20, "the page looks blank"
+    assert tools.errors() == [], tools.errors()

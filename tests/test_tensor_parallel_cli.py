@@ -69,7 +69,7 @@ def test_tp_bad_input_fails_cleanly_on_every_rank(bad_tp_runs, args, message):
 def test_tutorial_runs_and_checks_itself(n):
     from mpi_helpers import mpiexec
 
-    r = mpiexec(n, ["python", "tutorials/04_tensor_parallel.py"], timeout=120)
+    r = mpiexec(n, ["python", "tutorials/05_tensor_parallel.py"], timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: tensor parallel == serial, ledger == formula" in r.stdout
     assert "1. by hand: tp = " in r.stdout

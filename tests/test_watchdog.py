@@ -30,10 +30,10 @@ TIMEOUT = 3
 
 
 def hang_cases() -> dict:
-    """name: (ranks, train flags, fault environment); tutorial 14 runs the 2-rank hangs."""
+    """name: (ranks, train flags, fault environment); tutorial 16 runs the 2-rank hangs."""
     hang = {"REFMP_FAULT_RANK": "1", "REFMP_FAULT_STEP": "3", "REFMP_FAULT_MODE": "hang"}
     return {
-        "tutorial 14": (0, [], None),  # dp 2 asleep outside MPI, pp 2 stuck in a receive
+        "tutorial 16": (0, [], None),  # dp 2 asleep outside MPI, pp 2 stuck in a receive
         "pp2 x dp2 hang": (4, ["--pp", "2", "--dp", "2", "--microbatches", "2"], hang),
         "mpi error": (2, ["--dp", "2"], {**hang, "REFMP_FAULT_MODE": "mpi"}),
         "mismatch": (2, ["sizes"], None),
@@ -48,8 +48,8 @@ def hangs():
     def one(name):
         n, flags, env = cases[name]
         t0 = time.perf_counter()
-        if name == "tutorial 14":  # it launches its jobs itself, with mpiexec
-            r = subprocess.run([sys.executable, "tutorials/14_hangs.py"], cwd=REPO,
+        if name == "tutorial 16":  # it launches its jobs itself, with mpiexec
+            r = subprocess.run([sys.executable, "tutorials/16_hangs.py"], cwd=REPO,
                                capture_output=True, text=True, timeout=150)
         elif name.startswith("mismatch"):
             r = mpiexec(n, ["python", "tests/mpi_scripts/mismatched_collective.py", *flags],
@@ -71,10 +71,10 @@ def ended_by_watchdog(r, seconds):
     assert "Thread 0x" in r.stderr  # the ranks' tracebacks (faulthandler)
 
 
-def test_tutorial_14_rank_sleeping_outside_mpi_is_named_dp2(hangs):
+def test_tutorial_16_rank_sleeping_outside_mpi_is_named_dp2(hangs):
     """The tutorial's jobs end with the watchdog's status 5 within the timeout plus 30 s (it
     checks that itself); its report, rank 1's traceback and `refmp trace` name rank 1."""
-    r, _ = hangs["tutorial 14"]
+    r, _ = hangs["tutorial 16"]
     assert r.returncode == 0 and "OK: the watchdog named the stuck rank" in r.stdout, \
         r.stdout[-3000:] + r.stderr[-2000:]
     part1, part2, part3 = ("\n" + r.stdout).split("\nPart ")[1:4]
@@ -91,8 +91,8 @@ def test_rank_sleeping_outside_mpi_is_named_pp_dp(hangs):
     assert "rank 1 has not" in r.stderr and "rank 1 is not in MPI" in r.stderr, r.stderr[-3000:]
 
 
-def test_tutorial_14_receive_that_never_gets_its_message(hangs):
-    r, _ = hangs["tutorial 14"]
+def test_tutorial_16_receive_that_never_gets_its_message(hangs):
+    r, _ = hangs["tutorial 16"]
     part3 = ("\n" + r.stdout).split("\nPart ")[3]
     assert "exit status 5 after" in part3, r.stdout[-3000:]
     assert "rank 0 has not sent message #1 (tag 32766) on pp that rank 1 waits for in recv" \

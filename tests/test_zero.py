@@ -280,7 +280,7 @@ def test_bad_input_is_refused(bad_zero_runs, args, message):
 
 @pytest.mark.tutorial
 def test_tutorial_runs():
-    r = mpiexec(2, ["python", "tutorials/06_zero.py"], timeout=120)
+    r = mpiexec(2, ["python", "tutorials/04_zero.py"], timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all checks passed" in r.stdout
     assert "1. by hand: one ZeRO step" in r.stdout

@@ -33,19 +33,20 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 import time
 from dataclasses import replace
 
 from mkdocs.structure.files import File
 
 from refmp.config import check_sizes
-from refmp.cost.machines import MACHINES
+from refmp.cost.family import n_params
+from refmp.cost.machines import MACHINES as ALL_MACHINES
 from refmp.cost.machines import MODELS as SHAPES
 from refmp.cost.memory import memory, total
 from refmp.cost.model import Layout, predict, train_config
+from refmp.cost.presets import family
 from refmp.errors import ConfigError
-from refmp.nn.params import GPTConfig, param_shapes
+from refmp.nn.params import GPTConfig
 from refmp.parallel.pipeline.simulate import simulate_schedule
 from refmp.parallel.rules import check_layout
 
@@ -53,11 +54,15 @@ GPUS = 8  # one node of a machine preset
 BATCH = 64
 # refmp bench --preset tiny's shape (tests/test_site.py holds it to refmp.cli.bench.PRESETS),
 # the same with 4 experts in every block (bench --n-expert 4), then refmp plan's presets
-# (refmp.cost.machines.MODELS: n_layer, n_embd, n_head, vocab, T)
+# (refmp.cost.machines.MODELS: n_layer, n_embd, n_head, vocab, T), and Llama 3 8B (the Llama
+# family: grouped-query attention, SwiGLU, an untied head; refmp.cost.presets)
 TINY = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
 MODELS = {"tiny": TINY, "tiny-moe": replace(TINY, n_expert=4),
           **{name: GPTConfig(n_layer=L, n_embd=C, n_head=NH, vocab_size=V, block_size=T)
-             for name in ("gpt2", "gpt2-xl", "gpt3-6.7b") for L, C, NH, V, T in [SHAPES[name]]}}
+             for name in ("gpt2", "gpt2-xl", "gpt3-6.7b") for L, C, NH, V, T in [SHAPES[name]]},
+          "llama3-8b": family("llama3-8b")}
+# the machines the page times on (the planner's h100 is dgx-h100 by another name)
+MACHINES = {k: ALL_MACHINES[k] for k in ("dgx-a100", "dgx-h100")}
 BENCH = ("tiny", "tiny-moe")  # refmp bench's presets: float32, as bench runs them
 CHOICES = {"tp": (1, 2, 4, 8), "pp": (1, 2, 4), "cp": (1, 2, 4), "ep": (1, 2, 4),
            "microbatches": (4, 8, 16), "sequence_parallel": (False, True),
@@ -168,7 +173,7 @@ def table() -> dict:
     models = {name: {"n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
                      "vocab_size": m.vocab_size, "block_size": m.block_size,
                      "n_expert": m.n_expert, "top_k": m.top_k if m.n_expert else 0,
-                     "params": sum(math.prod(s) for s in param_shapes(m).values())}
+                     "params": n_params(m)}
               for name, m in MODELS.items()}
     machines = {name: {"gpu_memory_gb": m.gpu_memory_gb, "peak_tflops": m.peak_tflops,
                        "intra_node_gbs": m.intra_node_gbs} for name, m in MACHINES.items()}

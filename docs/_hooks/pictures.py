@@ -12,7 +12,7 @@ from the tables the engine itself slices the model with, so a picture cannot dri
     data_parallel    refmp.cost.zero.local_shapes (every rank holds every unit)
     compression      refmp.cost.zero.comm_per_step / compressed_per_step, refmp.cost.memory
                      .codec_bytes (bytes sent, bytes kept)
-    architecture     who_holds of tutorial 8's 8 ranks, pp 2 x cp 2 x tp 2, ep 2, ZeRO-1
+    architecture     who_holds of tutorial 9's 8 ranks, pp 2 x cp 2 x tp 2, ep 2, ZeRO-1
 
 Each is an SVG file of the built site, img/holds/<page>.svg, shown by its page.
 """
@@ -265,13 +265,13 @@ def architecture() -> Svg:
     mcfg = GPTConfig(vocab_size=17, block_size=8, n_layer=4, n_head=4, n_embd=16, n_expert=4,
                      top_k=2, moe_every=2)
     sizes = {"pp": 2, "dp": 1, "cp": 2, "tp": 2, "ep": 2}
-    s = Svg(760, 330, "tutorial 8's layout: pp 2 x cp 2 x tp 2, experts over ep 2, ZeRO-1")
+    s = Svg(760, 330, "tutorial 9's layout: pp 2 x cp 2 x tp 2, experts over ep 2, ZeRO-1")
     s.text(10, 18, "8 ranks as pp 2 x cp 2 x tp 2 (experts over ep 2, carved from dp x cp), "
                    "ZeRO-1: what each rank holds", 12, bold=True)
     for row in who_holds(mcfg, sizes, 8):
         blocks = [i for b in row["chunks"].values() for i in b]
         shapes = local_shapes(mcfg, 2, blocks, row["first"], row["last"], 2, row["ep"])
-        owned = 0  # as tutorial 8 counts: the elements of the slices it owns, padding left out
+        owned = 0  # as tutorial 9 counts: the elements of the slices it owns, padding left out
         for u, sh in shapes.items():  # dense units over dp x cp, experts over edp = dp cp / ep
             expert = u.endswith("experts")
             unit = Unit(u, sh, 1 if expert else 2, row["edp"] if expert else row["cp"])

@@ -34,6 +34,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+from refmp.checkpoint.stream import StreamWriter
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig, param_shapes
 
@@ -78,20 +79,39 @@ def index_of(runs: np.ndarray) -> np.ndarray:
 # --- writing -----------------------------------------------------------------------------------
 
 
-def write_rank_file(path: str, pieces: dict) -> dict:
-    """Write ``pieces`` {name: (index (n,), {kind: values (n,)})} as one safetensors file.
+def write_rank_file(path: str, pieces: dict, to_host=np.asarray) -> dict:
+    """Write ``pieces`` {name: (runs (R, 2), real, {kind: values})} as one safetensors file, a
+    tensor at a time (refmp.checkpoint.stream.StreamWriter: the writer holds one piece's copy,
+    never the rank's state again). ``runs``: the (start, length) runs of the piece's global
+    flat indices (runs_of); ``values``: its elements in the rank's order (any shape, any
+    device: ``to_host`` brings them over), of which ``real`` (a bool mask; None: all) are
+    written.
 
     Returns the manifest's entry for the file: its size, sha256, and per piece its element
     count, first and last global index and number of runs (the slice, in brief)."""
-    tensors, summary = {}, {}
-    for name, (index, values) in pieces.items():
-        runs = runs_of(index)
-        tensors[f"{name}/runs"] = runs
-        for kind, v in values.items():
-            tensors[f"{name}/{kind}"] = np.ascontiguousarray(v)
-        summary[name] = {"numel": int(index.size), "first": int(index.min()),
-                         "last": int(index.max()), "runs": len(runs)}
-    return {**write_tensors(path, tensors), "pieces": summary}
+    shapes, dtypes, summary = {}, {}, {}
+    for name, (runs, _, arrays) in pieces.items():
+        n = int(runs[:, 1].sum())
+        shapes[f"{name}/runs"] = runs.shape
+        dtypes[f"{name}/runs"] = np.int64
+        for kind, a in arrays.items():
+            shapes[f"{name}/{kind}"] = (n,)
+            dtypes[f"{name}/{kind}"] = a.dtype
+        summary[name] = {"numel": n, "first": int(runs[:, 0].min()),
+                         "last": int((runs[:, 0] + runs[:, 1]).max() - 1), "runs": len(runs)}
+
+    def tensor(key: str) -> np.ndarray:  # one tensor of the file, made as it is written
+        name, kind = key.rsplit("/", 1)
+        runs, real, arrays = pieces[name]
+        if kind == "runs":
+            return runs
+        v = np.asarray(to_host(arrays[kind])).reshape(-1)
+        return v if real is None else v[real]
+
+    with StreamWriter(path, shapes, dtypes) as w:
+        for key in w.order:
+            w.write(key, tensor(key))
+    return {"bytes": w.bytes, "sha256": w.sha256, "pieces": summary}
 
 
 def write_tensors(path: str, tensors: dict) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -34,6 +35,7 @@ from refmp.checkpoint.format import (
     publish,
     rank_file,
     read_file,
+    runs_of,
     step_name,
     write_json,
     write_rank_file,
@@ -115,14 +117,13 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
                 raise file_error("--checkpoint-dir", root, e) from e
 
     agreed(world, prepare)
-    pieces = {}
+    pieces = {}  # name -> (runs of its global indices, which elements are real, its arrays)
     for k, index in run.piece_index().items():  # my elements' global flat indices
         real = index >= 0  # -1: padding (ZeRO's, or the vocabulary's with tp)
         if not run.counts_in_norm[k] or not real.any():
             continue  # another rank writes this copy, or it holds nothing
-        host = {"param": backend.to_host(run.params[k])}
-        host.update({m: backend.to_host(a[k]) for m, a in moments.items()})
-        pieces[k] = (index[real], {m: np.asarray(v)[real] for m, v in host.items()})
+        arrays = {"param": run.params[k], **{m: a[k] for m, a in moments.items()}}
+        pieces[k] = (runs_of(index[real]), None if real.all() else real, arrays)
 
     stateful = cfg.grad_compress in STATEFUL and parts.codec is not None
     codec = {k: backend.to_host(v) for k, v in parts.codec.state().items()} if stateful else {}
@@ -130,7 +131,7 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
     def write():
         path = os.path.join(tmp, rank_file(world.rank))
         try:
-            entry = write_rank_file(path, pieces)
+            entry = write_rank_file(path, pieces, backend.to_host)  # a piece at a time
             if stateful:  # this rank's own codec state
                 path = os.path.join(tmp, codec_file(world.rank))
                 entry["codec"] = {"rank": world.rank, **write_tensors(path, codec)}
@@ -170,12 +171,14 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
 def load(parts: Checkpointed, path: str) -> dict:
     """Set ``parts`` (weights, optimizer state, loss scale, step) from the checkpoint at (or
     latest in) ``path``, whatever layout wrote it (collective over the world). Returns the
-    manifest. Every check raises a ConfigError on every rank (faults.agreed)."""
+    manifest. Every check raises a ConfigError on every rank (faults.agreed), before any
+    piece is read; then the pieces are read one at a time, each straight into the array it
+    sets (a rank holds its state and one piece more)."""
     world, run = parts.grid.world, parts.runner
     index = run.piece_index()  # {piece: (n,) global flat index, -1 for padding}
     ours = parts.optimizer.state()["kind"]
 
-    def read():
+    def check():
         src = CheckpointSource(path)
         man = src.man
         check_model(man, parts.model)
@@ -183,27 +186,17 @@ def load(parts: Checkpointed, path: str) -> dict:
         if kind is not None and kind != ours:
             raise ConfigError(f"checkpoint manifest {man['path']}: its optimizer is {kind}, "
                               f"this run's is {ours} (--optimizer {kind})")
-        kinds = ["param", *man["optimizer"]["moments"]]  # the moments of the same optimizer
         for j, f in enumerate(sorted(man["files"])):  # every file checked by some rank
             if j % world.size == world.rank:
                 src.verify(f)
-        pieces = {m: {k: src.read_elements(k, i, kind=m) if (i >= 0).any()
-                      else np.zeros(i.size, man["dtype"])  # padding alone
-                      for k, i in index.items()} for m in kinds}
-        return man, kinds, pieces, read_codec(src.ckpt, man, parts)
+        return src, man, read_codec(src.ckpt, man, parts)
 
-    man, kinds, pieces, codec = agreed(world, read)
-
-    def own_piece(kind: str, k: str) -> np.ndarray:
-        """This rank's piece k of ``kind``: its elements, 0 at padding."""
-        return pieces[kind][k]
-
+    src, man, codec = agreed(world, check)
     for k, p in run.params.items():
-        p[...] = backend.from_host(own_piece("param", k))
+        p[...] = backend.from_host(own_piece(src, man, "param", k, index[k]))
     saved = man["optimizer"]
-    parts.optimizer.load_state({
-        "t": saved["t"] if saved["kind"] else 0,
-        "moments": {m: {k: own_piece(m, k) for k in run.params} for m in kinds[1:]}})
+    moments = {m: MomentPieces(src, man, m, index) for m in saved["moments"]}
+    parts.optimizer.load_state({"t": saved["t"] if saved["kind"] else 0, "moments": moments})
     if parts.scaler is not None and "loss_scale" in saved:  # fp16's dynamic scale
         parts.scaler.load_state(saved["loss_scale"])
     run.after_step()  # the compute copy from the pieces; ZeRO 1/2: all-gather them
@@ -212,6 +205,33 @@ def load(parts: Checkpointed, path: str) -> dict:
         parts.codec.load_state({"step": int(man["step"]), "codec": codec})
     man["codec_restored"] = codec is not None  # (not in the file) for config_notes
     return man
+
+
+def own_piece(src: CheckpointSource, man: dict, kind: str, k: str, i: np.ndarray) -> np.ndarray:
+    """This rank's piece k of ``kind`` (the parameter, or an optimizer moment): the
+    checkpoint's elements at global flat index ``i``, 0 at padding (-1)."""
+    if (i >= 0).any():
+        return src.read_elements(k, i, kind=kind)
+    return np.zeros(i.size, man["dtype"])  # padding alone
+
+
+class MomentPieces(Mapping):
+    """One optimizer moment's pieces, read from the checkpoint as the optimizer takes each."""
+
+    def __init__(self, src: CheckpointSource, man: dict, kind: str, index: dict):
+        self.src = src
+        self.man = man
+        self.kind = kind
+        self.index = index
+
+    def __getitem__(self, k: str) -> np.ndarray:
+        return own_piece(self.src, self.man, self.kind, k, self.index[k])
+
+    def __iter__(self):
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
 
 
 def read_codec(ckpt: str, man: dict, parts: Checkpointed) -> dict | None:

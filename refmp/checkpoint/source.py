@@ -32,7 +32,7 @@ import numpy as np
 from refmp.checkpoint.hf import CONFIG, WEIGHTS
 from refmp.errors import ConfigError
 from refmp.nn.params import GPTConfig, init_slice
-from refmp.nn.slices import BLOCK_BYTES, WHOLE, Index, cut, cut_shape, fill, ranges, take
+from refmp.nn.slices import BLOCK_BYTES, WHOLE, Index, cut, cut_shape, fill, ranges, slice_shape, take
 
 INDEX = WEIGHTS + ".index.json"  # a Hugging Face model in several files
 
@@ -80,6 +80,14 @@ class InitSource:
     def read(self, name: str, index: Index = WHOLE, dtype=None) -> np.ndarray:
         return init_slice(name, self._shapes[name], self.cfg, self.seed, index,
                           "float64" if dtype is None else dtype)
+
+
+class ZeroSource(InitSource):
+    """Zeros in ``cfg``'s shapes: the weights of a run about to resume, which the checkpoint
+    sets piece by piece (refmp.checkpoint.sharded.load), so nothing is drawn for them."""
+
+    def read(self, name: str, index: Index = WHOLE, dtype=None) -> np.ndarray:
+        return np.zeros(slice_shape(self._shapes[name], index), "float64" if dtype is None else dtype)
 
 
 def gpt2_name(key: str) -> str | None:

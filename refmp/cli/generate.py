@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from refmp.cli.flags import add_layout_args, add_moe_args
+from refmp.cli.serving import add_serving_args, run_serving, wanted
 from refmp.errors import ConfigError
 
 
@@ -67,6 +68,7 @@ def add_parser(sub) -> None:
                    help="continuous batching: requests decoded together (8)")
     add_layout_args(g, only=("tp", "pp", "dp", "cp", "ep", "cp_balance"))
     add_moe_args(g, decoding=True)
+    add_serving_args(g)
     o = g.add_argument_group("output")
     o.add_argument("--save-tokens", default=None, metavar="PATH.npy", help="tokens (B, T0+N)")
     o.add_argument("--save-logits", default=None, metavar="PATH.npy",
@@ -120,12 +122,15 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     from refmp.runtime import backend
     from refmp.runtime.cgroup import peak
 
-    if args.init is not None and is_llama_dir(args.init):  # a Llama directory: one rank
+    if args.init is not None and is_llama_dir(args.init):  # a Llama directory: 1 or tp ranks
         from mpi4py import MPI
 
         from refmp.cli.generate_llama import run_llama
 
         return run_llama(args, MPI.COMM_WORLD.Get_size())
+    mode = wanted(args)
+    if mode is not None:  # prefix caching, chunked prefill, speculative, disaggregated
+        return run_serving(args, mode)
     grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     world = grid.world
     if args.device == "gpu":

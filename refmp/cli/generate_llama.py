@@ -37,6 +37,11 @@ def check_llama_args(args: argparse.Namespace, world_size: int) -> None:
                "--top-p": args.top_p != 1.0, "--kv-block-size": args.kv_block_size is not None,
                "--requests": args.requests is not None, "--checkpoint": args.checkpoint is not None,
                "--device gpu": args.device != "cpu"}
+    from refmp.cli.serving import wanted
+
+    mode = wanted(args)
+    if mode is not None:
+        refused[f"serving ({mode})"] = True
     bad = [k for k, v in refused.items() if v]
     if bad:
         raise ConfigError(f"--init {args.init}: a Llama directory decodes greedily on the CPU "

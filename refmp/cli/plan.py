@@ -15,10 +15,12 @@ from functools import partial
 import numpy as np
 
 from refmp.config import TrainConfig, flag_name
+from refmp.cost.family import Family
 from refmp.cost.machines import MACHINES, MODELS, Machine
 from refmp.cost.memory import size
 from refmp.cost.model import IMPLS, SEARCHED, Layout, elementwise_bytes, gemm, layout_flags, parallel_fields
 from refmp.cost.nodes import cluster
+from refmp.cost.presets import FAMILY, family
 from refmp.cost.search import search, table
 from refmp.errors import ConfigError
 from refmp.nn import gpt
@@ -38,10 +40,17 @@ def add_parser(sub) -> None:
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--preset", choices=sorted(MODELS), default=None,
-                   help="a published shape (default gpt2 when no --n-layer is given)")
-    for name in ("n_layer", "n_embd", "n_head", "vocab", "block_size", "n_expert", "top_k"):
+    g.add_argument("--preset", choices=sorted(MODELS) + sorted(FAMILY), default=None,
+                   help="a published shape (default gpt2 when no --n-layer is given; the "
+                        "Llama family and the published runs': refmp.cost.presets)")
+    for name in ("n_layer", "n_embd", "n_head", "vocab", "block_size", "n_expert", "top_k",
+                 "n_kv_head", "ffn"):
         g.add_argument(flag_name(name), type=int, default=None, help="override the preset")
+    g.add_argument("--block", choices=["gpt2", "llama"], default=None,
+                   help="the block: GPT-2's, or the Llama family's (SwiGLU, RMSNorm, rotary, "
+                        "no biases); default the preset's")
+    g.add_argument("--head", choices=["tied", "untied"], default=None,
+                   help="the LM head: wte (tied) or a matrix of its own; default the preset's")
     g.add_argument("--global-batch", type=int, default=512, help="sequences per step (512)")
     g = p.add_argument_group("machine")
     g.add_argument("--machine", choices=sorted(MACHINES) + ["cpu"], default="dgx-a100")
@@ -53,6 +62,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="nodes with one link each, of this many Gbit/s each way, shared by "
                         "their --gpus-per-node ranks (refmp cluster's): --inter-node-gbs is "
                         "a rank's share of it (docs/nodes.md)")
+    g.add_argument("--link-measured-gbs", type=float, default=None,
+                   help="with --link-gbit: a rank's share of the link as measured (GB/s, "
+                        "every pair crossing at once), taken where below the set rate's "
+                        "(refmp.cost.nodes.cluster; docs/published_runs.md)")
     g = p.add_argument_group("layout (each fixes that choice; the rest is searched)")
     for f in fields(Layout):  # refmp.config's searched fields (refmp.cost.model)
         m, plan = f.metadata, f.metadata["plan"]
@@ -69,17 +82,35 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "other of (megatron-2021: --zero 0; deepspeed-zero3: --zero 3 --pp 1)")
     p.add_argument("--top", type=int, default=10, help="layouts printed (10)")
     p.add_argument("--json", action="store_true", help='print {"layouts": [...]}, best first')
+    p.add_argument("--published", action="store_true",
+                   help="the published runs the planner is held to, each against its figure "
+                        "(docs/published_runs.md); the other flags are not read")
 
 
 def model_of(args) -> GPTConfig:
-    L, C, NH, V, T = MODELS[args.preset or "gpt2"]
+    """The preset's shape with the flags given: a GPTConfig for GPT-2's block, a Family
+    (refmp.cost.family) where a flag or the preset asks for more."""
+    if args.preset in FAMILY:
+        m = vars(family(args.preset))
+    else:
+        L, C, NH, V, T = MODELS[args.preset or "gpt2"]
+        m = dict(n_layer=L, n_embd=C, n_head=NH, vocab_size=V, block_size=T)
     given = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head,
-             "vocab_size": args.vocab, "block_size": args.block_size}
-    m = dict(n_layer=L, n_embd=C, n_head=NH, vocab_size=V, block_size=T)
+             "vocab_size": args.vocab, "block_size": args.block_size,
+             "n_kv_head": args.n_kv_head, "ffn": args.ffn,
+             "swiglu": None if args.block is None else args.block == "llama",
+             "tied": None if args.head is None else args.head == "tied"}
     m.update({k: v for k, v in given.items() if v is not None})
     if args.n_expert:
         m.update(n_expert=args.n_expert, top_k=args.top_k or 2)
-    return GPTConfig(**m)
+    if set(m) <= set(GPTConfig.__dataclass_fields__):
+        return GPTConfig(**m)
+    cfg = Family(**m)
+    kv = cfg.n_kv_head or cfg.n_head
+    if kv < 1 or cfg.n_head % kv or cfg.ffn < 0:
+        raise ConfigError(f"--n-kv-head ({kv}) must divide --n-head ({cfg.n_head}), and "
+                          f"--ffn ({cfg.ffn}) be positive (0: 4 n_embd)")
+    return cfg
 
 
 def machine_of(args) -> Machine:
@@ -92,7 +123,8 @@ def machine_of(args) -> Machine:
     if args.link_gbit is not None:
         if "inter_node_gbs" in over or not args.link_gbit > 0:
             raise ConfigError("--link-gbit (positive) sets --inter-node-gbs: give one of them")
-        mach = cluster(mach, mach.gpus_per_node, args.link_gbit, mach.inter_latency_us)
+        mach = cluster(mach, mach.gpus_per_node, args.link_gbit, mach.inter_latency_us,
+                       args.link_measured_gbs)
     return mach
 
 
@@ -222,6 +254,9 @@ def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, fl
 
 
 def run_plan(args: argparse.Namespace) -> dict:
+    if args.published:
+        from refmp.cli.plan_published import run_published
+        return run_published(args.json)
     mcfg, mach = model_of(args), machine_of(args)
     gpus = args.gpus or mach.gpus_per_node
     fixed = {f.name: getattr(args, f.name) for f in fields(Layout)
@@ -236,7 +271,8 @@ def run_plan(args: argparse.Namespace) -> dict:
     if args.json:
         print(json.dumps({"layouts": fits, "infeasible": bad[:args.top]}, indent=1))
     else:
-        print(f"{mcfg.n_layer} layers, C {mcfg.n_embd}, {mcfg.n_head} heads, V {mcfg.vocab_size}, "
+        print(f"{mcfg.n_layer} layers, C {mcfg.n_embd}, {mcfg.n_head} heads{describe_family(mcfg)}, "
+              f"V {mcfg.vocab_size}, "
               f"T {mcfg.block_size}, batch {args.global_batch} on {gpus} x {mach.name} "
               f"({mach.peak_tflops:g} TFLOP/s, {mach.gpu_memory_gb:g} GB, "
               f"{mach.gpus_per_node} per node), timed as {args.impl} runs it")
@@ -244,6 +280,15 @@ def run_plan(args: argparse.Namespace) -> dict:
     if not fits:
         raise ConfigError("no layout fits: " + (bad[0]["reason"] if bad else "no candidates"))
     return {"layouts": fits}
+
+
+def describe_family(mcfg: GPTConfig) -> str:
+    """The heading's words for the Llama family's shape ('' for GPT-2's block)."""
+    if not isinstance(mcfg, Family):
+        return ""
+    kv = mcfg.n_kv_head or mcfg.n_head
+    return (f" ({kv} key/value), FFN {mcfg.ffn or 4 * mcfg.n_embd}"
+            f"{' SwiGLU' if mcfg.swiglu else ''}, {'tied' if mcfg.tied else 'untied'} head")
 
 
 # the train flag --layout auto cannot honour (the layout flags given are fixed choices)

@@ -2,7 +2,8 @@
 appendix B), and what recomputation adds.
 
 6 * N * tokens for the matrix products of N parameters (forward 2, backward 4), where N
-leaves out wpe (a lookup, no product) but keeps wte (it is the LM head's matrix), plus
+leaves out wpe (a lookup, no product) but keeps wte (it is the LM head's matrix; an untied
+head keeps lm_head and leaves wte out: refmp.cost.family), plus
 12 * L * T * C * tokens for attention's q k^T and att v (refmp computes the full T x T
 products, masked, so this is work done, not an upper bound). For a mixture of experts N is
 the active parameters: each expert's weights count top_k / n_expert (a token visits top_k
@@ -18,7 +19,8 @@ from __future__ import annotations
 import math
 from functools import cache
 
-from refmp.nn.params import GPTConfig, param_shapes
+from refmp.cost.family import shapes, tied
+from refmp.nn.params import GPTConfig
 from refmp.parallel.context.chunks import SequenceChunks
 
 
@@ -27,9 +29,9 @@ def active_params(cfg: GPTConfig) -> float:
     """N of the FLOP count: parameters in matrix products per token, wpe left out, each
     expert's counted top_k / n_expert (see the module docstring)."""
     n = 0.0
-    for name, shape in param_shapes(cfg).items():
-        if name == "wpe.weight":
-            continue  # a lookup, no product
+    for name, shape in shapes(cfg).items():
+        if name == "wpe.weight" or (name == "wte.weight" and not tied(cfg)):
+            continue  # a lookup, no product (an untied head is lm_head, counted)
         share = cfg.top_k / cfg.n_expert if ".mlp.experts." in name else 1.0
         n += share * math.prod(shape)
     return n

@@ -53,4 +53,9 @@ MACHINES = {  # NVIDIA's data sheets: A100 SXM 312 TFLOP/s bf16, 2.0 TB/s, NVLin
     # comm_sms 24: assumed, within NCCL's 16-32 channels on these machines.
     "dgx-a100": Machine("dgx-a100", 8, 80, 312, 2039, 0.7, 300, 25, sms=108, comm_sms=24),
     "dgx-h100": Machine("dgx-h100", 8, 80, 989, 3350, 0.7, 450, 50, sms=132, comm_sms=24),
+    # the same H100 SXM by its own name (docs/published_runs.md), and the H800, its export
+    # version: the same chip, NVLink cut to 400 GB/s both ways (200 one way), nodes of 8
+    # with a 400 Gb/s NIC per GPU (DeepSeek-V3's report, sec. 3.1)
+    "h100": Machine("h100", 8, 80, 989, 3350, 0.7, 450, 50, sms=132, comm_sms=24),
+    "h800": Machine("h800", 8, 80, 989, 3350, 0.7, 200, 50, sms=132, comm_sms=24),
 }

@@ -20,9 +20,11 @@ from dataclasses import replace
 from functools import cache
 
 from refmp.config import TrainConfig
+from refmp.cost.family import cache_extra
+from refmp.cost.family import shapes as family_shapes
 from refmp.cost.model import Layout, split, train_config
 from refmp.cost.zero import hpz_per_step, local_shapes, memory_per_rank
-from refmp.nn.params import GPTConfig, param_shapes
+from refmp.nn.params import GPTConfig
 from refmp.nn.slices import BLOCK_BYTES
 from refmp.parallel.data.compress import compresses
 from refmp.parallel.pipeline.catalog import CATALOG, run_of_steps
@@ -191,6 +193,8 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     sp, cf = cfg.sequence_parallel, mcfg.capacity_factor
     rebuilt = w * block_cache_elements(b, Tl, T, C, NH, tp, sp, cfg.cp_algo, cp)
     block = w * block_cache_elements(b, Tl, T, C, NH, tp, sp, cfg.cp_algo, cp, cfg.recompute)
+    block += w * cache_extra(mcfg, b, Tl, tp, sp, cfg.recompute)  # GQA, SwiGLU (refmp.cost.family)
+    rebuilt += w * cache_extra(mcfg, b, Tl, tp, sp, "none")
     moe = moe_extra_bytes(b, Tl, T, C, mcfg.n_expert, mcfg.top_k, cf, tp, sp, w, ep) \
         if mcfg.n_expert else 0
     kept_moe = 0 if cfg.recompute == "full" else moe
@@ -225,8 +229,9 @@ def grads_at_once(units: dict, first: bool, last: bool) -> int:
     wte and wpe on the first stage, wte and ln_f on the last."""
     blocks = [n + units.get(f"{u}.experts", 0) for u, n in units.items()
               if u.startswith("h.") and not u.endswith(".experts")]
-    ends = ([units["wte"] + units["wpe"]] if first else []) + (
-        [units["wte"] + units["ln_f"]] if last else [])
+    head = units.get("lm_head", units.get("wte", 0))  # an untied head: lm_head
+    ends = ([units["wte"] + units.get("wpe", 0)] if first else []) + (
+        [head + units["ln_f"]] if last else [])
     return max(blocks + ends, default=0)
 
 
@@ -255,7 +260,7 @@ def setup_bytes(cfg: TrainConfig, shapes: dict, n: int, ep: int, w: int) -> int:
 @cache
 def model_elements(mcfg: GPTConfig) -> int:
     """Elements of the whole model, every parameter (remembered: the planner asks per layout)."""
-    return sum(math.prod(s) for s in param_shapes(mcfg).values())
+    return sum(math.prod(s) for s in family_shapes(mcfg).values())
 
 
 def need_bytes(mem: dict) -> int:

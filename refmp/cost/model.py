@@ -28,14 +28,23 @@ MEGATRON_2021 for the published comparison).
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, field, fields, make_dataclass
+from dataclasses import Field, dataclass, field, fields, make_dataclass, replace
 from functools import cache, partial
 
 from refmp.config import ParallelConfig, TrainConfig, flag_name
+from refmp.cost.family import ffn, is_llama, kv_heads, tied
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
 from refmp.cost.machines import Machine
 from refmp.cost.tensor import comm_bytes_per_step
-from refmp.cost.zero import LINEARS, comm_per_step, compressed_per_step, local_shapes, prefetched, unit_sizes
+from refmp.cost.zero import (
+    comm_per_step,
+    compressed_per_step,
+    local_shapes,
+    prefetched,
+    ring_pass,
+    unit_sizes,
+    zero3_uses,
+)
 from refmp.nn.params import GPTConfig
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.partition import partition, piece_costs
@@ -133,7 +142,8 @@ def gemm(m: int, k: int, n: int, mach: Machine, c: int, count: int = 1) -> float
 
 
 def elementwise_bytes(b: int, Tl: int, T: int, C: int, NH: int, tp: int, sp: bool,
-                      recompute: str, dropout: bool, c: int) -> int:
+                      recompute: str, dropout: bool, c: int, F: int = 0,
+                      swiglu: bool = False) -> int:
     """Bytes one block's memory-bound kernels move in one micro-batch: each reads its inputs
     and writes its outputs once (c bytes an element, a dropout mask 1 byte). n = b s C the
     LayerNorm and residual region (s = Tl/tp with SP), h = 4 b Tl C/tp GELU's input, a = b Tl
@@ -144,23 +154,29 @@ def elementwise_bytes(b: int, Tl: int, T: int, C: int, NH: int, tp: int, sp: boo
         GELU (3 h), the softmax (3 S), the transpose (2 a);
       recomputation: full, the forward again; selective, the softmax forward again;
       dropout (Megatron's, p = 0.1; refmp has none): on the probabilities 2 S and a mask S
-        bytes each way, and the two hidden dropouts' masks (n bytes each way)."""
+        bytes each way, and the two hidden dropouts' masks (n bytes each way).
+    The Llama family (refmp.cost.family): h = b Tl F/tp, and SwiGLU instead of GELU, SiLU
+    and the product forward (4 h), their gradients backward (6 h); RMSNorm as LayerNorm, and
+    rotary's passes over q and k left out (a few percent of the block's elementwise bytes)."""
     n = b * (Tl // tp if sp else Tl) * C
-    h, a, S = 4 * b * Tl * C // tp, b * Tl * C // tp, b * NH // tp * Tl * T
-    fwd = c * (10 * n + 2 * h + 2 * a + 2 * S)
-    bwd, soft = c * (14 * n + 3 * h + 2 * a + 3 * S), c * 2 * S
+    h, a, S = b * Tl * (F or 4 * C) // tp, b * Tl * C // tp, b * NH // tp * Tl * T
+    act_f, act_b = (4, 6) if swiglu else (2, 3)
+    fwd = c * (10 * n + act_f * h + 2 * a + 2 * S)
+    bwd, soft = c * (14 * n + act_b * h + 2 * a + 3 * S), c * 2 * S
     if dropout:
         drop = c * 2 * S + S + 2 * n
         fwd, bwd, soft = fwd + drop, bwd + drop, soft + drop - 2 * n
     return fwd + bwd + {"none": 0, "selective": soft, "full": fwd}[recompute]
 
 
-def cp_ledger(lay: Layout, bd: int, Tl: int, C: int, Ls: int, M: int, c: int) -> tuple:
+def cp_ledger(lay: Layout, bd: int, Tl: int, C: int, Ls: int, M: int, c: int,
+              kv: float = 1.0) -> tuple:
     """(op, bytes, calls) the ledger records on cp in one step of a rank with Ls blocks and
     bd rows (tests/test_context_parallel.py's want_per_step): the ring sends each block's
     K/V (2 bd Tl C/tp) cp-1 times forward, again backward, and dK/dV back; Ulysses makes
     four all-to-alls per block, qkv and y forward and their gradients backward (8 bd Tl
-    C/tp). Full recomputation repeats the forward's: 4 (cp-1) sends, 6 all-to-alls."""
+    C/tp). Full recomputation repeats the forward's: 4 (cp-1) sends, 6 all-to-alls.
+    ``kv``: KV / NH, the ring's K/V under grouped-query attention (refmp.cost.family)."""
     full, tp, cp = lay.recompute == "full", lay.tp, lay.cp
     if cp == 1:
         return "send", 0, 0
@@ -168,7 +184,8 @@ def cp_ledger(lay: Layout, bd: int, Tl: int, C: int, Ls: int, M: int, c: int) ->
         k = 6 if full else 4
         return "alltoall", 2 * k * Ls * bd * Tl * (C // tp) * c, k * Ls * M
     k = 4 if full else 3
-    return "send", k * (cp - 1) * Ls * 2 * bd * Tl * (C // tp) * c, k * (cp - 1) * Ls * M
+    return ("send", int(k * (cp - 1) * Ls * 2 * bd * Tl * (C // tp) * c * kv),
+            k * (cp - 1) * Ls * M)
 
 
 def numpy_calls(lay: Layout, moe: bool = False, top_k: int = 2) -> int:
@@ -201,6 +218,11 @@ class Impl:
     # then an all-gather over NVLink (Narayanan et al. 2021, sec. 4.1)
     zero3_prefetch: bool = False  # stage 3 as DeepSpeed runs it (refmp.cost.zero.prefetched)
     fixed: tuple = ()  # (field, value): the layout choices the implementation has no other of
+    # fused attention (FlashAttention): the scores stay on chip, so the softmax's elementwise
+    # bytes (S) go, and the causal mask's blocks above the diagonal are skipped: the
+    # attention products at half (the model FLOPs still count them whole, 12 L T C)
+    flash_attention: bool = False
+    fp8_linears: bool = False  # the blocks' linears in Float8 (twice the bf16 peak)
 
 
 # Megatron-LM as Narayanan et al. 2021 ran it: dropout 0.1 (Megatron's default), the data-
@@ -212,7 +234,12 @@ MEGATRON_2021 = Impl(dropout=True, dp_overlap=False, pp_scatter_gather=True,
 # weight gathered for every use with the next one prefetched (zero.prefetched); no pipeline
 DEEPSPEED_ZERO3 = Impl(dropout=True, dp_overlap=False, zero3_prefetch=True,
                        fixed=(("zero", 3), ("pp", 1)))
-IMPLS = {"refmp": Impl(), "megatron-2021": MEGATRON_2021, "deepspeed-zero3": DEEPSPEED_ZERO3}
+# the published runs' own (docs/published_runs.md): Llama 3's (Dubey et al. 2024) and
+# torchtitan's fused attention, torchtitan's Float8 linears
+FUSED = Impl(flash_attention=True)
+TORCHTITAN = Impl(flash_attention=True, fp8_linears=True)
+IMPLS = {"refmp": Impl(), "megatron-2021": MEGATRON_2021, "deepspeed-zero3": DEEPSPEED_ZERO3,
+         "fused-attention": FUSED, "torchtitan-fp8": TORCHTITAN}
 
 
 def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
@@ -237,15 +264,22 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     m = b * Tl  # rows of every product
     # one block, one micro-batch, forward: four linears, two attention products per head
     # (Ulysses: NH/(tp cp) heads over the whole sequence; else NH/tp heads, Tl queries)
-    f_mlp = gemm(m, C, 4 * C // tp, mach, c) + gemm(m, 4 * C // tp, C, mach, c)
+    # the family (refmp.cost.family): SwiGLU's gate and up in one (C, 2F) product; q and
+    # the KV heads (each tp rank at least one, replicated when tp > KV)
+    F, KV, llama = ffn(mcfg), kv_heads(mcfg), is_llama(mcfg)
+    lin = replace(mach, peak_tflops=2 * mach.peak_tflops) if impl.fp8_linears else mach
+    f_mlp = gemm(m, C, (2 if llama else 1) * F // tp, lin, c) + gemm(m, F // tp, C, lin, c)
+    qkv = (NH // tp + 2 * max(1, KV // tp)) * (C // NH)
     scores = (gemm(T, C // NH, T, mach, c, b * NH // (tp * cp)) if uly
               else gemm(Tl, C // NH, T, mach, c, b * NH // tp))
-    f_block = gemm(m, C, 3 * C // tp, mach, c) + gemm(m, C // tp, C, mach, c) + f_mlp + 2 * scores
+    scores *= 0.5 if impl.flash_attention else 1.0  # the causal half, skipped
+    f_block = gemm(m, C, qkv, lin, c) + gemm(m, C // tp, C, lin, c) + f_mlp + 2 * scores
     # an MoE block: top_k experts' MLPs per token instead of one, and the router (m, C, E)
     K, E = mcfg.top_k, mcfg.n_expert
     f_moe = f_block + (K - 1) * f_mlp + (gemm(m, C, E, mach, c) if E else 0.0)
-    elem = elementwise_bytes(b, Tl, T, C, NH, tp, lay.sequence_parallel, lay.recompute,
-                             impl.dropout, c) / hbm
+    elem = elementwise_bytes(b, Tl, 0 if impl.flash_attention else T, C, NH, tp,
+                             lay.sequence_parallel, lay.recompute, impl.dropout, c, F,
+                             llama) / hbm
     # an MoE block: GELU on K rows a token (5 h each), the dispatch's gather and combine (4 n K)
     moe_elem = (K - 1) * 5 * c * 4 * m * C // tp / hbm + 4 * K * c * m * C / hbm if E else 0.0
     Vl = -(-V // tp)
@@ -277,7 +311,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         moved.append({"tp": {op: x * (tp > 1) for op, x in tpb.items()}})  # a group of one: none
         # cp: Ulysses' all-to-alls block; the ring's sends travel while the attention core
         # computes, so only what the core does not cover is exposed
-        op, nbytes, calls = cp_ledger(lay, bd, Tl, C, Ls, M, c)
+        op, nbytes, calls = cp_ledger(lay, bd, Tl, C, Ls, M, c, KV / NH)
         t_cp = collective(op, nbytes, calls, cp, *link(tp * cp))
         moved[r]["cp"] = {op: nbytes}
         if op == "send" and mach.overlaps_p2p:  # cp-1 transfers, behind the core's steps
@@ -309,7 +343,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         moved[r]["dp"] = dict(g)
         t_dp = sum(collective(op, x, 1 if lay.zero < 2 else M * len(units), n, *link(tp * n))
                    for op, x in g.items())
-        if pp > 1 and (first or last) and "wte" in units:  # the tied wte's two copies
+        if pp > 1 and (first or last) and "wte" in units and tied(mcfg):  # wte's two copies
             # swap their gradients after the sums (refmp.parallel.engine's tied embedding; a
             # codec's: before, whole): a send each way, of what the rank owns
             owned_wte = units["wte"] / (n if lay.zero and codec not in ("powersgd", "topk") else 1)
@@ -353,32 +387,6 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
             "tflops_per_gpu": hw / step / gpus / 1e12,
             "mfu": flops / step / gpus / (mach.peak_tflops * 1e12), "bytes": moved,
             "stages": stages}
-
-
-def ring_pass(elements: float, n: int, c: int, bw: float, hop: float) -> float:
-    """Seconds of one all-gather or reduce-scatter of a weight on a ring of n ranks."""
-    return (n - 1) / n * c * elements / bw + (n - 1) * hop
-
-
-def zero3_uses(units: dict, blocks: list, block_t: list, head_t: float, full: bool,
-               ring) -> list[tuple[float, float, float]]:
-    """One micro-batch's weight uses, in order, as zero.prefetched takes them: the
-    embeddings, each block's four linears, the head (forward and backward), then each block
-    in reverse, its forward again (full recomputation) and its linears' backward. A block's
-    seconds ``block_t`` are split over its uses by FLOPs (forward 1, again 1, backward 2),
-    and over its linears by size; ``ring(elements)``: one gather or reduce-scatter."""
-    fwd, bwd, w = [], [], 3 + full
-    for i, t in zip(blocks, block_t, strict=True):
-        parts = [(x / 12 * t / w, ring(x / 12 * units[f"h.{i}"])) for x in LINEARS]
-        again = [(c, g, 0.0) for c, g in parts] if full else []
-        bwd = again + [(2 * c, g, g) for c, g in parts[::-1]] + bwd
-        fwd += [(c, g, 0.0) for c, g in parts]
-    first, last = "wpe" in units, "ln_f" in units
-    emb = units.get("wte", 0) * first + units.get("wpe", 0)
-    head = units.get("wte", 0) + units.get("ln_f", 0)
-    return ([(0.0, ring(emb), 0.0)] * first + fwd
-            + [(head_t, 2 * ring(head), ring(head))] * last + bwd
-            + [(0.0, 0.0, ring(units.get("wpe", 0)))] * first)
 
 
 @cache

@@ -43,12 +43,20 @@ PAYLOAD = 1448 / 1514  # TCP over Ethernet: a full frame's data, without its 66 
 
 
 def cluster(host: Machine, ranks_per_node: int, link_gbit: float,
-            link_latency_us: float) -> Machine:
+            link_latency_us: float, measured_gbs: float | None = None) -> Machine:
     """``host``'s rates (refmp plan --machine cpu: measured), as nodes of ``ranks_per_node``
     ranks, each node's link ``link_gbit`` each way (the tbf rate: frames, so PAYLOAD of it
-    is data, as a shaped link paces TCP into full frames), its G ranks a share each."""
-    return replace(host, gpus_per_node=ranks_per_node,
-                   inter_node_gbs=link_gbit / 8 * PAYLOAD / ranks_per_node,
+    is data, as a shaped link paces TCP into full frames), its G ranks a share each.
+
+    ``measured_gbs``: a rank's share as refmp.cli.plan.measure_links finds it across the
+    nodes, every pair exchanging at once: the rank's share is the smaller of the two. On
+    refmp cluster's nodes TCP runs on the cores the ranks compute on (the kernel's copies,
+    the veth pair, the token bucket), and a rank gets 0.58-0.98 of the set rate's share at
+    0.1-0.3 Gbit/s (docs/nodes.md): the set rate alone makes every crossing optimistic."""
+    share = link_gbit / 8 * PAYLOAD / ranks_per_node
+    if measured_gbs is not None:
+        share = min(share, measured_gbs)
+    return replace(host, gpus_per_node=ranks_per_node, inter_node_gbs=share,
                    inter_latency_us=link_latency_us, shared_link=True)
 
 

@@ -7,7 +7,7 @@ and the hierarchical data-parallel all-reduce (its ``dp_reduce``).
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from refmp.cost.machines import Machine
 from refmp.cost.memory import memory, need_bytes, size, total
@@ -101,7 +101,7 @@ def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | 
     ok.sort(key=lambda x: x[0]["step_seconds"])
     fits, cap = [], mach.gpu_memory_gb * 1e9
     for pred, lay in ok:
-        mem = memory(lay, mcfg, batch, dtype)
+        mem = memory(held_as(lay, impl), mcfg, batch, dtype)
         # refmp on this host also holds the full model at set-up (its own check, need_bytes)
         need = need_bytes(mem) if mach.name == "cpu" else total(mem) + mem["workspace"]
         r = row(lay, mem, pred, None)
@@ -116,6 +116,14 @@ def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | 
         if len(fits) >= top:
             break
     return fits, bad
+
+
+def held_as(lay: Layout, impl: Impl) -> Layout:
+    """The layout whose caches ``impl`` keeps: fused attention keeps no scores, as refmp's
+    selective recomputation does not (refmp.cost.memory.block_cache_elements)."""
+    if impl.flash_attention and lay.recompute == "none":
+        return replace(lay, recompute="selective")
+    return lay
 
 
 def row(lay: Layout, mem: dict | None, pred: dict | None, reason: str | None) -> dict:

@@ -54,7 +54,9 @@ from __future__ import annotations
 import math
 from functools import cache
 
-from refmp.nn.gpt import GPTConfig, param_shapes
+from refmp.cost.family import shapes as family_shapes
+from refmp.cost.family import tied
+from refmp.nn.gpt import GPTConfig
 from refmp.parallel.data.compress import compresses
 from refmp.parallel.placement import TP_SPLITS, holds, local_name, padded_vocab, unit_of
 
@@ -73,13 +75,16 @@ def local_shapes(cfg: GPTConfig, tp: int = 1, blocks=None, first: bool = True,
 def _local_shapes(cfg: GPTConfig, tp: int, blocks: frozenset, first: bool, last: bool, ep: int,
                   ep_rank: int) -> dict[str, dict]:
     shapes: dict[str, dict] = {}
-    for k, s in param_shapes(cfg).items():
-        if not holds(k, blocks, first, last, ep_rank, cfg.n_expert, ep):
-            continue
-        s, split = list(s), TP_SPLITS.get(local_name(k))
+    for k, s in family_shapes(cfg).items():
+        head = k.startswith("lm_head")  # an untied head: the last stage's, split as wte is
+        held = last if head else holds(k, blocks, first, last, ep_rank, cfg.n_expert, ep)
+        if not held or (k.startswith("wte") and not first and not tied(cfg)):
+            continue  # (untied, wte is the first stage's alone)
+        s, split = list(s), TP_SPLITS["wte.weight"] if head else TP_SPLITS.get(local_name(k))
         if split is not None:
-            s[split[0]] = (padded_vocab(s[0], tp) if k.startswith("wte") else s[split[0]]) // tp
-        shapes.setdefault(unit_of(k), {})[k] = tuple(s)
+            s[split[0]] = (padded_vocab(s[0], tp) if k.startswith(("wte", "lm_head"))
+                           else s[split[0]]) // tp
+        shapes.setdefault("lm_head" if head else unit_of(k), {})[k] = tuple(s)
     return shapes
 
 
@@ -153,12 +158,13 @@ def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int =
     if stage in (1, 2):
         return {"allreduce": 0, "reduce_scatter": (1 if stage == 1 else M) * itemsize * n_pad,
                 "allgather": w * n_pad}
-    g_wte = (1 if first else 0) + (2 if last else 0)
+    # wte: the embedding's gather, and the tied head's two; an untied head gathers lm_head twice
+    g_wte = (1 if first else 0) + (2 if last and "lm_head" not in sizes else 0)
     if quant_block:  # int8_gather_bytes per gather, counted in elements of 1 byte
         pad, w = {u: int8_gather_bytes(p, n, quant_block) for u, p in pad.items()}, 1
     blocks = sum(s for u, s in pad.items() if u.startswith("h."))
     gathered = (g_wte * pad.get("wte", 0) + pad.get("wpe", 0) + 2 * blocks
-                + 2 * pad.get("ln_f", 0))
+                + 2 * pad.get("ln_f", 0) + 2 * pad.get("lm_head", 0))
     return {"allreduce": 0, "reduce_scatter": M * itemsize * n_pad,
             "allgather": M * w * gathered}
 
@@ -202,3 +208,29 @@ def prefetched(uses: list[tuple[float, float, float]], slowdown: float) -> float
         if i + 1 < len(uses):
             ready = ready_next
     return max(comp, comm)
+
+
+def ring_pass(elements: float, n: int, c: int, bw: float, hop: float) -> float:
+    """Seconds of one all-gather or reduce-scatter of a weight on a ring of n ranks."""
+    return (n - 1) / n * c * elements / bw + (n - 1) * hop
+
+
+def zero3_uses(units: dict, blocks: list, block_t: list, head_t: float, full: bool,
+               ring) -> list[tuple[float, float, float]]:
+    """One micro-batch's weight uses, in order, as zero.prefetched takes them: the
+    embeddings, each block's four linears, the head (forward and backward), then each block
+    in reverse, its forward again (full recomputation) and its linears' backward. A block's
+    seconds ``block_t`` are split over its uses by FLOPs (forward 1, again 1, backward 2),
+    and over its linears by size; ``ring(elements)``: one gather or reduce-scatter."""
+    fwd, bwd, w = [], [], 3 + full
+    for i, t in zip(blocks, block_t, strict=True):
+        parts = [(x / 12 * t / w, ring(x / 12 * units[f"h.{i}"])) for x in LINEARS]
+        again = [(c, g, 0.0) for c, g in parts] if full else []
+        bwd = again + [(2 * c, g, g) for c, g in parts[::-1]] + bwd
+        fwd += [(c, g, 0.0) for c, g in parts]
+    first, last = "wpe" in units, "ln_f" in units
+    emb = units.get("wte", 0) * first + units.get("wpe", 0)
+    head = units.get("lm_head", units.get("wte", 0)) + units.get("ln_f", 0)
+    return ([(0.0, ring(emb), 0.0)] * first + fwd
+            + [(head_t, 2 * ring(head), ring(head))] * last + bwd
+            + [(0.0, 0.0, ring(units.get("wpe", 0)))] * first)

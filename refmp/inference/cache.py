@@ -95,6 +95,10 @@ class KVCache(_Rows):
     def free(self, slot: int) -> None:
         self.length[slot] = 0
 
+    def truncate(self, slot: int, n: int) -> None:
+        """Keep the slot's first n tokens (speculative decoding drops the rejected ones)."""
+        self.length[slot] = n
+
     @property
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in (*self.k.values(), *self.v.values()))
@@ -116,10 +120,18 @@ class PagedKVCache(_Rows):
         """The block holding the slot's token j, taken from the pool when it is a new one."""
         table = self.table[slot]
         while len(table) <= j // self.bs:
-            if not self.pool:
-                raise MemoryError("the paged KV cache has no free block left")
-            table.append(self.pool.pop())
+            table.append(self._take())
         return table[j // self.bs]
+
+    def _take(self) -> int:
+        """A free block (refmp.inference.prefix's cache also evicts one)."""
+        if not self.pool:
+            raise MemoryError("the paged KV cache has no free block left")
+        return self.pool.pop()
+
+    def _release(self, block: int) -> None:
+        """A block its slot no longer uses, back to the pool."""
+        self.pool.append(block)
 
     def append(self, i: int, slot: int, k, v) -> None:
         n = int(self.length[slot])
@@ -142,9 +154,15 @@ class PagedKVCache(_Rows):
         return gather(self.k[i]), gather(self.v[i])
 
     def free(self, slot: int) -> None:
-        self.pool.extend(reversed(self.table[slot]))
-        self.table[slot] = []
-        self.length[slot] = 0
+        self.truncate(slot, 0)
+
+    def truncate(self, slot: int, n: int) -> None:
+        """Keep the slot's first n tokens; the blocks past them go back."""
+        keep = -(-n // self.bs)  # blocks that hold tokens 0..n-1
+        for block in reversed(self.table[slot][keep:]):
+            self._release(block)
+        del self.table[slot][keep:]
+        self.length[slot] = n
 
     def waste(self, slot: int) -> int:
         """Token places the slot's blocks hold but its tokens do not use (at most bs - 1)."""

@@ -80,13 +80,17 @@ class Decoder:
     from a grid of one rank). ``capacity``: route to the
     experts with the model's capacity limit, as training and GPT.generate do (a token's
     output then depends on the tokens of its sequence, so only decoding without the cache is
-    exact). ``T``: the block size the pipeline split (training's rank_chunks, one chunk per
-    rank) is costed at: a run's ``--block-size`` (default the model's, as in training), so
-    that a stage holds the blocks it trains."""
+    exact). ``T``: the block size the pipeline split (training's rank_chunks) is costed at:
+    a run's ``--block-size`` (default the model's, as in training), so that a stage holds
+    the blocks it trains. ``placed`` and ``stage_layers``: where the model's chunks run
+    (default one chunk per pp rank, in order) and --stage-layers, as training has them: with
+    several chunks a rank (interleaved, the V schedules) a call's activations go round the
+    ranks chunk by chunk, as a step's forward does."""
 
     def __init__(self, mcfg, weights, grid, cp_balance: str = "zigzag",
                  axes: tuple[str, ...] = SPLIT, capacity: bool = False, T: int | None = None,
-                 dtype=None):
+                 dtype=None, placed: ChunkPlacement | None = None,
+                 stage_layers: str | None = None):
         self.mcfg = mcfg
         self.cp_balance = cp_balance
         alone = ProcessGrid(MPI.COMM_SELF) if set(SPLIT) - set(axes) else None
@@ -94,10 +98,15 @@ class Decoder:
         self.pp = (grid if "pp" in axes else alone).comm["pp"]
         self.cp = (grid if "cp" in axes else alone).comm["cp"]
         self.ep = (grid if "ep" in axes else alone).comm["ep"]
-        P, r = self.pp.size, self.pp.rank
-        self.blocks = rank_chunks(mcfg, T or mcfg.block_size, r, ChunkPlacement(P))[r]  # training's split
-        self.first = r == 0
-        self.last = r == P - 1
+        self.placed = placed or ChunkPlacement(self.pp.size)
+        S = self.placed.pp * self.placed.v  # chunks in all
+        # training's split: chunk -> its blocks, the chunks this rank runs
+        self.chunks = rank_chunks(mcfg, T or mcfg.block_size, self.pp.rank, self.placed,
+                                  stage_layers)
+        self.blocks = [i for blocks in self.chunks.values() for i in blocks]
+        self.first = 0 in self.chunks  # embeds the tokens
+        self.last = S - 1 in self.chunks  # the head: picks the tokens
+        self.last_rank = self.placed.rank(S - 1)
         self.params = self._shards(weights, dtype)  # as the engine's (refmp.parallel.placement)
         self.dtype = next(iter(self.params.values())).dtype
         self.nh = mcfg.n_head // self.tp.size  # heads here
@@ -133,6 +142,11 @@ class Decoder:
             self.cache = PagedKVCache(self.blocks, S, self.nh, n_blocks, block_size, hs,
                                       self.dtype)
         return self.cache
+
+    def use_cache(self, cache) -> None:
+        """The calls from now on fill ``cache`` (a cache new_cache does not make: serving's,
+        refmp.inference.prefix)."""
+        self.cache = cache
 
     def kv_tokens(self, T0: int, n_decoded: int) -> int:
         """Tokens of one row this rank's cache holds: its Tl of the prompt and its share of
@@ -176,28 +190,33 @@ class Decoder:
         # the cached attention of its layer
         where = backend.from_host(held)
         ops = self._ops(where)
-        if self.first:
-            p = {"wte.weight": self.params["wte.weight"], "wpe.weight": self.params["wpe.weight"]}
-            x, _ = ops.embed(p, ids if not prefill or cp.size == 1 else ids[:, where])  # (B, t, C)
-        else:
-            x = self.pp.recv((B, t_here, self.mcfg.n_embd), self.dtype, self.pp.rank - 1, TAG_ACT)
-        for i in self.blocks:
-            block_ops = self._ops(where, CachedAttention(call, i))
-            p = gpt.block_params(self.params, i)
-            x, _ = gpt.block_forward(p, x, RowByRow(block_ops) if rows_apart else block_ops,
-                                     self.moe if self.mcfg.is_moe(i) else None)
-        for b, slot in enumerate(slots):
-            if slot >= 0:
-                self.cache.advance(slot, t_here if prefill else int(owns[b]))
-        xp = array_module(x)
-        if not self.last:
-            x = xp.ascontiguousarray(x)
-            req = self.pp.send(x, self.pp.rank + 1, TAG_ACT)
+        x = None
+        for c, blocks in self.chunks.items():  # in model order
+            if c == 0:
+                p = {k: self.params[k] for k in ("wte.weight", "wpe.weight")}
+                x, _ = ops.embed(p, ids if not prefill or cp.size == 1 else ids[:, where])  # (B, t, C)
+            elif c - 1 not in self.chunks:  # the chunk before ran on another rank
+                x = self.pp.recv((B, t_here, self.mcfg.n_embd), self.dtype,
+                                 self.placed.rank(c - 1), TAG_ACT)
+            for i in blocks:
+                block_ops = self._ops(where, CachedAttention(call, i))
+                p = gpt.block_params(self.params, i)
+                x, _ = gpt.block_forward(p, x, RowByRow(block_ops) if rows_apart else block_ops,
+                                         self.moe if self.mcfg.is_moe(i) else None)
+            if c + 1 in self.chunks or c == self.placed.pp * self.placed.v - 1:
+                continue  # the next chunk is this rank's, or this was the last
+            x = array_module(x).ascontiguousarray(x)
+            req = self.pp.send(x, self.placed.rank(c + 1), TAG_ACT)
             if sends is None:
                 wait(req)
             else:  # the buffer stays alive until the caller waits
                 sends.append((req, x))
+        for b, slot in enumerate(slots):
+            if slot >= 0:
+                self.cache.advance(slot, t_here if prefill else int(owns[b]))
+        if not self.last:
             return None
+        xp = array_module(x)
         x_last = x[:, -1:, :]  # (B, 1, C)
         if prefill and cp.size > 1:  # the prompt's last token lives on one cp rank
             root = next(r for r in range(cp.size) if t - 1 in chunks.positions(r))
@@ -228,14 +247,14 @@ class Decoder:
 
     def token_to_first(self, tokens, B: int):
         """The last stage's token ids (B,) to the first stage (returned there; None between)."""
-        if self.pp.size == 1:
+        if self.last_rank == 0:  # one rank, or a V: both ends on pp rank 0
             return tokens
         if self.last:
             tokens = array_module(tokens).ascontiguousarray(tokens.astype(np.int64))
             wait(self.pp.send(tokens, 0, TAG_TOKEN))
             return None
         if self.first:
-            return self.pp.recv((B,), np.int64, self.pp.size - 1, TAG_TOKEN)
+            return self.pp.recv((B,), np.int64, self.last_rank, TAG_TOKEN)
         return None
 
 

@@ -100,4 +100,4 @@ class Greedy:
             return tokens
         if not dec.last:
             tokens = backend.xp.empty((idx.shape[0], idx.shape[1] + n), dtype=np.int64)
-        return dec.pp.bcast(tokens, root=dec.pp.size - 1)
+        return dec.pp.bcast(tokens, root=dec.last_rank)

@@ -47,7 +47,9 @@ class Sampler:
         return np.array([self._draw(z, int(g), step) for z, g in zip(logits, requests,
                                                                      strict=True)], np.int64)
 
-    def _draw(self, logits, request: int, step: int) -> int:
+    def _kept(self, logits):
+        """The kept tokens, most likely first, and their probabilities (not renormalized
+        after top-p: the draw scales by their sum)."""
         z = logits.astype(np.float64) / self.temperature  # (V,)
         order = np.argsort(-z, kind="stable")  # most likely first, ties to the lower id
         if self.top_k:
@@ -56,6 +58,22 @@ class Sampler:
         p /= p.sum()
         if self.top_p < 1:  # the smallest prefix whose probability reaches top_p
             p = p[: int(np.searchsorted(np.cumsum(p), self.top_p)) + 1]
+        return order[: len(p)], p
+
+    def probs(self, logits) -> np.ndarray:
+        """The distribution (V,) a token is drawn from (greedy: all on the argmax), float64
+        on the host (speculative decoding's p and q, refmp.inference.speculative)."""
+        logits = backend.to_host(logits)
+        out = np.zeros(logits.shape[-1])
+        if self.temperature == 0:
+            out[int(logits.argmax())] = 1.0
+            return out
+        order, p = self._kept(logits)
+        out[order] = p / p.sum()
+        return out
+
+    def _draw(self, logits, request: int, step: int) -> int:
+        order, p = self._kept(logits)
         cdf = np.cumsum(p)
         u = np.random.default_rng([self.seed, request, step]).random() * cdf[-1]
         return int(order[min(int(np.searchsorted(cdf, u, side="right")), len(p) - 1)])

@@ -116,6 +116,9 @@ def serve(dec: Decoder, requests: list[Request], sampler: Sampler, slots: int,
     ``ids``: the requests' global ids (for sampling; default 0, 1, ...)."""
     ids = list(range(len(requests))) if ids is None else list(ids)
     check_requests(requests, dec.mcfg.block_size)
+    if len(dec.chunks) != 1:  # the turns below pipeline one chunk a rank, in order
+        raise ConfigError("continuous batching decodes one chunk per pipeline rank; this "
+                          f"Decoder runs {len(dec.chunks)} on rank {dec.pp.rank}")
     P, stage = dec.pp.size, dec.pp.rank
     steps = plan(requests, slots, P)
     at = {st.tick: st for st in steps}

@@ -15,6 +15,7 @@ every tp rank saw a part of, and the tied wte's sum between the pipeline's two e
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 
 import numpy as np
@@ -153,6 +154,8 @@ class Engine:
                             keep_scores)
         self.schedule = CATALOG[layout.schedule]
         placed = self.schedule.chunk_placement(self.pp.size, layout.virtual_stages)
+        self.placed = placed  # where each chunk runs: the Decoder of evaluation splits as this
+        self.stage_layers = layout.stage_layers
         self.v = placed.v  # chunks per rank
         self.n_chunks = self.pp.size * self.v
         chunks = rank_chunks(mc, T, self.pp.rank, placed, layout.stage_layers)
@@ -311,16 +314,16 @@ class Engine:
 
     # --- the whole model --------------------------------------------------------------------------
 
-    def piece_index(self) -> dict:
+    def piece_index(self) -> Mapping:
         """For every owned piece (``params``' names): the global flat index of each of its
         elements in its full GPT-2 parameter, -1 for padding. What a sharded checkpoint
         stores beside the values, so that any other layout can find its own elements."""
-        shapes, index = gpt.param_shapes(self.mcfg), {}
-        for unit in self.sharder.units.values():
-            for k in unit.shapes:  # the shard's positions alone, never the whole tensor's
-                index[k] = positions(shapes[k], shard_index(k, shapes[k], self.tp.rank,
-                                                            self.tp.size))
-        return self.sharder.owned_index(index)
+        shapes = gpt.param_shapes(self.mcfg)
+
+        def index(k: str):  # the shard's positions alone, never the whole tensor's
+            return positions(shapes[k], shard_index(k, shapes[k], self.tp.rank, self.tp.size))
+
+        return self.sharder.owned_index(index)  # computed a unit at a time, as read
 
     def full_params(self) -> dict | None:
         """The whole model, GPT-2 names, on world rank 0 (collective): gathered over the

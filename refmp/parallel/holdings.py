@@ -1,7 +1,7 @@
 """Who holds what on a grid: one row per world rank, from the ownership rules of placement.py
 (the parameter table), pipeline/partition.py (which chunks and blocks) and context/chunks.py
 (which tokens). The guide's pictures (docs/_hooks/pictures.py) draw it, and
-tutorials/08_any_layout.py prints the same table from a running engine.
+tutorials/09_any_layout.py prints the same table from a running engine.
 
 Shapes: NH heads, Vp the vocabulary padded to a multiple of tp, E experts; pp, dp, cp, tp,
 ep group sizes (ep carved from dp x cp).

@@ -49,12 +49,15 @@ def validate(cfg: TrainConfig, grid: ProcessGrid,
 
 
 def check_checkpoint_flags(cfg: TrainConfig) -> None:
-    """--checkpoint-dir, --save-every, --keep: values that make sense together."""
+    """--checkpoint-dir, --save-every, --keep, --resume: values that make sense together."""
     for k in ("save_every", "keep"):
         if getattr(cfg, k) < 0:
             raise ConfigError(f"--{k.replace('_', '-')} must be 0 or more, got {getattr(cfg, k)}")
     if (cfg.save_every or cfg.keep) and not cfg.checkpoint_dir:
         raise ConfigError("--save-every and --keep need --checkpoint-dir DIR")
+    if cfg.resume and cfg.init:
+        raise ConfigError(f"--init {cfg.init} and --resume {cfg.resume} both give the starting "
+                          "weights; a checkpoint carries its own: give one of them")
 
 
 def check_outputs(cfg: TrainConfig) -> None:

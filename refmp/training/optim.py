@@ -173,11 +173,11 @@ def clip_grads(grads: dict, max_norm: float, norm: float) -> None:
 class LossScaler:
     """fp16's dynamic loss scaling (Micikevicius et al. 2018, sec. 3.2; as torch's GradScaler
     and Megatron's DynamicGradScaler): backward starts from ``scale`` instead of 1, so that
-    small gradients survive fp16's range (its smallest normal is 6e-5); the gradients are
-    divided by it again, in fp32, before the optimizer. A step whose gradient holds an inf or
-    a NaN (the global norm is then not finite: the same answer on every rank, from one
-    all-reduce) is skipped and the scale halved; after ``window`` good steps in a row it
-    doubles. ``scale`` and ``good`` are training state (a checkpoint saves ``state()``).
+    small gradients survive fp16's range (below 6e-5 they lose bits, below 6e-8 they are 0);
+    the gradients are divided by it again, in fp32, before the optimizer. A step whose
+    gradient holds an inf or a NaN (the global norm is then not finite: the same answer on
+    every rank, from one all-reduce) is skipped and the scale halved; after ``window`` good
+    steps in a row it doubles. ``scale`` and ``good`` are training state (a checkpoint saves ``state()``).
     """
 
     def __init__(self, scale: float = 65536.0, window: int = 1000, min_scale: float = 1.0):

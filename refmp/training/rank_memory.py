@@ -51,7 +51,7 @@ def check_rank_limit(cfg, mcfg, sizes: dict, coords: dict, rank: int) -> None:
     raise ConfigError(
         f"rank {rank} does not fit its memory limit of {cgroup.gib(limit)} = {size(limit)} "
         f"(the kernel's cgroup {folder}, refmp cluster --rank-memory): the planner predicts a peak of "
-        f"{size(need)} for this layout (refmp.cost.memory, docs/memory.md), and the rank "
+        f"{size(need)} for this layout (refmp.cost.memory, docs/memory_at_scale.md), and the rank "
         f"holds {size(held)} already (Python, NumPy, MPI, the data): {size(need + held)}; "
         f"{hint}")
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from refmp.checkpoint.sharded import Checkpointed, Pieces, Stateful, load, save
-from refmp.checkpoint.source import InitSource, Source
+from refmp.checkpoint.source import InitSource, Source, ZeroSource
 from refmp.config import TrainConfig, lr_at
 from refmp.distributed.faults import agreed, check_finite
 from refmp.distributed.gpu import start_gpu
@@ -38,13 +38,20 @@ from refmp.training.checks import moe_flags, validate
 from refmp.training.datasets import Dataset, get_batch, shuffle_perm
 from refmp.training.optim import SGD, AdamW, LossScaler, clip_grads
 
+if TYPE_CHECKING:
+    from refmp.parallel.data.sharder import Sharder
+    from refmp.parallel.pipeline.schedules import ChunkPlacement
+
 
 def model_source(cfg: TrainConfig, mcfg: GPTConfig) -> Source:
     """Where the initial weights of the model ``mcfg`` (validate's) come from, nothing read
     yet: a fresh GPT-2 init (InitSource), or the --init file or Hugging Face directory (its
-    names and shapes checked, read slice by slice)."""
+    names and shapes checked, read slice by slice); with --resume zeros (ZeroSource: the
+    checkpoint sets every piece, so nothing is drawn or read twice)."""
     from refmp.checkpoint.weights import open_model
 
+    if cfg.resume:
+        return ZeroSource(mcfg, cfg.seed)
     if cfg.init is not None:
         return open_model(cfg.init, n_head=cfg.n_head, moe=moe_flags(cfg))[1]
     return InitSource(mcfg, cfg.seed)
@@ -61,7 +68,9 @@ class Runner(Pieces, Stateful, Protocol):
     sums' codec), which a checkpoint saves rank by rank. Besides: ``grads`` their gradients,
     ``decay`` the names that get weight decay; ``stats`` the last step's extra figures for the
     log (MoE routing); ``weight_dtype`` the weights' (--dtype), ``compute_dtype`` what the
-    model computes on (with --mixed-precision the rounded copy).
+    model computes on (with --mixed-precision the rounded copy). For evaluation's Decoder
+    (refmp.training.evaluate), which decodes what each rank holds: ``sharder`` its weights
+    unit by unit, ``placed`` and ``stage_layers`` where its model chunks run.
     """
 
     grads: dict
@@ -69,6 +78,9 @@ class Runner(Pieces, Stateful, Protocol):
     stats: dict
     weight_dtype: np.dtype
     compute_dtype: np.dtype
+    sharder: Sharder
+    placed: ChunkPlacement
+    stage_layers: str | None
 
     def batch_rows(self, B: int) -> slice: ...  # the rows of the global batch this rank reads
 

@@ -60,7 +60,7 @@ def block_notes(sizes: dict[str, int], nodes: tuple[int, ...], G: int) -> list[s
             return [f"--hpz-size {G}: the block of world ranks {', '.join(map(str, block))} "
                     f"spans nodes ({len(set(nodes))} nodes of {nodes.count(0)} ranks here), so "
                     f"ZeRO-3's weight all-gathers of every use cross the link between nodes, "
-                    f"which hpZ is there to keep them off; {fix} (docs/zero.md)"]
+                    f"which hpZ is there to keep them off; {fix} (docs/zero_at_scale.md)"]
     return []
 
 

@@ -52,6 +52,7 @@ import numpy as np
 from refmp.distributed.comm import Comm
 from refmp.distributed.waiting import progress, wait
 from refmp.parallel.data.hpz import block_gather, secondary
+from refmp.parallel.data.index import OwnedIndex
 from refmp.parallel.data.zero import Unit
 from refmp.runtime.backend import array_module
 
@@ -240,14 +241,11 @@ class Sharder:
             flat = group.allgather(self.xp.ascontiguousarray(flat))  # (Pp,)
         return self.units[u].views(flat)
 
-    def owned_index(self, index: dict) -> dict:
-        """The owned pieces of ``index`` (name -> integer array shaped like the local shard,
-        -1 where nothing global is held), by piece name, as ``params`` is split."""
-        out = {}
-        for unit in self.units.values():
-            flat = unit.flatten({k: index[k] + 1 for k in unit.shapes}, np, np.int64) - 1  # pad: -1
-            out.update(unit.pieces(flat[unit.lo : unit.hi]))
-        return out
+    def owned_index(self, index) -> OwnedIndex:
+        """The owned pieces' global positions (refmp.parallel.data.index.OwnedIndex: a unit
+        at a time, as read), by piece name as ``params`` is split; ``index(k)``: parameter
+        k's positions shaped like its local shard, -1 where nothing global is held."""
+        return OwnedIndex(self.units, index)
 
     # --- gradients as backward produces them ---------------------------------------------------
 

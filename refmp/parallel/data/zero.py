@@ -14,7 +14,7 @@ to move between the slice and the whole:
 
 The optimizer updates only the S elements a rank owns (``pieces``: split back by parameter
 so that weight decay still knows the matrices). refmp.parallel.data.sharder runs the stages
-over every unit of a rank; tutorials/06_zero.py runs one step by hand from this class and the
+over every unit of a rank; tutorials/04_zero.py runs one step by hand from this class and the
 two collectives of refmp.distributed.comm.Comm.
 """
 

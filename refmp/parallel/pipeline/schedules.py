@@ -58,7 +58,7 @@ def gpipe(pp: int, m: int, rank: int) -> list[Action]:
 
 
 def one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
-    """PipeDream-Flush (Narayanan et al. 2021, sec. 2.2): at most pp - rank activations held.
+    """PipeDream-Flush (Narayanan et al. 2021, Megatron-LM on GPUs, sec. 2.2): <= pp - rank held.
 
     Warm-up: pp - rank - 1 forwards fill the pipe below this rank. Steady state: one forward,
     one backward. Cool-down: the backwards still owed.

@@ -1,6 +1,6 @@
-"""Tutorial 3: pipeline parallelism, schedules as data, checked against the serial model.
+"""Tutorial 7: pipeline parallelism, schedules as data, checked against the serial model.
 
-    mpiexec -n 2 python tutorials/03_pipeline.py      (or -n 4)
+    mpiexec -n 2 python tutorials/07_pipeline.py      (or -n 4)
 
 The model's blocks are cut into one stage per rank. Part 1 runs a 1F1B pipeline by hand:
 each rank holds its blocks (and the embedding on the first stage, the tied head on the

@@ -1,9 +1,11 @@
-"""Tutorial 7: context parallelism -- ring attention, zig-zag balance, and Ulysses.
+"""Tutorial 6: context parallelism -- ring attention, zig-zag balance, and Ulysses.
 
-Run:  mpiexec -n 4 python tutorials/07_context_parallel.py      (cp = the number of ranks)
+Run:  mpiexec -n 4 python tutorials/06_context_parallel.py      (cp = the number of ranks)
 
 What it shows, each part checked against the serial model (exit status 1 on a mismatch):
-  1. context parallelism by hand: each rank takes its tokens of every row (SequenceChunks), runs
+  1. context parallelism by hand: one layer's ring attention written out (send the K/V block
+     on, receive the next, merge by log-sum-exp) against serial attention; then each rank
+     takes its tokens of every row (SequenceChunks), runs
      the serial model (refmp.nn.gpt.GPT) with ring attention as its attention core and its
      tokens' global positions (ContextOps), and sums the gradients over cp; the loss and
      gradients equal the serial model's, and the ring's bytes the formula;
@@ -29,6 +31,7 @@ from refmp.cost.flops import ring_attention_flops
 from refmp.distributed.comm import Comm
 from refmp.distributed.grid import ProcessGrid
 from refmp.distributed.ledger import Ledger
+from refmp.distributed.waiting import wait
 from refmp.nn import GPT, GPTConfig
 from refmp.nn import blockwise as BW
 from refmp.nn import layers as L
@@ -57,7 +60,42 @@ def check(ok: bool, what: str):
         failures.append(f"rank {rank}: {what}")
 
 
-# --- 1. context parallelism by hand ----------------------------------------------------------
+# --- 1. context parallelism by hand: one layer's ring, written out ---------------------------
+# My queries stay; the keys and values travel: at step i I hold rank (r - i)'s K/V block, send
+# it on to rank r+1, receive the next from rank r-1, and merge my queries' attention over the
+# block into a running (y, lse) by log-sum-exp. After cp steps every query has seen every key.
+B, NH, HS, T = 2, 2, 4, 4 * cp
+lay = SequenceChunks(T, cp, "zigzag")
+mine = lay.positions(rank)  # (Tl,) my tokens' global positions: chunks r and 2cp-1-r
+qkv = np.random.default_rng(5).standard_normal((B, T, 3 * NH * HS))  # the same on every rank
+q, k, v = qkv[:, mine].reshape(B, -1, 3, NH, HS).transpose(2, 0, 3, 1, 4)  # (B, NH, Tl, HS)
+kv = np.ascontiguousarray(np.stack([k, v]))  # (2, B, NH, Tl, HS): the block that travels
+y = np.zeros_like(q)  # (B, NH, Tl, HS) the running output
+lse = np.full(q.shape[:-1], -np.inf)  # (B, NH, Tl) the running log-sum-exp: nothing seen yet
+ring = Comm(world, "cp", Ledger())
+for i in range(cp):
+    src = (rank - i) % cp  # whose keys I hold this step
+    if i < cp - 1:  # pass the block on while I compute with it
+        sent = ring.send(kv, (rank + 1) % cp, tag=7)
+    s = q @ kv[0].swapaxes(-1, -2) / math.sqrt(HS)  # (B, NH, Tl, Tl) my queries x src's keys
+    s[..., lay.positions(src)[None, :] > mine[:, None]] = -np.inf  # causal: keys after me
+    lb = np.logaddexp.reduce(s, axis=-1)  # (B, NH, Tl); -inf where a row sees none of them
+    yb = np.exp(s - np.where(np.isfinite(lb), lb, 0)[..., None]) @ kv[1]  # (B, NH, Tl, HS)
+    new = np.logaddexp(lse, lb)  # merge: lse = log(e^lse + e^lb)
+    y = np.exp(lse - new)[..., None] * y + np.exp(lb - new)[..., None] * yb
+    lse = new
+    if i < cp - 1:
+        kv = ring.recv(kv.shape, kv.dtype, (rank - 1) % cp, tag=7)  # rank r-1's block, next
+        wait(sent)
+out = y.transpose(0, 2, 1, 3).reshape(B, -1, NH * HS)  # (B, Tl, C) my tokens' attention
+want = L.attention_forward(qkv, NH)[0][:, mine]  # serial attention over the whole sequence
+err = float(abs(out - want).max())
+say(f"== 1. by hand: cp = {cp}, one layer's ring written out (T = {T}, zig-zag): largest "
+    f"|output - serial attention| {max(world.allgather(err)):.1e}; each rank sent "
+    f"{ring.ledger.bytes('send', 'cp')} bytes = (cp-1) K/V blocks of 2 B NH Tl HS 8 bytes")
+check(err < 1e-12 and ring.ledger.bytes("send", "cp") == (cp - 1) * kv.nbytes, "ring by hand")
+
+# then the whole model, its attention core the library's RingAttention (forward and backward)
 V = 11
 ds = Dataset(np.random.default_rng(3).integers(0, V, 200), V, "random")
 B, T = 2, 4 * cp
@@ -86,7 +124,7 @@ err = max(float(np.abs(model.grads[k] - serial.grads[k]).max()) for k in full)
 err = max(err, abs(loss - float(loss_ref)))
 sent = cpc.ledger.bytes("send", "cp")
 want = mcfg.n_layer * 3 * (cp - 1) * 2 * B * (T // cp) * mcfg.n_embd * 8
-say(f"== 1. by hand: cp = {cp}, B = {B}, T = {T}: largest |loss or gradient - serial| "
+say(f"   the whole model through RingAttention, B = {B}, T = {T}: largest |loss or gradient - serial| "
     f"{err:.1e}; each rank sent {sent} bytes around the ring = L x 3 (cp-1) K/V blocks of "
     f"2 B Tl C 8 bytes ({want})")
 check(err < 1e-12 and sent == want, "cp by hand")

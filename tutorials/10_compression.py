@@ -1,6 +1,6 @@
-"""Tutorial 13: communication compression (bf16, PowerSGD, top-k) with exact ledgers.
+"""Tutorial 10: communication compression (bf16, PowerSGD, top-k) with exact ledgers.
 
-Run:  mpiexec -n 2 python tutorials/13_compression.py
+Run:  mpiexec -n 2 python tutorials/10_compression.py
 
 It prints
   1. a tiny model trained 3 steps on 2 data-parallel ranks with each codec: the bytes the

@@ -1,6 +1,6 @@
-"""Tutorial 16: a model no rank can hold. Each rank makes only its share, and trains on it.
+"""Tutorial 15: a model no rank can hold. Each rank makes only its share, and trains on it.
 
-    mpiexec -n 4 python tutorials/16_no_rank_can_hold.py
+    mpiexec -n 4 python tutorials/15_no_rank_can_hold.py
 
 Model parallelism exists because a model does not fit one device. Part 1 builds the pieces
 of a tp 2 x pp 2 grid by hand: each rank asks the initializer (refmp.checkpoint.source's
@@ -35,7 +35,7 @@ world = MPI.COMM_WORLD
 rank = world.rank
 say = print if rank == 0 else (lambda *a, **k: None)
 if world.size != 4:
-    say("run with 4 ranks: mpiexec -n 4 python tutorials/16_no_rank_can_hold.py")
+    say("run with 4 ranks: mpiexec -n 4 python tutorials/15_no_rank_can_hold.py")
     sys.exit(2)
 ds = AdditionTask(digits=3, seed=0, n_train=500, n_test=10).dataset()
 mcfg = GPTConfig(vocab_size=ds.vocab_size, block_size=13, n_layer=4, n_head=4, n_embd=256)

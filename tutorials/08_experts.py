@@ -1,11 +1,14 @@
-"""Tutorial 5: mixture of experts and expert parallelism, checked against the serial model.
+"""Tutorial 8: mixture of experts and expert parallelism, checked against the serial model.
 
-    mpiexec -n 2 python tutorials/05_experts.py        (or -n 4)
+    mpiexec -n 2 python tutorials/08_experts.py        (or -n 4)
 
 Part 1 does expert parallelism by hand: each rank holds the dense weights and its E/ep
 experts of every MoE layer, runs the serial model (refmp.nn.gpt.GPT) on its rows with the
-experts reached through ExpertDispatch's all-to-all (refmp.parallel.expert), and sums the
-dense gradients over the ranks; every gradient must equal the serial model's. Part 2 routes
+experts reached through a dispatch written out here (ByHand: an all-to-all of the counts per
+expert, then of the token rows, the local experts, and the results sent back; the backward
+the same two trips the other way), and sums the dense gradients over the ranks; every
+gradient must equal the serial model's. The engine's ExpertDispatch
+(refmp.parallel.expert) does the same with one permutation in place of the loop. Part 2 routes
 one sequence through an MoE layer and draws where each token goes: its top-2 experts, the
 gates, and which assignments the capacity limit drops. Part 3 shows the two router losses,
 recomputed by hand. Part 4 trains the same MoE model serially and through the engine with
@@ -24,8 +27,9 @@ from refmp.distributed.comm import Comm
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import moe as M
+from refmp.nn.experts import experts_backward, experts_forward, stack_experts, unstack_grads
 from refmp.parallel.data.accumulate import allreduce_grads, dp_rows
-from refmp.parallel.expert import ExpertDispatch, is_expert
+from refmp.parallel.expert import is_expert
 from refmp.parallel.placement import holds
 from refmp.training.datasets import ADD_CHARS, AdditionTask, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
@@ -58,15 +62,46 @@ ep, rank = ep_comm.size, ep_comm.rank
 model = gpt.GPT(mcfg, {k: v for k, v in full.items()
                        if holds(k, range(mcfg.n_layer), True, True, rank, E, ep)})
 rows = dp_rows(B, ep, rank)  # my rows of the batch (ep is carved from dp: here all of it)
-# each MoE layer, forward: route my tokens; all-to-all of the counts per expert (E,), so each
-# rank can size what it receives; all-to-all(v) of the token rows (M, C) to the ranks of
-# their experts; my experts run on the rows they got (R, C); all-to-all(v) of the results
-# back to the tokens' ranks; combine with the gates
-dispatch = ExpertDispatch(ep_comm, E)
+El = E // ep  # experts per rank: rank j holds experts [j El, (j+1) El)
+
+
+class ByHand:
+    """Where one MoE layer's experts run (refmp.nn.moe routes and combines; this moves): the
+    router hands over xs (M, C), my kept assignments' tokens sorted by expert, and counts (E,)."""
+
+    def forward(self, p, xs, counts):
+        counts = np.asarray(counts).reshape(ep, El)  # [j, l]: rows for rank j's expert l
+        # all-to-all of the counts: got[s, l] = rows peer s sends to my local expert l
+        got = ep_comm.alltoall(counts)  # (ep, El)
+        send, recv = counts.sum(axis=1), got.sum(axis=1)  # rows to / from each rank (ep,)
+        # all-to-all(v) of the token rows: my rows for rank j's experts go to rank j
+        xr = ep_comm.alltoallv(xs, send, recv)  # (R, C): block s from rank s, by my expert
+        ids, w = stack_experts(p)  # my El experts, stacked
+        ends = np.cumsum([0, *recv])  # rank s's block is xr[ends[s]:ends[s+1]]
+        ys, caches = [], []
+        for s in range(ep):  # each block is sorted by my local expert: got[s] rows each
+            ys_s, cache_s = experts_forward(w, xr[ends[s]:ends[s + 1]], got[s])
+            ys.append(ys_s)
+            caches.append(cache_s)
+        # all-to-all(v) of the results back to the ranks that own the tokens
+        out = ep_comm.alltoallv(np.concatenate(ys), recv, send)  # (M, C), in xs's order
+        return out, (ids, caches, ends, send, recv)
+
+    def backward(self, dys, cache):
+        ids, caches, ends, send, recv = cache
+        dyr = ep_comm.alltoallv(dys, send, recv)  # (R, C) the output gradients to the experts
+        dxr, g = [], {}
+        for s in range(ep):
+            dx, gs = experts_backward(dyr[ends[s]:ends[s + 1]], caches[s])
+            dxr.append(dx)
+            g = {k: g.get(k, 0) + v for k, v in gs.items()}  # summed over the blocks
+        dxs = ep_comm.alltoallv(np.concatenate(dxr), recv, send)  # (M, C) back to the tokens
+        return dxs, unstack_grads(ids, g)
+
+
+dispatch = ByHand()
 loss, cache = model.forward(x[rows], y[rows], denom=B * T, dispatch=dispatch)  # my share
-# backward, the mirror: the output gradients all-to-all(v) to the experts, the input
-# gradients back; each expert's gradient is complete on its one rank
-model.backward(cache)
+model.backward(cache)  # each expert's gradient is complete on its one rank
 dense = {k: g for k, g in model.grads.items() if not is_expert(k)}
 allreduce_grads(dense, ep_comm)  # the dense weights' gradients: the sum of the ranks' shares
 err = max(float(np.abs(g - serial.grads[k]).max()) for k, g in model.grads.items())
@@ -86,7 +121,8 @@ T = ref.T
 model = gpt.GPT(ref.mcfg, ref.runner.full_params())
 x, y = get_batch(ds.tokens, 0, cfg.batch_size, T)  # (B, T)
 _, cache = model.forward(x[:1], y[:1])  # one sequence
-mc = cache[1][0][-1]  # block 0 is MoE (moe_every = 2: blocks 0, 2, ...)
+emb_cache, block_caches, head_cache = cache  # refmp.nn.gpt.GPT.forward's three parts
+mc = block_caches[0].mlp  # block 0's MLP is MoE (moe_every = 2: blocks 0, 2, ...): an MoECache
 cap = M.capacity(CF, K, T, E)
 keep = M.capacity_keep(mc.top.reshape(1, T, K), E, cap)[0]  # (T, K)
 say(f"Part 2. One sequence, T = {T} tokens, E = {E} experts, top-{K}, capacity "
@@ -114,7 +150,8 @@ st = mc.stats
 f = np.bincount(mc.top.reshape(-1), minlength=E) / (K * T)  # (E,) f_be of this sequence
 P = mc.probs.mean(axis=0)  # (E,) P_be: its mean router probability
 aux = cfg.aux_loss_coef * E * float((f * P).sum())  # one sequence: N_glob = T
-lse = np.log(np.exp(mc.router[0] @ mc.router[1]).sum(axis=-1))  # (T,) logsumexp of the logits
+x_in, w_router, _ = mc.router  # the router's linear_forward cache: its input and weight
+lse = np.log(np.exp(x_in @ w_router).sum(axis=-1))  # (T,) logsumexp of the logits
 z = cfg.z_loss_coef * float((lse**2).mean())
 say(f"\nPart 3. load-balancing loss, per sequence b (DeepSeek-V3's sequence-wise loss):\n"
     f"        aux = alpha E / N_glob sum_b sum_t sum_e f_be p[b, t, e], f_be = assignments of "

@@ -1,8 +1,8 @@
-"""Tutorial 11: planning a layout. Predict memory and step time at any scale, then check the
+"""Tutorial 13: planning a layout. Predict memory and step time at any scale, then check the
 memory prediction against a real run on this machine.
 
-Run:  mpiexec -n 2 python tutorials/11_plan.py            (any number of ranks works)
-      mpiexec -n 2 python tutorials/11_plan.py --plot docs/img/plan_step_time.png
+Run:  mpiexec -n 2 python tutorials/13_plan.py            (any number of ranks works)
+      mpiexec -n 2 python tutorials/13_plan.py --plot docs/img/plan_step_time.png
 
 It prints
   1. the planner's five fastest layouts of GPT-2 small on 64 A100s (refmp.cost.search.search:

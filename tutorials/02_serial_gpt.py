@@ -1,6 +1,6 @@
-"""Tutorial 1: the serial GPT-2, one training step, and a gradient check you can watch.
+"""Tutorial 2: the serial GPT-2, one training step, and a gradient check you can watch.
 
-    python tutorials/01_serial_gpt.py
+    python tutorials/02_serial_gpt.py
 
 Everything later in refmp splits *this* model across ranks, so it is worth seeing whole:
 parameters with GPT-2's names, a forward pass that returns a cache, a backward pass that

@@ -1,7 +1,7 @@
-"""Tutorial 10: memory. Activation recomputation and mixed precision, measured against the formulas.
+"""Tutorial 1: memory. Activation recomputation and mixed precision, measured against the formulas.
 
-Run:  mpiexec -n 2 python tutorials/10_memory.py            (any number of ranks works)
-      mpiexec -n 2 python tutorials/10_memory.py --plot docs/img/memory_vs_seq.png
+Run:  mpiexec -n 2 python tutorials/01_memory.py            (any number of ranks works)
+      mpiexec -n 2 python tutorials/01_memory.py --plot docs/img/memory_vs_seq.png
 
 It prints
   1. ZeRO's bytes per parameter with mixed precision (bf16 weights and gradients, fp32 masters

@@ -1,6 +1,6 @@
-"""Tutorial 15: across nodes -- a cluster made on this machine, and the bytes on its slow link.
+"""Tutorial 14: across nodes -- a cluster made on this machine, and the bytes on its slow link.
 
-Run (as root):  python tutorials/15_across_nodes.py      (it makes the nodes and runs mpiexec)
+Run (as root):  python tutorials/14_across_nodes.py      (it makes the nodes and runs mpiexec)
 
 1. Two nodes of two ranks each, made of network namespaces joined by a bridge, each node's
    link shaped to 0.5 Gbit/s (refmp.cli.netns, what `refmp cluster` runs). Each rank says
@@ -26,7 +26,7 @@ if "PMI_RANK" not in os.environ:  # the launcher: make the nodes, run this file 
     from refmp.cli.netns import Cluster, unavailable
 
     if unavailable():
-        sys.exit(f"tutorial 15 needs root and network namespaces: {unavailable()}")
+        sys.exit(f"tutorial 14 needs root and network namespaces: {unavailable()}")
     env = {**os.environ, "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM": "sched_recursive_doubling",
            "OMP_NUM_THREADS": "1"}
     with Cluster(nodes=2, link_gbit=0.5) as c:

@@ -1,6 +1,6 @@
-"""Tutorial 9: sharded checkpoints -- save on one layout, resume on another.
+"""Tutorial 11: sharded checkpoints -- save on one layout, resume on another.
 
-Run:  mpiexec -n 4 python tutorials/09_checkpoints.py
+Run:  mpiexec -n 4 python tutorials/11_checkpoints.py
 
 A GPT trained 4 steps (float64, AdamW, a cosine learning rate), stopped after step 2:
   1. on tp 2 x pp 2 with ZeRO-1, every rank writes the pieces it owns (weights and AdamW's
@@ -32,7 +32,7 @@ from refmp.training.trainer import TrainConfig, Trainer
 world = MPI.COMM_WORLD
 if world.size != 4:
     if world.rank == 0:
-        print("run me with: mpiexec -n 4 python tutorials/09_checkpoints.py", file=sys.stderr)
+        print("run me with: mpiexec -n 4 python tutorials/11_checkpoints.py", file=sys.stderr)
     sys.exit(2)
 rank0, failures = world.rank == 0, []
 
@@ -46,7 +46,7 @@ cfg = TrainConfig(n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=4, st
                   lr=0.01, warmup_steps=1, grad_clip=0.5, dtype="float64", seed=1,
                   progress=False)
 ds = Dataset(np.random.default_rng(0).integers(0, 17, 400), 17, "random")  # V 17: tp pads wte
-root = world.bcast(tempfile.mkdtemp(prefix="refmp-tutorial-09-") if rank0 else None)
+root = world.bcast(tempfile.mkdtemp(prefix="refmp-tutorial-11-") if rank0 else None)
 
 # --- 1. train 2 of 4 steps on tp 2 x pp 2, then save -------------------------------------------
 first = Trainer(replace(cfg, tp=2, pp=2, zero=1), dataset=ds)

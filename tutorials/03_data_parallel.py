@@ -1,6 +1,6 @@
-"""Tutorial 2: data parallelism by hand, checked against the serial model.
+"""Tutorial 3: data parallelism by hand, checked against the serial model.
 
-    mpiexec -n 2 python tutorials/02_data_parallel.py
+    mpiexec -n 2 python tutorials/03_data_parallel.py
 
 Every rank holds the whole model and reads its own rows of the global batch. Each rank's
 loss is its *share* of the global mean (its tokens' loss sum divided by the global token

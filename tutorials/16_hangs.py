@@ -1,6 +1,6 @@
-"""Tutorial 14: a hang, found -- the watchdog's report and the flight recorders.
+"""Tutorial 16: a hang, found -- the watchdog's report and the flight recorders.
 
-Run:  python tutorials/14_hangs.py        (it launches its two jobs with mpiexec)
+Run:  python tutorials/16_hangs.py        (it launches its two jobs with mpiexec)
 
 A collective program hangs when one rank does not reach a call the others wait in. Two
 jobs of `refmp train` are made to hang on purpose (the testing hook REFMP_FAULT_MODE,
@@ -95,7 +95,7 @@ def load(folder: str) -> dict[int, dict]:
     return states
 
 
-root = tempfile.mkdtemp(prefix="refmp-tutorial-14-")
+root = tempfile.mkdtemp(prefix="refmp-tutorial-16-")
 dp_dir, pp_dir = os.path.join(root, "dp"), os.path.join(root, "pp")
 t0 = time.perf_counter()
 jobs = {"dp": job(["--dp", "2"], "hang", dp_dir),  # both at once: they mostly wait

@@ -1,6 +1,6 @@
-"""Tutorial 8: one engine, any layout -- a model split five ways at once.
+"""Tutorial 9: one engine, any layout -- a model split five ways at once.
 
-Run:  mpiexec -n 8 python tutorials/08_any_layout.py
+Run:  mpiexec -n 8 python tutorials/09_any_layout.py
 
 A GPT with mixture-of-experts layers on 8 ranks as pp 2 x cp 2 x tp 2, experts over ep 2
 (carved from the dp x cp ranks), ZeRO stage 1, 2 micro-batches per step, the 1F1B schedule.
@@ -25,7 +25,7 @@ from refmp.training.trainer import TrainConfig, Trainer
 world = MPI.COMM_WORLD
 if world.size != 8:
     if world.rank == 0:
-        print("run me with: mpiexec -n 8 python tutorials/08_any_layout.py", file=sys.stderr)
+        print("run me with: mpiexec -n 8 python tutorials/09_any_layout.py", file=sys.stderr)
     sys.exit(2)
 
 

@@ -1,6 +1,6 @@
-"""Tutorial 6: data parallelism done properly (accumulation, bucketed all-reduce, ZeRO 1/2/3).
+"""Tutorial 4: data parallelism done properly (accumulation, bucketed all-reduce, ZeRO 1/2/3).
 
-Run:  mpiexec -n 2 python tutorials/06_zero.py      (any number of ranks works)
+Run:  mpiexec -n 2 python tutorials/04_zero.py      (any number of ranks works)
 
 It prints
   1. one ZeRO step by hand: every rank computes its rows' gradients, reduce-scatters each
