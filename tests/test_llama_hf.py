@@ -214,3 +214,88 @@ def test_refmp_generate_reads_a_llama_directory_and_its_tokenizer(tmp_path, floa
         assert main(["generate", "--init", str(tmp_path / "llama"), "--prompt", prompt,
                      *flags]) == 2
         assert says in capsys.readouterr().err
+
+
+def from_mixtral(arrays: dict, cfg) -> dict:
+    """A MixtralForCausalLM's arrays (values or gradients) under refmp's names and layouts:
+    the fused experts (E, 2F, C) and (E, C, F) split and transposed, the router (E, C)
+    transposed."""
+    out = {}
+    F = cfg.n_inner
+    for name in param_shapes(cfg):
+        if ".mlp." not in name:
+            key, transposed = hf_name(name)
+            out[name] = arrays[key].T if transposed else arrays[key]
+            continue
+        _, i, rest = name.split(".", 2)
+        pre = f"model.layers.{i}.mlp."
+        if rest == "mlp.router.weight":
+            out[name] = arrays[pre + "gate.weight"].T
+            continue
+        e, kind = int(rest.split(".")[2]), rest.split(".")[3]
+        if kind == "down_proj":
+            out[name] = arrays[pre + "experts.down_proj"][e].T  # (F, C)
+        else:
+            half = slice(0, F) if kind == "gate_proj" else slice(F, 2 * F)
+            out[name] = arrays[pre + "experts.gate_up_proj"][e][half].T  # (C, F)
+    return out
+
+
+def test_mixtral_moe_training_equals_transformers(float64_hf, monkeypatch):
+    """Mixtral's sparse MoE block (router softmax, top-2, gates renormalized, SwiGLU experts)
+    in refmp's Llama (refmp.nn.swiglu_experts through refmp.nn.moe) trains as
+    MixtralForCausalLM with torch.optim.AdamW, float64 (its router's softmax too)."""
+    from refmp.nn.llama import LlamaConfig
+
+    MM = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+
+    def router(self, h):
+        h = h.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(h, self.weight)
+        top, idx = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True), idx
+
+    monkeypatch.setattr(MM.MixtralTopKRouter, "forward", router)
+    monkeypatch.setattr(MM.MixtralRMSNorm, "forward", ML.LlamaRMSNorm.forward)
+    monkeypatch.setattr(MM.MixtralRotaryEmbedding, "forward", ML.LlamaRotaryEmbedding.forward)
+    conf = transformers.MixtralConfig(
+        vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        num_local_experts=4, num_experts_per_tok=2, rope_theta=500.0, rms_norm_eps=1e-5,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(conf).to(torch.float64)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3 if p.ndim == 1 else 0.2)
+            if p.ndim == 1:
+                p.add_(1.0)
+    hf.config._attn_implementation = "sdpa"
+    hf.config._experts_implementation = "eager"  # its grouped GEMM takes no float64
+    cfg = LlamaConfig(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=16,
+                      n_inner=24, rope_theta=500.0, rms_eps=1e-5, n_expert=4, top_k=2)
+    hp = dict(hf.named_parameters())
+    ours = Llama(cfg, {k: np.ascontiguousarray(v) for k, v in
+                       from_mixtral({k: p.detach().numpy().copy() for k, p in hp.items()}, cfg).items()})
+    opt = torch.optim.AdamW([{"params": [p for p in hf.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in hf.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=1e-2)
+    decay = {k for k, v in ours.params.items() if v.ndim >= 2}
+    ropt = AdamW(ours.params, lr=1e-2, weight_decay=0.1, decay=decay)
+    for step in range(2):
+        idx, tgt = tokens(20 + step)
+        logits = hf(torch.tensor(idx)).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 37), torch.tensor(tgt).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        rloss, cache = ours.forward(idx, tgt)
+        ours.zero_grad()
+        ours.backward(cache)
+        np.testing.assert_allclose(rloss, loss.item(), **TOL, err_msg=f"loss at step {step}")
+        grads = from_mixtral({k: p.grad.numpy() for k, p in hp.items()}, cfg)
+        for k, g in grads.items():
+            np.testing.assert_allclose(ours.grads[k], g, **TOL, err_msg=f"gradient {k} at {step}")
+        opt.step()
+        ropt.step(ours.grads)
+    for k, w in from_mixtral({k: p.detach().numpy() for k, p in hp.items()}, cfg).items():
+        np.testing.assert_allclose(ours.params[k], w, **TOL, err_msg=f"weight {k}")

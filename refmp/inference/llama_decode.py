@@ -86,7 +86,7 @@ def forward_cached(model: LM.Llama, idx, cache: KVCache, ops: LM.Ops):
     x = model.params["wte.weight"][idx]  # (B, t, C)
     for i in range(model.cfg.n_layer):
         x, _ = LM.block_forward(block_params(model.params, i), x, model.cfg, cos, sin,
-                                CachedGQA(ops, cache, i, slots))
+                                CachedGQA(ops, cache, i, slots), model.cfg.moe())
     for s in slots:
         cache.advance(s, t)
     logits, _ = LM.head_forward(model.params, x, model.cfg)

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from refmp.errors import ConfigError
 from refmp.nn import layers as L
 from refmp.nn import llama_layers as LL
+from refmp.nn import moe as M
 from refmp.nn.params import block_params, init_slice
+from refmp.nn.swiglu_experts import LocalSwiGLUExperts
 from refmp.runtime import backend
 from refmp.runtime.precision import autocast
 
@@ -48,6 +50,8 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     tied: bool = False  # tie_word_embeddings: logits = h wte^T
+    n_expert: int = 0  # num_local_experts: a Mixtral-style MoE MLP in every block; 0: dense
+    top_k: int = 2  # num_experts_per_tok
 
     @property
     def head_size(self) -> int:
@@ -70,11 +74,31 @@ class LlamaConfig:
                               f"({self.n_head})")
         if self.rope_theta <= 0 or self.rms_eps <= 0:
             raise ConfigError("rope_theta and rms_eps must be positive")
+        if self.n_expert and not 1 <= self.top_k <= self.n_expert:
+            raise ConfigError(f"top_k ({self.top_k}) must be between 1 and n_expert "
+                              f"({self.n_expert})")
+
+    def moe(self, denom=None) -> M.MoEContext | None:
+        """Mixtral's MoE layer for one forward (None: dense): refmp.nn.moe's router, top-k
+        and renormalized gates on SwiGLU experts, no capacity limit, no auxiliary losses
+        (Mixtral's forward without output_router_logits)."""
+        if not self.n_expert:
+            return None
+        return M.MoEContext(self.n_expert, self.top_k, 0.0, 0.0, 0.0, denom,
+                            dispatch=LocalSwiGLUExperts())
 
 
 def block_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of one block's parameters, by their name inside the block."""
     C, F, kv = cfg.n_embd, cfg.n_inner, cfg.n_kv_head * cfg.head_size
+    mlp = {"mlp.gate_proj.weight": (C, F), "mlp.up_proj.weight": (C, F),
+           "mlp.down_proj.weight": (F, C)}
+    if cfg.n_expert:
+        mlp = {"mlp.router.weight": (C, cfg.n_expert)}
+        for e in range(cfg.n_expert):
+            mlp.update({f"mlp.experts.{e}.gate_proj.weight": (C, F),
+                        f"mlp.experts.{e}.up_proj.weight": (C, F),
+                        f"mlp.experts.{e}.down_proj.weight": (F, C)})
     return {
         "ln_1.weight": (C,),
         "attn.q_proj.weight": (C, C),
@@ -82,9 +106,7 @@ def block_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "attn.v_proj.weight": (C, kv),
         "attn.o_proj.weight": (C, C),
         "ln_2.weight": (C,),
-        "mlp.gate_proj.weight": (C, F),
-        "mlp.up_proj.weight": (C, F),
-        "mlp.down_proj.weight": (F, C),
+        **mlp,
     }
 
 
@@ -151,12 +173,15 @@ class Ops:
 # What one block's backward needs, in forward order
 AttnCache = namedtuple("AttnCache", "ln_1 q k v core o")
 MLPCache = namedtuple("MLPCache", "ln_2 gate up swiglu down")
+MoEMLPCache = namedtuple("MoEMLPCache", "ln_2 moe")  # moe: refmp.nn.moe.MoECache
 BlockCache = namedtuple("BlockCache", "attn mlp")
 
 
-def block_forward(p: dict, x, cfg: LlamaConfig, cos, sin, ops: Ops):
+def block_forward(p: dict, x, cfg: LlamaConfig, cos, sin, ops: Ops, moe=None):
     """x + attn(rmsnorm_1(x)), then + mlp(rmsnorm_2(.)); rotary tables (T, HS) of x's tokens.
-    Under tp the projections hold this rank's heads and columns (``/tp`` below)."""
+    Under tp the projections hold this rank's heads and columns (``/tp`` below). ``moe``
+    (LlamaConfig.moe): the MLP is Mixtral's mixture of SwiGLU experts (its cache carries its
+    loss)."""
     h, ln_1 = LL.rmsnorm_forward(x, p["ln_1.weight"], cfg.rms_eps)  # (B, T, C)
     h = ops.enter(h)
     q, cq = L.linear_forward(h, p["attn.q_proj.weight"])  # (B, T, NH HS /tp)
@@ -166,25 +191,35 @@ def block_forward(p: dict, x, cfg: LlamaConfig, cos, sin, ops: Ops):
     a, co = L.linear_forward(a, p["attn.o_proj.weight"])  # (B, T, C) partial over tp
     x = x + ops.leave(a)  # residual
     h, ln_2 = LL.rmsnorm_forward(x, p["ln_2.weight"], cfg.rms_eps)  # (B, T, C)
+    attn = AttnCache(ln_1, cq, ck, cv, core, co)
+    if moe is not None:
+        h, mc = M.moe_forward(p, h, moe)  # (B, T, C)
+        return x + h, BlockCache(attn, MoEMLPCache(ln_2, mc))
     h = ops.enter(h)
     g, cg = L.linear_forward(h, p["mlp.gate_proj.weight"])  # (B, T, F /tp)
     u, cu = L.linear_forward(h, p["mlp.up_proj.weight"])  # (B, T, F /tp)
     s, sw = LL.swiglu_forward(g, u)  # (B, T, F /tp)
     h, cd = L.linear_forward(s, p["mlp.down_proj.weight"])  # (B, T, C) partial over tp
-    cache = BlockCache(AttnCache(ln_1, cq, ck, cv, core, co), MLPCache(ln_2, cg, cu, sw, cd))
+    cache = BlockCache(attn, MLPCache(ln_2, cg, cu, sw, cd))
     return x + ops.leave(h), cache  # residual
 
 
-def block_backward(dout, cache: BlockCache, ops: Ops):
-    """Mirror of block_forward; returns dx and the block's gradients (names inside it)."""
+def block_backward(dout, cache: BlockCache, ops: Ops, dloss: float = 1.0):
+    """Mirror of block_forward; returns dx and the block's gradients (names inside it).
+    ``dloss`` scales the gradient of an MoE layer's own losses."""
     g = {}
     m, a = cache.mlp, cache.attn
     # forward was: out = x + leave(h)   (the residual passes dout to both branches)
-    ds, g["mlp.down_proj.weight"], _ = L.linear_backward(ops.leave_backward(dout), m.down)
-    dg, du = LL.swiglu_backward(ds, m.swiglu)  # (B, T, F /tp)
-    dh, g["mlp.gate_proj.weight"], _ = L.linear_backward(dg, m.gate)  # (B, T, C) partial
-    dhu, g["mlp.up_proj.weight"], _ = L.linear_backward(du, m.up)
-    dx, g["ln_2.weight"] = LL.rmsnorm_backward(ops.enter_backward(dh + dhu), m.ln_2)
+    if isinstance(m, MoEMLPCache):
+        dh, gm = M.moe_backward(dout, m.moe, dloss)
+        g.update(gm)
+        dx, g["ln_2.weight"] = LL.rmsnorm_backward(dh, m.ln_2)
+    else:
+        ds, g["mlp.down_proj.weight"], _ = L.linear_backward(ops.leave_backward(dout), m.down)
+        dg, du = LL.swiglu_backward(ds, m.swiglu)  # (B, T, F /tp)
+        dh, g["mlp.gate_proj.weight"], _ = L.linear_backward(dg, m.gate)  # (B, T, C) partial
+        dhu, g["mlp.up_proj.weight"], _ = L.linear_backward(du, m.up)
+        dx, g["ln_2.weight"] = LL.rmsnorm_backward(ops.enter_backward(dh + dhu), m.ln_2)
     dx += dout
     # forward was: x = x + leave(a)
     da, g["attn.o_proj.weight"], _ = L.linear_backward(ops.leave_backward(dx), a.o)
@@ -267,11 +302,14 @@ class Llama:
         positions = xp.arange(idx.shape[1]) if ops.positions is None else ops.positions
         cos, sin = self.rope(positions)  # (T, HS) each, at the tokens' global positions
         x, emb = L.embedding_forward(idx, self.params["wte.weight"])  # (B, T, C)
+        moe = cfg.moe(denom if targets is not None else None)
         blocks = []
         for i in range(cfg.n_layer):
-            x, c = block_forward(block_params(self.params, i), x, cfg, cos, sin, ops)
+            x, c = block_forward(block_params(self.params, i), x, cfg, cos, sin, ops, moe)
             blocks.append(c)
         out, head = head_forward(self.params, x, cfg, targets, denom)
+        if targets is not None and moe is not None:  # the MoE layers' loss shares (0 here)
+            out = out + sum(c.mlp.moe.loss for c in blocks)
         return out, (emb, blocks, head, ops)
 
     def backward(self, cache, dloss=1.0) -> None:
@@ -280,7 +318,7 @@ class Llama:
         dx, g = head_backward(dloss, head, self.cfg)
         self.accumulate(g)
         for i in reversed(range(self.cfg.n_layer)):
-            dx, g = block_backward(dx, blocks[i], ops)
+            dx, g = block_backward(dx, blocks[i], ops, dloss)
             self.accumulate(g, prefix=f"h.{i}.")
         # a tied head has already added its share to wte's gradient
         self.accumulate({"wte.weight": L.embedding_backward(dx, emb)})

@@ -91,6 +91,9 @@ class LlamaStage:
 
     def __init__(self, cfg: LM.LlamaConfig, chunks: dict[int, range], n_chunks: int,
                  ops: LM.Ops, sharder, recompute: bool = False):
+        if cfg.n_expert:
+            raise ConfigError("the Llama stage runs dense blocks; a Mixtral-style MoE model runs "
+                              "serially (refmp.nn.llama.Llama)")
         self.cfg = cfg
         self.recompute = recompute  # full recomputation: keep only each block's input
         self.chunks = chunks
