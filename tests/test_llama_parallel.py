@@ -324,3 +324,37 @@ def test_refmp_generate_on_tp_ranks(tmp_path):
     assert main([*argv, "--tp", "2", "--pp", "2"]) == 2
     if comm.rank == 0:
         np.testing.assert_array_equal(np.load(f"{folder}/out.npy"), generate(serial, prompts, 4)[0])
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_ep4_swiglu_experts():
+    """Mixtral-style MoE on ep 4 (carved from dp 4): each rank its row and its expert of each
+    layer, tokens sent to their experts by all-to-all; the serial run's loss, gradients."""
+    from refmp.nn import swiglu_experts
+    from refmp.parallel.expert import ExpertDispatch, expert_index, is_expert
+
+    cfg = LM.LlamaConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_kv_head=2,
+                         n_embd=16, n_inner=24, n_expert=4, top_k=2)
+    grid = ProcessGrid(MPI.COMM_WORLD, dp=4, ep=4)
+    serial = LM.Llama.create(cfg, seed=3, dtype="float64")
+    ep = grid.comm["ep"]
+    mine = LM.Llama(cfg, {k: v.copy() for k, v in serial.params.items()
+                          if not is_expert(k) or expert_index(k) == ep.rank})
+    dispatch = ExpertDispatch(ep, cfg.n_expert, kind=swiglu_experts)
+    idx, tgt = (np.random.default_rng(s).integers(0, V, (B, T)) for s in (1, 2))
+    loss, cache = serial.forward(idx, tgt)
+    serial.backward(cache)
+    r = grid.coords["dp"]
+    share, cache = mine.forward(idx[r : r + 1], tgt[r : r + 1], B * T, dispatch=dispatch)
+    mine.backward(cache)
+    dp = grid.comm["dp"]
+    for k, g in mine.grads.items():
+        if not is_expert(k):  # dense: summed over dp; an expert's: whole on its owner
+            dp.allreduce(g)
+    bad = Mismatches()
+    bad.check(np.testing.assert_allclose, dp.allreduce(np.array([share]))[0], loss, **TOL,
+              err_msg="loss")
+    for k, g in mine.grads.items():
+        bad.check(np.testing.assert_allclose, g, serial.grads[k], **TOL, err_msg=f"gradient {k}")
+    bad.assert_none(MPI.COMM_WORLD)

@@ -18,115 +18,28 @@ transposes to and from a LlamaForCausalLM directory):
     h.{i}.mlp.down_proj.weight (F, C)      ln_f.weight (C,)            (model.norm)
     lm_head.weight (V, C)                  only when the head is untied
 
-Initialization is refmp.nn.params.init_slice's (seed, name, element) draw, which for these
-names is Hugging Face's: N(0, 0.02) for every matrix, 1 for the RMSNorm weights.
+With ``n_expert`` (Mixtral) each block's MLP is ``h.{i}.mlp.router.weight`` (C, E) and
+``h.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``. The configuration, the shapes and the
+initialization are refmp.nn.llama_params.
 """
 
 from __future__ import annotations
 
 import math
 from collections import namedtuple
-from dataclasses import dataclass
 
-from refmp.errors import ConfigError
 from refmp.nn import layers as L
 from refmp.nn import llama_layers as LL
 from refmp.nn import moe as M
-from refmp.nn.params import block_params, init_slice
-from refmp.nn.swiglu_experts import LocalSwiGLUExperts
+from refmp.nn.llama_params import (  # noqa: F401  (re-exported: refmp.nn.llama is where readers look)
+    LlamaConfig,
+    block_param_shapes,
+    init_params,
+    param_shapes,
+)
+from refmp.nn.params import block_params
 from refmp.runtime import backend
 from refmp.runtime.precision import autocast
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int = 256
-    block_size: int = 64  # max_position_embeddings
-    n_layer: int = 2
-    n_head: int = 4
-    n_kv_head: int = 2  # num_key_value_heads; n_head for plain multi-head attention
-    n_embd: int = 64
-    n_inner: int = 172  # intermediate_size
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-6
-    tied: bool = False  # tie_word_embeddings: logits = h wte^T
-    n_expert: int = 0  # num_local_experts: a Mixtral-style MoE MLP in every block; 0: dense
-    top_k: int = 2  # num_experts_per_tok
-
-    @property
-    def head_size(self) -> int:
-        return self.n_embd // self.n_head
-
-    def check(self) -> None:
-        """Refuse shapes that cannot make the model (a ConfigError with the reason)."""
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd",
-                     "n_inner"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head "
-                              f"({self.n_head})")
-        if self.head_size % 2:
-            raise ConfigError(f"the head size ({self.head_size}) must be even: rotary "
-                              f"embeddings rotate its two halves")
-        if self.n_head % self.n_kv_head:
-            raise ConfigError(f"n_kv_head ({self.n_kv_head}) must divide n_head "
-                              f"({self.n_head})")
-        if self.rope_theta <= 0 or self.rms_eps <= 0:
-            raise ConfigError("rope_theta and rms_eps must be positive")
-        if self.n_expert and not 1 <= self.top_k <= self.n_expert:
-            raise ConfigError(f"top_k ({self.top_k}) must be between 1 and n_expert "
-                              f"({self.n_expert})")
-
-    def moe(self, denom=None) -> M.MoEContext | None:
-        """Mixtral's MoE layer for one forward (None: dense): refmp.nn.moe's router, top-k
-        and renormalized gates on SwiGLU experts, no capacity limit, no auxiliary losses
-        (Mixtral's forward without output_router_logits)."""
-        if not self.n_expert:
-            return None
-        return M.MoEContext(self.n_expert, self.top_k, 0.0, 0.0, 0.0, denom,
-                            dispatch=LocalSwiGLUExperts())
-
-
-def block_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one block's parameters, by their name inside the block."""
-    C, F, kv = cfg.n_embd, cfg.n_inner, cfg.n_kv_head * cfg.head_size
-    mlp = {"mlp.gate_proj.weight": (C, F), "mlp.up_proj.weight": (C, F),
-           "mlp.down_proj.weight": (F, C)}
-    if cfg.n_expert:
-        mlp = {"mlp.router.weight": (C, cfg.n_expert)}
-        for e in range(cfg.n_expert):
-            mlp.update({f"mlp.experts.{e}.gate_proj.weight": (C, F),
-                        f"mlp.experts.{e}.up_proj.weight": (C, F),
-                        f"mlp.experts.{e}.down_proj.weight": (F, C)})
-    return {
-        "ln_1.weight": (C,),
-        "attn.q_proj.weight": (C, C),
-        "attn.k_proj.weight": (C, kv),
-        "attn.v_proj.weight": (C, kv),
-        "attn.o_proj.weight": (C, C),
-        "ln_2.weight": (C,),
-        **mlp,
-    }
-
-
-def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's global shape, in the model's order."""
-    shapes = {"wte.weight": (cfg.vocab_size, cfg.n_embd)}
-    for i in range(cfg.n_layer):
-        for name, shape in block_param_shapes(cfg).items():
-            shapes[f"h.{i}.{name}"] = shape
-    shapes["ln_f.weight"] = (cfg.n_embd,)
-    if not cfg.tied:
-        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.n_embd)
-    return shapes
-
-
-def init_params(cfg: LlamaConfig, seed: int, dtype="float32") -> dict:
-    """All parameters at full size (init_slice's draw: N(0, 0.02) matrices, unit norms)."""
-    return {name: backend.from_host(init_slice(name, shape, cfg, seed, dtype=dtype))
-            for name, shape in param_shapes(cfg).items()}
-
 
 # --- the pieces: block and head -------------------------------------------------------------
 
@@ -289,11 +202,12 @@ class Llama:
         """The serial Ops: every head here."""
         return Ops(self.cfg.n_head, self.cfg.n_kv_head)
 
-    def forward(self, idx, targets=None, denom=None, ops: Ops | None = None):
+    def forward(self, idx, targets=None, denom=None, ops: Ops | None = None, dispatch=None):
         """(loss, cache) given targets (B, T); (logits, cache) without them. ``denom``: the
         token count the loss is a mean over (default: these B T tokens; a rank holding part
         of the batch or of the sequence passes the global count, so its loss is its share).
-        ``ops``: a layout's (default the serial Ops)."""
+        ``ops``: a layout's (default the serial Ops); ``dispatch``: where an MoE model's
+        experts run (LlamaConfig.moe)."""
         cfg = self.cfg
         ops = self.ops() if ops is None else ops
         xp = backend.array_module(self.params["wte.weight"])
@@ -302,7 +216,7 @@ class Llama:
         positions = xp.arange(idx.shape[1]) if ops.positions is None else ops.positions
         cos, sin = self.rope(positions)  # (T, HS) each, at the tokens' global positions
         x, emb = L.embedding_forward(idx, self.params["wte.weight"])  # (B, T, C)
-        moe = cfg.moe(denom if targets is not None else None)
+        moe = cfg.moe(denom if targets is not None else None, dispatch)
         blocks = []
         for i in range(cfg.n_layer):
             x, c = block_forward(block_params(self.params, i), x, cfg, cos, sin, ops, moe)

@@ -6,10 +6,12 @@ channels; F the MLP's width.
 
     expert_e(x) = (silu(x Wgate_e) * (x Wup_e)) Wdown_e      (no biases)
 
-The dispatch object of refmp.nn.moe for these experts, in place of refmp.nn.experts'
-GPT-2 MLPs: the router, top-k, renormalized gates and dropping are refmp.nn.moe's,
-unchanged. As there, expert j's rows are one consecutive block, so each of its three
-linears is one matrix product on exactly those rows, and SwiGLU runs once on all of them.
+The dispatch object of refmp.nn.moe for these experts (LocalSwiGLUExperts here; under
+expert parallelism refmp.parallel.expert.ExpertDispatch with this module as its ``kind``),
+in place of refmp.nn.experts' GPT-2 MLPs: the router, top-k, renormalized gates and
+dropping are refmp.nn.moe's, unchanged. As there, expert j's rows are one consecutive
+block, so each of its three linears is one matrix product on exactly those rows, and SwiGLU
+runs once on all of them.
 """
 
 from __future__ import annotations
@@ -76,5 +78,9 @@ class LocalSwiGLUExperts:
     def backward(self, dys, cache):
         ids, ecache = cache
         dxs, g = experts_backward(dys, ecache)
-        return dxs, {f"mlp.experts.{e}.{s}": g[s][j] for s in EXPERT_PARAMS
-                     for j, e in enumerate(ids)}
+        return dxs, unstack_grads(ids, g)
+
+
+def unstack_grads(ids: list[int], g: dict) -> dict:
+    """Stacked expert gradients back to names inside the block."""
+    return {f"mlp.experts.{e}.{s}": g[s][j] for s in EXPERT_PARAMS for j, e in enumerate(ids)}
