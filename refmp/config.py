@@ -84,6 +84,9 @@ class ParallelConfig:
     cp_algo: str = flag("ring", "ring: K/V blocks around the ring; ulysses: all-to-all to heads "
                                 "(%(default)s)", CONTEXT, choices=("ring", "ulysses"),
                         plan={"help": "with --cp > 1 (default: both searched)"})
+    cp_ulysses: int = flag(1, "hierarchical cp: Ulysses' all-to-all inside groups of this many consecutive "
+                              "cp ranks, the ring (--cp-algo ring) across the cp/U groups; 1: one "
+                              "level, --cp-algo's (%(default)s)", CONTEXT, plan={})
     cp_balance: str = flag("zigzag", "zigzag: rank r holds chunks r and 2cp-1-r of 2cp, equal causal "
                                      "work (default); contiguous: chunk r of cp", CONTEXT,
                            choices=("zigzag", "contiguous"))
@@ -93,6 +96,10 @@ class ParallelConfig:
                                   "hierarchical across nodes (reduce-scatter inside a node, all-reduce "
                                   "of 1/G across nodes, all-gather inside; ZeRO 0; docs/nodes.md) "
                                   "(%(default)s)", choices=("flat", "hierarchical"))
+    dp_shard: int = flag(0, "HSDP (hybrid sharding): --zero's stages over groups of this many dp ranks "
+                            "(x cp), replicated across the dp/N groups: reduce-scatter inside, "
+                            "all-reduce of the slice across, all-gather inside; 0: all of dp "
+                            "(%(default)s)", plan={})
     hpz_size: int = flag(1, "ZeRO-3: ZeRO++'s hierarchical partition (hpZ): a second copy of the weights "
                             "partitioned over blocks of this many consecutive dp x cp ranks (give "
                             "those on a node: the ranks per node over tp), so the weight all-gathers "

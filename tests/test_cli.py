@@ -74,6 +74,16 @@ BAD = [
     (["--init", "/nonexistent.safetensors"], "no such file"),
     (["--optimizer", "adam"], "invalid choice"),
     (["--steps", "0"], "at least 1"),
+    # hierarchical cp (--cp-ulysses) and HSDP (--dp-shard): docs/frontier.md
+    (["--cp", "2", "--cp-ulysses", "2", "--n-head", "3", "--n-embd", "6", "--block-size", "8"],
+     "n_head/tp = 3 heads of a tp rank, which must be divisible by 2"),
+    (["--cp", "2", "--cp-ulysses", "2", "--block-size", "6"], "block size 6 is not divisible by 4"),
+    (["--cp", "2", "--cp-ulysses", "4", "--block-size", "8"], "must be at least 1 and divide --cp 2"),
+    (["--cp", "2", "--cp-ulysses", "2", "--cp-algo", "ulysses", "--block-size", "8"],
+     "leave --cp-algo ring"),
+    (["--dp-shard", "3", "--zero", "1"], "--dp-shard 3 must divide --dp 2"),
+    (["--dp-shard", "1"], "--zero 0 shards nothing"),
+    (["--dp-shard", "1", "--zero", "3", "--hpz-size", "2"], "--dp-shard 1 with --hpz-size"),
 ]
 
 

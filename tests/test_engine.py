@@ -267,7 +267,7 @@ def step0_mismatches(tr, whole: dict) -> list[str]:
         for k in unit.shapes:
             at = np.arange(whole[k].size).reshape(whole[k].shape) + 1
             index[k] = tp_shard(k, at, run.tp.rank, run.tp.size) - 1  # padding: -1
-    index = run.sharder.owned_index(index)
+    index = run.sharder.owned_index(index.__getitem__)
     stored = run.piece_index()
     bad = [f"piece_index {k}" for k in index if not np.array_equal(stored[k], index[k])]
     for k, piece in run.params.items():

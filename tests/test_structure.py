@@ -84,7 +84,7 @@ SEAMS = {
     "refmp/cli/plan.py": ("cpu_machine", "measuring this host (cpu_machine, calibrate, "
                                          "measure_links) into cli/calibrate.py"),
     "refmp/cost/model.py": ("collective", "the per-term costs (collective, bubble, gemm, "
-                                          "elementwise_bytes, cp_ledger, numpy_calls) into "
+                                          "elementwise_bytes, numpy_calls) into "
                                           "cost/terms.py; Layout and predict stay"),
     "refmp/nn/layers.py": ("attention_forward", "attention's forward, weights and backward into "
                                                 "nn/attention.py, beside nn/blockwise.py"),

@@ -67,7 +67,8 @@ BENCH = ("tiny", "tiny-moe")  # refmp bench's presets: float32, as bench runs th
 CHOICES = {"tp": (1, 2, 4, 8), "pp": (1, 2, 4), "cp": (1, 2, 4), "ep": (1, 2, 4),
            "microbatches": (4, 8, 16), "sequence_parallel": (False, True),
            "zero": (0, 1, 2, 3), "recompute": ("none", "selective", "full"),
-           "mixed_precision": ("none", "bf16"), "schedule": ("1f1b", "interleaved")}
+           "mixed_precision": ("none", "bf16"), "schedule": ("1f1b", "interleaved"),
+           "cp_ulysses": (1, 2), "dp_shard": (0, 2)}
 TERMS = ("compute", "elementwise", "tp", "cp", "ep", "pp", "dp", "optimizer", "bubble")
 
 log = logging.getLogger("mkdocs.hooks.explorer")
@@ -138,7 +139,8 @@ def offered(name: str, mcfg: GPTConfig, choice: dict) -> bool:
     ZeRO 2 and 3 without a pipeline, sequence parallelism with tp > 1, a schedule only with a
     pipeline, ep > 1 only with experts), tp pp cp at most the node's GPUS, and, to keep the
     table small, micro-batch counts other than 8 only with a pipeline, cp > 1 only with 8
-    micro-batches, the bench presets in float32."""
+    micro-batches, the bench presets in float32; hierarchical cp (Ulysses 2 x ring 2) with
+    cp = 4, HSDP (shard groups of 2 dp ranks) with ZeRO-3, dp >= 4 and neither cp nor ep."""
     c = choice
     return ((c["zero"] < 2 or c["pp"] == 1)
             and (c["tp"] > 1 or not c["sequence_parallel"])
@@ -147,7 +149,10 @@ def offered(name: str, mcfg: GPTConfig, choice: dict) -> bool:
             and c["tp"] * c["pp"] * c["cp"] <= GPUS
             and (c["pp"] > 1 or c["microbatches"] == 8)
             and (c["cp"] == 1 or c["microbatches"] == 8)
-            and (name not in BENCH or c["mixed_precision"] == "none"))
+            and (name not in BENCH or c["mixed_precision"] == "none")
+            and (c["cp_ulysses"] == 1 or c["cp"] == 4)
+            and (c["dp_shard"] == 0 or (c["zero"] == 3 and c["cp"] == c["ep"] == 1
+                                        and GPUS // (c["tp"] * c["pp"]) >= 4)))
 
 
 def model_table(name: str, mcfg: GPTConfig) -> dict:

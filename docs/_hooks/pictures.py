@@ -13,6 +13,7 @@ from the tables the engine itself slices the model with, so a picture cannot dri
     compression      refmp.cost.zero.comm_per_step / compressed_per_step, refmp.cost.memory
                      .codec_bytes (bytes sent, bytes kept)
     architecture     who_holds of tutorial 9's 8 ranks, pp 2 x cp 2 x tp 2, ep 2, ZeRO-1
+    hybrid_cp, hsdp  the two-level strategies (docs/_hooks/pictures_levels.py)
 
 Each is an SVG file of the built site, img/holds/<page>.svg, shown by its page.
 """
@@ -23,6 +24,7 @@ import math
 
 import numpy as np
 from mkdocs.structure.files import File
+from pictures_levels import LEVELS
 from svg import INK, SHARED, Svg, cells, colour
 
 from refmp.cost.flops import ring_attention_flops
@@ -301,7 +303,8 @@ def architecture() -> Svg:
 
 PICTURES = {"data_parallel": data_parallel, "pipeline": pipeline, "tensor_parallel": tensor_parallel,
             "experts": experts, "zero": zero, "compression": compression,
-            "context_parallel": context_parallel, "architecture": architecture}
+            "context_parallel": context_parallel, "architecture": architecture,
+            **LEVELS}  # hierarchical cp and HSDP (pictures_levels.py)
 
 
 def on_files(files, config, **kwargs):

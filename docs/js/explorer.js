@@ -15,6 +15,7 @@
     cp: "context parallel, cp", ep: "expert parallel, ep", microbatches: "micro-batches, M",
     sequence_parallel: "sequence parallel", zero: "ZeRO stage", recompute: "recomputation",
     mixed_precision: "precision", schedule: "schedule",
+    cp_ulysses: "hierarchical cp: Ulysses group, U", dp_shard: "HSDP: shard group, dp ranks (0: all)",
   };
   const state = {model: "gpt2", machine: Object.keys(T.machines)[0]};
   FIELDS.forEach((f) => { state[f] = 0; });  // the index of each field's choice

@@ -212,7 +212,10 @@ def print_report(out: dict, args) -> None:
     extra = [f"zero {lay['zero']}"] if lay["zero"] else []
     extra += [f"hpZ in blocks of {lay['hpz_size']}"] if lay["hpz_size"] > 1 else []
     extra += ["sequence parallel"] if lay["sequence_parallel"] else []
-    extra += [f"cp {lay['cp_algo']} {lay['cp_balance']}"] if lay["cp"] > 1 else []
+    extra += [f"HSDP, shards over {lay['dp_shard']} dp"] if lay["dp_shard"] not in (0, lay["dp"]) else []
+    U = lay["cp_ulysses"]  # hierarchical cp: Ulysses U x ring cp/U
+    algo = f"Ulysses {U} x ring {lay['cp'] // U}" if U > 1 else lay["cp_algo"]
+    extra += [f"cp {algo} {lay['cp_balance']}"] if lay["cp"] > 1 else []
     extra += [f"{lay['microbatches']} micro-batches"] if lay["microbatches"] > 1 else []
     extra += [f"recompute {lay['recompute']}"] if lay["recompute"] != "none" else []
     extra += ([f"mixed precision {lay['mixed_precision']} (gradients {lay['grad_dtype']})"]

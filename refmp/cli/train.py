@@ -25,6 +25,7 @@ from refmp.distributed.topology import crossing_notes
 from refmp.distributed.watchdog import Watchdog
 from refmp.errors import ConfigError, TrainingError
 from refmp.parallel.data.hpz import block_notes
+from refmp.parallel.data.hsdp import shard_notes
 from refmp.training.checks import moe_flags
 from refmp.training.evaluate import evaluate
 from refmp.training.rank_memory import measured, print_measured
@@ -92,6 +93,7 @@ def run(cfg: TrainConfig) -> dict:
               f"{_on_nodes(tr.grid.nodes)}", flush=True)
         notes = crossing_notes(tr.grid.sizes, tr.grid.nodes)  # tp or cp across nodes
         notes += block_notes(tr.grid.sizes, tr.grid.nodes, cfg.hpz_size)  # hpZ's blocks
+        notes += shard_notes(tr.grid.sizes, tr.grid.nodes, cfg.dp_shard)  # HSDP's shard groups
         for note in notes:  # before the first step
             print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)
     if rank0 and tr.resumed:

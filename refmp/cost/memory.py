@@ -171,7 +171,8 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     units = {u: sum(math.prod(s) for s in unit.values()) for u, unit in shapes.items()}
     dense = {u: n for u, n in units.items() if not u.endswith(".experts")}
     expert = {u: n for u, n in units.items() if u.endswith(".experts")}
-    mem = memory_per_rank(dense, dp * cp, cfg.zero, w)
+    shard = (cfg.dp_shard or dp) * cp  # the dense units' ZeRO group (HSDP: a shard group)
+    mem = memory_per_rank(dense, shard, cfg.zero, w)
     version = mem["params"]  # a weight version copies the weights as held
     if cfg.hpz_size > 1:  # hpZ: the secondary slices too, and a version keeps those alone
         hpz = hpz_per_step(dense, dp * cp, cfg.hpz_size, w)
@@ -219,7 +220,7 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     mem["workspace"] += w * grads_at_once(units, 0 in chunks, S - 1 in chunks)
     if cfg.zero >= 2:  # and a unit's whole gradient (Pp,), summed into until its reduce-scatter
         mem["workspace"] += w * max(units.values())
-    mem["setup"] = setup_bytes(cfg, shapes, dp * cp, ep, w)
+    mem["setup"] = setup_bytes(cfg, shapes, dp * cp, ep, w, shard)
     return mem
 
 
@@ -235,7 +236,8 @@ def grads_at_once(units: dict, first: bool, last: bool) -> int:
     return max(blocks + ends, default=0)
 
 
-def setup_bytes(cfg: TrainConfig, shapes: dict, n: int, ep: int, w: int) -> int:
+def setup_bytes(cfg: TrainConfig, shapes: dict, n: int, ep: int, w: int,
+                shard: int | None = None) -> int:
     """What a rank holds beyond its state while it builds (placement.ShardReader and the
     Sharder, one unit at a time): its largest single read, a parameter's tp shard (at
     ZeRO-3 without hpZ, only the part of it its slice owns: at most S elements of its unit),
@@ -243,13 +245,14 @@ def setup_bytes(cfg: TrainConfig, shapes: dict, n: int, ep: int, w: int) -> int:
     whole unit's flat buffer in w bytes where it is not kept (mixed precision before its
     rounding to the compute copy; ZeRO-3 with hpZ before it keeps its slices).
     ``shapes``: unit -> {name: tp shard shape} (local_shapes); ``n`` the dense units' group
-    (dp cp), ``ep`` the experts' (edp = n/ep)."""
+    (dp cp), ``ep`` the experts' (edp = n/ep); ``shard`` the dense units' ZeRO group where
+    HSDP makes it smaller (default n)."""
     owned = cfg.zero == 3 and cfg.hpz_size <= 1
     one, unit = 0, 0
     for u, ks in shapes.items():
         P = sum(math.prod(s) for s in ks.values())
         biggest = max(math.prod(s) for s in ks.values())
-        group = n // ep if u.endswith(".experts") else n
+        group = n // ep if u.endswith(".experts") else shard or n
         one = max(one, min(biggest, -(-P // group)) if owned else biggest)
         unit = max(unit, P)
     whole_unit = (cfg.mixed_precision != "none" and cfg.zero < 3) or (

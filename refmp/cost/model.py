@@ -32,6 +32,7 @@ from dataclasses import Field, dataclass, field, fields, make_dataclass, replace
 from functools import cache, partial
 
 from refmp.config import ParallelConfig, TrainConfig, flag_name
+from refmp.cost.context import cp_ledger, hybrid_cp_ledger
 from refmp.cost.family import ffn, is_llama, kv_heads, tied
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
 from refmp.cost.machines import Machine
@@ -39,6 +40,7 @@ from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import (
     comm_per_step,
     compressed_per_step,
+    hsdp_per_step,
     local_shapes,
     prefetched,
     ring_pass,
@@ -169,25 +171,6 @@ def elementwise_bytes(b: int, Tl: int, T: int, C: int, NH: int, tp: int, sp: boo
     return fwd + bwd + {"none": 0, "selective": soft, "full": fwd}[recompute]
 
 
-def cp_ledger(lay: Layout, bd: int, Tl: int, C: int, Ls: int, M: int, c: int,
-              kv: float = 1.0) -> tuple:
-    """(op, bytes, calls) the ledger records on cp in one step of a rank with Ls blocks and
-    bd rows (tests/test_context_parallel.py's want_per_step): the ring sends each block's
-    K/V (2 bd Tl C/tp) cp-1 times forward, again backward, and dK/dV back; Ulysses makes
-    four all-to-alls per block, qkv and y forward and their gradients backward (8 bd Tl
-    C/tp). Full recomputation repeats the forward's: 4 (cp-1) sends, 6 all-to-alls.
-    ``kv``: KV / NH, the ring's K/V under grouped-query attention (refmp.cost.family)."""
-    full, tp, cp = lay.recompute == "full", lay.tp, lay.cp
-    if cp == 1:
-        return "send", 0, 0
-    if lay.cp_algo == "ulysses":
-        k = 6 if full else 4
-        return "alltoall", 2 * k * Ls * bd * Tl * (C // tp) * c, k * Ls * M
-    k = 4 if full else 3
-    return ("send", int(k * (cp - 1) * Ls * 2 * bd * Tl * (C // tp) * c * kv),
-            k * (cp - 1) * Ls * M)
-
-
 def numpy_calls(lay: Layout, moe: bool = False, top_k: int = 2) -> int:
     """NumPy operations one block runs in one micro-batch, forward and backward: ufuncs
     (operators and reductions among them), array functions, reshapes, transposes and
@@ -314,9 +297,15 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         op, nbytes, calls = cp_ledger(lay, bd, Tl, C, Ls, M, c, KV / NH)
         t_cp = collective(op, nbytes, calls, cp, *link(tp * cp))
         moved[r]["cp"] = {op: nbytes}
-        if op == "send" and mach.overlaps_p2p:  # cp-1 transfers, behind the core's steps
+        if lay.cp_ulysses > 1:  # hierarchical: all-to-alls in groups of U, the ring across
+            U, lv = lay.cp_ulysses, hybrid_cp_ledger(lay, bd, Tl, C, Ls, M, c, KV / NH)
+            (a2a, a_calls), (nbytes, calls) = lv["alltoall", "cp.ulysses"], lv["send", "cp.ring"]
+            t_cp = collective("alltoall", a2a, a_calls, U, *link(tp * U)) + collective(
+                "send", nbytes, calls, cp // U, *link(tp * cp))
+            moved[r]["cp"] = {"alltoall": a2a, "send": nbytes}
+        if op == "send" and mach.overlaps_p2p:  # R-1 transfers (R = cp/U), behind the core
             core = M * Ls * 2 * (4 if full else 3) * scores  # q k^T, att v: fwd, 2 bwd, again
-            t_cp = max(0.0, t_cp - (cp - 1) / cp * core)
+            t_cp = max(0.0, t_cp - (1 - lay.cp_ulysses / cp) * core)
         # experts: dispatch and combine, forward and backward (again with full
         # recomputation), K b Tl C each (ep carved from dp x cp: the group spans tp ep ranks)
         k = 6 if full else 4
@@ -333,7 +322,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
                     + collective("allgather", x, calls, tp, *link(tp)))
         units = units_of(mcfg, tp, tuple(stage_blocks), first, last)
         # --grad-compress (refmp.cost.zero's formulas): a codec takes fp32 gradients
-        n, codec = dp * cp, lay.grad_compress
+        # HSDP (--dp-shard N): ZeRO over a shard group of N cp ranks, the slice summed across
+        n, codec = (lay.dp_shard or dp) * cp, lay.grad_compress
         gw = {"none": c, "bf16": 2}.get(codec, 4)
         g = comm_per_step(dict(units), n, lay.zero, M, gw, first, last, c,
                           lay.quant_block if lay.weight_gather == "int8" else 0)
@@ -343,6 +333,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         moved[r]["dp"] = dict(g)
         t_dp = sum(collective(op, x, 1 if lay.zero < 2 else M * len(units), n, *link(tp * n))
                    for op, x in g.items())
+        across = hsdp_per_step(dict(units), n, dp * cp // n, gw) if lay.zero else 0
+        moved[r]["dp"]["allreduce"] += across  # HSDP: once a step, after backward (below)
         if pp > 1 and (first or last) and "wte" in units and tied(mcfg):  # wte's two copies
             # swap their gradients after the sums (refmp.parallel.engine's tied embedding; a
             # codec's: before, whole): a send each way, of what the rank owns
@@ -363,6 +355,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
             slow = mach.sms / (mach.sms - mach.comm_sms) if mach.sms else 1.0
             t_dp = prefetched(zero3_uses(units, stage_blocks, block_t, 3 * head + head_elem,
                                          full, ring) * M, slow) - comp - t_elem
+        t_dp += collective("allreduce", across, len(units), dp * cp // n, *link(tp * dp * cp))
         owned = sum(units.values()) / (n if lay.zero else 1)
         # AdamW: reads masters, two moments and the gradient, writes them and the compute
         # copy, and the clipping norm reads the gradient again (w = 4; c = g)

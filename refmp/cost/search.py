@@ -33,9 +33,10 @@ def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dic
                                    "weight_gather", "quant_block") if fixed.get(k) is not None}
     for tp in pick("tp", [d for d in divisors(gpus) if d <= mach.gpus_per_node]):
         for pp in pick("pp", [d for d in divisors(gpus // tp) if d <= mcfg.n_layer]):
-            cps = [(cp, algo) for cp in pick("cp", [1])
-                   for algo in pick("cp_algo", ["ring", "ulysses"] if cp > 1 else ["ring"])]
-            for cp, algo in cps:
+            cps = [(cp, algo, U) for cp in pick("cp", [1])
+                   for algo in pick("cp_algo", ["ring", "ulysses"] if cp > 1 else ["ring"])
+                   for U in pick("cp_ulysses", hierarchical_cp(cp, algo))]
+            for cp, algo, U in cps:
                 dp = fixed.get("dp") or max(1, gpus // (tp * pp * cp))
                 if fixed.get("microbatches") and batch % (dp * fixed["microbatches"]) == 0:
                     sizes = [batch // (dp * fixed["microbatches"])]  # b from --microbatches M
@@ -46,7 +47,8 @@ def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dic
                 eps = [e for e in divisors(dp * cp) if mcfg.n_expert % e == 0] \
                     if mcfg.n_expert else [1]
                 for ep in pick("ep", eps):
-                    for zero in pick("zero", [0, 1, 2, 3] if pp == 1 else [0, 1]):
+                    for zero, shard in [(z, n) for z in pick("zero", [0, 1, 2, 3] if pp == 1 else [0, 1])
+                                        for n in pick("dp_shard", hsdp(z, dp, tp * cp, mach))]:
                         for sp in pick("sequence_parallel", [False, True] if tp > 1 else [False]):
                             for rc in pick("recompute", ["none", "selective", "full"]):
                                 for b in sizes:
@@ -54,7 +56,20 @@ def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dic
                                         yield Layout(tp, pp, dp, cp, ep, zero, sp, rc,
                                                      fixed.get("mixed_precision")
                                                      or ("bf16" if gpu else "none"), b, sched, v,
-                                                     algo, **codec)
+                                                     algo, cp_ulysses=U, dp_shard=shard, **codec)
+
+
+def hierarchical_cp(cp: int, algo: str) -> list[int]:
+    """--cp-ulysses choices: 1, and with the ring every U between 1 and cp that divides cp."""
+    return [1] + (divisors(cp)[1:-1] if algo == "ring" else [])
+
+
+def hsdp(zero: int, dp: int, per: int, mach: Machine) -> list[int]:
+    """--dp-shard choices: 0 (all of dp), and with ZeRO, where dp spans nodes, HSDP with the
+    dp ranks of one node (``per``: the tp cp ranks of each) in a shard group."""
+    N = mach.gpus_per_node // per
+    return [0] + ([N] if zero and 1 <= N < dp and dp % N == 0 and per * N == mach.gpus_per_node
+                  else [])
 
 
 def schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
@@ -161,7 +176,10 @@ def table(fits: list[dict], bad: list[dict]) -> str:
             f"{'recompute':>9} {'mp':>4} {'b':>2} {'schedule':>11} {'v':>2} {'GB/rank':>8} "
             f"{'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}")
     reduce = any("dp_reduce" in r for r in fits)  # nodes on a shared link: flat or hierarchical
-    lines = [head + (f" {'dp-reduce':>12}" if reduce else "")]
+    # the two-level options, where a row takes one: Ulysses groups of cp, HSDP's shard groups
+    levels = [k for k in ("cp_ulysses", "dp_shard") if any(r[k] > 1 - (k == "dp_shard") for r in fits)]
+    lines = [head + "".join(f" {k.replace('_', '-'):>10}" for k in levels)
+             + (f" {'dp-reduce':>12}" if reduce else "")]
     for i, r in enumerate(fits):
         gb = sum(r["memory_bytes"].values()) / 1e9
         lines.append(f"{i + 1:>2} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['cp']:>3} "
@@ -170,6 +188,7 @@ def table(fits: list[dict], bad: list[dict]) -> str:
                      f"{r['schedule']:>11} {r['virtual_stages']:>2} {gb:>8.2f} "
                      f"{r['step_seconds']:>8.3f} {r['tokens_per_s']:>10.0f} "
                      f"{r['tflops_per_gpu']:>8.3g} {100 * r['mfu']:>5.1f}%"
+                     + "".join(f" {r[k]:>10}" for k in levels)
                      + (f" {r['dp_reduce']:>12}" if reduce else ""))
     if len(fits) >= 2:
         lines.append(why(fits[0], fits[1]))

@@ -47,6 +47,10 @@ with g = 2; PowerSGD all-reduces g R (n_r + m) per compressed matrix and g nm pe
 tensor; top-k all-gathers n k (g + 4), k = ceil(F nm) per tensor. ``--weight-gather int8``
 makes each stage-3 gather of a unit of Pp elements n (Sb + 4 Sb / block) bytes, Sb = Pp/n
 rounded up to a block.
+
+HSDP (refmp.parallel.data.hsdp, ``--dp-shard``): the tables above with n a shard group's
+ranks, and once a step an all-reduce of each unit's owned slice across the replicas
+(``hsdp_per_step``).
 """
 
 from __future__ import annotations
@@ -167,6 +171,14 @@ def comm_per_step(sizes: dict[str, int], n: int, stage: int, microbatches: int =
                 + 2 * pad.get("ln_f", 0) + 2 * pad.get("lm_head", 0))
     return {"allreduce": 0, "reduce_scatter": M * itemsize * n_pad,
             "allgather": M * w * gathered}
+
+
+def hsdp_per_step(sizes: dict[str, int], n: int, replicas: int, itemsize: int = 4) -> int:
+    """HSDP: ZeRO over shard groups of n ranks (refmp.cost.zero.comm_per_step over n, on
+    ``{axis}.shard``; memory_per_rank over n), and ``replicas`` of them: the ledger bytes
+    per step of the all-reduce across the replicas (``{axis}.replicate``), each unit's
+    owned slice S = Pp/n once (``sizes``: unit -> elements; ``itemsize``: the gradients')."""
+    return itemsize * sum(padded(s, n) // n for s in sizes.values()) if replicas > 1 else 0
 
 
 def hpz_per_step(sizes: dict[str, int], n: int, G: int, itemsize: int = 4) -> dict[str, int]:

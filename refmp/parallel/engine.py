@@ -26,6 +26,7 @@ from refmp.nn import gpt
 from refmp.nn.routing import moe_summary
 from refmp.nn.slices import positions
 from refmp.parallel.context.chunks import SequenceChunks
+from refmp.parallel.context.hybrid import HybridAttention, split_cp
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.data import hpz
@@ -37,6 +38,7 @@ from refmp.parallel.data.accumulate import (
 )
 from refmp.parallel.data.compress import make_codecs
 from refmp.parallel.data.hierarchical import HierarchicalComm, check_nodes
+from refmp.parallel.data.hsdp import shard_groups
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
 from refmp.parallel.ops import MEGATRON, make_ops
@@ -75,8 +77,11 @@ def context_parallel(grid, layout: ParallelConfig, T: int, keep_scores: bool):
     if cp == 1:
         return None, [np.arange(T)]
     chunks = SequenceChunks(T, cp, layout.cp_balance)
-    attn = (RingAttention(grid.comm["cp"], chunks) if layout.cp_algo == "ring"
-            else UlyssesAttention(grid.comm["cp"], chunks, keep_scores))
+    if layout.cp_ulysses > 1:  # hierarchical: Ulysses in groups, the ring across them
+        attn = HybridAttention(*split_cp(grid.comm["cp"], layout.cp_ulysses, grid.nodes), chunks)
+    else:
+        attn = (RingAttention(grid.comm["cp"], chunks) if layout.cp_algo == "ring"
+                else UlyssesAttention(grid.comm["cp"], chunks, keep_scores))
     return attn, [chunks.positions(r) for r in range(cp)]
 
 
@@ -97,9 +102,14 @@ def build_sharder(local: ShardReader, grid, layout: ParallelConfig, seed: int) -
     if layout.hpz_size > 1:
         pair = hpz.blocks(dense, layout.hpz_size, grid.nodes)
         secondary = {u: pair for u, g in groups.items() if g is dense}
+    replicas = {}  # HSDP: the dense units sharded over --dp-shard x cp ranks, replicated across
+    if layout.dp_shard not in (0, grid.sizes["dp"]):
+        shard, across = shard_groups(dense, layout.dp_shard * grid.sizes["cp"], grid.nodes)
+        replicas = {u: across for u, g in groups.items() if g is dense}
+        groups = {u: shard if g is dense else g for u, g in groups.items()}
     return Sharder(local, units, groups, layout.zero, bucket_mb=layout.bucket_mb,
                    compute=compute, grad_dtype=grad_dtype, codec=codec, gather=gather,
-                   hpz=secondary)
+                   hpz=secondary, replicas=replicas)
 
 
 def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list):
@@ -176,6 +186,8 @@ class Engine:
         coords = {**grid.coords, "edp": grid.comm["edp"].rank}
         self.counts_in_norm = counts_in_norm(self.sharder.params, local.shapes, coords, self.sp,
                                              self.sharder.partitions, self.first, self.last)
+        for k in self.sharder.counted_elsewhere():  # HSDP: each slice once, not per replica
+            self.counts_in_norm[k] = False
         self.peak_activations = 0
         self._loss = (0.0, 0.0)  # the last step's (cross-entropy, MoE) loss shares here
         self._scale = 1.0  # mixed precision: the loss scale

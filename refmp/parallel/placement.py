@@ -21,6 +21,12 @@ rank computes them on the same tokens, or with sequence parallelism on its T/tp 
 then their gradients are partial over tp.) Pipeline stages hold disjoint blocks (which
 chunks, and their blocks: refmp.parallel.pipeline.partition.rank_chunks); wte lives on the
 first stage (embedding) and, with pp > 1, as a copy on the last (the tied head).
+
+Neither two-level strategy changes a row. Hierarchical cp (refmp.parallel.context.hybrid)
+splits tokens, not parameters. HSDP (refmp.parallel.data.hsdp) sums the "dp cp" rows in two
+levels, a shard group of dp-shard x cp ranks and then its replicas, and the Sharder's slices
+of them are owned within a shard group, the same slice by every replica (so clipping counts
+it on the first replica: Sharder.counted_elsewhere).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
     if cfg.dp_reduce == "hierarchical" and cfg.zero > 0:
         raise ConfigError(f"--dp-reduce hierarchical is ZeRO 0's all-reduce; --zero {cfg.zero} "
                           f"reduce-scatters and all-gathers over the flat group (use --zero 0)")
+    check_dp_shard(cfg, dp)
     check_hpz(cfg, dp * cp)
     if cfg.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"--recompute must be none, selective or full, got {cfg.recompute!r}")
@@ -57,6 +58,7 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
             raise ConfigError(f"--cp-algo ulysses gives each of the {cp} cp ranks a share of "
                               f"the n_head/tp = {mcfg.n_head // tp} heads of a tp rank, which "
                               f"must be divisible by --cp {cp}")
+    check_cp_ulysses(cfg, mcfg.n_head // tp, cp)
     if cfg.sequence_parallel and (T // cp) % tp:
         raise ConfigError(f"--sequence-parallel: --tp {tp} must divide the tokens each rank "
                           f"holds, T/cp = {T}/{cp}: each tp rank keeps a 1/tp of them")
@@ -102,6 +104,43 @@ def check_compression(cfg) -> None:
         raise ConfigError("--weight-gather int8 quantizes ZeRO-3's all-gathers of the weights for "
                           "each use; other stages keep whole weights (their all-gather after the "
                           "step is the update itself): add --zero 3")
+
+
+def check_cp_ulysses(cfg, heads: int, cp: int) -> None:
+    """--cp-ulysses U: hierarchical cp (refmp.parallel.context.hybrid), U dividing cp and
+    the ``heads`` of a tp rank, the ring across the groups (1: off)."""
+    U = cfg.cp_ulysses
+    if U == 1:
+        return
+    if U < 1 or cp % U:
+        raise ConfigError(f"--cp-ulysses {U} must be at least 1 and divide --cp {cp}: groups of "
+                          f"U consecutive cp ranks, the ring across cp/U of them")
+    if cfg.cp_algo != "ring":
+        raise ConfigError(f"--cp-ulysses {U} runs Ulysses inside groups and the ring across them; "
+                          f"--cp-algo {cfg.cp_algo} is one level: leave --cp-algo ring")
+    if heads % U:
+        raise ConfigError(f"--cp-ulysses {U} gives each rank of a Ulysses group a share of the "
+                          f"n_head/tp = {heads} heads of a tp rank, which must be divisible by {U}")
+
+
+def check_dp_shard(cfg, dp: int) -> None:
+    """--dp-shard N: HSDP (refmp.parallel.data.hsdp), N dividing dp, with a ZeRO stage to shard
+    and none of the options that replace the group's plain reductions (0 or dp: off)."""
+    N = cfg.dp_shard
+    if N in (0, dp):
+        return
+    if N < 0 or dp % N:
+        raise ConfigError(f"--dp-shard {N} must divide --dp {dp}: ZeRO shards over groups of N "
+                          f"dp ranks and the dp/N groups hold replicas (0: all of dp)")
+    if cfg.zero == 0:
+        raise ConfigError(f"--dp-shard {N} shards ZeRO's state over groups of {N} dp ranks; --zero 0 "
+                          f"shards nothing: add --zero 1, 2 or 3")
+    for name, on in (("--hpz-size", cfg.hpz_size != 1), ("--grad-compress", cfg.grad_compress != "none"),
+                     ("--weight-gather", cfg.weight_gather != "none"),
+                     ("--dp-reduce hierarchical", cfg.dp_reduce == "hierarchical")):
+        if on:
+            raise ConfigError(f"--dp-shard {N} with {name}: HSDP's shard groups and replicas take "
+                              f"plain reductions; use one of the two")
 
 
 def check_hpz(cfg, n: int) -> None:

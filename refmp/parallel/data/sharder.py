@@ -92,17 +92,20 @@ class Sharder:
     and ``grad_dtype`` mixed precision's dtypes (None: the parameters'); ``codec`` a gradient
     codec and ``gather`` ZeRO-3's weight-gather codec (refmp.parallel.data.compress);
     ``hpz`` unit -> (inner, outer): ZeRO-3's gathers of that unit inside its inner group, from
-    a secondary partition (refmp.parallel.data.hpz)."""
+    a secondary partition (refmp.parallel.data.hpz); ``replicas`` unit -> the ranks holding
+    the same slices of that unit (HSDP, refmp.parallel.data.hsdp: ``groups[unit]`` is then
+    its shard group), which sum the owned gradient once a step."""
 
     def __init__(self, local, units: dict[str, list[str]], groups: dict[str, Comm],
                  stage: int, *, bucket_mb: float = 25.0, compute=None, grad_dtype=None,
-                 codec=None, gather=None, hpz: dict | None = None):
+                 codec=None, gather=None, hpz: dict | None = None, replicas: dict | None = None):
         self.stage = stage
         self.groups = groups
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.codec = codec
         self.gather = gather
         self.hpz = hpz or {}
+        self.replicas = replicas or {}
         self.step = -1  # zero_grad() calls - 1
         local = InMemory(local) if isinstance(local, dict) else local
         self.xp = local.xp
@@ -318,11 +321,19 @@ class Sharder:
                     self.gbuf[u][unit.lo : unit.hi] = self.groups[u].reduce_scatter(
                         self._wire(self.gbuf[u]))
         # stage 2/3: reduce-scattered unit by unit during backward
+        for u, across in self.replicas.items():  # HSDP: my slice summed over the replicas
+            if across.size > 1:
+                across.allreduce(self.owned_grad(u))
 
     def owned_grad(self, u: str):
         """The flat owned slice of unit u's gradient (S,), or all of it at stage 0."""
         unit = self.units[u]
         return self.gbuf[u][unit.lo : unit.hi] if self.stage < 2 else self.gbuf[u]
+
+    def counted_elsewhere(self) -> set[str]:
+        """The owned pieces another replica counts in the global norm (HSDP: the first)."""
+        return {k for u, across in self.replicas.items() if across.rank
+                for k in self.units[u].pieces(self.owned_grad(u))}
 
     def master_grads(self, scale: float = 1.0) -> dict:
         """Mixed precision, before clipping and the optimizer: the owned gradient slices
