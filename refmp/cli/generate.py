@@ -110,6 +110,7 @@ def check_fits(args: argparse.Namespace, mcfg, sizes: dict, prompts: list) -> No
 def run_generate(args: argparse.Namespace) -> dict | None:
     """The command (collective over the world); the summary on world rank 0."""
 
+    from refmp.checkpoint.hf_llama import is_llama_dir
     from refmp.cost.decode import decode_memory
     from refmp.distributed.faults import agreed
     from refmp.distributed.gpu import start_gpu
@@ -121,6 +122,12 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     from refmp.runtime import backend
     from refmp.runtime.cgroup import peak
 
+    if args.init is not None and is_llama_dir(args.init):  # a Llama directory: 1 or tp ranks
+        from mpi4py import MPI
+
+        from refmp.cli.generate_llama import run_llama
+
+        return run_llama(args, MPI.COMM_WORLD.Get_size())
     mode = wanted(args)
     if mode is not None:  # prefix caching, chunked prefill, speculative, disaggregated
         return run_serving(args, mode)

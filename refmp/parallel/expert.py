@@ -50,10 +50,12 @@ class ExpertDispatch:
     (refmp.runtime.precision.autocast), but its rows travel in the compute dtype, as every other
     activation does: the tokens were rounded to it before the layer widened them (so their
     trip is exact); the experts' outputs and the gradients are rounded for theirs.
+    ``kind``: the experts' module (refmp.nn.experts, or refmp.nn.swiglu_experts).
     """
 
-    def __init__(self, ep, n_expert: int, wire=None):
+    def __init__(self, ep, n_expert: int, wire=None, kind=experts):
         self.ep = ep
+        self.kind = kind
         self.E = n_expert
         self.wire = wire
         self.El = n_expert // ep.size
@@ -76,8 +78,8 @@ class ExpertDispatch:
         # regroup by (local expert, source rank), so each expert's rows are consecutive
         label = np.repeat(np.arange(ep.size * El), recv.reshape(-1))  # (R,) = s * El + l
         perm = backend.from_host(np.argsort((label % El) * ep.size + label // El, kind="stable"))
-        ids, w = experts.stack_experts(p)  # the El experts held here
-        yl, ecache = experts.experts_forward(w, xr[perm], recv.sum(axis=0))  # (R, C)
+        ids, w = self.kind.stack_experts(p)  # the El experts held here
+        yl, ecache = self.kind.experts_forward(w, xr[perm], recv.sum(axis=0))  # (R, C)
         yr = backend.xp.empty_like(yl)
         yr[perm] = yl  # back to (source rank, local expert) order
         # the results go back to the tokens' ranks, in the order they were sent
@@ -89,12 +91,12 @@ class ExpertDispatch:
         ids, ecache, perm, send_rows, recv_rows = cache
         # mirror of the return trip: output gradients go to the experts
         dyr = self._a2a(dys, send_rows, recv_rows)  # (R, C)
-        dxl, g = experts.experts_backward(dyr[perm], ecache)  # (R, C)
+        dxl, g = self.kind.experts_backward(dyr[perm], ecache)  # (R, C)
         dxr = backend.xp.empty_like(dxl)
         dxr[perm] = dxl
         # mirror of the dispatch: input gradients go back to the tokens' ranks
         dxs = self._a2a(dxr, recv_rows, send_rows)  # (M, C)
-        return dxs, experts.unstack_grads(ids, g)
+        return dxs, self.kind.unstack_grads(ids, g)
 
 
 class SequenceSplit:

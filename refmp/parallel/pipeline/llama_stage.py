@@ -1,0 +1,191 @@
+"""The chunks of a Llama model (refmp.nn.llama) one pipeline rank holds, for the flush
+executor (refmp.parallel.pipeline.executor.Executor): the catalog's flush schedules (naive,
+GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV) run it unchanged
+(tests/test_llama_parallel.py runs GPipe, 1F1B, interleaved and ZB-V).
+
+Shapes: b rows of one micro-batch, T tokens of a sequence this rank holds (T/cp under
+context parallelism), C channels, L layers, S = pp v chunks.
+
+A chunk is L/S consecutive blocks; chunk 0 also embeds the tokens (``wte``), the last chunk
+also applies ``ln_f``, the head and the loss. With an untied head (Llama's usual
+``tie_word_embeddings: false``) the last stage owns ``lm_head.weight`` and the first owns
+``wte.weight``: no parameter lives on two stages and no embedding gradient crosses the
+pipeline (GPT-2's tied head needs the first and last stages to sum wte's gradient). A tied
+head is run when one rank holds both ends (pp = 1, or a V placement, where chunk 0 and the
+last chunk are both on rank 0), and refused otherwise.
+
+The executor's interface: ``n_chunks``, ``act_shape``, ``forward``, ``backward``, ``weight``.
+A zero-bubble schedule's W action finds nothing to do: this stage computes each block's
+weight gradients in its B (the numbers are the same; only the timeline differs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from refmp.errors import ConfigError
+from refmp.nn import layers as L
+from refmp.nn import llama as LM
+from refmp.nn import llama_layers as LL
+from refmp.nn.params import block_params
+from refmp.runtime import backend
+from refmp.runtime.arrays import attach, detach
+
+
+def chunk_blocks(cfg: LM.LlamaConfig, n_chunks: int, chunks: list[int]) -> dict[int, range]:
+    """Chunk id -> its blocks, for this rank's ``chunks`` (L/S consecutive blocks each)."""
+    if cfg.n_layer % n_chunks:
+        raise ConfigError(f"{n_chunks} pipeline chunks must divide the {cfg.n_layer} layers")
+    per = cfg.n_layer // n_chunks
+    return {c: range(c * per, (c + 1) * per) for c in chunks}
+
+
+def held_names(cfg: LM.LlamaConfig, blocks: dict[int, range], n_chunks: int) -> list[str]:
+    """The parameters a rank running chunks ``blocks`` holds, in the model's order."""
+    first, last = 0 in blocks, n_chunks - 1 in blocks
+    if cfg.tied and first != last:
+        raise ConfigError("a tied head under pp puts wte on the first and the last stage; the "
+                          "Llama stage runs an untied head (tie_word_embeddings false), or a "
+                          "tied one with both ends on one rank (pp 1, or a V schedule)")
+    mine = {i for r in blocks.values() for i in r}
+    out = []
+    for name in LM.param_shapes(cfg):
+        top = name.split(".")
+        if top[0] == "h":
+            held = int(top[1]) in mine
+        elif top[0] == "wte":
+            held = first or (last and cfg.tied)
+        else:  # ln_f, lm_head
+            held = last
+        if held:
+            out.append(name)
+    return out
+
+
+class Recompute(NamedTuple):
+    """A block's cache under full recomputation (Korthikanti et al. 2022, sec. 5): its input
+    (b, T, C) and the rotary tables; backward runs the forward again for the rest."""
+
+    x: Any
+    cos: Any
+    sin: Any
+
+
+def units_of(names) -> dict[str, list[str]]:
+    """The Sharder units (refmp.parallel.data.sharder) of these parameters: ``wte``, each
+    block ``h.{i}``, ``ln_f``, ``lm_head`` (unit -> its names, in order)."""
+    units: dict[str, list[str]] = {}
+    for k in names:
+        u = ".".join(k.split(".")[:2]) if k.startswith("h.") else k.split(".")[0]
+        units.setdefault(u, []).append(k)
+    return units
+
+
+class LlamaStage:
+    """This rank's chunks (chunk id -> blocks), the layout's Ops (refmp.nn.llama.Ops: serial,
+    tp's, around cp's attention core) and a Sharder over its parameters (held_names, its tp
+    shards, in units_of's units): every pass computes on ``sharder.weights(unit)`` (ZeRO-3:
+    gathered for the forward, let go, gathered again for the backward) and hands each
+    unit's gradient to the Sharder when it is complete, which sums it over dp x cp (ZeRO 0:
+    all-reduce; 2-3: reduce-scatter) while the schedule goes on."""
+
+    def __init__(self, cfg: LM.LlamaConfig, chunks: dict[int, range], n_chunks: int,
+                 ops: LM.Ops, sharder, recompute: bool = False):
+        if cfg.n_expert:
+            raise ConfigError("the Llama stage runs dense blocks; a Mixtral-style MoE model runs "
+                              "serially (refmp.nn.llama.Llama)")
+        self.cfg = cfg
+        self.recompute = recompute  # full recomputation: keep only each block's input
+        self.chunks = chunks
+        self.n_chunks = n_chunks
+        self.ops = ops
+        self.sharder = sharder
+        self.release = sharder.releases_weights  # ZeRO-3: a cache names its weights
+        self.head_unit = "wte" if cfg.tied else "lm_head"
+
+    def act_shape(self, b: int, T: int) -> tuple[int, int, int]:
+        return (b, T // self.ops.sequence_shards, self.cfg.n_embd)  # crosses a stage boundary
+
+    def weights(self, *units: str) -> dict:
+        return {k: v for u in units for k, v in self.sharder.weights(u).items()}
+
+    def tables(self, T: int):
+        """The rotary tables (T, HS) of this rank's tokens (their global positions)."""
+        xp = self.sharder.xp
+        positions = xp.arange(T) if self.ops.positions is None else self.ops.positions
+        dtype = self.sharder.dtype if self.sharder.mixed else self.sharder.compute  # fp32 when mixed
+        return LL.rope_tables(positions, self.cfg.head_size, self.cfg.rope_theta, dtype)
+
+    def forward(self, c: int, inp, targets=None, denom=None):
+        """Chunk c on one micro-batch: ``inp`` is token ids (chunk 0) or the previous chunk's
+        output. Returns the output, or on the last chunk the loss share, and the cache."""
+        T = inp.shape[1] * (1 if c == 0 else self.ops.sequence_shards)  # tokens attended
+        cos, sin = self.tables(T)
+        x, emb, head, blocks = inp, None, None, []
+        if c == 0:  # (b, T, C), or with SP the rank's (b, T/tp, C)
+            x, emb = L.embedding_forward(self.ops.sequence(inp), self.weights("wte")["wte.weight"])
+        for i in self.chunks[c]:
+            p = block_params(self.weights(f"h.{i}"), i)
+            x_in = x
+            x, bc = LM.block_forward(p, x, self.cfg, cos, sin, self.ops)
+            if self.recompute:  # the input is all we keep (and the tables, shared by all)
+                bc = Recompute(x_in, cos, sin)
+            blocks.append(detach(bc, p) if self.release else bc)
+        if c == self.n_chunks - 1:
+            p = self.weights("ln_f", self.head_unit)
+            tg = None if targets is None else self.ops.sequence(targets)
+            x, head = LM.head_forward(p, x, self.cfg, tg, denom)
+            head = detach(head, p) if self.release and head is not None else head
+        return x, (emb, blocks, head)
+
+    def backward(self, c: int, dout, cache, split: bool, final: bool):
+        """Chunk c's backward; returns (the input's gradient, or None on chunk 0; nothing
+        left for a W action). ``final``: the step's last micro-batch."""
+        emb, blocks, head = cache
+        sink = self.sharder
+        dx = dout
+        if head is not None:
+            if self.release:
+                head = attach(head, self.weights("ln_f", self.head_unit))
+            dx, g = LM.head_backward(1.0, head, self.cfg)
+            sink.accumulate("ln_f", {"ln_f.weight": g.pop("ln_f.weight")})
+            sink.accumulate(self.head_unit, g)
+            sink.grad_ready("ln_f", final)
+            if not self.cfg.tied:  # a tied wte is complete after the embedding's share
+                sink.grad_ready("lm_head", final)
+        for i, bc in zip(reversed(self.chunks[c]), reversed(blocks), strict=True):
+            if isinstance(bc, Recompute):  # the block's forward again, its communication too
+                p = block_params(self.weights(f"h.{i}"), i)
+                _, bc = LM.block_forward(p, bc.x, self.cfg, bc.cos, bc.sin, self.ops)
+            elif self.release:
+                bc = attach(bc, block_params(self.weights(f"h.{i}"), i))
+            dx, g = LM.block_backward(dx, bc, self.ops)
+            sink.accumulate(f"h.{i}", {f"h.{i}.{k}": v for k, v in g.items()})
+            sink.grad_ready(f"h.{i}", final)
+        if emb is None:
+            return dx, []
+        sink.accumulate("wte", {"wte.weight": L.embedding_backward(dx, emb)})
+        sink.grad_ready("wte", final)
+        return None, []
+
+    def weight(self, todo, final: bool) -> None:
+        """A zero-bubble W: every weight gradient was taken in B."""
+
+
+def whole_params(sharder, grid, cfg: LM.LlamaConfig) -> dict | None:
+    """The whole model, gathered to world rank 0 (None elsewhere; collective over the world):
+    each rank's local parameters (Sharder.full_local: ZeRO's slices all-gathered), its tp
+    ranks' shards glued (refmp.parallel.tensor.llama.unshard), one tp group of each stage
+    sending its part. What ``--save DIR`` writes, from any layout; a simple gather of Python
+    objects, made for toy models (GPT-2's --save streams tensor by tensor)."""
+    from refmp.parallel.tensor.llama import unshard
+
+    local = {k: backend.to_host(v) for k, v in sharder.full_local().items()}
+    shards = grid.comm["tp"].allgather_obj(local)  # each tp rank's shards, in rank order
+    mine = {k: unshard(k, [s[k] for s in shards], cfg) for k in local}
+    sender = grid.coords["dp"] == 0 and grid.coords["cp"] == 0 and grid.coords["tp"] == 0
+    parts = grid.world.allgather_obj(mine if sender else None)
+    if grid.rank != 0:
+        return None
+    whole = {k: v for part in parts if part is not None for k, v in part.items()}
+    return {k: whole[k] for k in LM.param_shapes(cfg)}  # the model's order

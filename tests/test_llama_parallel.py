@@ -1,0 +1,360 @@
+"""The Llama model split over real MPI ranks equals the serial model (float64): tp with
+grouped-query attention (tp larger than the key/value heads: replicated heads, their
+gradients summed over the copies), cp (ring and Ulysses, zig-zag chunks) with the rotary
+tables at each token's global position, pp with an untied head under the catalog's flush
+schedules (refmp.parallel.pipeline.llama_stage, the real executor), dp, and products.
+
+Every rank runs the serial model on the whole batch itself (the same weights: the same
+draw), then its share of the layout: its dp rows, its cp tokens (SequenceChunks), its
+pipeline chunks, its tp shard of each parameter (refmp.parallel.tensor.llama.shard). After
+each step the loss (the shares summed) and every gradient and weight piece it holds are
+compared with the serial run's; two AdamW steps. The ledger's tp bytes are held to
+Megatron's four all-reduces per block and the key/value copies' sums.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_helpers import Mismatches, collective
+
+from refmp.checkpoint.hf_llama import load_llama, save_llama
+from refmp.distributed.grid import ProcessGrid
+from refmp.nn import llama as LM
+from refmp.nn.llama_layers import RepeatedCore
+from refmp.parallel.context.chunks import SequenceChunks
+from refmp.parallel.context.gqa_ring import GQARingAttention
+from refmp.parallel.context.ulysses import UlyssesAttention
+from refmp.parallel.data.sharder import Sharder
+from refmp.parallel.pipeline.catalog import CATALOG
+from refmp.parallel.pipeline.executor import Executor
+from refmp.parallel.pipeline.llama_stage import (
+    LlamaStage,
+    chunk_blocks,
+    held_names,
+    units_of,
+    whole_params,
+)
+from refmp.parallel.tensor import llama as TPL
+from refmp.runtime.precision import BF16
+from refmp.training.optim import AdamW
+
+pytestmark = pytest.mark.mpi
+
+TOL = dict(rtol=1e-9, atol=1e-12)
+U_BF16 = 2.0**-8  # bf16's unit roundoff
+GRAD_K, LOSS_K = 8, 1  # as tests/test_mixed_precision.py holds them
+B, T, V = 4, 8, 23
+
+
+def config(n_kv_head: int, n_layer: int = 2, tied: bool = False) -> LM.LlamaConfig:
+    return LM.LlamaConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=4,
+                          n_kv_head=n_kv_head, n_embd=16, n_inner=24, rope_theta=100.0,
+                          tied=tied)
+
+
+def attention_core(grid, seq, algo: str):
+    """cp's core for grouped-query attention: the ring passing NKV heads, or Ulysses on
+    the repeated heads (its all-to-all splits heads, which NKV may not cover)."""
+    if grid.sizes["cp"] == 1:
+        return None
+    cp = grid.comm["cp"]
+    return GQARingAttention(cp, seq) if algo == "ring" else RepeatedCore(UlyssesAttention(cp, seq))
+
+
+def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", m: int = 1,
+               virtual: int = 1, zero: int = 0, sp: bool = False, recompute: bool = False,
+               mixed: bool = False, init: dict | None = None, save: str | None = None,
+               **sizes) -> None:
+    """``cfg`` trained two steps on a grid of ``sizes`` and serially in float64, compared
+    step by step (module docstring). ``mixed``: bf16 compute and fp32 masters, compared as
+    tests/test_mixed_precision.py does (the first gradient within GRAD_K u, each loss
+    within u, and the compute copy the masters rounded, bitwise). ``init``: the starting
+    weights (default the seed-3 draw); ``save``: a directory the trained model is gathered
+    into (whole_params) and written to as a LlamaForCausalLM directory, after comparing it
+    with the serial run's weights."""
+    grid = ProcessGrid(MPI.COMM_WORLD, **sizes)
+    dp, cp, tp, pp = (grid.sizes[a] for a in ("dp", "cp", "tp", "pp"))
+    d, c, t = (grid.coords[a] for a in ("dp", "cp", "tp"))
+    serial = (LM.Llama.create(cfg, seed=3, dtype="float64") if init is None
+              else LM.Llama(cfg, {k: v.copy() for k, v in init.items()}))
+    seq = SequenceChunks(T, cp, "zigzag")
+    pos = seq.positions(c)
+    core = attention_core(grid, seq, algo)
+    if tp > 1:
+        ops = (TPL.SequenceOps if sp else TPL.TensorOps)(cfg, grid.comm["tp"], core, pos)
+    else:
+        ops = LM.Ops(cfg.n_head, cfg.n_kv_head, core, pos)
+    sched = CATALOG[schedule]
+    placed = sched.chunk_placement(pp, virtual)
+    blocks = chunk_blocks(cfg, pp * placed.v, placed.chunks(grid.coords["pp"]))
+    names = held_names(cfg, blocks, pp * placed.v)
+    dtype = np.float32 if mixed else np.float64  # the masters'
+    local = {k: TPL.shard(k, serial.params[k], cfg, t, tp).astype(dtype) for k in names}
+    units = units_of(names)
+    dpcp = grid.group("dp", "cp")
+    sharder = Sharder(local, units, {u: dpcp for u in units}, zero, bucket_mb=0,
+                      compute=BF16 if mixed else None)
+    stage = LlamaStage(cfg, blocks, pp * placed.v, ops, sharder, recompute)
+    executor = Executor(stage, grid.comm["pp"], sharder.compute, placed=placed)
+    kv = TPL.kv_group(grid.comm["tp"], cfg)
+    opts = [AdamW(serial.params, lr=1e-2, weight_decay=0.1),
+            AdamW(sharder.params, lr=1e-2, weight_decay=0.1, decay=sharder.decay)]
+    bad = Mismatches()
+    rng = np.random.default_rng(7)
+    rows = slice(d * B // dp, (d + 1) * B // dp)
+    for step in range(2):
+        idx, tgt = rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))
+        loss, cache = serial.forward(idx, tgt)
+        serial.zero_grad()
+        serial.backward(cache)
+        xs = np.array_split(idx[rows][:, pos], m)  # micro-batches of my rows and tokens
+        ys = np.array_split(tgt[rows][:, pos], m)
+        sharder.zero_grad()
+        acts = sched.actions(pp, m, grid.coords["pp"], placed.v, fill=True, ahead=0)
+        share = executor.step(acts, xs, ys, B * T, m)
+        sharder.finish()  # the shares of every token: summed over dp x cp (ZeRO's way)
+        TPL.reduce_kv_grads(sharder.grads, kv)
+        if sp:
+            TPL.reduce_sp_grads(sharder.grads, grid.comm["tp"])
+        # the loss: on the last stage, each tp rank's whole share, or with SP its T/tp's
+        total = grid.world.allreduce(np.array([share]))[0] / (1 if sp else tp)
+        grads = sharder.master_grads() if mixed else sharder.grads  # mixed: fp32, unscaled
+        if mixed:
+            check_mixed(bad, sharder, total, loss, serial.grads, cfg, t, tp, step)
+        else:
+            bad.check(np.testing.assert_allclose, total, loss, **TOL, err_msg=f"loss at {step}")
+            for k, g in sharder.full_local(grads=True).items():
+                want = TPL.shard(k, serial.grads[k], cfg, t, tp)
+                bad.check(np.testing.assert_allclose, g, want, **TOL, err_msg=f"gradient {k} at {step}")
+        opts[0].step(serial.grads)
+        opts[1].step(grads)
+        sharder.after_step()
+        if mixed:  # the compute copy is the masters rounded, bitwise
+            for u in units:
+                masters = sharder.whole_unit(u)
+                for k, w in sharder.weights(u, exact=True).items():
+                    bad.check(np.testing.assert_array_equal, w, masters[k].astype(BF16),
+                              err_msg=f"compute copy of {k} at {step}")
+            continue
+        for k, w in sharder.full_local().items():
+            want = TPL.shard(k, serial.params[k], cfg, t, tp)
+            bad.check(np.testing.assert_allclose, w, want, **TOL, err_msg=f"weight {k} at {step}")
+    # the ledger: Megatron's four all-reduces of (b, T/cp, C) per block (the blocks here),
+    # and the copies' key/value gradients (C, HS), k and v, per block, when tp > NKV (two
+    # steps of each)
+    n_blocks = sum(len(r) for r in blocks.values())
+    w = sharder.compute.itemsize  # what crosses on tp: the compute dtype's
+    act = (B // dp) * (T // cp) * cfg.n_embd * w
+    act = act * 6 // 4 if recompute else act  # the forward's two all-reduces run again
+    if sp:  # f and g as four all-gathers and four reduce-scatters of (b, T/cp, C) a block
+        for op in ("allgather", "reduce_scatter"):
+            bad.check(np.testing.assert_equal, grid.ledger.bytes(op, "tp"), 2 * n_blocks * 4 * act,
+                      err_msg=f"SP {op} bytes")
+    else:
+        want = 2 * n_blocks * 4 * act if tp > 1 else 0
+        bad.check(np.testing.assert_equal, grid.ledger.bytes("allreduce", "tp"), want,
+                  err_msg="tp all-reduce bytes")
+    kv_want = 2 * n_blocks * 2 * cfg.n_embd * cfg.head_size * w if tp > cfg.n_kv_head else 0
+    if zero and kv_want:  # ZeRO: each rank sums the part of the copies it owns
+        kv_want = 2 * sum(g.nbytes for k, g in sharder.grads.items()
+                          if k.split(".", 2)[-1] in TPL.KV)
+    bad.check(np.testing.assert_equal, grid.ledger.bytes("allreduce", "tp-kv"), kv_want,
+              err_msg="key/value copies' all-reduce bytes")
+    if cp > 1 and algo == "ring":  # 3 (cp - 1) sends of a K/V block of NKV heads a block
+        kv_block = 2 * (B // dp) * max(cfg.n_kv_head // tp, 1) * (T // cp) * cfg.head_size * w
+        per_block = 3 + (1 if recompute else 0)  # full recomputation: the forward's again
+        bad.check(np.testing.assert_equal, grid.ledger.bytes("send", "cp"),
+                  2 * n_blocks * per_block * (cp - 1) * kv_block, err_msg="ring bytes")
+    if pp > 1 and not cfg.tied:  # no parameter on two stages: wte and lm_head apart
+        bad.check(np.testing.assert_equal, ("wte.weight" in names, "lm_head.weight" in names),
+                  (grid.coords["pp"] == 0, grid.coords["pp"] == pp - 1) if placed.kind == "loop"
+                  else (grid.coords["pp"] == 0, grid.coords["pp"] == 0), err_msg="the ends")
+    if save is not None:  # --save DIR from this layout: the whole model, on rank 0
+        whole = whole_params(sharder, grid, cfg)
+        if grid.rank == 0:
+            for k, v in serial.params.items():
+                bad.check(np.testing.assert_allclose, whole[k], v, **TOL, err_msg=f"saved {k}")
+            save_llama(save, cfg, whole)
+    bad.assert_none(MPI.COMM_WORLD)
+
+
+def check_mixed(bad, sharder, total, loss, serial_grads, cfg, t, tp, step) -> None:
+    """A bf16 step against the float64 one: the loss within LOSS_K u, and (the first step,
+    from the same weights but rounded) every gradient within GRAD_K u in relative norm."""
+    bad.check(np.testing.assert_array_less, abs(total - loss) / loss, LOSS_K * U_BF16,
+              err_msg=f"loss at {step}")
+    if step:
+        return
+    for k, g in sharder.full_local(grads=True).items():
+        want = TPL.shard(k, serial_grads[k], cfg, t, tp)
+        err = float(np.linalg.norm(g - want) / np.linalg.norm(want))
+        if not err <= GRAD_K * U_BF16:
+            bad.errors.append(f"gradient {k} off by {err:.3g} > {GRAD_K} u")
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+@collective
+def test_tp4_with_fewer_kv_heads_than_ranks(n_kv_head):
+    run_layout(config(n_kv_head), tp=4)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_cp4_rotary_at_global_positions():
+    run_layout(config(2), "ring", cp=4)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("schedule,virtual,zero", [("gpipe", 1, 0), ("interleaved", 2, 1),
+                                                   ("zb-v", 1, 3)])
+@collective
+def test_pp2_untied_head(schedule, virtual, zero):
+    """pp 2 x dp 2, two micro-batches of one row; four layers (four chunks under the
+    interleaved and V schedules); ZeRO over dp. (1F1B runs in the other pipeline tests.)"""
+    run_layout(config(2, n_layer=4), schedule=schedule, m=2, virtual=virtual, zero=zero, pp=2,
+               dp=2)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_tied_head_on_a_v_pipeline():
+    """ZB-V puts chunk 0 and the last chunk on rank 0: a tied head stays on one rank."""
+    run_layout(config(1, n_layer=4, tied=True), schedule="zb-v", m=4, pp=2, tp=2)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("sizes,n_kv_head,algo,zero", [
+    (dict(cp=2, tp=2), 1, "ring", 0),  # tp > NKV under cp
+    (dict(dp=2, tp=2), 1, "ring", 2),  # ZeRO-2: each rank sums the part of the copies it owns
+    (dict(dp=2, cp=2), 2, "ulysses", 3),
+])
+@collective
+def test_products_and_zero(sizes, n_kv_head, algo, zero):
+    run_layout(config(n_kv_head), algo, zero=zero, **sizes)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("sizes,n_kv_head,zero", [(dict(tp=2, cp=2), 2, 0),
+                                                  (dict(pp=2, tp=2), 1, 3)])
+@collective
+def test_sequence_parallel(sizes, n_kv_head, zero):
+    """SP: RMSNorms, residuals, embedding and head on T/tp tokens; tp = NKV with cp; pp x
+    ZeRO-3 with tp > NKV."""
+    run_layout(config(n_kv_head), m=2 if "pp" in sizes else 1, zero=zero, sp=True, **sizes)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_full_recomputation_under_pp_and_tp():
+    """Each block keeps its input and runs its forward (and its tp all-reduces) again."""
+    run_layout(config(1), m=2, recompute=True, pp=2, tp=2)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+@collective
+def test_tp4_decoding_with_the_gqa_cache(n_kv_head):
+    """Greedy decoding on tp 4 (each rank its query head, its key/value head held or
+    replicated): the serial run's tokens and logits; a rank's cache holds one head."""
+    from refmp.inference.llama_decode import generate, gqa_cache_bytes
+
+    cfg = config(n_kv_head)
+    grid = ProcessGrid(MPI.COMM_WORLD, tp=4)
+    serial = LM.Llama.create(cfg, seed=5, dtype="float64")
+    t = grid.coords["tp"]
+    mine = LM.Llama(cfg, {k: TPL.shard(k, v, cfg, t, 4).copy() for k, v in serial.params.items()})
+    idx = np.random.default_rng(2).integers(0, V, (2, 3))
+    want, want_logits, _ = generate(serial, idx, 5)
+    got, logits, cache = generate(mine, idx, 5, ops=TPL.TensorOps(cfg, grid.comm["tp"]))
+    bad = Mismatches()
+    bad.check(np.testing.assert_array_equal, got, want, err_msg="tokens")
+    for s, (a, b) in enumerate(zip(logits, want_logits, strict=True)):
+        bad.check(np.testing.assert_allclose, a, b, **TOL, err_msg=f"logits of step {s}")
+    bad.check(np.testing.assert_equal, cache.nbytes, gqa_cache_bytes(cfg, 2, 7, 8, tp=4),
+              err_msg="cache bytes")
+    bad.check(np.testing.assert_equal, cache.nbytes, 2 * 2 * 2 * 7 * 1 * 4 * 8, err_msg="one head")
+    bad.assert_none(MPI.COMM_WORLD)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("sizes,zero", [(dict(dp=2, tp=2), 1), (dict(pp=2, cp=2), 3)])
+@collective
+def test_mixed_precision(sizes, zero):
+    """bf16 compute, fp32 masters: tp > NKV under dp with ZeRO-1; pp x cp with ZeRO-3."""
+    run_layout(config(1), m=2 if "pp" in sizes else 1, zero=zero, mixed=True, **sizes)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_save_from_one_layout_and_train_on_another(tmp_path):
+    """pp 2 x tp 2 (tp > NKV) trains and writes its whole model as a LlamaForCausalLM
+    directory; dp 2 x cp 2 with ZeRO-3 reads it (each rank its share) and goes on, equal to
+    the serial run from the same weights: resharding through a directory."""
+    folder = MPI.COMM_WORLD.bcast(str(tmp_path / "llama") if MPI.COMM_WORLD.rank == 0 else None)
+    run_layout(config(1), m=2, pp=2, tp=2, save=folder)
+    MPI.COMM_WORLD.barrier()
+    cfg, params = load_llama(folder)
+    assert cfg == config(1)
+    run_layout(cfg, "ulysses", zero=3, init=params, dp=2, cp=2)
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_refmp_generate_on_tp_ranks(tmp_path):
+    """``mpiexec -n 4 refmp generate --init LLAMA_DIR --tp 4``: the serial run's tokens;
+    a layout the Llama decoder does not split is refused on every rank (exit 2)."""
+    from refmp.cli.main import main
+    from refmp.inference.llama_decode import generate
+
+    comm = MPI.COMM_WORLD
+    folder = comm.bcast(str(tmp_path) if comm.rank == 0 else None)
+    cfg = config(1)
+    serial = LM.Llama.create(cfg, seed=9, dtype="float64")
+    prompts = np.random.default_rng(4).integers(0, V, (2, 3))
+    if comm.rank == 0:
+        save_llama(f"{folder}/llama", cfg, serial.params)
+        np.save(f"{folder}/prompts.npy", prompts)
+    comm.barrier()
+    argv = ["generate", "--init", f"{folder}/llama", "--prompts", f"{folder}/prompts.npy",
+            "--max-new-tokens", "4", "--dtype", "float64", "--json"]
+    assert main([*argv, "--tp", "4", "--save-tokens", f"{folder}/out.npy"]) == 0
+    assert main([*argv, "--tp", "2", "--pp", "2"]) == 2
+    if comm.rank == 0:
+        np.testing.assert_array_equal(np.load(f"{folder}/out.npy"), generate(serial, prompts, 4)[0])
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_ep4_swiglu_experts():
+    """Mixtral-style MoE on ep 4 (carved from dp 4): each rank its row and its expert of each
+    layer, tokens sent to their experts by all-to-all; the serial run's loss, gradients."""
+    from refmp.nn import swiglu_experts
+    from refmp.parallel.expert import ExpertDispatch, expert_index, is_expert
+
+    cfg = LM.LlamaConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_kv_head=2,
+                         n_embd=16, n_inner=24, n_expert=4, top_k=2)
+    grid = ProcessGrid(MPI.COMM_WORLD, dp=4, ep=4)
+    serial = LM.Llama.create(cfg, seed=3, dtype="float64")
+    ep = grid.comm["ep"]
+    mine = LM.Llama(cfg, {k: v.copy() for k, v in serial.params.items()
+                          if not is_expert(k) or expert_index(k) == ep.rank})
+    dispatch = ExpertDispatch(ep, cfg.n_expert, kind=swiglu_experts)
+    idx, tgt = (np.random.default_rng(s).integers(0, V, (B, T)) for s in (1, 2))
+    loss, cache = serial.forward(idx, tgt)
+    serial.backward(cache)
+    r = grid.coords["dp"]
+    share, cache = mine.forward(idx[r : r + 1], tgt[r : r + 1], B * T, dispatch=dispatch)
+    mine.backward(cache)
+    dp = grid.comm["dp"]
+    for k, g in mine.grads.items():
+        if not is_expert(k):  # dense: summed over dp; an expert's: whole on its owner
+            dp.allreduce(g)
+    bad = Mismatches()
+    bad.check(np.testing.assert_allclose, dp.allreduce(np.array([share]))[0], loss, **TOL,
+              err_msg="loss")
+    for k, g in mine.grads.items():
+        bad.check(np.testing.assert_allclose, g, serial.grads[k], **TOL, err_msg=f"gradient {k}")
+    bad.assert_none(MPI.COMM_WORLD)
