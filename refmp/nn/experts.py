@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 
 from refmp.nn import layers as L
 from refmp.runtime import backend
@@ -82,17 +83,22 @@ def experts_backward(dys, cache):
 
 
 class LocalExperts:
-    """Every expert on this rank (the serial reference): no communication."""
+    """Every expert on this rank (the serial reference): no communication. ``kind``: the
+    module of the experts' functions (stack_experts, experts_forward, experts_backward,
+    unstack_grads): this one's GELU MLPs, or refmp.nn.swiglu_experts."""
+
+    def __init__(self, kind=None):
+        self.kind = kind if kind is not None else sys.modules[__name__]
 
     def forward(self, p: dict, xs, counts):
-        ids, w = stack_experts(p)
-        ys, cache = experts_forward(w, xs, counts)
+        ids, w = self.kind.stack_experts(p)
+        ys, cache = self.kind.experts_forward(w, xs, counts)
         return ys, (ids, cache)
 
     def backward(self, dys, cache):
         ids, ecache = cache
-        dxs, g = experts_backward(dys, ecache)
-        return dxs, unstack_grads(ids, g)
+        dxs, g = self.kind.experts_backward(dys, ecache)
+        return dxs, self.kind.unstack_grads(ids, g)
 
 
 def unstack_grads(ids: list[int], g: dict) -> dict:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from refmp.errors import ConfigError
 from refmp.nn import moe as M
+from refmp.nn import swiglu_experts
+from refmp.nn.experts import LocalExperts
 from refmp.nn.params import init_slice
-from refmp.nn.swiglu_experts import LocalSwiGLUExperts
 from refmp.runtime import backend
 
 
@@ -67,7 +68,7 @@ class LlamaConfig:
         if not self.n_expert:
             return None
         return M.MoEContext(self.n_expert, self.top_k, 0.0, 0.0, 0.0, denom,
-                            dispatch=LocalSwiGLUExperts() if dispatch is None else dispatch)
+                            dispatch=LocalExperts(swiglu_experts) if dispatch is None else dispatch)
 
 
 def block_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

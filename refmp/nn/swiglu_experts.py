@@ -6,8 +6,8 @@ channels; F the MLP's width.
 
     expert_e(x) = (silu(x Wgate_e) * (x Wup_e)) Wdown_e      (no biases)
 
-The dispatch object of refmp.nn.moe for these experts (LocalSwiGLUExperts here; under
-expert parallelism refmp.parallel.expert.ExpertDispatch with this module as its ``kind``),
+The dispatch object of refmp.nn.moe for these experts is refmp.nn.experts.LocalExperts (under
+expert parallelism refmp.parallel.expert.ExpertDispatch), given this module as its ``kind``,
 in place of refmp.nn.experts' GPT-2 MLPs: the router, top-k, renormalized gates and
 dropping are refmp.nn.moe's, unchanged. As there, expert j's rows are one consecutive
 block, so each of its three linears is one matrix product on exactly those rows, and SwiGLU
@@ -65,20 +65,6 @@ def experts_backward(dys, cache):
         xp.matmul(xs[r].T, dU[r], out=g["up_proj.weight"][j])
         dxs[r] = dG[r] @ w["gate_proj.weight"][j].T + dU[r] @ w["up_proj.weight"][j].T
     return dxs, g
-
-
-class LocalSwiGLUExperts:
-    """Every expert on this rank (the serial reference): no communication."""
-
-    def forward(self, p: dict, xs, counts):
-        ids, w = stack_experts(p)
-        ys, cache = experts_forward(w, xs, counts)
-        return ys, (ids, cache)
-
-    def backward(self, dys, cache):
-        ids, ecache = cache
-        dxs, g = experts_backward(dys, ecache)
-        return dxs, unstack_grads(ids, g)
 
 
 def unstack_grads(ids: list[int], g: dict) -> dict:
