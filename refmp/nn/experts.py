@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import re
 
-from refmp.nn import layers as L
+from refmp.nn import fast as L  # refmp.nn.layers' formulas, run fast (refmp.nn.fast)
 from refmp.runtime import backend
 
 EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
