@@ -66,23 +66,10 @@ def attention_forward(qkv, n_head, keep_scores: bool = True):
     C = C3 // 3
     hs = C // n_head
     q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # each (B, NH, T, HS)
-    scale = 1.0 / math.sqrt(hs)
     y = xp.empty((B, T, n_head, hs), dtype=qkv.dtype)  # (B, T, C) once reshaped
-    lse = xp.empty((B, n_head, T, 1), dtype=qkv.dtype)  # (B, NH, T, 1)
-    with one_blas_thread(min(T, BLOCK), T, hs, qkv):
-        rows(functools.partial(_forward, scale=scale), q, k, v, y, lse)  # per batch element
-    y = y.reshape(B, T, C)
-    return y, FlashCache(q, k, v, y, lse, scale)
-
-
-def _forward(q, k, v, y, lse, *, scale):
-    """The rows (batch elements) of attention_forward, into y (B, T, NH, HS) and lse."""
-    xp = array_module(q)
-    for lo, hi in _blocks(q.shape[2]):
-        p, m = _probabilities(q, k, lo, hi, scale, None)  # (B, NH, Tb, hi)
-        l = xp.einsum("...j->...", p)[..., None]  # (B, NH, Tb, 1) row sums
-        y[:, lo:hi] = ((p @ v[:, :, :hi]) / l).transpose(0, 2, 1, 3)  # (B, Tb, NH, HS)
-        lse[:, :, lo:hi] = m + xp.log(l)  # log sum_j exp(s_j)
+    _, lse = causal_forward(q, k, v, 1.0 / math.sqrt(hs), y.transpose(0, 2, 1, 3))
+    y = y.reshape(B, T, C)  # heads side by side, written there by causal_forward
+    return y, FlashCache(q, k, v, y, lse, 1.0 / math.sqrt(hs))
 
 
 @autocast
@@ -94,15 +81,49 @@ def attention_backward(dout, cache):
     dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
     yh = y.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
     dqkv = xp.zeros((B, T, 3, NH, HS), dtype=dout.dtype)  # (B, T, 3C) once reshaped
-    with one_blas_thread(min(T, BLOCK), T, HS, dout):
-        rows(functools.partial(_backward, scale=scale), dy, yh, q, k, v, lse, dqkv)
+    causal_backward(dy, yh, q, k, v, lse, scale, *(dqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)))
     return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
 
 
-def _backward(dy, y, q, k, v, lse, dqkv, *, scale):
-    """The rows (batch elements) of attention_backward, into dqkv (B, T, 3, NH, HS)."""
+def causal_forward(q, k, v, scale, y=None):
+    """softmax(q k^T * scale + causal mask) v for q, k, v (B, NH, T, HS), in query blocks:
+    y (B, NH, T, HS), into ``y`` if given, and each row's log-sum-exp (B, NH, T, 1)."""
+    xp = array_module(q)
+    B, NH, T, HS = q.shape
+    y = xp.empty((B, NH, T, HS), dtype=q.dtype) if y is None else y
+    lse = xp.empty((B, NH, T, 1), dtype=q.dtype)  # (B, NH, T, 1)
+    with one_blas_thread(min(T, BLOCK), T, HS, q):
+        rows(functools.partial(_forward, scale=scale), q, k, v, y, lse)  # per batch element
+    return y, lse
+
+
+def _forward(q, k, v, y, lse, *, scale):
+    """The rows (batch elements) of causal_forward, into y (B, NH, T, HS) and lse."""
+    xp = array_module(q)
+    for lo, hi in _blocks(q.shape[2]):
+        p, m = _probabilities(q, k, lo, hi, scale, None)  # (B, NH, Tb, hi)
+        l = xp.einsum("...j->...", p)[..., None]  # (B, NH, Tb, 1) row sums
+        xp.divide(p @ v[:, :, :hi], l, out=y[:, :, lo:hi])  # (B, NH, Tb, HS)
+        lse[:, :, lo:hi] = m + xp.log(l)  # log sum_j exp(s_j)
+
+
+def causal_backward(dy, y, q, k, v, lse, scale, dq=None, dk=None, dv=None):
+    """The gradient of causal_forward: dq, dk, dv (B, NH, T, HS), into the arrays given (each
+    filled whole), from the output ``y`` and ``lse`` of each row (the merged ones, when the
+    rows saw other blocks of keys too: refmp.nn.blockwise)."""
     xp = array_module(dy)
-    dq, dk, dv = (dqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # views (B, NH, T, HS)
+    dq, dk, dv = (xp.empty_like(q) if a is None else a for a in (dq, dk, dv))
+    dk[...] = 0
+    dv[...] = 0
+    B, NH, T, HS = q.shape
+    with one_blas_thread(min(T, BLOCK), T, HS, dy):
+        rows(functools.partial(_backward, scale=scale), dy, y, q, k, v, lse, dq, dk, dv)
+    return dq, dk, dv
+
+
+def _backward(dy, y, q, k, v, lse, dq, dk, dv, *, scale):
+    """The rows (batch elements) of causal_backward, into dq, dk, dv (B, NH, T, HS)."""
+    xp = array_module(dy)
     # D = sum_j p_j dp_j = rowsum(dy * y): forward was y = p v
     D = xp.einsum("...d,...d->...", dy, y)[..., None]  # (B, NH, T, 1)
     for lo, hi in _blocks(q.shape[2]):
