@@ -13,21 +13,17 @@ What makes them fast:
 * LayerNorm and GELU (tokens independent) write their math once, as a ``_kernel(inputs...,
   outputs...)`` that fills given output arrays in place, and run it with refmp.runtime.cpu.rows:
   on blocks of tokens in parallel threads for NumPy, in one call otherwise (bitwise the same
-  either way: each row is computed by the same operations). Their elementwise chains are
-  evaluated by refmp.runtime.kernels in one pass each (numexpr), not one NumPy pass per operator.
-* Attention runs in blocks (refmp.nn.flash): causal blocks above the diagonal skipped, no
-  (T, T) array held.
-* Cross-entropy reads the logits in chunks of the vocabulary (refmp.nn.flash's neighbour
-  refmp.nn.vocab_chunks): no second (N, V) array.
+  either way: each row is computed by the same operations).
+* Attention runs in blocks of queries (refmp.nn.flash): the blocks above the causal diagonal
+  skipped, no (T, T) array held, heads on threads.
+* Cross-entropy reads the logits in chunks of the vocabulary, and the tied head's backward
+  uses each chunk's dlogits and lets it go: no second (N, V) array.
 """
 
 from __future__ import annotations
 
 import functools
 
-import numpy as np
-
-from refmp.nn import layers
 from refmp.nn.flash import attention_backward, attention_forward  # noqa: F401  (in blocks)
 from refmp.nn.layers import (  # noqa: F401  (the plain ones are already fast)
     GELU_K,
@@ -39,7 +35,6 @@ from refmp.nn.layers import (  # noqa: F401  (the plain ones are already fast)
     linear_backward_weight,
     linear_forward,
 )
-from refmp.runtime import kernels
 from refmp.runtime.backend import array_module
 from refmp.runtime.cpu import rows
 from refmp.runtime.precision import autocast
@@ -110,30 +105,59 @@ def _layernorm_grad(dout, xhat, rstd, dx, dout_xhat, *, w):
 
 @autocast
 def gelu_forward(x):
-    """layers.gelu_forward, each line one threaded pass (refmp.runtime.kernels)."""
-    if not kernels.fits(x):
-        return layers.gelu_forward(x)
-    th, out = np.empty_like(x, order="C"), np.empty_like(x, order="C")  # (B, T, 4C)
-    kernels.evaluate("tanh(k * (x + c * x * x * x))", th, x=x, k=GELU_K, c=0.044715)  # tanh(u)
-    kernels.evaluate("h * x * (one + th)", out, x=x, th=th, h=0.5, one=1.0)
+    """layers.gelu_forward, in place and in row blocks over threads."""
+    xp = array_module(x)
+    th, out = xp.empty_like(x, order="C"), xp.empty_like(x, order="C")  # (B, T, 4C)
+    rows(_gelu, *tokens(x, th, out))
     return out, (x, th)
+
+
+def _gelu(x, th, out):
+    """The rows of gelu_forward, into th = tanh(u) and out."""
+    xp = array_module(x)
+    # u = k x (1 + 0.044715 x^2), built in one buffer (x*x rather than x**3, in place: faster)
+    xp.multiply(x, x, out=th)
+    th *= 0.044715
+    th += 1.0
+    th *= x
+    th *= GELU_K
+    xp.tanh(th, out=th)
+    xp.add(th, 1.0, out=out)
+    out *= x
+    out *= 0.5
 
 
 @autocast
 def gelu_backward(dout, cache):
-    """layers.gelu_backward in one threaded pass (refmp.runtime.kernels)."""
+    """layers.gelu_backward, in place (in dx and one scratch array: on large activations
+    fresh temporaries cost more than the arithmetic) and in row blocks over threads."""
     x, th = cache
-    if not kernels.fits(dout, x, th):
-        return layers.gelu_backward(dout, cache)
-    dx = np.empty_like(th, order="C")  # (B, T, 4C)
-    kernels.evaluate("dout * (h * (one + th) + h * x * (one - th * th) * k * (one + c3 * x * x))",
-                     dx, dout=dout, x=x, th=th, h=0.5, one=1.0, k=GELU_K, c3=3 * 0.044715)
+    xp = array_module(dout)
+    dx = xp.empty_like(th, order="C")  # (B, T, 4C)
+    rows(_gelu_grad, *tokens(dout, x, th, dx))
     return dx
+
+
+def _gelu_grad(dout, x, th, dx):
+    """The rows of gelu_backward, into dx."""
+    xp = array_module(dout)
+    xp.multiply(th, th, out=dx)
+    xp.subtract(1.0, dx, out=dx)  # d tanh(u) / du
+    dx *= x
+    t = x * x
+    t *= 3 * 0.044715
+    t += 1.0
+    dx *= t  # du/dx / k
+    dx *= 0.5 * GELU_K
+    xp.add(th, 1.0, out=t)
+    t *= 0.5
+    dx += t
+    dx *= dout
 
 
 # --- cross-entropy and the tied head: refmp.nn.layers.cross_entropy_*, tied_head_backward ---
 
-VOCAB_CHUNK = 8192  # vocabulary columns a chunk: the largest temporary is (N, VOCAB_CHUNK)
+VOCAB_CHUNK = 16384  # vocabulary columns a chunk: the largest temporary is (N, VOCAB_CHUNK)
 
 
 def _chunks(V: int):
@@ -154,22 +178,17 @@ def cross_entropy_forward(logits, targets, denom=None):
     m = lg.max(axis=-1)  # (N,)
     total = xp.zeros_like(m)  # (N,) sum_j exp(logits_j - max)
     for a, b in _chunks(V):
-        total += _exp_minus(lg[:, a:b], m).sum(axis=-1)
+        total += xp.einsum("nv->n", _exp_minus(lg[:, a:b], m))  # row sums, one pass
     lse = m + xp.log(total)  # (N,)
     nll = lse - lg[xp.arange(tg.size), tg]  # (N,) = -log p[target]
     return nll.sum() / denom, (lg, lse, tg, denom, logits.shape)
 
 
 def _exp_minus(lg, shift):
-    """exp(lg - shift[:, None]) for a chunk of columns (N, Vc): one threaded pass if numexpr
-    can (refmp.runtime.kernels), else NumPy's."""
+    """exp(lg - shift[:, None]) for a chunk of columns (N, Vc), in one new array."""
     xp = array_module(lg)
-    out = xp.empty(lg.shape, dtype=lg.dtype)  # (N, Vc)
-    if kernels.fits(lg, shift):
-        kernels.evaluate("exp(lg - shift)", out, lg=lg, shift=shift[:, None])
-    else:
-        xp.exp(lg - shift[:, None], out=out)
-    return out
+    out = xp.subtract(lg, shift[:, None])  # (N, Vc)
+    return xp.exp(out, out=out)
 
 
 def _dlogits(dout, cache, a, b):

@@ -16,8 +16,9 @@ of c_attn's output, which its backward keeps anyway), the output and the log-sum
 (refmp.cost.memory counts it so).
 
 Equal to the plain attention to float rounding (the row sums and the key/value gradients are
-summed in another order; tests/test_fast.py). Batch elements run in threads
-(refmp.runtime.cpu.rows), each block's products on one BLAS thread when they are small.
+summed in another order; tests/test_fast.py). Heads run in threads (refmp.runtime.cpu.rows),
+each block's products on one BLAS thread: many small products gain nothing from BLAS's own
+threads, whose hand-offs cost more than they save.
 """
 
 from __future__ import annotations
@@ -85,20 +86,26 @@ def attention_backward(dout, cache):
     return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
 
 
+def heads_first(*arrays) -> list:
+    """Each (B, NH, ...) array as an (NH, B, ...) view, for rows() to give each thread its
+    heads (B is often 1 at long T; every head is independent, and the kernels below treat
+    the first two axes alike)."""
+    return [a.swapaxes(0, 1) for a in arrays]
+
+
 def causal_forward(q, k, v, scale, y=None):
     """softmax(q k^T * scale + causal mask) v for q, k, v (B, NH, T, HS), in query blocks:
     y (B, NH, T, HS), into ``y`` if given, and each row's log-sum-exp (B, NH, T, 1)."""
     xp = array_module(q)
-    B, NH, T, HS = q.shape
-    y = xp.empty((B, NH, T, HS), dtype=q.dtype) if y is None else y
-    lse = xp.empty((B, NH, T, 1), dtype=q.dtype)  # (B, NH, T, 1)
-    with one_blas_thread(min(T, BLOCK), T, HS, q):
-        rows(functools.partial(_forward, scale=scale), q, k, v, y, lse)  # per batch element
+    y = xp.empty_like(q) if y is None else y  # (B, NH, T, HS)
+    lse = xp.empty((*q.shape[:3], 1), dtype=q.dtype)  # (B, NH, T, 1)
+    with one_blas_thread(1, 1, 1, q):  # small products: heads go to threads, not BLAS's
+        rows(functools.partial(_forward, scale=scale), *heads_first(q, k, v, y, lse))
     return y, lse
 
 
 def _forward(q, k, v, y, lse, *, scale):
-    """The rows (batch elements) of causal_forward, into y (B, NH, T, HS) and lse."""
+    """The rows (heads) of causal_forward, into y and lse: every array (NH, B, T, ...)."""
     xp = array_module(q)
     for lo, hi in _blocks(q.shape[2]):
         p, m = _probabilities(q, k, lo, hi, scale, None)  # (B, NH, Tb, hi)
@@ -115,14 +122,13 @@ def causal_backward(dy, y, q, k, v, lse, scale, dq=None, dk=None, dv=None):
     dq, dk, dv = (xp.empty_like(q) if a is None else a for a in (dq, dk, dv))
     dk[...] = 0
     dv[...] = 0
-    B, NH, T, HS = q.shape
-    with one_blas_thread(min(T, BLOCK), T, HS, dy):
-        rows(functools.partial(_backward, scale=scale), dy, y, q, k, v, lse, dq, dk, dv)
+    with one_blas_thread(1, 1, 1, dy):  # small products: heads go to threads, not BLAS's
+        rows(functools.partial(_backward, scale=scale), *heads_first(dy, y, q, k, v, lse, dq, dk, dv))
     return dq, dk, dv
 
 
 def _backward(dy, y, q, k, v, lse, dq, dk, dv, *, scale):
-    """The rows (batch elements) of causal_backward, into dq, dk, dv (B, NH, T, HS)."""
+    """The rows (heads) of causal_backward, into dq, dk, dv: every array (NH, B, T, ...)."""
     xp = array_module(dy)
     # D = sum_j p_j dp_j = rowsum(dy * y): forward was y = p v
     D = xp.einsum("...d,...d->...", dy, y)[..., None]  # (B, NH, T, 1)

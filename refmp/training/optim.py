@@ -23,7 +23,6 @@ import functools
 import math
 from collections.abc import Callable, Iterable
 
-from refmp.runtime import kernels
 from refmp.runtime.arrays import global_grad_norm
 from refmp.runtime.backend import array_module, from_host
 from refmp.runtime.cpu import rows
@@ -109,11 +108,7 @@ class AdamW:
                 else None
             update = functools.partial(_adamw, b1=b1, b2=b2, bc1=bc1, bc2_sqrt=bc2_sqrt,
                                        lr=self.lr, eps=self.eps, decay=decay)
-            arrays = (p, grads[k], self.m[k], self.v[k])
-            if kernels.fits(*arrays):
-                _adamw_fused(*arrays, **update.keywords)  # three threaded passes
-            else:
-                rows(update, *arrays)  # in threads (refmp.runtime.cpu)
+            rows(update, p, grads[k], self.m[k], self.v[k])  # in threads (refmp.runtime.cpu)
 
     def state(self) -> dict:
         """{"kind": "adamw", "t", "moments": {"m": m, "v": v}}; the live arrays."""
@@ -154,16 +149,6 @@ def _adamw(p, g, m, v, *, b1, b2, bc1, bc2_sqrt, lr, eps, decay):
     p -= t  # p = p - lr / (1 - b1^t) * m / (...)
 
 
-def _adamw_fused(p, g, m, v, *, b1, b2, bc1, bc2_sqrt, lr, eps, decay):
-    """_adamw's formulas, the same operations in the same order, each line one threaded pass
-    over its arrays (refmp.runtime.kernels, numexpr)."""
-    kernels.evaluate("b1 * m + g * c1", m, m=m, g=g, b1=b1, c1=1.0 - b1)
-    kernels.evaluate("b2 * v + g * g * c2", v, v=v, g=g, b2=b2, c2=1.0 - b2)
-    decayed = "p" if decay is None else "p * decay"
-    kernels.evaluate(f"{decayed} - m / (sqrt(v) / bc2 + eps) * lrb", p, p=p, m=m, v=v,
-                     decay=1.0 if decay is None else decay, bc2=bc2_sqrt, eps=eps, lrb=lr / bc1)
-
-
 def clip_grad_norm(grads: dict, max_norm: float,
                    sum_sq: Callable[[float], float] | None = None) -> float:
     """Scale gradients in place so their global norm is at most ``max_norm``.
@@ -182,10 +167,7 @@ def clip_grads(grads: dict, max_norm: float, norm: float) -> None:
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for g in grads.values():
-            if kernels.fits(g):
-                kernels.evaluate("g * coef", g, g=g, coef=coef)  # g *= coef, threaded
-            else:
-                g *= coef
+            g *= coef
 
 
 class LossScaler:
