@@ -35,7 +35,9 @@ PARTS = {F: ["linear_forward", "linear_backward_input", "linear_backward_weight"
              "attention_forward", "attention_backward", "layernorm_forward",
              "layernorm_backward", "gelu_forward", "gelu_backward", "cross_entropy_forward",
              "cross_entropy_backward", "tied_head_backward"],
-         G: ["head_forward", "head_backward", "embed_forward", "embed_backward"]}
+         G: ["head_forward", "head_backward", "embed_forward", "embed_backward"],
+         # linear_backward (the plain one, which refmp.nn.fast re-exports) calls these two
+         L: ["linear_backward_input", "linear_backward_weight"]}
 
 
 def main() -> None:
