@@ -1,9 +1,10 @@
 """Where a serial training step's wall time goes, layer by layer (ms per step).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/step_parts.py [--steps 30]
-        [--warmup 3] [--preset small|tiny|gpt2]
+        [--warmup 3] [--preset small|tiny|gpt2] [--plain]
 
-Wraps each layer function of refmp.nn.layers (and the optimizer and clipping) in a
+Wraps each layer function the model runs (refmp.nn.fast; with ``--plain``, the plain
+formulas of refmp.nn.layers in their place) and the optimizer and clipping in a
 perf_counter timer, runs training steps of a `refmp bench` preset (default `small`) in one
 process (its threads:
 REFMP_THREADS / OMP_NUM_THREADS, else every core) and prints the median step and each part's
@@ -26,14 +27,17 @@ import numpy as np
 from refmp.cli.bench import PRESETS
 from refmp.nn import GPT, GPTConfig
 from refmp.nn import gpt as G
+from refmp.nn import fast as F
 from refmp.nn import layers as L
 from refmp.training.optim import AdamW, clip_grad_norm
 
-PARTS = {L: ["linear_forward", "linear_backward_input", "linear_backward_weight",
+PARTS = {F: ["linear_forward", "linear_backward_input", "linear_backward_weight",
              "attention_forward", "attention_backward", "layernorm_forward",
              "layernorm_backward", "gelu_forward", "gelu_backward", "cross_entropy_forward",
-             "cross_entropy_backward"],
-         G: ["head_forward", "head_backward", "embed_forward", "embed_backward"]}
+             "cross_entropy_backward", "tied_head_backward"],
+         G: ["head_forward", "head_backward", "embed_forward", "embed_backward"],
+         # linear_backward (the plain one, which refmp.nn.fast re-exports) calls these two
+         L: ["linear_backward_input", "linear_backward_weight"]}
 
 
 def main() -> None:
@@ -43,6 +47,8 @@ def main() -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small",
                     help="refmp bench's presets (gpt2: GPT-2 small's real shape)")
     ap.add_argument("--torch", action="store_true", help="PyTorch's operator table instead")
+    ap.add_argument("--plain", action="store_true",
+                    help="run refmp.nn.layers' plain forms in place of refmp.nn.fast's")
     args = ap.parse_args()
     s = PRESETS[args.preset]
     cfg = GPTConfig(s["vocab"], s["block_size"], s["n_layer"], s["n_head"], s["n_embd"])
@@ -64,7 +70,8 @@ def main() -> None:
 
     for module, names in PARTS.items():
         for name in names:
-            setattr(module, name, timed(name, getattr(module, name)))
+            fn = getattr(L, name) if args.plain and module is F else getattr(module, name)
+            setattr(module, name, timed(name, fn))
     opt = AdamW(model.params, lr=1e-4, weight_decay=0.1)
     adamw, clip = timed("adamw", opt.step), timed("clip_grad_norm", clip_grad_norm)
 

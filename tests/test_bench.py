@@ -56,6 +56,7 @@ def test_text_report_has_one_line_per_axis():
     assert r.stdout.count("refmp bench:") == 1
     assert r.stdout.count("    rank ") == 2  # a memory line per rank
     assert "cp=2" in r.stdout and "cp ulysses contiguous" in r.stdout
+    assert r.stdout.splitlines()[1].startswith("  cpu ") and " kernels, " in r.stdout  # where
     ledger = r.stdout.split("communication per step")[1]
     lines = [x.split() for x in ledger.splitlines() if x.startswith("    ")]
     assert [x[0] for x in lines] == ["cp", "world"]  # axis, bytes per step, "B", (calls)

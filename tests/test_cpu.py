@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from refmp.nn import layers as L
+from refmp.nn import fast as L
 from refmp.runtime import backend, cpu
 from refmp.training.optim import AdamW
 

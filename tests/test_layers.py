@@ -118,3 +118,16 @@ def test_cross_entropy(N, V, scale, denom, seed):
     ref = -np.take_along_axis(lp, tg[..., None], -1).sum() / (denom or 2 * N)
     np.testing.assert_allclose(value, ref, rtol=1e-12)
     assert_grad_close("logits", L.cross_entropy_backward(1.0, cache), numeric_grad(loss, logits))
+
+
+def test_tied_head():
+    """dh and dwte of loss(h wte^T) against finite differences."""
+    rng = np.random.default_rng(0)
+    h, wte, tg = rand(rng, 2, 3, 4), rand(rng, 5, 4), rng.integers(0, 5, (2, 3))
+
+    def loss():
+        return float(L.cross_entropy_forward(h @ wte.T, tg)[0])
+
+    dh, dwte = L.tied_head_backward(1.0, L.cross_entropy_forward(h @ wte.T, tg)[1], h, wte)
+    assert_grad_close("h", dh, numeric_grad(loss, h))
+    assert_grad_close("wte", dwte, numeric_grad(loss, wte))

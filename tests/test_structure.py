@@ -86,8 +86,6 @@ SEAMS = {
     "refmp/cost/model.py": ("collective", "the per-term costs (collective, bubble, gemm, "
                                           "elementwise_bytes, numpy_calls) into "
                                           "cost/terms.py; Layout and predict stay"),
-    "refmp/nn/layers.py": ("attention_forward", "attention's forward, weights and backward into "
-                                                "nn/attention.py, beside nn/blockwise.py"),
     "refmp/parallel/data/sharder.py": ("Sharder.master_grads", "mixed precision's fp32 masters "
                                                                "(master_grads, after_step's "
                                                                "rounding) into data/masters.py"),

@@ -116,12 +116,13 @@ def _block_case(n, heads_per, hs, B, t_per, seed):
 def block_elements(B, T, C, NH, tp=1, sp=False) -> int:
     """Activation elements one block's cache holds (the table in docs/tensor_parallel.md).
 
-    Serial: LayerNorms 2 (BTC + BT), c_attn and c_fc inputs 2 BTC, qkv 3 BTC, attention
-    weights B NH T^2, c_proj input BTC, c_fc output, tanh and GELU output 12 BTC:
-    20 BTC + 2 BT + B NH T^2. TP splits all but the first two terms by tp; SP splits those too
-    (Korthikanti et al. 2022, sec. 4.2: the c_attn/c_fc inputs are kept as T/tp shards).
+    Serial: LayerNorms 2 (BTC + BT), c_attn and c_fc inputs 2 BTC, qkv 3 BTC, attention's
+    log-sum-exp B NH T (refmp.nn.flash keeps no T x T weights), c_proj input BTC (the
+    attention's output), c_fc output, tanh and GELU output 12 BTC: 20 BTC + 2 BT + B NH T.
+    TP splits all but the first two terms by tp; SP splits those too (Korthikanti et al. 2022,
+    sec. 4.2: the c_attn/c_fc inputs are kept as T/tp shards).
     """
-    BTC, BT, att = B * T * C, B * T, B * NH * T * T
+    BTC, BT, att = B * T * C, B * T, B * NH * T
     if sp:
         return (20 * BTC + 2 * BT + att) // tp
     return 4 * BTC + 2 * BT + (16 * BTC + att) // tp

@@ -34,6 +34,7 @@ from refmp.distributed.ledger import Ledger
 from refmp.distributed.waiting import wait
 from refmp.nn import GPT, GPTConfig
 from refmp.nn import blockwise as BW
+from refmp.nn import fast as F
 from refmp.nn import layers as L
 from refmp.nn.params import init_params
 from refmp.parallel.context.chunks import SequenceChunks
@@ -228,9 +229,9 @@ for algo, cls in (("ring", RingAttention), ("ulysses", UlyssesAttention)):
     if algo == "ring":  # q, k, v, y and lse of the whole sequence, were it on one rank
         whole = (4 * B * NH * T * HS + B * NH * T) * 8
         what = "q, k, v, y (b, NH, Tl, HS) + lse (b, NH, Tl)"
-    else:  # serial attention's cache: q, k, v and the (T, T) weights
-        whole = nbytes_of(cache)
-        what = "serial attention's cache, q, k, v + (T, T) weights; here NH/cp heads"
+    else:  # the attention the model runs (refmp.nn.flash): q, k, v, y and lse, no (T, T)
+        whole = nbytes_of(F.attention_forward(qkv, NH)[1])
+        what = "the model's attention cache, q, k, v, y + lse; here NH/cp heads"
     say(f"{'':>8}  attention cache per rank {nbytes_of(c)} B = 1/{whole // nbytes_of(c)} of "
         f"{whole} B  ({what})")
     check(cp * nbytes_of(c) == whole, f"{algo} memory / cp")

@@ -91,6 +91,7 @@ def ledger_by_axis(entries: dict[tuple[str, str], list[int]]) -> dict[str, dict[
 
 def run_bench(args) -> dict:
     from refmp.errors import ConfigError
+    from refmp.runtime.cpu import blas_kernels, cpu_model
     from refmp.training.trainer import TrainConfig, Trainer
 
     spec = dict(PRESETS[args.preset])
@@ -148,6 +149,7 @@ def run_bench(args) -> dict:
         "model": {**spec, **({k: getattr(m, k) for k in MOE} if m.n_expert else {})},
         "layout": cfg.as_dict(tr.grid.sizes),
         "device": tr.device_info,
+        "cpu": {"model": cpu_model(), "blas": blas_kernels()},  # where the figures came from
         "ms_per_step_min": 1e3 * min(times), "ms_per_step_max": 1e3 * max(times),
         "ledger": ledger_by_axis(sent),  # rank 0's, summed over the timed steps
         "recompute": cfg.recompute, "recompute_gflops": extra / sec / 1e9,
@@ -223,6 +225,9 @@ def print_report(out: dict, args) -> None:
     moe = out["model"]
     print(f"refmp bench: preset {args.preset} {moe}, {out['params']:,} parameters, "
           f"{out['world_size']} rank(s)")
+    blas = ", ".join(f"{b['internal_api']} {b['version']} {b['architecture']} kernels, "
+                     f"{b['num_threads']} thread(s)" for b in out["cpu"]["blas"]) or "no BLAS found"
+    print(f"  cpu {out['cpu']['model']}; {blas}")
     print(f"  layout {', '.join([axes, *extra])}")
     if moe.get("n_expert"):
         print(f"  mixture of experts: {moe['n_expert']} experts, top-{moe['top_k']}; FLOPs "

@@ -37,14 +37,16 @@ def block_cache_elements(b: int, Tl: int, T: int, C: int, NH: int, tp: int = 1, 
                          cp_algo: str = "ring", cp: int = 1, recompute: str = "none") -> int:
     """Elements one block's forward cache keeps (docs/tensor_parallel.md's table, with cp).
 
-    Serial: 20 BTC + 2 BT + B NH T^2 (the LayerNorm outputs and rstd, the c_attn and c_fc
-    inputs, qkv, the attention output, c_fc's output, tanh and GELU, and the attention
-    weights P); tp splits the 16 BTC inside the column/row pairs and P, SP the rest too. With
-    cp each rank holds Tl tokens; Ulysses keeps P for its NH/cp heads over the whole sequence,
-    (b, NH/(tp cp), T, T); ring attention keeps no P, but its running output y and lse
-    (b NH Tl (HS + 1) / tp: q and K/V are its copies of qkv, counted as qkv; y is the
-    attention output's own buffer when a rank has one head).
-    docs/memory.md's recomputation: selective drops P, full keeps the block's input alone.
+    Serial: 20 BTC + 2 BT + B NH T (the LayerNorm outputs and rstd, the c_attn and c_fc
+    inputs, qkv, the attention output, c_fc's output, tanh and GELU, and attention's
+    log-sum-exp: refmp.nn.flash keeps no T x T weights); tp splits the 16 BTC inside the
+    column/row pairs and the lse, SP the rest too. With cp each rank holds Tl tokens;
+    Ulysses runs that attention on its NH/cp heads over the whole sequence: the lse
+    (b, NH/(tp cp), T) and its output before the all-to-all back, BTC/tp; ring attention
+    keeps its running output y and lse (b NH Tl (HS + 1) / tp: q and K/V are its copies of
+    qkv, counted as qkv; y is the attention output's own buffer when a rank has one head).
+    docs/memory.md's recomputation: full keeps the block's input alone; selective changes
+    nothing (no softmax weights are kept to drop).
     """
     BTC, BT = b * Tl * C, b * Tl
     if recompute == "full":
@@ -54,8 +56,8 @@ def block_cache_elements(b: int, Tl: int, T: int, C: int, NH: int, tp: int = 1, 
         # (or one token) the output y.transpose(0, 2, 1, 3).reshape(b, Tl, C/tp) that c_proj
         # keeps is a view of y, not a copy: the same buffer, counted once (as the output)
         att = b * NH * Tl + (BTC if NH // tp > 1 and Tl > 1 else 0)
-    else:
-        att = 0 if recompute == "selective" else b * NH * Tl * T
+    else:  # the lse; Ulysses' output before its all-to-all back is a buffer of its own
+        att = b * NH * Tl + (BTC if cp > 1 else 0)
     if sp:
         return (20 * BTC + 2 * BT + att) // tp
     return 4 * BTC + 2 * BT + (16 * BTC + att) // tp

@@ -174,14 +174,15 @@ def elementwise_bytes(b: int, Tl: int, T: int, C: int, NH: int, tp: int, sp: boo
 def numpy_calls(lay: Layout, moe: bool = False, top_k: int = 2) -> int:
     """NumPy operations one block runs in one micro-batch, forward and backward: ufuncs
     (operators and reductions among them), array functions, reshapes, transposes and
-    indexing, as tests/test_plan.py counts them on a serial block (refmp.nn.gpt): 70
-    forward, 96 backward, and 12 gradient accumulations (one a parameter). A layout adds
+    indexing, as tests/test_plan.py counts them on a serial block (refmp.nn.gpt, attention in
+    one block of queries): 76 forward, 112 backward, and 12 gradient accumulations (one a
+    parameter). A layout adds
     (estimated, not counted): tp, 4 collectives a block of 6 calls (a buffer, the
     reduction, a wait, a copy back); cp's ring, 10 calls a step of its cp steps forward
     and 16 backward; Ulysses, 4 all-to-alls of 8; an MoE block, a router and dispatch of
     40 calls and 20 an expert visit (top_k) each way; full recomputation, the forward
     again; selective, the softmax again (7)."""
-    fwd, bwd = 70, 96 + 12
+    fwd, bwd = 76, 112 + 12
     if lay.tp > 1:
         fwd, bwd = fwd + 12, bwd + 12
     if lay.cp > 1:

@@ -23,7 +23,7 @@ import numpy as np
 
 from refmp.distributed.comm import Comm
 from refmp.nn import blockwise as BW
-from refmp.nn import layers as L
+from refmp.nn import fast as L  # refmp.nn.layers' formulas, run fast (refmp.nn.fast)
 from refmp.parallel.context.ring import RingAttention
 from refmp.runtime.backend import array_module
 
@@ -53,7 +53,8 @@ class CachedAttention:
         hs = C3 // 3 // n_head
         if call.prefill:
             if call.ring is None:  # the serial core on the whole prompt, as training runs it
-                out, (_, k, v, _, _) = L.attention_forward(qkv, n_head)  # k, v (B, NH, t, HS)
+                out, attn = L.attention_forward(qkv, n_head)
+                k, v = attn.k, attn.v  # (B, NH, t, HS)
             else:  # ring attention over the cp ranks' chunks; kv (2, B, NH, Tl, HS)
                 out, (_, kv, _, _, _) = call.ring.forward(qkv, n_head)
                 k, v = kv[0], kv[1]

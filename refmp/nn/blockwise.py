@@ -10,6 +10,7 @@ gradient (tests/test_context_serial.py).
 
 from __future__ import annotations
 
+from refmp.nn import flash
 from refmp.runtime.backend import array_module
 from refmp.runtime.precision import autocast
 
@@ -19,7 +20,8 @@ def attention_block_forward(q, k, v, scale, causal=False):
     """Attention of queries ``q`` over one block of keys/values, and the row log-sum-exp.
 
     q (B, NH, Tq, HS), k and v (B, NH, Tk, HS). With s = q k^T * scale (plus, if ``causal``,
-    -inf above the diagonal of an aligned Tq == Tk block):
+    -inf above the diagonal of an aligned Tq == Tk block: refmp.nn.flash's query blocks, which
+    skip the keys above it):
 
         y = softmax(s) v  (normalized within this block),   lse = log sum_j exp(s_j)
 
@@ -29,9 +31,10 @@ def attention_block_forward(q, k, v, scale, causal=False):
     never kept).
     """
     xp = array_module(q)
+    if causal:  # the same formula in query blocks, the keys above the diagonal skipped
+        y, lse = flash.causal_forward(q, k, v, scale)  # (B, NH, Tq, HS), (B, NH, Tq, 1)
+        return y, lse[..., 0]
     s = (q @ k.transpose(0, 1, 3, 2)) * scale  # (B, NH, Tq, Tk)
-    if causal:
-        s += xp.triu(xp.full(s.shape[-2:], -xp.inf, dtype=s.dtype), k=1)  # (Tq, Tk) broadcast
     m = s.max(axis=-1, keepdims=True)  # (B, NH, Tq, 1)
     p = xp.exp(s - m)  # (B, NH, Tq, Tk)
     l = p.sum(axis=-1, keepdims=True)  # (B, NH, Tq, 1)
@@ -67,9 +70,9 @@ def attention_block_backward(dy, q, k, v, y, lse, scale, causal=False):
     :func:`refmp.nn.layers.attention_backward`'s gradient.
     """
     xp = array_module(q)
+    if causal:  # the same formula in query blocks, the keys above the diagonal skipped
+        return flash.causal_backward(dy, y, q, k, v, lse[..., None], scale)
     s = (q @ k.transpose(0, 1, 3, 2)) * scale  # (B, NH, Tq, Tk), recomputed
-    if causal:
-        s += xp.triu(xp.full(s.shape[-2:], -xp.inf, dtype=s.dtype), k=1)
     p = xp.exp(s - lse[..., None])  # (B, NH, Tq, Tk) forward was: softmax over all blocks
     dv = p.transpose(0, 1, 3, 2) @ dy  # (B, NH, Tk, HS)  forward was: y = p @ v
     dp = dy @ v.transpose(0, 1, 3, 2)  # (B, NH, Tq, Tk)

@@ -18,7 +18,7 @@ import itertools
 import re
 import sys
 
-from refmp.nn import layers as L
+from refmp.nn import fast as L  # refmp.nn.layers' formulas, run fast (refmp.nn.fast)
 from refmp.runtime import backend
 
 EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")

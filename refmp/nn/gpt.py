@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import namedtuple
 
-from refmp.nn import layers as L
+from refmp.nn import fast as L  # refmp.nn.layers' formulas, run fast (refmp.nn.fast)
 from refmp.nn import moe as M
 from refmp.nn.params import (  # noqa: F401  (re-exported: refmp.nn.gpt is where readers look)
     GPTConfig,
@@ -199,11 +199,9 @@ def head_forward(p: dict, x, targets=None, denom=None):
 def head_backward(dloss, cache):
     """Returns dx and the head's gradients (ln_f and its share of the tied wte)."""
     ln_f, h, wte, ce = cache
-    dlogits = L.cross_entropy_backward(dloss, ce)  # (B, T, V)
     g = {}
-    # forward was: logits = h @ wte^T
-    dh = dlogits @ wte  # (B, T, C)
-    g["wte.weight"] = dlogits.reshape(-1, dlogits.shape[-1]).T @ h.reshape(-1, h.shape[-1])  # (V, C)
+    # forward was: logits = h @ wte^T, then the cross-entropy
+    dh, g["wte.weight"] = L.tied_head_backward(dloss, ce, h, wte)  # (B, T, C), (V, C)
     dx, g["ln_f.weight"], g["ln_f.bias"] = L.layernorm_backward(dh, ln_f)
     return dx, g
 

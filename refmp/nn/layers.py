@@ -14,31 +14,20 @@ arrays it computes in fp32 (BLAS has no bf16 kernel; LayerNorm statistics, softm
 cross-entropy want fp32 anyway) and rounds what it returns, caches included, to that dtype.
 Given fp32 or fp64 arrays it is the plain function.
 
-Speed: the elementwise and row-wise layers (LayerNorm and GELU, whose tokens are independent,
-and attention, whose heads are) write their math once, as a ``_kernel(inputs..., outputs...)``
-that fills given output arrays in place, and run it with refmp.runtime.cpu.rows: on blocks of
-tokens (of heads) in parallel threads for NumPy, in one call otherwise. Results are bitwise the
-same either way (each row is computed by the same operations).
+Speed: these are the formulas, written plainly. refmp.nn.fast runs the same formulas fast
+(in place, in threads, fused; attention in blocks that never hold the (T, T) scores) and is
+what the model and every layout call; tests/test_fast.py holds the two to agreement.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 from refmp.runtime.backend import array_module, scatter_add
-from refmp.runtime.cpu import one_blas_thread, rows
 from refmp.runtime.precision import autocast
 
 LN_EPS = 1e-5
 GELU_K = math.sqrt(2.0 / math.pi)
-
-
-def tokens(*arrays) -> list:
-    """Each (..., X) array as (N, X), a row per token, for rows() to split the tokens (also
-    of one sequence) over threads. The outputs are made C-contiguous, so theirs are views (an
-    input that is not may be copied: it is only read)."""
-    return [a.reshape(-1, a.shape[-1]) for a in arrays]
 
 
 # --- embedding: out[b, t] = w[idx[b, t]] --------------------------------------------------
@@ -107,50 +96,29 @@ def linear_backward_weight(dout, cache):
 def layernorm_forward(x, w, b):
     """Normalize each token's C channels, then scale and shift (Ba et al. 2016)."""
     xp = array_module(x)
-    xhat, out = xp.empty_like(x, order="C"), xp.empty_like(x, order="C")  # (B, T, C)
-    rstd = xp.empty((*x.shape[:-1], 1), dtype=x.dtype)  # (B, T, 1)
-    rows(functools.partial(_layernorm, w=w, b=b), *tokens(x, xhat, rstd, out))
+    mean = x.mean(axis=-1, keepdims=True)  # (B, T, 1)
+    xc = x - mean  # (B, T, C) centred
+    var = (xc * xc).mean(axis=-1, keepdims=True)  # (B, T, 1), biased like torch
+    rstd = 1.0 / xp.sqrt(var + LN_EPS)  # (B, T, 1)
+    xhat = xc * rstd  # (B, T, C)
+    out = xhat * w + b  # (B, T, C)
     return out, (xhat, rstd, w)
-
-
-def _layernorm(x, xhat, rstd, out, *, w, b):
-    """The rows of layernorm_forward: xhat = (x - mean) * rstd, out = xhat * w + b."""
-    xp = array_module(x)
-    C = x.shape[-1]
-    # row sums by einsum: one pass and no temporary (twice as fast as .mean, (x * x).mean)
-    mean = xp.einsum("...c->...", x)[..., None] / C  # (B, T, 1)
-    xp.subtract(x, mean, out=xhat)  # centred; normalized in place below
-    var = xp.einsum("...c,...c->...", xhat, xhat)[..., None] / C  # (B, T, 1), biased like torch
-    xp.divide(1.0, xp.sqrt(var + LN_EPS), out=rstd)  # (B, T, 1)
-    xhat *= rstd  # (B, T, C)
-    xp.multiply(xhat, w, out=out)
-    out += b  # (B, T, C)
 
 
 @autocast
 def layernorm_backward(dout, cache):
     """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), with dxhat = dout * w."""
     xhat, rstd, w = cache
-    xp = array_module(dout)
     lead = tuple(range(dout.ndim - 1))
-    dx, dout_xhat = xp.empty_like(dout, order="C"), xp.empty_like(dout, order="C")  # (B, T, C)
-    rows(functools.partial(_layernorm_grad, w=w), *tokens(dout, xhat, rstd, dx, dout_xhat))
-    dw = dout_xhat.sum(axis=lead)  # (C,)  forward was: out = xhat * w + b
+    # forward was: out = xhat * w + b
+    dw = (dout * xhat).sum(axis=lead)  # (C,)
     db = dout.sum(axis=lead)  # (C,)
+    dxhat = dout * w  # (B, T, C)
+    # forward was: xhat = (x - mean) * rstd, with mean and rstd functions of x as well
+    mean_dxhat = dxhat.mean(axis=-1, keepdims=True)  # (B, T, 1)
+    mean_dxhat_xhat = (dxhat * xhat).mean(axis=-1, keepdims=True)  # (B, T, 1)
+    dx = rstd * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat)  # (B, T, C)
     return dx, dw, db
-
-
-def _layernorm_grad(dout, xhat, rstd, dx, dout_xhat, *, w):
-    """The rows of layernorm_backward: dx, and dout * xhat (summed over rows for dw)."""
-    xp = array_module(dout)
-    C = dout.shape[-1]
-    xp.multiply(dout, xhat, out=dout_xhat)
-    mean_dxhat = xp.einsum("...c,c->...", dout, w)[..., None] / C  # (B, T, 1), dxhat = dout * w
-    mean_dxhat_xhat = xp.einsum("...c,c->...", dout_xhat, w)[..., None] / C  # (B, T, 1)
-    xp.multiply(dout, w, out=dx)  # dxhat
-    dx -= mean_dxhat
-    dx -= xhat * mean_dxhat_xhat
-    dx *= rstd  # (B, T, C)
 
 
 # --- GELU, tanh approximation (as GPT-2) ---------------------------------------------------
@@ -158,57 +126,21 @@ def _layernorm_grad(dout, xhat, rstd, dx, dout_xhat, *, w):
 
 @autocast
 def gelu_forward(x):
-    """gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi)."""
+    """gelu(x) = 0.5 x (1 + tanh(u)), u = k (x + 0.044715 x^3), k = sqrt(2/pi)."""
     xp = array_module(x)
-    th, out = xp.empty_like(x, order="C"), xp.empty_like(x, order="C")  # (B, T, 4C)
-    rows(_gelu, *tokens(x, th, out))
+    th = xp.tanh(GELU_K * (x + 0.044715 * x**3))  # (B, T, 4C) tanh(u)
+    out = 0.5 * x * (1.0 + th)  # (B, T, 4C)
     return out, (x, th)
-
-
-def _gelu(x, th, out):
-    """The rows of gelu_forward, into th = tanh(u) and out."""
-    xp = array_module(x)
-    # u = k x (1 + 0.044715 x^2), built in one buffer (x*x rather than x**3, in place: faster)
-    xp.multiply(x, x, out=th)
-    th *= 0.044715
-    th += 1.0
-    th *= x
-    th *= GELU_K
-    xp.tanh(th, out=th)
-    xp.add(th, 1.0, out=out)
-    out *= x
-    out *= 0.5
 
 
 @autocast
 def gelu_backward(dout, cache):
-    """d gelu/dx = 0.5 (1 + th) + 0.5 x (1 - th^2) k (1 + 3 * 0.044715 x^2).
-
-    Computed in place, in dx and one scratch array: on large activations fresh temporaries
-    cost more than the arithmetic.
-    """
+    """d gelu/dx = 0.5 (1 + th) + 0.5 x (1 - th^2) du/dx, du/dx = k (1 + 3 * 0.044715 x^2)."""
     x, th = cache
-    xp = array_module(dout)
-    dx = xp.empty_like(th, order="C")  # (B, T, 4C)
-    rows(_gelu_grad, *tokens(dout, x, th, dx))
+    du = GELU_K * (1.0 + 3 * 0.044715 * x**2)  # (B, T, 4C)
+    # forward was: out = 0.5 x (1 + th), th = tanh(u); d tanh(u)/du = 1 - th^2
+    dx = dout * (0.5 * (1.0 + th) + 0.5 * x * (1.0 - th**2) * du)  # (B, T, 4C)
     return dx
-
-
-def _gelu_grad(dout, x, th, dx):
-    """The rows of gelu_backward, into dx."""
-    xp = array_module(dout)
-    xp.multiply(th, th, out=dx)
-    xp.subtract(1.0, dx, out=dx)  # d tanh(u) / du
-    dx *= x
-    t = x * x
-    t *= 3 * 0.044715
-    t += 1.0
-    dx *= t  # du/dx / k
-    dx *= 0.5 * GELU_K
-    xp.add(th, 1.0, out=t)
-    t *= 0.5
-    dx += t
-    dx *= dout
 
 
 # --- causal multi-head self-attention (the core, without the two projections) ------------
@@ -225,40 +157,28 @@ def attention_forward(qkv, n_head, keep_scores: bool = True):
     cache keeps q, k, v (views of qkv, which c_attn's backward keeps anyway) but not the
     (B, NH, T, T) softmax, which backward recomputes by the same operations, bitwise.
     """
-    xp = array_module(qkv)
     B, T, C3 = qkv.shape
     C = C3 // 3
     hs = C // n_head
     # (B, T, 3, NH, HS) -> (3, B, NH, T, HS): one transpose gives all three in head-major form
     q, k, v = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # each (B, NH, T, HS)
     scale = 1.0 / math.sqrt(hs)
-    att = xp.empty((B, n_head, T, T), dtype=qkv.dtype)
-    y = xp.empty((B, T, n_head, hs), dtype=qkv.dtype)  # (B, T, C) once reshaped
-    with one_blas_thread(T, T, hs, qkv):  # B NH small products (refmp.runtime.cpu)
-        rows(functools.partial(_attention, scale=scale), q, k, v, att, y)  # per batch element
-    return y.reshape(B, T, C), (q, k, v, att if keep_scores else None, scale)
-
-
-def _attention(q, k, v, att, y, *, scale):
-    """The rows (batch elements) of attention_forward, into att and y (B, T, NH, HS)."""
-    attention_weights(q, k, scale, out=att)  # (B, NH, T, T)
-    y[...] = (att @ v).transpose(0, 2, 1, 3)  # (B, T, NH, HS) heads side by side
+    att = attention_weights(q, k, scale)  # (B, NH, T, T)
+    y = att @ v  # (B, NH, T, HS)
+    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C) heads side by side
+    return y, (q, k, v, att if keep_scores else None, scale)
 
 
 @autocast
-def attention_weights(q, k, scale, out=None):
-    """softmax(q k^T * scale) with the causal mask: (B, NH, T, T), into ``out`` if given."""
+def attention_weights(q, k, scale):
+    """softmax(q k^T * scale) with the causal mask: (B, NH, T, T)."""
     xp = array_module(q)
     T = q.shape[2]
-    att = xp.matmul(q, k.transpose(0, 1, 3, 2), out=out)  # (B, NH, T, T)
-    att *= scale
+    s = (q @ k.transpose(0, 1, 3, 2)) * scale  # (B, NH, T, T)
     # causal mask: position t sees positions <= t only (-inf above the diagonal)
-    att += xp.triu(xp.full((T, T), -xp.inf, dtype=att.dtype), k=1)  # (T, T) broadcast
-    att -= att.max(axis=-1, keepdims=True)  # stable softmax
-    xp.exp(att, out=att)
-    # row sums by einsum: NumPy's .sum costs 3x as much on rows this short (per-row overhead)
-    att /= xp.einsum("...j->...", att)[..., None]  # (B, NH, T, T) attention weights
-    return att
+    s = s + xp.triu(xp.full((T, T), -xp.inf, dtype=s.dtype), k=1)  # (T, T) broadcast
+    e = xp.exp(s - s.max(axis=-1, keepdims=True))  # stable softmax
+    return e / e.sum(axis=-1, keepdims=True)  # (B, NH, T, T) attention weights
 
 
 @autocast
@@ -267,34 +187,20 @@ def attention_backward(dout, cache):
     q, k, v, att, scale = cache
     xp = array_module(dout)
     B, NH, T, HS = q.shape
-    recompute = att is None  # selective recomputation: the forward's weights, again
-    if recompute:
-        att = xp.empty((B, NH, T, T), dtype=q.dtype)
+    if att is None:  # selective recomputation: the forward's weights, again
+        att = attention_weights(q, k, scale)  # (B, NH, T, T)
     dy = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)  # (B, NH, T, HS)
-    dqkv = xp.empty((B, T, 3, NH, HS), dtype=dout.dtype)  # (B, T, 3C) once reshaped
-    with one_blas_thread(T, T, HS, dout):  # B NH small products (refmp.runtime.cpu)
-        grad = functools.partial(_attention_grad, scale=scale, recompute=recompute)
-        rows(grad, dy, q, k, v, att, dqkv)  # per batch element
-    return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
-
-
-def _attention_grad(dy, q, k, v, att, dqkv, *, scale, recompute):
-    """The rows (batch elements) of attention_backward, into dqkv (B, T, 3, NH, HS)."""
-    xp = array_module(dy)
-    if recompute:
-        attention_weights(q, k, scale, out=att)  # (B, NH, T, T)
     # forward was: y = att @ v
     datt = dy @ v.transpose(0, 1, 3, 2)  # (B, NH, T, T)
     dv = att.transpose(0, 1, 3, 2) @ dy  # (B, NH, T, HS)
     # forward was: att = softmax(s); ds = att * (datt - sum(datt * att)); masked entries have
-    # att == 0, so their gradient is 0 without looking at the mask again. (In place: datt -> ds.)
-    datt -= xp.einsum("...j,...j->...", datt, att)[..., None]  # row sums, no temporary
-    datt *= att  # (B, NH, T, T) = ds
-    # forward was: s = q @ k^T * scale; write dq, dk, dv straight into c_attn's layout
-    dqkv[:, :, 0] = (datt @ k).transpose(0, 2, 1, 3)  # dq, (B, T, NH, HS)
-    dqkv[:, :, 1] = (datt.transpose(0, 1, 3, 2) @ q).transpose(0, 2, 1, 3)  # dk
-    dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
-    dqkv[:, :, :2] *= scale
+    # att == 0, so their gradient is 0 without looking at the mask again
+    ds = att * (datt - (datt * att).sum(axis=-1, keepdims=True))  # (B, NH, T, T)
+    # forward was: s = q @ k^T * scale
+    dq = (ds @ k) * scale  # (B, NH, T, HS)
+    dk = (ds.transpose(0, 1, 3, 2) @ q) * scale  # (B, NH, T, HS)
+    dqkv = xp.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4)  # (B, T, 3, NH, HS), c_attn's layout
+    return dqkv.reshape(B, T, 3 * NH * HS)  # (B, T, 3C)
 
 
 # --- softmax cross-entropy -----------------------------------------------------------------
@@ -330,3 +236,15 @@ def cross_entropy_backward(dout, cache):
     dlogits[xp.arange(tg.size), tg] -= 1.0
     dlogits *= dout / denom
     return dlogits.reshape(shape)  # (B, T, V)
+
+
+@autocast
+def tied_head_backward(dout, cache, h, wte):
+    """The tied LM head's backward, through logits = h wte^T and the cross-entropy: returns
+    dh = dlogits wte and dwte = dlogits^T h (summed over all tokens). ``cache`` is
+    cross_entropy_forward's."""
+    dlogits = cross_entropy_backward(dout, cache)  # (B, T, V)
+    # forward was: logits = h @ wte^T
+    dh = dlogits @ wte  # (B, T, C)
+    dwte = dlogits.reshape(-1, dlogits.shape[-1]).T @ h.reshape(-1, h.shape[-1])  # (V, C)
+    return dh, dwte

@@ -24,8 +24,8 @@ from types import ModuleType
 from typing import NamedTuple
 
 from refmp.distributed.comm import Comm
+from refmp.nn import fast as L  # refmp.nn.layers' formulas, run fast (refmp.nn.fast)
 from refmp.nn import gpt
-from refmp.nn import layers as L
 from refmp.parallel.tensor import linear, vocab
 
 

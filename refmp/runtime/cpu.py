@@ -165,3 +165,27 @@ def one_blas_thread(m: int, n: int, k: int, a=None):
 
         _blas = ThreadpoolController()
     return _blas.limit(limits=1, user_api="blas")
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as ``lscpu`` prints it (read from /proc/cpuinfo on Linux; the
+    platform's processor string elsewhere): which machine a timing came from."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform  # noqa: PLC0415
+
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def blas_kernels() -> list[dict]:
+    """Each loaded BLAS library: its name, version, threads and the kernel it chose for this
+    CPU (threadpoolctl's ``architecture``, e.g. OpenBLAS's Haswell or SkylakeX)."""
+    from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+    keys = ("internal_api", "version", "architecture", "num_threads")
+    return [{k: i.get(k) for k in keys} for i in threadpool_info() if i.get("user_api") == "blas"]

@@ -86,12 +86,18 @@ def autocast(layer):
 
         out = layer(*map_leaves(args, up), **map_leaves(kwargs, up))
 
+        narrow: dict[int, object] = {}  # id(fp32 result) -> its rounded copy, made once
+
         def down(a):
             if not _is_array(a):
                 return a
             if id(a) in wide:
                 return wide[id(a)][1]
-            return a.astype(low) if a.dtype == np.float32 else a
+            if a.dtype != np.float32:
+                return a
+            if id(a) not in narrow:  # an array returned twice (an output its cache keeps too)
+                narrow[id(a)] = a.astype(low)  # is rounded once: one array, as in fp32
+            return narrow[id(a)]
 
         return map_leaves(out, down)
 

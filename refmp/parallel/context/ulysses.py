@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from refmp.distributed.comm import Comm
-from refmp.nn import layers as L
+from refmp.nn import fast as L  # refmp.nn.layers' formulas, run fast (refmp.nn.fast)
 from refmp.runtime import backend
 
 

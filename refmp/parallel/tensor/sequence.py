@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 
 from refmp.distributed.comm import Comm
-from refmp.nn import layers as L
+from refmp.nn import fast as L  # refmp.nn.layers' formulas, run fast (refmp.nn.fast)
 from refmp.parallel.ops import Layers
 from refmp.parallel.tensor import linear, vocab
 from refmp.runtime import backend

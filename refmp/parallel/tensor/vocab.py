@@ -25,7 +25,7 @@ lookup, the padding and the cross-entropy here.
 from __future__ import annotations
 
 from refmp.distributed.comm import Comm
-from refmp.nn import layers as L
+from refmp.nn import fast as L  # refmp.nn.layers' formulas, run fast (refmp.nn.fast)
 from refmp.parallel.tensor.linear import (
     column_backward,
     column_forward,
