@@ -67,7 +67,7 @@ def bad_cases(tmp) -> dict[str, tuple[list[str], str]]:
         "log: a dir": (["--log-json", f"{tmp}/a_dir"], "is a directory"),
         "checkpoints: read-only": (["--checkpoint-dir", "/proc/refmp-ckpt"], "cannot write in /proc"),
         "trace: no dir": (["--trace", "/nonexistent/t.json"], "--trace /nonexistent/t.json"),
-        "memory: T": (["--block-size", "100000"], "not enough memory"),
+        "memory: T": (["--block-size", "100000", "--batch-size", "100000"], "not enough memory"),
         "memory: C": (["--n-embd", "65536", "--n-head", "1"], "not enough memory"),
         "init truncated": (["--init", trunc], f"--init {trunc}: truncated"),
     }
@@ -281,7 +281,7 @@ def test_memory_estimate_against_the_measured_layouts(tmp_path):
 def test_memory_refusal_says_both_numbers():
     """The in-process check: what it needs and what there is, in one message; refused long
     before anything of that size is allocated (the model is not even built)."""
-    cfg = TrainConfig(block_size=100000, batch_size=8, steps=1, progress=False)
+    cfg = TrainConfig(block_size=100000, batch_size=100000, steps=1, progress=False)
     t0 = time.perf_counter()
     with pytest.raises(ConfigError, match=r"needs about .* but .* is available") as e:
         Trainer(cfg, grid=ProcessGrid(MPI.COMM_SELF))

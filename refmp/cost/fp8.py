@@ -64,7 +64,11 @@ def block_cache_delta(b: int, Tl: int, C: int, tp: int, w: int, recipe: str, moe
     bytes, and its weight's FP8 copy (K, N) joins it (without FP8 the cache refers to the
     weight itself, not an activation). Column linears c_attn (C, 3C/tp) and c_fc (C, 4C/tp),
     row linears attn.c_proj (C/tp, C) and mlp.c_proj (4C/tp, C); an MoE block's experts
-    stay in the run's dtype. MXFP8 blocks X along K and W along K too."""
-    linears = [(C, 3 * C // tp), (C // tp, C)] + ([] if moe else [(C, 4 * C // tp), (4 * C // tp, C)])
+    stay in the run's dtype. MXFP8 blocks X along K and W along K too. attn.c_proj's input
+    is attention's output, which attention's own cache keeps (refmp.nn.flash: its backward
+    needs it), so there the FP8 copy adds to the cache and frees nothing."""
+    linears = [(C, 3 * C // tp, True), (C // tp, C, False)]  # (K, N, whether X is freed)
+    linears += [] if moe else [(C, 4 * C // tp, True), (4 * C // tp, C, True)]
     N = b * Tl
-    return sum(_fp8_bytes(N, K, recipe) + _fp8_bytes(n, K, recipe) - w * N * K for K, n in linears)
+    return sum(_fp8_bytes(N, K, recipe) + _fp8_bytes(n, K, recipe) - freed * w * N * K
+               for K, n, freed in linears)
