@@ -30,13 +30,14 @@ from refmp.distributed.grid import ProcessGrid
 from refmp.inference.decoder import Decoder
 from refmp.inference.generate import Greedy
 from refmp.nn import GPTConfig
+from refmp.parallel.data.index import UnitAtATime
 
 if TYPE_CHECKING:
     from refmp.training.datasets import AdditionTask
     from refmp.training.trainer import Runner
 
 
-class Gathered(Mapping):
+class Gathered(UnitAtATime):
     """ZeRO-3's weights for the Decoder, one unit at a time, as a step holds them: reading a
     parameter all-gathers its unit (the Sharder's ``weights``, exact) and keeps that unit
     alone, so a rank holds its slices and one unit (two while the embedding reads wte and
@@ -44,24 +45,11 @@ class Gathered(Mapping):
     order, which evaluation's lockstep gives."""
 
     def __init__(self, sharder):
+        super().__init__({k: u for u, unit in sharder.units.items() for k in unit.shapes})
         self.sharder = sharder
-        self.unit_of = {k: u for u, unit in sharder.units.items() for k in unit.shapes}
-        self.unit = None  # the unit gathered now, and its parameters
-        self.held: dict = {}
 
-    def __getitem__(self, k: str):
-        u = self.unit_of[k]
-        if u != self.unit:
-            self.held = {}  # the last unit goes before the next is gathered
-            self.held = self.sharder.weights(u, exact=True)
-            self.unit = u
-        return self.held[k]
-
-    def __iter__(self):
-        return iter(self.unit_of)
-
-    def __len__(self) -> int:
-        return len(self.unit_of)
+    def load(self, u: str) -> dict:
+        return self.sharder.weights(u, exact=True)
 
 
 def held_weights(run: Runner) -> Mapping:

@@ -31,8 +31,8 @@ from __future__ import annotations
 from refmp.distributed.comm import Comm
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
+from refmp.parallel.context.ulysses import to_heads, to_sequence
 from refmp.parallel.data.hierarchical import two_levels
-from refmp.runtime import backend
 
 
 def split_cp(cp: Comm, U: int, nodes: tuple[int, ...]) -> tuple[Comm, Comm]:
@@ -71,38 +71,23 @@ class HybridAttention:
         """The attention FLOPs this rank executed in the forward (the ring's, nh heads)."""
         return self.ring.flops
 
-    def _to_heads(self, a, B, Tl, width):
-        """(B, Tl, U*width) my tokens, all head groups -> (B, U*Tl, width) my group's tokens
-        in rank order, my head group."""
-        U = self.ulysses.size
-        send = a.reshape(B, Tl, U, width).transpose(2, 0, 1, 3)  # (U, B, Tl, width) by dest
-        got = self.ulysses.alltoall(backend.xp.ascontiguousarray(send))  # by src
-        return got.transpose(1, 0, 2, 3).reshape(B, U * Tl, width)
-
-    def _to_sequence(self, a, B, Tl, width):
-        """(B, U*Tl, width) my group's tokens, my head group -> (B, Tl, U*width) my tokens."""
-        U = self.ulysses.size
-        send = a.reshape(B, U, Tl, width).transpose(1, 0, 2, 3)  # (U, B, Tl, width) by dest
-        got = self.ulysses.alltoall(backend.xp.ascontiguousarray(send))  # by head group
-        return got.transpose(1, 2, 0, 3).reshape(B, Tl, U * width)
-
     def forward(self, qkv, n_head: int):
         U = self.ulysses.size
         B, Tl, C3 = qkv.shape
         nh, hs = n_head // U, C3 // 3 // n_head
         # (B, Tl, 3, NH, HS) -> (B, Tl, U, 3*nh*HS): head group j's q, k, v side by side
         grouped = qkv.reshape(B, Tl, 3, U, nh * hs).transpose(0, 1, 3, 2, 4)
-        full = self._to_heads(grouped, B, Tl, 3 * nh * hs)  # (B, U Tl, 3C/U) all-to-all #1
+        full = to_heads(self.ulysses, grouped, B, Tl, 3 * nh * hs)  # (B, U Tl, 3C/U) all-to-all #1
         y, cache = self.ring.forward(full, nh)  # (B, U Tl, C/U) the ring across groups
-        return self._to_sequence(y, B, Tl, nh * hs), (cache, nh)  # (B, Tl, C) #2
+        return to_sequence(self.ulysses, y, B, Tl, nh * hs), (cache, nh)  # (B, Tl, C) #2
 
     def backward(self, dout, cache):
         cache, nh = cache
         U = self.ulysses.size
         B, Tl, C = dout.shape
         hs = C // (nh * U)
-        dy = self._to_heads(dout, B, Tl, nh * hs)  # (B, U Tl, C/U) #3, mirrors #2
+        dy = to_heads(self.ulysses, dout, B, Tl, nh * hs)  # (B, U Tl, C/U) #3, mirrors #2
         dfull = self.ring.backward(dy, cache)  # (B, U Tl, 3C/U)
-        dgrouped = self._to_sequence(dfull, B, Tl, 3 * nh * hs)  # (B, Tl, U*3C/U) #4
+        dgrouped = to_sequence(self.ulysses, dfull, B, Tl, 3 * nh * hs)  # (B, Tl, U*3C/U) #4
         dqkv = dgrouped.reshape(B, Tl, U, 3, nh * hs).transpose(0, 1, 3, 2, 4)  # (B, Tl, 3, U, .)
         return dqkv.reshape(B, Tl, 3 * C)  # (B, Tl, 3C)

@@ -24,6 +24,24 @@ from refmp.nn import fast as L  # refmp.nn.layers' formulas, run fast (refmp.nn.
 from refmp.runtime import backend
 
 
+def to_heads(comm: Comm, a, B, Tl, width):
+    """(B, Tl, n*width) my tokens, all n head groups -> (B, n*Tl, width) the tokens of the n
+    ranks of ``comm``, in rank order, my head group: one all-to-all."""
+    n = comm.size
+    send = a.reshape(B, Tl, n, width).transpose(2, 0, 1, 3)  # (n, B, Tl, width) by dest
+    got = comm.alltoall(backend.xp.ascontiguousarray(send))  # (n, B, Tl, width) by src
+    return got.transpose(1, 0, 2, 3).reshape(B, n * Tl, width)
+
+
+def to_sequence(comm: Comm, a, B, Tl, width):
+    """to_heads' inverse: (B, n*Tl, width) the n ranks' tokens in rank order, my head group ->
+    (B, Tl, n*width) my tokens, all head groups."""
+    n = comm.size
+    send = a.reshape(B, n, Tl, width).transpose(1, 0, 2, 3)  # (n, B, Tl, width) by dest
+    got = comm.alltoall(backend.xp.ascontiguousarray(send))  # (n, B, Tl, width) by group
+    return got.transpose(1, 2, 0, 3).reshape(B, Tl, n * width)
+
+
 class UlyssesAttention:
     """``forward(qkv, n_head)`` / ``backward(dout, cache)``, as refmp.nn.layers' attention."""
 
@@ -36,18 +54,14 @@ class UlyssesAttention:
         self.to_natural = backend.from_host(np.argsort(rank_major))  # and its inverse
 
     def _to_heads(self, a, B, Tl, width):
-        """(B, Tl, cp*width) my tokens, all head groups -> (B, T, width) all tokens, my group."""
-        cp = self.comm.size
-        send = a.reshape(B, Tl, cp, width).transpose(2, 0, 1, 3)  # (cp, B, Tl, width) by dest
-        got = self.comm.alltoall(backend.xp.ascontiguousarray(send))  # (cp, B, Tl, width) by src
-        return got.transpose(1, 0, 2, 3).reshape(B, cp * Tl, width)[:, self.to_natural]
+        """(B, Tl, cp*width) my tokens, all head groups -> (B, T, width) all tokens in sequence
+        order, my group."""
+        return to_heads(self.comm, a, B, Tl, width)[:, self.to_natural]
 
     def _to_sequence(self, a, B, Tl, width):
-        """(B, T, width) all tokens, my group -> (B, Tl, cp*width) my tokens, all groups."""
-        cp = self.comm.size
-        send = a[:, self.by_rank].reshape(B, cp, Tl, width).transpose(1, 0, 2, 3)  # by dest
-        got = self.comm.alltoall(backend.xp.ascontiguousarray(send))  # (cp, B, Tl, width) by group
-        return got.transpose(1, 2, 0, 3).reshape(B, Tl, cp * width)
+        """(B, T, width) all tokens in sequence order, my group -> (B, Tl, cp*width) my
+        tokens, all groups."""
+        return to_sequence(self.comm, a[:, self.by_rank], B, Tl, width)
 
     def forward(self, qkv, n_head: int):
         cp = self.comm.size
