@@ -78,6 +78,24 @@ def refmp_of(model, tmp_path) -> Llama:
     return Llama(cfg, params)
 
 
+def torch_adamw(hf):
+    """torch.optim.AdamW over ``hf``'s parameters, weight decay 0.1 on the matrices alone (as
+    refmp's AdamW decays them), lr 1e-2."""
+    decay = [p for p in hf.parameters() if p.ndim >= 2]
+    rest = [p for p in hf.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": rest, "weight_decay": 0.0}], lr=1e-2, eps=1e-8)
+
+
+def torch_loss_backward(hf, opt, idx, tgt) -> float:
+    """transformers' loss of one batch (vocabulary 37), its gradients left in ``hf``."""
+    logits = hf(torch.tensor(idx)).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 37), torch.tensor(tgt).reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    return loss.item()
+
+
 def tokens(seed: int = 1, B: int = 3, T: int = 9):
     rng = np.random.default_rng(seed)
     return rng.integers(0, 37, (B, T)), rng.integers(0, 37, (B, T))
@@ -97,22 +115,16 @@ def test_logits_of_a_transformers_directory(tmp_path, tied):
 def test_training_equals_transformers_adamw(tmp_path, float64_hf, n_kv_head, tied):
     hf = hf_model(n_kv_head, tied)
     ours = refmp_of(hf, tmp_path)
-    decay = [p for p in hf.parameters() if p.ndim >= 2]
-    rest = [p for p in hf.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": rest, "weight_decay": 0.0}], lr=1e-2, eps=1e-8)
+    opt = torch_adamw(hf)
     ropt = AdamW(ours.params, lr=1e-2, weight_decay=0.1, eps=1e-8)
     hp = dict(hf.named_parameters())
     for step in range(3):
         idx, tgt = tokens(10 + step)
-        logits = hf(torch.tensor(idx)).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 37), torch.tensor(tgt).reshape(-1))
-        opt.zero_grad()
-        loss.backward()
+        loss = torch_loss_backward(hf, opt, idx, tgt)
         rloss, cache = ours.forward(idx, tgt)
         ours.zero_grad()
         ours.backward(cache)
-        np.testing.assert_allclose(rloss, loss.item(), **TOL, err_msg=f"loss at step {step}")
+        np.testing.assert_allclose(rloss, loss, **TOL, err_msg=f"loss at step {step}")
         for name in param_shapes(ours.cfg):
             key, transposed = hf_name(name)
             g = hp[key].grad.numpy()
@@ -277,21 +289,16 @@ def test_mixtral_moe_training_equals_transformers(float64_hf, monkeypatch):
     hp = dict(hf.named_parameters())
     ours = Llama(cfg, {k: np.ascontiguousarray(v) for k, v in
                        from_mixtral({k: p.detach().numpy().copy() for k, p in hp.items()}, cfg).items()})
-    opt = torch.optim.AdamW([{"params": [p for p in hf.parameters() if p.ndim >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in hf.parameters() if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=1e-2)
+    opt = torch_adamw(hf)
     decay = {k for k, v in ours.params.items() if v.ndim >= 2}
     ropt = AdamW(ours.params, lr=1e-2, weight_decay=0.1, decay=decay)
     for step in range(2):
         idx, tgt = tokens(20 + step)
-        logits = hf(torch.tensor(idx)).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 37), torch.tensor(tgt).reshape(-1))
-        opt.zero_grad()
-        loss.backward()
+        loss = torch_loss_backward(hf, opt, idx, tgt)
         rloss, cache = ours.forward(idx, tgt)
         ours.zero_grad()
         ours.backward(cache)
-        np.testing.assert_allclose(rloss, loss.item(), **TOL, err_msg=f"loss at step {step}")
+        np.testing.assert_allclose(rloss, loss, **TOL, err_msg=f"loss at step {step}")
         grads = from_mixtral({k: p.grad.numpy() for k, p in hp.items()}, cfg)
         for k, g in grads.items():
             np.testing.assert_allclose(ours.grads[k], g, **TOL, err_msg=f"gradient {k} at {step}")
