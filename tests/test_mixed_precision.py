@@ -96,7 +96,7 @@ def compute_copy_is_rounded_masters(tr: Trainer, bad: Mismatches) -> None:
 
 
 @pytest.mark.parallel(nprocs=4)
-@settings(max_examples=5)
+@settings(max_examples=3)
 @given(layout=layouts(world=4), mp=st.sampled_from(["bf16", "fp16"]),
        grad=st.sampled_from(["compute", "fp32"]))
 @collective

@@ -114,7 +114,7 @@ def test_gates_and_dropped_tokens(K):
     assert sum(cache.stats["tokens_per_expert"]) == keep.sum()
 
 
-@settings(max_examples=8)
+@settings(max_examples=5)
 @given(E=st.integers(1, 4), K=st.integers(1, 2), cf=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
        B=st.integers(1, 2), T=st.integers(1, 4), seed=st.integers(0, 1000))
 def test_moe_layer_gradient(E, K, cf, B, T, seed):
@@ -176,7 +176,7 @@ def test_moe_names_shapes_and_init():
     assert not np.array_equal(w, w2)  # every expert its own draw
 
 
-@settings(max_examples=4)
+@settings(max_examples=3)
 @given(E=st.integers(2, 4), K=st.integers(1, 2), cf=st.sampled_from([0.0, 0.7, 1.5]),
        moe_every=st.integers(1, 2), seed=st.integers(0, 99))
 def test_moe_model_gradient(E, K, cf, moe_every, seed):
