@@ -4,11 +4,12 @@ tensor (refmp.checkpoint.weights.save_streamed), so that no rank ever holds the 
 Shapes: S a unit's owned slice, Pp the unit flat and padded (refmp.parallel.data.sharder).
 
 A parameter lives on the pipeline stages that hold its block (wte: both ends; the first is
-read), cut over tp (the model family's split: placement.TP_SPLITS for GPT-2), an expert on the ep ranks that own it, and over
-ZeRO's group of its unit (S of Pp each). ``ParamGatherer`` undoes the three on the first such
-stage only: the unit all-gathered over its group (the whole unit, kept while the file asks
-for its names: one unit at a time), the tp pieces glued (the family's gather_tp),
-then one rank of them sends it to world rank 0 (``ParamGatherer``):
+read), cut over tp (its family's split, refmp.parallel.family: placement.TP_SPLITS for
+GPT-2), an expert on the ep ranks that own it, and over ZeRO's group of its unit (S of Pp
+each). ``ParamGatherer`` undoes the three on the first such stage only: the unit
+all-gathered over its group (the whole unit, kept while the file asks for its names: one
+unit at a time), the tp pieces glued (the family's gather_tp), then one rank of them sends
+it to world rank 0 (``ParamGatherer``):
 
     allgather@group  Pp w      stage 3, or mixed precision's masters at stages 1-3
     allgather@tp     the parameter's shard, for a tp-split parameter
