@@ -306,11 +306,13 @@ class Engine:
         self.sharder.after_step()  # ZeRO 1/2: all-gather the updated slices
 
     def loss_total(self) -> float:
-        """The step's global loss: cross-entropy shares (whole on every tp rank) and MoE
-        shares (partial over tp with SP) summed once each, over the whole world."""
+        """The step's global loss: cross-entropy shares (whole on every tp rank, or with SP
+        a family's T/tp tokens' share) and MoE shares (partial over tp with SP) summed once
+        each, over the whole world."""
         ce, aux = self._loss
         tp0 = self.tp.rank == 0
-        parts = [ce if tp0 else 0.0, aux if (tp0 or self.sp) else 0.0]
+        parts = [ce if (tp0 or self.sp and self.family.sp_loss_shares) else 0.0,
+                 aux if (tp0 or self.sp) else 0.0]
         return float(self.grid.world.allreduce_metrics(parts).sum())
 
     @property

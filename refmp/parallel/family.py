@@ -17,6 +17,7 @@ is written once per family, here, and the Engine asks it:
     bind(grid)                the groups the family sums over besides the layout's (collective)
     reduce_copies(grads)      the sums those groups need after backward
     tied_ends                 whether a parameter lives on both pipeline ends (GPT-2's tied wte)
+    sp_loss_shares            whether, with SP, each tp rank's loss is its tokens' share
 
 ``family_of(mcfg)`` picks the family from the shape: a GPTConfig is GPT-2 (the placement table
 of refmp.parallel.placement, refmp.parallel.ops, refmp.parallel.pipeline.stage, unchanged),
@@ -53,6 +54,7 @@ class GPT2Family:
     """GPT-2: refmp.parallel.placement's table, refmp.parallel.ops, the Stage."""
 
     tied_ends = True  # wte embeds on the first stage and is the head on the last
+    sp_loss_shares = False  # with SP the vocabulary-parallel head's loss is whole per tp rank
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -109,6 +111,7 @@ class LlamaFamily:
         self.cfg = cfg
         self.kv = None  # the tp ranks holding this rank's key/value heads (bind)
         self.tied_ends = False  # a tied head is refused where the ends are on two ranks
+        self.sp_loss_shares = True  # with SP each tp rank's loss is its T/tp tokens' share
 
     def shapes(self) -> dict:
         return LM.param_shapes(self.cfg)
