@@ -455,3 +455,26 @@ def test_engine_init_checkpoint_resume_save_convert(tmp_path):
         a, b = load_llama(f"{folder}/hf")[1], load_llama(f"{folder}/hf2")[1]
         for k in a:
             np.testing.assert_array_equal(a[k], b[k], err_msg=f"converted {k}")
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_engine_refuses_what_it_would_guess_or_cannot_split(capsys):
+    """Bad Llama runs end on every rank with one message and status 2, before any step."""
+    from refmp.cli.main import main
+
+    fresh = ["train", "--arch", "llama", "--n-head", "4", "--n-embd", "16", "--n-kv-head",
+             "1", "--ffn", "24", "--rope-theta", "100", "--rms-eps", "1e-6", "--steps", "1",
+             "--batch-size", "4", "--block-size", "8", "--no-progress"]
+    cases = {
+        "--rope-theta": fresh[:10] + fresh[12:] + ["--head", "untied"],  # not given: refused
+        "add --arch llama": ["train", "--n-kv-head", "2", "--steps", "1"],
+        "dualpipev": fresh + ["--head", "tied", "--pp", "2", "--microbatches", "2"],
+        "--fp8 tensor": fresh + ["--head", "untied", "--fp8", "tensor"],
+        "LlamaForCausalLM directory": fresh + ["--head", "untied", "--save", "m.safetensors"],
+        "n_inner (6)": fresh + ["--head", "untied", "--tp", "4", "--ffn", "6", "--n-layer", "2"],
+    }
+    for says, argv in cases.items():
+        assert main(argv) == 2, says  # every rank
+        err = capsys.readouterr().err
+        assert MPI.COMM_WORLD.rank or says in err, (says, err)  # said once, by rank 0

@@ -29,7 +29,7 @@ from refmp.parallel.data.hpz import block_notes
 from refmp.parallel.data.hsdp import shard_notes
 from refmp.training.checks import moe_flags
 from refmp.training.evaluate import evaluate
-from refmp.training.families import cost_shape, evaluation_note, save_model
+from refmp.training.families import arch_of, cost_shape, evaluation_note, save_model
 from refmp.training.rank_memory import measured, print_measured
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -50,6 +50,9 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict:
     given = {k: v for k, v in vars(args).items()
              if k in names and not (k == "warmup_steps" and v is None)}
     cfg = TrainConfig(**given)
+    if "auto" in (args.layout, cfg.stage_layers) and arch_of(cfg) == "llama":
+        raise ConfigError("--layout auto and --stage-layers auto measure GPT-2's blocks; for "
+                          "--arch llama give the layout and --stage-layers N,N,... yourself")
     if args.layout == "auto":  # the planner's layout, the flags given kept fixed
         from mpi4py import MPI
 
