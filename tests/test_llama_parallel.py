@@ -429,26 +429,30 @@ def test_engine_init_checkpoint_resume_save_convert(tmp_path):
     np.save(f"{folder}/data.npy", np.random.default_rng(0).integers(0, V, 400))
     common = dict(arch=None, n_kv_head=None, ffn=None, rope_theta=None, rms_eps=None,
                   head=None, n_head=None, data=f"{folder}/data.npy")
-    serial_losses, serial = [], None
+    serial_losses, serial, mid = [], None, {}
     if comm.rank == 0:
         save_llama(f"{folder}/init", cfg, LM.Llama.create(cfg, seed=9, dtype="float64").params)
         serial = Trainer(engine_config(**common, init=f"{folder}/init"),
                          grid=ProcessGrid(MPI.COMM_SELF))
-        serial_losses = [serial.step()["loss"] for _ in range(3)]
+        serial_losses = [serial.step()["loss"] for _ in range(2)]
+        mid = {k: np.asarray(v) for k, v in serial.runner.full_params().items()}
+        serial_losses.append(serial.step()["loss"])
     comm.barrier()
     run(engine_config(**common, init=f"{folder}/init", steps=2, pp=2, tp=2, microbatches=2,
-                      checkpoint_dir=f"{folder}/ck", log_json=f"{folder}/a.json"))
+                      checkpoint_dir=f"{folder}/ck", log_json=f"{folder}/a.json",
+                      save=f"{folder}/mid"))
     run(engine_config(**common, resume=f"{folder}/ck", dp=2, cp=2, zero=3,
                       save=f"{folder}/out", log_json=f"{folder}/b.json"))
     if comm.rank == 0:
         losses = [json.loads(line)["loss"] for f in ("a", "b") for line in
                   open(f"{folder}/{f}.json") if '"step"' in line and "summary" not in line]
         np.testing.assert_allclose(losses, serial_losses, **TOL)
-        saved_cfg, saved = load_llama(f"{folder}/out")
-        assert saved_cfg == cfg
         want = {k: np.asarray(v) for k, v in serial.runner.full_params().items()}
-        for k, v in saved.items():
-            np.testing.assert_allclose(v, want[k], **TOL, err_msg=f"saved {k}")
+        for out, weights in (("mid", mid), ("out", want)):  # --save from tp x pp, dp x cp
+            saved_cfg, saved = load_llama(f"{folder}/{out}")
+            assert saved_cfg == cfg
+            for k, v in saved.items():
+                np.testing.assert_allclose(v, weights[k], **TOL, err_msg=f"{out}: saved {k}")
         to_gpt2(f"{folder}/ck", f"{folder}/hf")  # the checkpoint of step 2 as a directory
         from_gpt2(f"{folder}/hf", f"{folder}/back")  # and that directory as a checkpoint
         to_gpt2(f"{folder}/back", f"{folder}/hf2")
