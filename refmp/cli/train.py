@@ -35,9 +35,11 @@ from refmp.training.trainer import TrainConfig, Trainer
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a GPT on any layout",
-                       description="Train a GPT-2 style model. Launch with mpiexec for several "
-                                   "ranks, e.g. `mpiexec -n 2 refmp train --dp 2`.")
+    p = sub.add_parser("train", help="train a GPT or a Llama model on any layout",
+                       description="Train a GPT-2 style model, or with --arch llama (or --init "
+                                   "a LlamaForCausalLM directory) a Llama-family one. Launch "
+                                   "with mpiexec for several ranks, e.g. `mpiexec -n 2 refmp "
+                                   "train --dp 2`.")
     add_train_args(p)
     p.set_defaults(run=run_train)
 

@@ -139,9 +139,9 @@ def build_executor(sched: Schedule, stage: Stage, pp, dtype, measure,
 class Engine:
     """The runner (refmp.training.trainer.Runner) for any layout: ``mcfg`` the model's shape
     (GPT-2 or Llama: ``family``, refmp.parallel.family, says what differs), ``source`` its
-    initial weights (refmp.checkpoint.source: a fresh init, a file), of which
-    each rank reads only its share, in ``dtype``; ``layout`` how the ranks split the work;
-    ``T`` the block size the run trains on; ``seed`` the run's."""
+    initial weights (refmp.checkpoint.source: a fresh init, a file), of which each rank
+    reads only its share, in ``dtype``; ``layout`` how the ranks split the work; ``T`` the
+    block size the run trains on; ``seed`` the run's."""
 
     def __init__(self, mcfg: gpt.GPTConfig, source, grid, layout: ParallelConfig, T: int,
                  seed: int = 0, dtype="float32"):
@@ -182,7 +182,8 @@ class Engine:
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
                                 if k in local.shapes and "tp" in fam.place(k, self.sp).reduce}
-        coords = {**grid.coords, "edp": grid.comm["edp"].rank, **fam.bind(grid)}
+        own = fam.bind(grid)  # the family's own groups (Llama: tp-kv), collective over tp
+        coords = {**grid.coords, "edp": grid.comm["edp"].rank, **own}
         self.counts_in_norm = counts_in_norm(self.sharder.params, local.shapes, coords, self.sp,
                                              self.sharder.partitions, self.first, self.last,
                                              fam.place)
