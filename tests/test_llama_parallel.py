@@ -426,18 +426,22 @@ def test_engine_init_checkpoint_resume_save_convert(tmp_path):
     comm = MPI.COMM_WORLD
     folder = comm.bcast(str(tmp_path) if comm.rank == 0 else None)
     cfg = config(1)
-    np.save(f"{folder}/data.npy", np.random.default_rng(0).integers(0, V, 400))
     common = dict(arch=None, n_kv_head=None, ffn=None, rope_theta=None, rms_eps=None,
                   head=None, n_head=None, data=f"{folder}/data.npy")
-    serial_losses, serial, mid = [], None, {}
-    if comm.rank == 0:
-        save_llama(f"{folder}/init", cfg, LM.Llama.create(cfg, seed=9, dtype="float64").params)
-        serial = Trainer(engine_config(**common, init=f"{folder}/init"),
-                         grid=ProcessGrid(MPI.COMM_SELF))
-        serial_losses = [serial.step()["loss"] for _ in range(2)]
-        mid = {k: np.asarray(v) for k, v in serial.runner.full_params().items()}
-        serial_losses.append(serial.step()["loss"])
-    comm.barrier()
+    serial_losses, serial, mid, failed = [], None, {}, None
+    if comm.rank == 0:  # the serial run; an error here is raised on every rank below
+        try:
+            np.save(f"{folder}/data.npy", np.random.default_rng(0).integers(0, V, 400))
+            save_llama(f"{folder}/init", cfg, LM.Llama.create(cfg, seed=9, dtype="float64").params)
+            serial = Trainer(engine_config(**common, init=f"{folder}/init"),
+                             grid=ProcessGrid(MPI.COMM_SELF))
+            serial_losses = [serial.step()["loss"] for _ in range(2)]
+            mid = {k: np.asarray(v) for k, v in serial.runner.full_params().items()}
+            serial_losses.append(serial.step()["loss"])
+        except Exception as e:  # noqa: BLE001
+            failed = f"the serial run: {type(e).__name__}: {e}"
+    failed = comm.bcast(failed)
+    assert failed is None, failed
     run(engine_config(**common, init=f"{folder}/init", steps=2, pp=2, tp=2, microbatches=2,
                       checkpoint_dir=f"{folder}/ck", log_json=f"{folder}/a.json",
                       save=f"{folder}/mid"))
