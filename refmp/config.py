@@ -183,6 +183,14 @@ class TrainConfig(ParallelConfig):
     capacity_factor: float | None = None
     aux_loss_coef: float | None = None
     z_loss_coef: float | None = None
+    # the model family (refmp.training.families): gpt2, or llama with its shape below (None:
+    # not given; a fresh Llama needs each, a Llama --init directory says them)
+    arch: str | None = None  # None: llama for a Llama --init directory, else gpt2
+    n_kv_head: int | None = None
+    ffn: int | None = None  # the SwiGLU MLP's width (intermediate_size)
+    rope_theta: float | None = None
+    rms_eps: float | None = None
+    head: str | None = None  # tied (the head is wte) or untied (lm_head)
     block_size: int | None = None  # None: one addition problem (13), else 64
     batch_size: int = 128
     steps: int = 1500

@@ -156,6 +156,37 @@ def test_refmp_directory_loads_in_transformers(tmp_path, float64_hf, tied):
         np.testing.assert_array_equal(params[k], v, err_msg=k)
 
 
+def test_refmp_train_on_a_directory_equals_transformers_adamw(tmp_path, float64_hf, capsys):
+    """``refmp train --init DIR --save OUT``, the engine on one rank: two AdamW steps on the
+    data's windows equal transformers' with torch.optim.AdamW from the same directory, and
+    OUT (a LlamaForCausalLM directory) loads in from_pretrained with those weights."""
+    from refmp.cli.main import main
+
+    hf = hf_model(1)
+    hf.save_pretrained(tmp_path / "hf")
+    toks = np.random.default_rng(3).integers(0, 37, 200)
+    np.save(tmp_path / "data.npy", toks)
+    B, T = 3, 9
+    argv = ["train", "--init", str(tmp_path / "hf"), "--data", str(tmp_path / "data.npy"),
+            "--steps", "2", "--batch-size", str(B), "--block-size", str(T), "--lr", "1e-2",
+            "--lr-schedule", "constant", "--weight-decay", "0.1", "--beta2", "0.999",
+            "--grad-clip", "0", "--dtype", "float64", "--save", str(tmp_path / "out"),
+            "--no-progress"]
+    assert main(argv) == 0, capsys.readouterr().err
+    opt, n = torch_adamw(hf), (len(toks) - 1) // T
+    for s in range(2):  # the windows (s B + j) mod n of refmp's data order
+        w = [(s * B + j) % n for j in range(B)]
+        idx = np.stack([toks[i * T : i * T + T] for i in w])
+        torch_loss_backward(hf, opt, idx, np.stack([toks[i * T + 1 : i * T + T + 1] for i in w]))
+        opt.step()
+    back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"),
+                                                         dtype=torch.float64)
+    want = dict(hf.named_parameters())
+    for k, v in back.named_parameters():
+        np.testing.assert_allclose(v.detach().numpy(), want[k].detach().numpy(), **TOL,
+                                   err_msg=k)
+
+
 @pytest.mark.parametrize("key,value", [
     ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
     ("sliding_window", 4),

@@ -358,3 +358,118 @@ def test_ep4_swiglu_experts():
     for k, g in mine.grads.items():
         bad.check(np.testing.assert_allclose, g, serial.grads[k], **TOL, err_msg=f"gradient {k}")
     bad.assert_none(MPI.COMM_WORLD)
+
+
+# --- the engine: `refmp train --arch llama` on a layout equals the serial `refmp train` -------
+
+
+def engine_config(**kw):
+    """A fresh Llama run's TrainConfig (every setting of the family given: nothing guessed)."""
+    from refmp.training.trainer import TrainConfig
+
+    base = dict(arch="llama", n_layer=2, n_head=4, n_kv_head=1, n_embd=16, ffn=24,
+                rope_theta=100.0, rms_eps=1e-6, head="untied", block_size=T, batch_size=4,
+                steps=3, lr=0.01, warmup_steps=1, grad_clip=0.05, dtype="float64", seed=3,
+                progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def engine_data():
+    from refmp.training.datasets import Dataset
+
+    return Dataset(np.random.default_rng(0).integers(0, V, 400), V, "random")
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("kw", [
+    dict(tp=4, n_kv_head=2, sequence_parallel=True),  # tp > NKV: replicated heads, SP
+    dict(pp=2, dp=2, zero=3, microbatches=2, n_layer=4),  # untied head, ZeRO-3 over dp
+    dict(cp=2, tp=2, recompute="full"),  # ring with rotary at global positions, tp > NKV
+    dict(dp=2, cp=2, cp_algo="ulysses", n_kv_head=2, zero=2),
+])
+@collective
+def test_engine_runs_llama(kw):
+    """The Engine on a Llama model (refmp.parallel.family): two clipped AdamW steps whose
+    loss, norm, every gradient and every weight equal the serial Trainer's (tests/parity.py;
+    the serial Trainer against transformers: tests/test_llama_hf.py)."""
+    from parity import assert_same_run
+
+    assert_same_run(engine_config(**kw, steps=2), engine_data())
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_engine_init_checkpoint_resume_save_convert(tmp_path):
+    """``--init LLAMA_DIR`` on pp 2 x tp 2 (tp > NKV) for two steps with a sharded
+    checkpoint; ``--resume`` on dp 2 x cp 2 with ZeRO-3 for the third and ``--save DIR``:
+    every loss the serial run's from the same directory, the saved directory its weights;
+    ``refmp convert`` turns the checkpoint into a LlamaForCausalLM directory and back."""
+    import json
+
+    from refmp.checkpoint.convert import from_gpt2, to_gpt2
+    from refmp.cli.train import run
+    from refmp.training.trainer import Trainer
+
+    comm = MPI.COMM_WORLD
+    folder = comm.bcast(str(tmp_path) if comm.rank == 0 else None)
+    cfg = config(1)
+    common = dict(arch=None, n_kv_head=None, ffn=None, rope_theta=None, rms_eps=None,
+                  head=None, n_head=None, data=f"{folder}/data.npy")
+    serial_losses, serial, mid, failed = [], None, {}, None
+    if comm.rank == 0:  # the serial run; an error here is raised on every rank below
+        try:
+            np.save(f"{folder}/data.npy", np.random.default_rng(0).integers(0, V, 400))
+            save_llama(f"{folder}/init", cfg, LM.Llama.create(cfg, seed=9, dtype="float64").params)
+            serial = Trainer(engine_config(**common, init=f"{folder}/init"),
+                             grid=ProcessGrid(MPI.COMM_SELF))
+            serial_losses = [serial.step()["loss"] for _ in range(2)]
+            mid = {k: np.asarray(v) for k, v in serial.runner.full_params().items()}
+            serial_losses.append(serial.step()["loss"])
+        except Exception as e:  # noqa: BLE001
+            failed = f"the serial run: {type(e).__name__}: {e}"
+    failed = comm.bcast(failed)
+    assert failed is None, failed
+    run(engine_config(**common, init=f"{folder}/init", steps=2, pp=2, tp=2, microbatches=2,
+                      checkpoint_dir=f"{folder}/ck", log_json=f"{folder}/a.json",
+                      save=f"{folder}/mid"))
+    run(engine_config(**common, resume=f"{folder}/ck", dp=2, cp=2, zero=3,
+                      save=f"{folder}/out", log_json=f"{folder}/b.json"))
+    if comm.rank == 0:
+        losses = [json.loads(line)["loss"] for f in ("a", "b") for line in
+                  open(f"{folder}/{f}.json") if '"step"' in line and "summary" not in line]
+        np.testing.assert_allclose(losses, serial_losses, **TOL)
+        want = {k: np.asarray(v) for k, v in serial.runner.full_params().items()}
+        for out, weights in (("mid", mid), ("out", want)):  # --save from tp x pp, dp x cp
+            saved_cfg, saved = load_llama(f"{folder}/{out}")
+            assert saved_cfg == cfg
+            for k, v in saved.items():
+                np.testing.assert_allclose(v, weights[k], **TOL, err_msg=f"{out}: saved {k}")
+        to_gpt2(f"{folder}/ck", f"{folder}/hf")  # the checkpoint of step 2 as a directory
+        from_gpt2(f"{folder}/hf", f"{folder}/back")  # and that directory as a checkpoint
+        to_gpt2(f"{folder}/back", f"{folder}/hf2")
+        a, b = load_llama(f"{folder}/hf")[1], load_llama(f"{folder}/hf2")[1]
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"converted {k}")
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_engine_refuses_what_it_would_guess_or_cannot_split(capsys):
+    """Bad Llama runs end on every rank with one message and status 2, before any step."""
+    from refmp.cli.main import main
+
+    fresh = ["train", "--arch", "llama", "--n-head", "4", "--n-embd", "16", "--n-kv-head",
+             "1", "--ffn", "24", "--rope-theta", "100", "--rms-eps", "1e-6", "--steps", "1",
+             "--batch-size", "4", "--block-size", "8", "--no-progress"]
+    cases = {
+        "--rope-theta": fresh[:10] + fresh[12:] + ["--head", "untied"],  # not given: refused
+        "add --arch llama": ["train", "--n-kv-head", "2", "--steps", "1"],
+        "dualpipev": fresh + ["--head", "tied", "--pp", "2", "--microbatches", "2"],
+        "--fp8 tensor": fresh + ["--head", "untied", "--fp8", "tensor"],
+        "LlamaForCausalLM directory": fresh + ["--head", "untied", "--save", "m.safetensors"],
+        "n_inner (6)": fresh + ["--head", "untied", "--tp", "4", "--ffn", "6", "--n-layer", "2"],
+    }
+    for says, argv in cases.items():
+        assert main(argv) == 2, says  # every rank
+        err = capsys.readouterr().err
+        assert MPI.COMM_WORLD.rank or says in err, (says, err)  # said once, by rank 0

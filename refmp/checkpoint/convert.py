@@ -30,7 +30,9 @@ from refmp.checkpoint.format import (
     step_name,
     write_json,
 )
-from refmp.nn.params import param_shapes
+from refmp.config import saves_directory
+from refmp.errors import ConfigError
+from refmp.nn.families import is_llama, param_shapes
 
 
 def to_gpt2(path: str, out: str) -> str:
@@ -52,6 +54,15 @@ def save_source(out: str, src, mcfg, dtype, vocab=None, tokenizer: str | None = 
     Hugging Face directory: refmp.config.saves_directory), one whole tensor at a time."""
     from refmp.checkpoint.weights import save_streamed
 
+    if is_llama(mcfg):  # a LlamaForCausalLM directory (refmp.checkpoint.llama_files)
+        from refmp.checkpoint.llama_files import save_llama_streamed
+
+        if not saves_directory(out):
+            raise ConfigError(f"{flag} {out}: a Llama model is written as a LlamaForCausalLM "
+                              f"directory (a path not ending in .safetensors)")
+        save_llama_streamed(out, mcfg, dtype, lambda k: src.read(k, dtype=dtype), tokenizer,
+                            flag=flag)
+        return
     save_streamed(out, mcfg, dtype, lambda k: src.read(k, dtype=dtype), vocab, tokenizer,
                   flag=flag)
 
@@ -88,10 +99,16 @@ def from_gpt2(path: str, root: str, n_head: int | None = None, top_k: int | None
     would. ``n_head``, ``top_k``: the heads, and an MoE model's experts per token, of a file
     that does not say them (--n-head, --top-k). Written tensor by tensor: one whole tensor
     at a time is read and written."""
+    from refmp.checkpoint.hf_llama import is_llama_dir
+    from refmp.checkpoint.llama_files import LlamaSource
     from refmp.checkpoint.stream import StreamWriter
     from refmp.checkpoint.weights import open_model
 
-    mcfg, src = open_model(path, n_head, None if top_k is None else {"top_k": top_k})
+    if is_llama_dir(path):  # a LlamaForCausalLM directory: its config.json says the shape
+        src = LlamaSource(path, "convert")
+        mcfg = src.cfg
+    else:
+        mcfg, src = open_model(path, n_head, None if top_k is None else {"top_k": top_k})
     vocab = src.metadata.get("vocab")  # the tokenizer the file names, if any
     final, tmp = os.path.join(root, step_name(0)), os.path.join(root, f".{step_name(0)}.tmp")
     shapes = param_shapes(mcfg)
@@ -116,6 +133,7 @@ def from_gpt2(path: str, root: str, n_head: int | None = None, top_k: int | None
             "layout": {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1, "world": 1, "zero": 0},
             "optimizer": {"kind": None, "t": 0, "moments": []}, "source": path,
             "model": asdict(mcfg), "config": None,
+            **({"family": "llama"} if is_llama(mcfg) else {}),
             "vocab": None if vocab is None else json.loads(vocab),
             "tensors": {k: list(s) for k, s in shapes.items()},
             "files": {rank_file(0): {"rank": 0, "coords": {}, "bytes": w.bytes,

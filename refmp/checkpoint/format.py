@@ -36,7 +36,8 @@ import numpy as np
 
 from refmp.checkpoint.stream import StreamWriter
 from refmp.errors import ConfigError
-from refmp.nn.params import GPTConfig, param_shapes
+from refmp.nn.families import config_from, family_name, param_shapes
+from refmp.nn.params import GPTConfig
 
 FORMAT = "refmp-checkpoint"
 MANIFEST = "manifest.json"
@@ -216,12 +217,16 @@ def _file_entry_ok(f: dict, shapes: dict) -> bool:
 
 
 def model_config(man: dict) -> GPTConfig:
-    return GPTConfig(**man["model"])
+    """The model's shape a manifest records: GPT-2's, or its ``family``'s (refmp.nn.families)."""
+    return config_from(man.get("family", "gpt2"), man["model"])
 
 
 def check_model(man: dict, mcfg) -> None:
     """Refuse a checkpoint of another model shape, naming the fields that differ."""
     run_model, saved = asdict(mcfg), man["model"]
+    if family_name(mcfg) != man.get("family", "gpt2"):
+        raise ConfigError(f"checkpoint manifest {man['path']} is a {man.get('family', 'gpt2')} "
+                          f"model; this run's is {family_name(mcfg)} (--arch)")
     diff = [k for k in run_model if run_model[k] != saved.get(k)]
     if diff:
         said = ", ".join(f"{k} {saved.get(k)}" for k in diff)

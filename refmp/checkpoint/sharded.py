@@ -46,7 +46,8 @@ from refmp.config import TrainConfig
 from refmp.distributed.faults import agreed
 from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
-from refmp.nn.params import GPTConfig, param_shapes
+from refmp.nn.families import family_name, param_shapes
+from refmp.nn.params import GPTConfig
 from refmp.runtime import backend
 
 
@@ -153,6 +154,8 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
         "tensors": {k: list(s) for k, s in param_shapes(parts.model).items()},
         "files": {rank_file(f["rank"]): f for f in files},
     }
+    if family_name(parts.model) != "gpt2":  # absent: GPT-2 (refmp.nn.families)
+        manifest["family"] = family_name(parts.model)
     if stateful:
         manifest["codec"] = {"layout": codec_layout(layout, cfg.dtype), "files": codecs}
 

@@ -68,7 +68,7 @@ class InitSource:
     """A fresh model of ``cfg`` from ``seed``: refmp.nn.params.init_slice."""
 
     def __init__(self, cfg: GPTConfig, seed: int):
-        from refmp.nn.params import param_shapes
+        from refmp.nn.families import param_shapes  # GPT-2's or a Llama model's
 
         self.cfg = cfg
         self.seed = seed

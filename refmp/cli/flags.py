@@ -63,6 +63,23 @@ def add_moe_args(p: argparse.ArgumentParser, decoding: bool = False) -> None:
                    help="router z-loss weight (default 0.001, or the --init file's)")
 
 
+def add_family_args(p: argparse.ArgumentParser) -> None:
+    """The model family (refmp.training.families): GPT-2, or a Llama-family model whose
+    shape a fresh run must give in full (nothing is guessed) and an --init directory says."""
+    g = p.add_argument_group("model family (docs/llama.md)")
+    g.add_argument("--arch", choices=["gpt2", "llama"], default=None,
+                   help="gpt2, or llama: RMSNorm, rotary positions, SwiGLU, grouped-query "
+                        "attention (default: llama for a LlamaForCausalLM --init directory, "
+                        "else gpt2)")
+    g.add_argument("--n-kv-head", type=int, default=None, help="llama: key/value heads")
+    g.add_argument("--ffn", type=int, default=None,
+                   help="llama: the SwiGLU MLP's width (intermediate_size)")
+    g.add_argument("--rope-theta", type=float, default=None, help="llama: the rotary base")
+    g.add_argument("--rms-eps", type=float, default=None, help="llama: RMSNorm's epsilon")
+    g.add_argument("--head", choices=["tied", "untied"], default=None,
+                   help="llama: the head is wte (tied) or lm_head, a matrix of its own")
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """The flags of a run; their defaults are TrainConfig's."""
     D = TrainConfig
@@ -77,6 +94,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["cpu", "gpu"], default=os.environ.get("REFMP_DEVICE", "cpu"),
                    help="cpu (NumPy) or gpu (CuPy, one GPU per rank); default $REFMP_DEVICE or cpu")
     add_moe_args(p)
+    add_family_args(p)
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, metavar="PATH",
                    help="token file: .npy (1-D ints), .bin (uint16, nanoGPT) or any other file "

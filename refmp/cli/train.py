@@ -24,18 +24,22 @@ from refmp.distributed.preemption import Preempted, Preemption
 from refmp.distributed.topology import crossing_notes
 from refmp.distributed.watchdog import Watchdog
 from refmp.errors import ConfigError, TrainingError
+from refmp.nn.families import is_llama
 from refmp.parallel.data.hpz import block_notes
 from refmp.parallel.data.hsdp import shard_notes
 from refmp.training.checks import moe_flags
 from refmp.training.evaluate import evaluate
+from refmp.training.families import arch_of, cost_shape, evaluation_note, save_model
 from refmp.training.rank_memory import measured, print_measured
 from refmp.training.trainer import TrainConfig, Trainer
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a GPT on any layout",
-                       description="Train a GPT-2 style model. Launch with mpiexec for several "
-                                   "ranks, e.g. `mpiexec -n 2 refmp train --dp 2`.")
+    p = sub.add_parser("train", help="train a GPT or a Llama model on any layout",
+                       description="Train a GPT-2 style model, or with --arch llama (or --init "
+                                   "a LlamaForCausalLM directory) a Llama-family one. Launch "
+                                   "with mpiexec for several ranks, e.g. `mpiexec -n 2 refmp "
+                                   "train --dp 2`.")
     add_train_args(p)
     p.set_defaults(run=run_train)
 
@@ -48,6 +52,9 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict:
     given = {k: v for k, v in vars(args).items()
              if k in names and not (k == "warmup_steps" and v is None)}
     cfg = TrainConfig(**given)
+    if "auto" in (args.layout, cfg.stage_layers) and arch_of(cfg) == "llama":
+        raise ConfigError("--layout auto and --stage-layers auto measure GPT-2's blocks; for "
+                          "--arch llama give the layout and --stage-layers N,N,... yourself")
     if args.layout == "auto":  # the planner's layout, the flags given kept fixed
         from mpi4py import MPI
 
@@ -68,7 +75,6 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> dict:
 def run(cfg: TrainConfig) -> dict:
     """Train for cfg.steps steps; print progress and a summary on rank 0; return the summary."""
     from refmp.checkpoint.format import complete_steps
-    from refmp.checkpoint.weights import save_streamed
     from refmp.distributed.faults import agreed
 
     stop = Preemption(cfg.exit_signal)  # a bad signal name is bad input, before any work
@@ -80,15 +86,17 @@ def run(cfg: TrainConfig) -> dict:
         raise ConfigError(f"--resume {tr.resumed['dir']} is at step {start}, beyond --steps "
                           f"{cfg.steps} (--steps is the total, counting the steps before)")
     log = open(cfg.log_json, "w") if (rank0 and cfg.log_json) else None
-    if rank0 and cfg.init:  # where a flag overrides the file, said once (the file was read)
+    if rank0 and cfg.init and not is_llama(tr.mcfg):  # a flag overriding the file, said once
         from refmp.checkpoint.weights import read_config
 
         for note in read_config(cfg.init, cfg.n_head, moe_flags(cfg))[1]:
             print(f"refmp train: warning: {note}", file=sys.stderr, flush=True)
     if rank0:
         m = tr.mcfg
+        heads = f"{m.n_head} heads" + (f" ({m.n_kv_head} key/value)" if is_llama(m) else "")
         print(f"refmp train: {tr.ds.name}, {len(tr.ds.tokens):,} tokens, vocab {m.vocab_size}; "
-              f"GPT {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {tr.T}, "
+              f"{'Llama' if is_llama(m) else 'GPT'} {m.n_layer} layers, {heads}, "
+              f"n_embd {m.n_embd}, block {tr.T}, "
               f"{tr.num_params:,} parameters ({cfg.dtype}); {tr.grid.describe()}"
               f"{_on_nodes(tr.grid.nodes)}", flush=True)
         notes = crossing_notes(tr.grid.sizes, tr.grid.nodes)  # tp or cp across nodes
@@ -138,14 +146,18 @@ def run(cfg: TrainConfig) -> dict:
             timeline.write_trace(cfg.trace)
             print(f"pipeline timeline of the last step written to {cfg.trace}; measured "
                   f"bubble {100 * timeline.bubble():.1f}%", flush=True)
-    score = evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, tr.ds.task)
+    note = evaluation_note(tr.mcfg, tr.ds.task)  # a Llama run: why it is not evaluated
+    if rank0 and note:
+        print(f"refmp train: note: {note}", file=sys.stderr, flush=True)
+    score = None if note else evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, tr.ds.task)
     memory = tr.grid.world.allgather_obj(tr.memory())
     if cfg.save:  # tensor by tensor: each gathered whole onto rank 0 alone, written, let go
-        agreed(tr.grid.world, lambda: save_streamed(
-            cfg.save, tr.mcfg, tr.runner.weight_dtype, tr.runner.param_gatherer(),
+        agreed(tr.grid.world, lambda: save_model(
+            cfg, tr.mcfg, tr.runner.weight_dtype, tr.runner.param_gatherer(),
             tr.ds.vocab, tr.ds.tokenizer, write=rank0))
     # each rank's measured peak (after the run, the evaluation and --save) and the prediction
-    peaks = tr.grid.world.allgather_obj(measured(cfg, tr.mcfg, tr.grid.sizes, tr.grid.coords))
+    peaks = tr.grid.world.allgather_obj(measured(cfg, cost_shape(tr.mcfg), tr.grid.sizes,
+                                                 tr.grid.coords))
     summary = {
         "summary": True, "steps": cfg.steps, "start_step": start, "final_loss": rec.get("loss"),
         "tokens_per_s": (cfg.steps - start) * cfg.batch_size * tr.T / max(seconds, 1e-9),

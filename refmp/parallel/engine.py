@@ -27,8 +27,6 @@ from refmp.nn.routing import moe_summary
 from refmp.nn.slices import positions
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.hybrid import HybridAttention, split_cp
-from refmp.parallel.context.ring import RingAttention
-from refmp.parallel.context.ulysses import UlyssesAttention
 from refmp.parallel.data import hpz
 from refmp.parallel.data.accumulate import (
     dp_rows,
@@ -41,8 +39,8 @@ from refmp.parallel.data.hierarchical import HierarchicalComm, check_nodes
 from refmp.parallel.data.hsdp import shard_groups
 from refmp.parallel.data.sharder import Sharder
 from refmp.parallel.expert import ExpertDispatch, SequenceSplit
+from refmp.parallel.family import family_of
 from refmp.parallel.fp8 import apply_fp8
-from refmp.parallel.ops import MEGATRON, make_ops
 from refmp.parallel.pipeline.asynchronous import ASYNC_EXECUTORS
 from refmp.parallel.pipeline.catalog import CATALOG, Schedule
 from refmp.parallel.pipeline.executor import Executor
@@ -54,13 +52,8 @@ from refmp.parallel.placement import (
     ShardReader,
     counts_in_norm,
     gather_experts,
-    gather_tp,
-    held_shards,
-    place,
-    shard_index,
     units_of,
 )
-from refmp.parallel.tensor import sequence
 from refmp.runtime import backend
 from refmp.runtime.arrays import activation_bytes, global_grad_norm
 from refmp.runtime.precision import mixed_dtypes
@@ -71,9 +64,10 @@ TIED_TAG = 32767  # MPI guarantees tags up to 32767; the executor's are below 2 
 # --- the build steps -------------------------------------------------------------------------
 
 
-def context_parallel(grid, layout: ParallelConfig, T: int, keep_scores: bool):
-    """(the attention core over cp, or None; the global positions (Tl,) of each cp rank's
-    tokens, in cp rank order). Without cp: no core, and one rank holding 0..T-1."""
+def context_parallel(grid, layout: ParallelConfig, T: int, keep_scores: bool, family):
+    """(the attention core over cp for the ``family``'s block, or None; the global positions
+    (Tl,) of each cp rank's tokens, in cp rank order). Without cp: no core, and one rank
+    holding 0..T-1."""
     cp = grid.sizes["cp"]
     if cp == 1:
         return None, [np.arange(T)]
@@ -81,21 +75,22 @@ def context_parallel(grid, layout: ParallelConfig, T: int, keep_scores: bool):
     if layout.cp_ulysses > 1:  # hierarchical: Ulysses in groups, the ring across them
         attn = HybridAttention(*split_cp(grid.comm["cp"], layout.cp_ulysses, grid.nodes), chunks)
     else:
-        attn = (RingAttention(grid.comm["cp"], chunks) if layout.cp_algo == "ring"
-                else UlyssesAttention(grid.comm["cp"], chunks, keep_scores))
+        attn = (family.ring(grid.comm["cp"], chunks) if layout.cp_algo == "ring"
+                else family.ulysses(grid.comm["cp"], chunks, keep_scores))
     return attn, [chunks.positions(r) for r in range(cp)]
 
 
-def build_sharder(local: ShardReader, grid, layout: ParallelConfig, seed: int) -> Sharder:
-    """The Sharder over ``local``: its units (placement.units_of), each over the group its
-    gradient is summed over (placement's "reduce": dp x cp, or edp for experts), each read
-    from the source as it is built."""
+def build_sharder(local: ShardReader, grid, layout: ParallelConfig, seed: int,
+                  family) -> Sharder:
+    """The Sharder over ``local``: its units (the ``family``'s unit_of), each over the group
+    its gradient is summed over (placement's "reduce": dp x cp, or edp for experts), each
+    read from the source as it is built."""
     dense, edp = grid.group("dp", "cp"), grid.comm["edp"]
     if layout.dp_reduce == "hierarchical":  # sums inside each node first (data/hierarchical.py)
         check_nodes(grid.sizes, grid.nodes, ("dp", "cp"))
         dense = HierarchicalComm(dense, grid.nodes)
-    units = units_of(local.shapes)
-    groups = {u: edp if "edp" in place(names[0], False).reduce else dense
+    units = units_of(local.shapes, family.unit_of)
+    groups = {u: edp if "edp" in family.place(names[0], False).reduce else dense
               for u, names in units.items()}
     compute, grad_dtype = mixed_dtypes(layout)  # None, None without --mixed-precision
     codec, gather = make_codecs(layout, seed)
@@ -142,14 +137,16 @@ def build_executor(sched: Schedule, stage: Stage, pp, dtype, measure,
 
 
 class Engine:
-    """The runner (refmp.training.trainer.Runner) for any layout: ``mcfg`` the model's shape,
-    ``source`` its initial weights (refmp.checkpoint.source: a fresh init, a file), of which
-    each rank reads only its share, in ``dtype``; ``layout`` how the ranks split the work;
-    ``T`` the block size the run trains on; ``seed`` the run's."""
+    """The runner (refmp.training.trainer.Runner) for any layout: ``mcfg`` the model's shape
+    (GPT-2 or Llama: ``family``, refmp.parallel.family, says what differs), ``source`` its
+    initial weights (refmp.checkpoint.source: a fresh init, a file), of which each rank
+    reads only its share, in ``dtype``; ``layout`` how the ranks split the work; ``T`` the
+    block size the run trains on; ``seed`` the run's."""
 
     def __init__(self, mcfg: gpt.GPTConfig, source, grid, layout: ParallelConfig, T: int,
                  seed: int = 0, dtype="float32"):
         mc = self.mcfg = mcfg
+        fam = self.family = family_of(mcfg)
         self.grid = grid
         self.tp = grid.comm["tp"]
         self.pp = grid.comm["pp"]
@@ -157,12 +154,10 @@ class Engine:
         self.sp = layout.sequence_parallel
         self.microbatches = layout.microbatches
         keep_scores = layout.recompute == "none"  # selective / full: the softmax is not kept
-        attn, cp_positions = context_parallel(grid, layout, T, keep_scores)
+        attn, cp_positions = context_parallel(grid, layout, T, keep_scores, fam)
         self.positions = (None if attn is None  # (Tl,) the global positions of my tokens
                           else backend.from_host(cp_positions[grid.coords["cp"]]))
-        layers = sequence.LAYERS if self.sp else MEGATRON  # SP: tp's layers split along T
-        self.ops = make_ops(mc.n_head, mc.vocab_size, self.tp, layers, attn, self.positions,
-                            keep_scores)
+        self.ops = fam.ops(self.tp, self.sp, attn, self.positions, keep_scores)
         self.schedule = CATALOG[layout.schedule]
         placed = self.schedule.chunk_placement(self.pp.size, layout.virtual_stages)
         self.placed = placed  # where each chunk runs: the Decoder of evaluation splits as this
@@ -172,24 +167,26 @@ class Engine:
         chunks = rank_chunks(mc, T, self.pp.rank, placed, layout.stage_layers)
         self.first = 0 in chunks  # embeds the tokens
         self.last = self.n_chunks - 1 in chunks  # the head and the loss
-        local = held_shards(mc, source, chunks, self.first, self.last, grid, dtype)
+        local = fam.held_shards(source, chunks, self.first, self.last, grid, dtype)
         self.fp8 = (None if layout.fp8 == "none"  # FP8 linears (refmp.parallel.fp8)
                     else apply_fp8(self.ops, layout.fp8, grid, self.sp, mc, chunks))
         self.ops = self.ops if self.fp8 is None else self.fp8
-        self.sharder = build_sharder(local, grid, layout, seed)
-        self.stage = Stage(chunks, self.n_chunks, mc, self.ops, self.sharder,
-                           moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
-                           self.tp.size if self.sp else 1, layout.recompute == "full")
+        self.sharder = build_sharder(local, grid, layout, seed, fam)
+        self.stage = fam.stage(chunks, self.n_chunks, self.ops, self.sharder,
+                               moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
+                               self.tp.size if self.sp else 1, layout.recompute == "full")
         self.executor = build_executor(self.schedule, self.stage, self.pp, self.sharder.compute,
                                        self._measure, placed)
         self.actions = partial(self.schedule.actions, self.pp.size, self.microbatches,
                                self.pp.rank, self.v)
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
         self.partial_over_tp = {k for k in self.sharder.params
-                                if k in local.shapes and "tp" in place(k, self.sp).reduce}
-        coords = {**grid.coords, "edp": grid.comm["edp"].rank}
+                                if k in local.shapes and "tp" in fam.place(k, self.sp).reduce}
+        own = fam.bind(grid)  # the family's own groups (Llama: tp-kv), collective over tp
+        coords = {**grid.coords, "edp": grid.comm["edp"].rank, **own}
         self.counts_in_norm = counts_in_norm(self.sharder.params, local.shapes, coords, self.sp,
-                                             self.sharder.partitions, self.first, self.last)
+                                             self.sharder.partitions, self.first, self.last,
+                                             fam.place)
         for k in self.sharder.counted_elsewhere():  # HSDP: each slice once, not per replica
             self.counts_in_norm[k] = False
         self.peak_activations = 0
@@ -270,6 +267,7 @@ class Engine:
         self._reduce_data_parallel()
         self._reduce_sp_partial()
         self._reduce_tied_embedding()
+        self.family.reduce_copies(self.grads)  # Llama's replicated key/value heads
         if self.sharder.mixed:
             self._master = self.sharder.master_grads(self._scale)
 
@@ -290,7 +288,7 @@ class Engine:
         share: the same flat layout at both ends, and a + b == b + a exactly; pp 1 or a V: one
         rank. PowerSGD and top-k (``coding``) compress wte's whole gradient: there the ends add
         theirs first."""
-        if (self.first == self.last or "wte" not in self.sharder.units
+        if (self.first == self.last or not self.family.tied_ends or "wte" not in self.sharder.units
                 or before_sums != self.sharder.coding):
             return
         here = self.sharder.gbuf["wte"] if before_sums else self.sharder.owned_grad("wte")
@@ -309,11 +307,13 @@ class Engine:
         self.sharder.after_step()  # ZeRO 1/2: all-gather the updated slices
 
     def loss_total(self) -> float:
-        """The step's global loss: cross-entropy shares (whole on every tp rank) and MoE
-        shares (partial over tp with SP) summed once each, over the whole world."""
+        """The step's global loss: cross-entropy shares (whole on every tp rank, or with SP
+        a family's T/tp tokens' share) and MoE shares (partial over tp with SP) summed once
+        each, over the whole world."""
         ce, aux = self._loss
         tp0 = self.tp.rank == 0
-        parts = [ce if tp0 else 0.0, aux if (tp0 or self.sp) else 0.0]
+        parts = [ce if (tp0 or self.sp and self.family.sp_loss_shares) else 0.0,
+                 aux if (tp0 or self.sp) else 0.0]
         return float(self.grid.world.allreduce_metrics(parts).sum())
 
     @property
@@ -336,10 +336,10 @@ class Engine:
         """For every owned piece (``params``' names): the global flat index of each of its
         elements in its full GPT-2 parameter, -1 for padding. What a sharded checkpoint
         stores beside the values, so that any other layout can find its own elements."""
-        shapes = gpt.param_shapes(self.mcfg)
+        shapes, fam = self.family.shapes(), self.family
 
         def index(k: str):  # the shard's positions alone, never the whole tensor's
-            return positions(shapes[k], shard_index(k, shapes[k], self.tp.rank, self.tp.size))
+            return positions(shapes[k], fam.shard_index(k, shapes[k], self.tp.rank, self.tp.size))
 
         return self.sharder.owned_index(index)  # computed a unit at a time, as read
 
@@ -361,7 +361,7 @@ class Engine:
         return self._whole(self.sharder.full_local(grads=True))
 
     def _whole(self, local: dict) -> dict | None:
-        local = gather_tp(local, self.tp, self.mcfg.vocab_size)
+        local = self.family.gather_tp(local, self.tp)
         if self.mcfg.n_expert and self.ep.size > 1:
             local = gather_experts(local, self.ep, self.mcfg.n_expert)
         coords = self.grid.coords
@@ -373,7 +373,7 @@ class Engine:
             for req in [self.pp.send(local[k], 0, tag=j) for j, k in enumerate(names)]:
                 wait(req)
             return None
-        shapes = gpt.param_shapes(self.mcfg)
+        shapes = self.family.shapes()
         for src in range(1, self.pp.size):
             for j, k in enumerate(owners[src]):
                 local[k] = self.pp.recv(shapes[k], self.sharder.dtype, src, tag=j)

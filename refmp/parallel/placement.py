@@ -170,24 +170,26 @@ def unit_of(name: str) -> str:
     return f"{block}.experts" if M.EXPERT.search(name) else block
 
 
-def units_of(names) -> dict[str, list[str]]:
-    """The Sharder units of these parameter names (unit -> its names, both in order)."""
+def units_of(names, unit=unit_of) -> dict[str, list[str]]:
+    """The Sharder units of these parameter names (unit -> its names, both in order);
+    ``unit``: a model family's unit_of (refmp.parallel.family), default GPT-2's."""
     units: dict[str, list[str]] = {}
     for k in names:
-        units.setdefault(unit_of(k), []).append(k)
+        units.setdefault(unit(k), []).append(k)
     return units
 
 
 def counts_in_norm(pieces, local: dict, coords: dict[str, int], sp: bool, partitioned: bool,
-                   first: bool, last: bool) -> dict[str, bool]:
+                   first: bool, last: bool, row=place) -> dict[str, bool]:
     """Whether a rank counts each owned piece in the global norm: on the rank of its copies
     (the table's "copies" axes, less dp, cp and edp when the Sharder ``partitioned`` them) at
-    coordinate 0, and the tied wte on the first stage only; padding (gradient 0) everywhere."""
+    coordinate 0, and the tied wte on the first stage only; padding (gradient 0) everywhere.
+    ``row``: a model family's place (refmp.parallel.family), default GPT-2's."""
     split_axes = {"dp", "cp", "edp"} if partitioned else set()
     counts = {}
     for k in pieces:
         full = k.rsplit(".padding", 1)[0] if k.endswith(".padding") else k
-        copies = () if full not in local else place(full, sp).copies
+        copies = () if full not in local else row(full, sp).copies
         counts[k] = (all(coords[a] == 0 for a in copies if a not in split_axes)
                      and not (k == "wte.weight" and last and not first))
     return counts

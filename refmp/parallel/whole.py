@@ -4,11 +4,12 @@ tensor (refmp.checkpoint.weights.save_streamed), so that no rank ever holds the 
 Shapes: S a unit's owned slice, Pp the unit flat and padded (refmp.parallel.data.sharder).
 
 A parameter lives on the pipeline stages that hold its block (wte: both ends; the first is
-read), cut over tp (placement.TP_SPLITS), an expert on the ep ranks that own it, and over
-ZeRO's group of its unit (S of Pp each). ``ParamGatherer`` undoes the three on the first such
-stage only: the unit all-gathered over its group (the whole unit, kept while the file asks
-for its names: one unit at a time), the tp pieces glued (placement.gather_tp, tp_unshard),
-then one rank of them sends it to world rank 0 (``ParamGatherer``):
+read), cut over tp (its family's split, refmp.parallel.family: placement.TP_SPLITS for
+GPT-2), an expert on the ep ranks that own it, and over ZeRO's group of its unit (S of Pp
+each). ``ParamGatherer`` undoes the three on the first such stage only: the unit
+all-gathered over its group (the whole unit, kept while the file asks for its names: one
+unit at a time), the tp pieces glued (the family's gather_tp), then one rank of them sends
+it to world rank 0 (``ParamGatherer``):
 
     allgather@group  Pp w      stage 3, or mixed precision's masters at stages 1-3
     allgather@tp     the parameter's shard, for a tp-split parameter
@@ -18,8 +19,6 @@ then one rank of them sends it to world rank 0 (``ParamGatherer``):
 from __future__ import annotations
 
 from refmp.distributed.waiting import wait
-from refmp.nn import gpt
-from refmp.parallel.placement import gather_tp, unit_of
 from refmp.runtime import backend
 
 TAG = 32766  # the whole parameter to world rank 0
@@ -42,7 +41,7 @@ class ParamGatherer:
         eng = self.engine
         sh, world, xp = eng.sharder, eng.grid.world, backend.xp
         stage, sender = self.senders[name]
-        u = unit_of(name)
+        u = eng.family.unit_of(name)
         out = None
         mine = u in sh.units and name in sh.units[u].shapes  # (an expert: its ep ranks only)
         kept = self.kept
@@ -52,12 +51,12 @@ class ParamGatherer:
             unit = kept[1] if same else sh.whole_unit(u)  # stage 3: the unit gathered now
             self.kept = ((u, sh.step), unit)
             if sh.groups[u].rank == 0:  # one rank of the unit's group glues its tp pieces
-                out = gather_tp({name: unit[name]}, eng.tp, eng.mcfg.vocab_size)[name]
+                out = eng.family.gather_tp({name: unit[name]}, eng.tp)[name]
             del unit
         if sender != 0 and world.rank == sender:
             wait(world.send(xp.ascontiguousarray(out), 0, tag=TAG))
         elif sender != 0 and world.rank == 0:
-            out = world.recv(gpt.param_shapes(eng.mcfg)[name], sh.dtype, sender, tag=TAG)
+            out = world.recv(eng.family.shapes()[name], sh.dtype, sender, tag=TAG)
         return backend.to_host(out) if world.rank == 0 else None  # written before the next step
 
 

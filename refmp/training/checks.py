@@ -24,8 +24,16 @@ from refmp.distributed.faults import agreed, check_writable_dir, check_writable_
 from refmp.distributed.grid import ProcessGrid
 from refmp.errors import ConfigError
 from refmp.nn import GPTConfig
+from refmp.parallel.family import check_family
 from refmp.parallel.rules import check_layout
 from refmp.training.datasets import AdditionTask, Dataset, load_tokens
+from refmp.training.families import (
+    arch_of,
+    check_family_flags,
+    check_save,
+    cost_shape,
+    llama_model,
+)
 from refmp.training.rank_memory import check_rank_limit
 
 
@@ -39,11 +47,14 @@ def validate(cfg: TrainConfig, grid: ProcessGrid,
     agreed(world, lambda: check_outputs(cfg) if world.rank == 0 else None)
 
     def shape():
+        check_family_flags(cfg)
         ds = dataset if dataset is not None else build_dataset(cfg)
         return ds, model_config(cfg, ds)
 
     ds, mcfg = agreed(world, shape)
     check_layout(cfg, mcfg, world.size, grid.sizes)
+    check_family(cfg, mcfg)  # what the engine's pieces of the model's family run
+    check_save(cfg, mcfg)
     agreed(world, lambda: check_memory(cfg, mcfg, grid))
     return ds, mcfg
 
@@ -104,7 +115,9 @@ def model_config(cfg: TrainConfig, ds: Dataset) -> GPTConfig:
     from refmp.checkpoint.weights import read_config
 
     moe = moe_flags(cfg)  # the MoE settings given, by GPTConfig field name
-    if cfg.init is not None:
+    if arch_of(cfg) == "llama":  # refmp.training.families: the flags or the directory's
+        mcfg = llama_model(cfg, ds)
+    elif cfg.init is not None:
         mcfg, _ = read_config(cfg.init, cfg.n_head, moe)
         if cfg.block_size is not None and cfg.block_size > mcfg.block_size:
             raise ConfigError(f"--block-size {cfg.block_size} exceeds the block size "
@@ -163,6 +176,7 @@ def check_memory(cfg, mcfg, grid) -> None:
     share the memory add up their needs. Raises on the ranks of a node that does not fit;
     :func:`validate` calls it through refmp.distributed.faults.agreed so that every rank stops.
     """
+    mcfg = cost_shape(mcfg)  # a Llama model as refmp.cost describes it
     mem = estimate_memory(cfg, mcfg, grid.sizes, grid.coords)
     need = need_bytes(mem)
     device = 0

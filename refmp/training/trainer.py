@@ -32,10 +32,12 @@ from refmp.config import TrainConfig, lr_at
 from refmp.distributed.faults import agreed, check_finite
 from refmp.distributed.gpu import start_gpu
 from refmp.distributed.grid import ProcessGrid
-from refmp.nn.params import GPTConfig, param_shapes
+from refmp.nn.families import is_llama, param_shapes
+from refmp.nn.params import GPTConfig
 from refmp.runtime import backend
 from refmp.training.checks import moe_flags, validate
 from refmp.training.datasets import Dataset, get_batch, shuffle_perm
+from refmp.training.families import llama_source
 from refmp.training.optim import SGD, AdamW, LossScaler, clip_grads
 
 if TYPE_CHECKING:
@@ -50,6 +52,8 @@ def model_source(cfg: TrainConfig, mcfg: GPTConfig) -> Source:
     checkpoint sets every piece, so nothing is drawn or read twice)."""
     from refmp.checkpoint.weights import open_model
 
+    if is_llama(mcfg):  # refmp.training.families: its directory, checkpoint or draw
+        return llama_source(cfg, mcfg)
     if cfg.resume:
         return ZeroSource(mcfg, cfg.seed)
     if cfg.init is not None:

@@ -102,6 +102,12 @@ class LlamaStage:
         self.sharder = sharder
         self.release = sharder.releases_weights  # ZeRO-3: a cache names its weights
         self.head_unit = "wte" if cfg.tied else "lm_head"
+        self.loss_scale = 1.0  # the gradient of each loss share: 1, or fp16's loss scale
+        self.aux = 0.0  # the step's MoE loss share: none in dense blocks
+
+    def begin_step(self, loss_scale: float = 1.0) -> None:
+        """A step's start (the Engine's): backward starts from ``loss_scale``."""
+        self.loss_scale = loss_scale
 
     def act_shape(self, b: int, T: int) -> tuple[int, int, int]:
         return (b, T // self.ops.sequence_shards, self.cfg.n_embd)  # crosses a stage boundary
@@ -147,7 +153,7 @@ class LlamaStage:
         if head is not None:
             if self.release:
                 head = attach(head, self.weights("ln_f", self.head_unit))
-            dx, g = LM.head_backward(1.0, head, self.cfg)
+            dx, g = LM.head_backward(self.loss_scale, head, self.cfg)
             sink.accumulate("ln_f", {"ln_f.weight": g.pop("ln_f.weight")})
             sink.accumulate(self.head_unit, g)
             sink.grad_ready("ln_f", final)
