@@ -106,7 +106,7 @@ class GPT2Family:
         return vocab.gather_logits(logits[:, 0], tp, self.mcfg.vocab_size)  # (B, V)
 
 
-class CachedGQA(CachedAttention):
+class DecoderGQA(CachedAttention):
     """The cached core on heads, for grouped-query attention (the core of
     refmp.nn.llama_layers.gqa_forward: ``forward(q, k, v)`` with q (B, NH, t, HS) and k, v
     (B, NKV, t, HS), already rotated at their global positions): a prefill appends k, v and
@@ -166,7 +166,7 @@ class LlamaFamily:
         return GQARingAttention(cp, chunks)  # the K/V blocks travel with NKV heads
 
     def core(self, call, layer: int):
-        return CachedGQA(call, layer)
+        return DecoderGQA(call, layer)
 
     def ops(self, tp, positions, attn=None):
         cfg = self.mcfg
