@@ -1,7 +1,8 @@
 """The attention core of a decoder call, and the Ops that run a call's linears row by row.
 
 Shapes: B rows (requests) on this rank, t tokens of one call (the prompt's Tl = T0/cp in a
-prefill, 1 in a decode step), NH heads here (n_head/tp), HS head size, C channels.
+prefill, 1 in a decode step), NH heads here (n_head/tp), NKV the key/value heads the cache
+keeps (NH for GPT-2; fewer under grouped-query attention), HS head size, C channels.
 
 A Decoder call (refmp.inference.decoder) runs its stage's blocks through the Ops training
 builds, with one piece swapped: the attention core, :class:`CachedAttention`, which appends

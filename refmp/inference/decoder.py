@@ -1,5 +1,7 @@
 """The decoder: prefill and KV-cached decode steps of GPT-2 on any layout, pp x dp x cp x tp
-with experts, through the same block (refmp.nn.gpt.block_forward) and Ops as training.
+with experts, through the same block (refmp.nn.gpt.block_forward) and Ops as training; and
+of a Llama-family model on pp x dp x cp x tp, whose pieces (block, Ops, shards, cached core,
+head) the model's family gives (refmp.inference.families; refmp.nn.llama's block).
 
 Shapes: B rows (requests) on this rank, T0 prompt tokens, t tokens of one call (T0 in the
 prefill, 1 in a decode step), Tl = T0/cp prompt tokens per cp rank, C channels, NH = n_head/tp
