@@ -55,6 +55,11 @@ def hf_model(n_kv_head: int = 2, tied: bool = False, seed: int = 0):
 @pytest.fixture
 def float64_hf(monkeypatch):
     """transformers' RMSNorm and rotary tables in the model's dtype (float64), not float32."""
+    in_float64(monkeypatch)
+
+
+def in_float64(monkeypatch) -> None:
+    """float64_hf's patches (tests/test_llama_parallel.py applies them on one rank)."""
 
     def rmsnorm(self, x):
         var = x.pow(2).mean(-1, keepdim=True)
@@ -253,7 +258,7 @@ def test_refmp_generate_reads_a_llama_directory_and_its_tokenizer(tmp_path, floa
     assert out["new_tokens"] == [want[0, 5:].tolist()]
     assert out["texts"] == [" ".join(WORDS[i] for i in out["new_tokens"][0])]
     assert out["kv_cache_bytes"] == [2 * 2 * 1 * 8 * 1 * 4 * 8]  # 2 L B T NKV HS w
-    for flags, says in ((["--tp", "2"], "--tp 2"), (["--temperature", "1"], "--temperature")):
+    for flags, says in ((["--tp", "2"], "tp"), (["--ep", "2"], "--ep 2")):
         assert main(["generate", "--init", str(tmp_path / "llama"), "--prompt", prompt,
                      *flags]) == 2
         assert says in capsys.readouterr().err

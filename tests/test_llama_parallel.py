@@ -14,8 +14,13 @@ Megatron's four all-reduces per block and the key/value copies' sums.
 
 from __future__ import annotations
 
+import json
+from importlib.util import find_spec
+from pathlib import Path
+
 import numpy as np
 import pytest
+from extras import reason
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective
 
@@ -301,29 +306,85 @@ def test_save_from_one_layout_and_train_on_another(tmp_path):
     run_layout(cfg, "ulysses", zero=3, init=params, dp=2, cp=2)
 
 
+def transformers_directory(world, folder: str, prompts, n: int):
+    """A toy LlamaForCausalLM made by transformers (tests/mpi_scripts/transformers_generate.py,
+    run by rank 0 in a process of its own while every rank of ``world``, a refmp Comm whose
+    calls the watchdog sees, polls it collectively), written to ``folder``/llama, and its
+    ``generate``'s greedy tokens (B, T0 + n) of ``prompts``."""
+    import subprocess
+    import sys
+    import time
+
+    script = Path(__file__).parent / "mpi_scripts" / "transformers_generate.py"
+    job = None
+    if world.rank == 0:
+        np.save(f"{folder}/prompts.npy", prompts)
+        job = subprocess.Popen([sys.executable, str(script), f"{folder}/llama",
+                                f"{folder}/prompts.npy", str(n), f"{folder}/hf.npy"])
+    while not all(world.allgather_obj(job is None or job.poll() is not None)):
+        time.sleep(0.2)  # each allgather is a call: the watchdog sees progress
+    assert all(world.allgather_obj(job is None or job.returncode == 0)), \
+        "transformers_generate.py failed (its stderr above)"
+    return np.load(f"{folder}/hf.npy")
+
+
+GENERATE_LAYOUTS = {  # layout flags -> each rank's cache bytes 2 L B T max(NKV/tp, 1) HS w
+    # pp 2 x dp 2: one layer, one prompt, the 9 tokens
+    ("--pp", "2", "--dp", "2"): [2 * 1 * 1 * 9 * 1 * 4 * 8] * 4,
+    # tp 2 (> NKV: the one head replicated) x pp 2: one layer, both prompts
+    ("--tp", "2", "--pp", "2"): [2 * 1 * 2 * 9 * 1 * 4 * 8] * 4,
+    # cp 2 x dp 2: both layers, one prompt; T0/cp = 2 prompt tokens and decoded tokens
+    # 0, 2, 4 on cp rank 0, 1, 3 on cp rank 1 (round robin)
+    ("--cp", "2", "--dp", "2"): [2 * 2 * 1 * t * 1 * 4 * 8 for t in (5, 4, 5, 4)],
+    # tp 4: every layer and prompt, the one head replicated
+    ("--tp", "4"): [2 * 2 * 2 * 9 * 1 * 4 * 8] * 4,
+}
+
+
 @pytest.mark.parallel(nprocs=4)
+@pytest.mark.timeout(120)  # importing torch (in its own process) is slow on a loaded machine
+@pytest.mark.skipif(not (find_spec("torch") and find_spec("transformers")),
+                    reason=reason("transformers", "hf"))
 @collective
-def test_refmp_generate_on_tp_ranks(tmp_path):
-    """``mpiexec -n 4 refmp generate --init LLAMA_DIR --tp 4``: the serial run's tokens;
-    a layout the Llama decoder does not split is refused on every rank (exit 2)."""
+def test_refmp_generate_equals_transformers_on_every_layout(tmp_path, capsys):
+    """``mpiexec -n 4 refmp generate --init LLAMA_DIR`` over pp 2 x dp 2, tp 2 x pp 2,
+    cp 2 x dp 2 and tp 4: transformers' greedy tokens on its own directory, each rank's cache
+    2 L B T max(NKV/tp, 1) HS w bytes of its layers, prompts, tokens and heads. Sampling
+    (temperature, top-k, top-p) with a paged cache over tp 2 x pp 2 picks the serial
+    Decoder's tokens; expert parallelism is refused on every rank (exit 2)."""
     from refmp.cli.main import main
-    from refmp.inference.llama_decode import generate
+    from refmp.inference.decoder import Decoder
+    from refmp.inference.generate import generate
+    from refmp.inference.sampling import Sampler
 
     comm = MPI.COMM_WORLD
     folder = comm.bcast(str(tmp_path) if comm.rank == 0 else None)
-    cfg = config(1)
-    serial = LM.Llama.create(cfg, seed=9, dtype="float64")
-    prompts = np.random.default_rng(4).integers(0, V, (2, 3))
-    if comm.rank == 0:
-        save_llama(f"{folder}/llama", cfg, serial.params)
-        np.save(f"{folder}/prompts.npy", prompts)
-    comm.barrier()
+    prompts = np.random.default_rng(4).integers(0, 37, (2, 4))
+    want = transformers_directory(ProcessGrid(comm).world, folder, prompts, 6)
     argv = ["generate", "--init", f"{folder}/llama", "--prompts", f"{folder}/prompts.npy",
-            "--max-new-tokens", "4", "--dtype", "float64", "--json"]
-    assert main([*argv, "--tp", "4", "--save-tokens", f"{folder}/out.npy"]) == 0
-    assert main([*argv, "--tp", "2", "--pp", "2"]) == 2
-    if comm.rank == 0:
-        np.testing.assert_array_equal(np.load(f"{folder}/out.npy"), generate(serial, prompts, 4)[0])
+            "--max-new-tokens", "6", "--dtype", "float64", "--json"]
+    bad = Mismatches()
+    for flags, kv in GENERATE_LAYOUTS.items():
+        capsys.readouterr()
+        assert main([*argv, *flags]) == 0
+        said = comm.bcast(capsys.readouterr().out.strip().splitlines()[-1]
+                          if comm.rank == 0 else None)
+        summary = json.loads(said)
+        bad.check(np.testing.assert_array_equal, summary["new_tokens"], want[:, 4:],
+                  err_msg=str(flags))
+        bad.check(np.testing.assert_equal, summary["kv_cache_bytes"], kv,
+                  err_msg=f"{flags}: cache bytes")
+    sampled = ["--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--seed", "3"]
+    assert main([*argv, *sampled, "--tp", "2", "--pp", "2", "--kv-block-size", "4",
+                 "--save-tokens", f"{folder}/sampled.npy"]) == 0
+    comm.barrier()
+    cfg, params = load_llama(f"{folder}/llama", "float64")
+    alone = Decoder(cfg, params, ProcessGrid(MPI.COMM_SELF))
+    serial = generate(alone, prompts, 6, Sampler(0.9, 20, 0.95, 3)).tokens
+    bad.check(np.testing.assert_array_equal, np.load(f"{folder}/sampled.npy"), serial,
+              err_msg="sampled")
+    assert main([*argv, "--dp", "4", "--ep", "4"]) == 2
+    bad.assert_none(comm)
 
 
 @pytest.mark.parallel(nprocs=4)

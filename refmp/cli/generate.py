@@ -122,12 +122,10 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     from refmp.runtime import backend
     from refmp.runtime.cgroup import peak
 
-    if args.init is not None and is_llama_dir(args.init):  # a Llama directory: 1 or tp ranks
-        from mpi4py import MPI
-
+    if args.init is not None and is_llama_dir(args.init):  # a Llama directory: the same Decoder
         from refmp.cli.generate_llama import run_llama
 
-        return run_llama(args, MPI.COMM_WORLD.Get_size())
+        return run_llama(args)
     mode = wanted(args)
     if mode is not None:  # prefix caching, chunked prefill, speculative, disaggregated
         return run_serving(args, mode)

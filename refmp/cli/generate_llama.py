@@ -1,13 +1,24 @@
-"""``refmp generate --init DIR`` where DIR is a Hugging Face LlamaForCausalLM directory: greedy
-decoding with a grouped-query KV cache (refmp.inference.llama_decode), text in and out with
-the directory's tokenizer.
+"""``refmp generate --init DIR`` where DIR is a Hugging Face LlamaForCausalLM directory:
+decoding with a grouped-query KV cache, text in and out with the directory's tokenizer.
 
-A Llama directory decodes on one rank or over tp ranks (``mpiexec -n N ... --tp N``: each
-rank its query heads and its key/value heads, or the one it replicates when tp > NKV,
-refmp.parallel.tensor.llama); the other layouts of ``refmp generate`` (pp, cp, dp, ep) split
-GPT-2's decoder (refmp.inference.decoder) and are refused with that reason, on every rank,
-before any work. So are sampling, a paged cache and continuous batching, which the Llama
-decoder does not have.
+The Llama model decodes through GPT-2's Decoder (refmp.inference.decoder), which asks the
+model family for its pieces (refmp.inference.families): so it runs on every layout that
+Decoder splits but ep, over ``mpiexec -n N`` with N = pp dp cp tp:
+
+* tp: each rank its query heads and its key/value heads, or the one it replicates when
+  tp > NKV (refmp.parallel.tensor.llama); the head is replicated, every rank its logits;
+* pp: a stage its layers; the untied head (lm_head) on the last stage, wte on the first;
+* cp: the prompt's prefill split in chunks (zig-zag or contiguous), ring attention passing
+  NKV heads, the rotary tables at each token's global position; decoded tokens kept round
+  robin over the cp ranks;
+* dp: the prompts split over the dp ranks.
+
+The cache of a rank holds its layers, its key/value heads and its tokens:
+2 L_stage B_dp T_cp max(NKV/tp, 1) HS w bytes. Sampling (temperature, top-k, top-p with
+the seeded generator GPT-2's uses), a paged cache (--kv-block-size) and --no-kv-cache come
+with the Decoder. Refused, with the reason, on every rank before any work: ep (Mixtral's
+experts are not split by the decoder), continuous batching and the serving modes (their
+linears run row by row, GPT-2's Ops), a sharded --checkpoint and --device gpu.
 """
 
 from __future__ import annotations
@@ -19,23 +30,12 @@ import numpy as np
 
 from refmp.errors import ConfigError
 
-GPT2_ONLY = {"--pp": "pp", "--cp": "cp", "--dp": "dp", "--ep": "ep"}
 
-
-def check_llama_args(args: argparse.Namespace, world_size: int) -> None:
+def check_llama_args(args: argparse.Namespace) -> None:
     """Refuse what the Llama decoder does not do (pure: the same answer on every rank)."""
-    split = [f"{flag} {getattr(args, a)}" for flag, a in GPT2_ONLY.items()
-             if (getattr(args, a) or 1) > 1]
-    if split:
-        raise ConfigError(f"--init {args.init}: a Llama directory decodes on one rank or over "
-                          f"--tp ranks ({', '.join(split)} asked); generate's other layouts "
-                          f"split GPT-2's decoder")
-    if (args.tp or 1) != world_size:
-        raise ConfigError(f"--init {args.init}: a Llama directory decodes over --tp ranks, all "
-                          f"of them: --tp {args.tp or 1} on {world_size} ranks")
-    refused = {"--temperature": args.temperature != 0.0, "--top-k": args.top_k != 0,
-               "--top-p": args.top_p != 1.0, "--kv-block-size": args.kv_block_size is not None,
-               "--requests": args.requests is not None, "--checkpoint": args.checkpoint is not None,
+    refused = {f"--ep {args.ep}": (args.ep or 1) > 1,
+               "--requests": args.requests is not None,
+               "--checkpoint": args.checkpoint is not None,
                "--device gpu": args.device != "cpu"}
     from refmp.cli.serving import wanted
 
@@ -44,34 +44,38 @@ def check_llama_args(args: argparse.Namespace, world_size: int) -> None:
         refused[f"serving ({mode})"] = True
     bad = [k for k, v in refused.items() if v]
     if bad:
-        raise ConfigError(f"--init {args.init}: a Llama directory decodes greedily on the CPU "
-                          f"from the directory's weights; {', '.join(bad)} is for GPT-2")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        raise ConfigError(f"--init {args.init}: a Llama directory decodes on the CPU from the "
+                          f"directory's weights over tp, pp, cp and dp; {', '.join(bad)} is "
+                          f"for GPT-2 (expert parallelism, continuous batching and serving "
+                          f"run GPT-2's Ops)")
 
 
-def run_llama(args: argparse.Namespace, world_size: int) -> dict | None:
-    """Decode the prompts greedily (collective over the world); world rank 0 prints (or
-    --json) and returns the summary."""
+def run_llama(args: argparse.Namespace) -> dict | None:
+    """Decode the prompts (collective over the world); world rank 0 prints (or --json) and
+    returns the summary."""
     import os
 
     from refmp.checkpoint.hf_llama import load_llama
     from refmp.checkpoint.tokenizer import TextTokenizer, tokenizer_files
+    from refmp.cli.generate import check_fits
     from refmp.distributed.faults import agreed
     from refmp.distributed.grid import ProcessGrid
-    from refmp.inference.llama_decode import generate
+    from refmp.inference.decoder import Decoder
+    from refmp.inference.generate import generate
+    from refmp.inference.sampling import Sampler
     from refmp.inference.sources import read_prompts
-    from refmp.nn.llama import Llama
     from refmp.parallel.tensor import llama as TPL
 
-    check_llama_args(args, world_size)
-    grid = ProcessGrid(tp=world_size)
-    world, tp = grid.world, grid.comm["tp"]
+    check_llama_args(args)
+    grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp)
+    world = grid.world
+    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     cfg, params = agreed(world, lambda: load_llama(args.init, args.dtype))
-    agreed(world, lambda: TPL.check_tp(cfg, tp.size))
+    agreed(world, lambda: TPL.check_tp(cfg, grid.sizes["tp"]))
     folder = args.tokenizer or args.init
     tok = TextTokenizer(folder) if args.prompt and tokenizer_files(folder) else None
     prompts = agreed(world, lambda: read_prompts(args.prompts, args.prompt, tok, cfg.vocab_size))
+    check_fits(args, cfg, grid.sizes, prompts)
     if len({len(p) for p in prompts}) > 1:
         raise ConfigError(f"prompts of different lengths {sorted({len(p) for p in prompts})}")
     T0 = len(prompts[0])
@@ -79,16 +83,21 @@ def run_llama(args: argparse.Namespace, world_size: int) -> dict | None:
     if T0 + n - 1 > cfg.block_size:
         raise ConfigError(f"{T0} prompt tokens and --max-new-tokens {n} need {T0 + n - 1} "
                           f"positions; the model has {cfg.block_size}")
-    mine = {k: TPL.shard(k, v, cfg, tp.rank, tp.size) for k, v in params.items()}
-    ops = TPL.TensorOps(cfg, tp) if tp.size > 1 else None
-    tokens, steps, cache = generate(Llama(cfg, mine), np.array(prompts, dtype=np.int64), n,
-                                    args.kv_cache, ops)
-    kv = world.allgather_obj(cache.nbytes)
+    dec = Decoder(cfg, params, grid, args.cp_balance)
+    del params  # the Decoder keeps this rank's share
+    ids = np.array_split(np.arange(len(prompts)), grid.sizes["dp"])[grid.coords["dp"]]
+    mine = np.array(prompts, dtype=np.int64)[ids]
+    res = generate(dec, mine, n, sampler, ids, args.kv_cache, args.kv_block_size)
+    holder = dec.last and grid.coords["tp"] == 0 and grid.coords["cp"] == 0
+    got = world.allgather_obj((ids, res.tokens, res.logits) if holder else None)
+    kv = world.allgather_obj(res.kv_cache_bytes)
     if world.rank != 0:
         return None
-    logits = np.stack(steps, axis=1)  # (B, N, V), the same on every tp rank
+    parts = sorted((g for g in got if g is not None), key=lambda g: g[0][0])
+    tokens = np.concatenate([g[1] for g in parts])  # (B, T0 + n)
+    logits = np.concatenate([g[2] for g in parts])  # (B, n, V)
     summary = {"new_tokens": tokens[:, T0:].tolist(), "kv_cache_bytes": kv,
-               "model": "llama", "n_kv_head": cfg.n_kv_head, "tp": tp.size}
+               "model": "llama", "n_kv_head": cfg.n_kv_head, "layout": grid.sizes}
     if tok is not None:
         summary["texts"] = [tok.decode(t) for t in summary["new_tokens"]]
     if args.save_tokens:
@@ -100,4 +109,5 @@ def run_llama(args: argparse.Namespace, world_size: int) -> dict | None:
     else:
         for j, new in enumerate(summary.get("texts", summary["new_tokens"])):
             print(f"[{j}] {os.path.basename(args.init)} -> {new!r}", flush=True)
+        print(f"KV cache bytes per rank {kv}", flush=True)
     return summary

@@ -1,7 +1,8 @@
 """The attention core of a decoder call, and the Ops that run a call's linears row by row.
 
 Shapes: B rows (requests) on this rank, t tokens of one call (the prompt's Tl = T0/cp in a
-prefill, 1 in a decode step), NH heads here (n_head/tp), HS head size, C channels.
+prefill, 1 in a decode step), NH heads here (n_head/tp), NKV the key/value heads the cache
+keeps (NH for GPT-2; fewer under grouped-query attention), HS head size, C channels.
 
 A Decoder call (refmp.inference.decoder) runs its stage's blocks through the Ops training
 builds, with one piece swapped: the attention core, :class:`CachedAttention`, which appends
@@ -24,6 +25,7 @@ import numpy as np
 from refmp.distributed.comm import Comm
 from refmp.nn import blockwise as BW
 from refmp.nn import fast as L  # refmp.nn.layers' formulas, run fast (refmp.nn.fast)
+from refmp.nn.llama_layers import repeat_kv
 from refmp.parallel.context.ring import RingAttention
 from refmp.runtime.backend import array_module
 
@@ -61,6 +63,16 @@ class CachedAttention:
             call.cache.append_rows(self.layer, call.slots, k, v)
             return out, None
         q, k, v = qkv.reshape(B, 1, 3, n_head, hs).transpose(2, 0, 3, 1, 4)  # (B, NH, 1, HS)
+        y = self.decode(q, k, v)  # (B, NH, 1, HS)
+        return y.transpose(0, 2, 1, 3).reshape(B, 1, n_head * hs), None  # (B, 1, C/tp)
+
+    def decode(self, q, k, v):
+        """One decode step on heads: the new token's q (B, NH, 1, HS) over every cached key,
+        its k, v (B, NKV, 1, HS) appended where this cp rank keeps them. NKV = NH, or fewer
+        (grouped-query attention: query head h reads cached head h // (NH/NKV)). Returns
+        y (B, NH, 1, HS), the cp ranks' partial attentions merged."""
+        call = self.call
+        B, n_head, _, hs = q.shape
         together = min(call.slots) >= 0 and len(set(call.owns.tolist())) == 1 and \
             call.cache.equal(call.slots)  # a batch of equal prompts
         y, lse = self._rows(q, k, v) if together else self._row_by_row(q, k, v)
@@ -72,7 +84,7 @@ class CachedAttention:
             y, lse = got[0, ..., :hs], got[0, ..., hs]
             for r in range(1, cp.size):
                 y, lse = BW.attention_merge(y, lse, got[r, ..., :hs], got[r, ..., hs])
-        return y.transpose(0, 2, 1, 3).reshape(B, 1, n_head * hs), None  # (B, 1, C/tp)
+        return y
 
     def _rows(self, q, k, v):
         """Every row at once (rows of equal lengths, all kept here or none): y (B, NH, 1, HS)
@@ -81,8 +93,10 @@ class CachedAttention:
         own = bool(call.owns[0])
         if own:  # this rank keeps the new tokens' k, v (round robin over cp)
             call.cache.append_rows(i, call.slots, k, v)
-        kc, vc = call.cache.view_rows(i, call.slots, extra=int(own))  # (B, NH, n, HS)
-        return BW.attention_block_forward(q, kc, vc, 1.0 / math.sqrt(q.shape[-1]))
+        kc, vc = call.cache.view_rows(i, call.slots, extra=int(own))  # (B, NKV, n, HS)
+        r = q.shape[1] // kc.shape[1]
+        return BW.attention_block_forward(q, grouped(kc, r), grouped(vc, r),
+                                          1.0 / math.sqrt(q.shape[-1]))
 
     def _row_by_row(self, q, k, v):
         """One row at a time: rows of other lengths, free slots (-1) skipped."""
@@ -97,10 +111,17 @@ class CachedAttention:
             own = bool(call.owns[b])
             if own:  # this rank keeps the new token's k, v (round robin over cp)
                 call.cache.append(i, slot, k[b], v[b])
-            kc, vc = call.cache.view(i, slot, extra=int(own))  # (NH, n, HS)
-            y[b], lse[b] = BW.attention_block_forward(q[b : b + 1], kc[None], vc[None],
-                                                      1.0 / math.sqrt(hs))
+            kc, vc = call.cache.view(i, slot, extra=int(own))  # (NKV, n, HS)
+            r = n_head // kc.shape[0]
+            y[b], lse[b] = BW.attention_block_forward(q[b : b + 1], grouped(kc[None], r),
+                                                      grouped(vc[None], r), 1.0 / math.sqrt(hs))
         return y, lse
+
+
+def grouped(kv, r: int):
+    """Cached keys or values (B, NKV, n, HS) for NH = NKV r query heads: each head r times
+    (refmp.nn.llama_layers.repeat_kv); as they are when r is 1 (multi-head attention)."""
+    return kv if r == 1 else repeat_kv(kv, r)
 
 
 class RowByRow:

@@ -1,5 +1,7 @@
 """The decoder: prefill and KV-cached decode steps of GPT-2 on any layout, pp x dp x cp x tp
-with experts, through the same block (refmp.nn.gpt.block_forward) and Ops as training.
+with experts, through the same block (refmp.nn.gpt.block_forward) and Ops as training; and
+of a Llama-family model on pp x dp x cp x tp, whose pieces (block, Ops, shards, cached core,
+head) the model's family gives (refmp.inference.families; refmp.nn.llama's block).
 
 Shapes: B rows (requests) on this rank, T0 prompt tokens, t tokens of one call (T0 in the
 prefill, 1 in a decode step), Tl = T0/cp prompt tokens per cp rank, C channels, NH = n_head/tp
@@ -39,7 +41,6 @@ Messages of one decode step, B rows on a dp rank, w bytes per element, L blocks 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
@@ -47,17 +48,13 @@ from mpi4py import MPI
 
 from refmp.distributed.grid import ProcessGrid
 from refmp.distributed.waiting import wait
-from refmp.inference.attention import CachedAttention, Call, RowByRow
+from refmp.inference.attention import Call
 from refmp.inference.cache import KVCache, PagedKVCache
-from refmp.nn import gpt
+from refmp.inference.families import family_of
 from refmp.parallel.context.chunks import SequenceChunks
-from refmp.parallel.context.ring import RingAttention
-from refmp.parallel.expert import ExpertDispatch
-from refmp.parallel.ops import make_ops
 from refmp.parallel.pipeline.partition import rank_chunks
 from refmp.parallel.pipeline.schedules import ChunkPlacement
-from refmp.parallel.placement import held_indices, padded_vocab, shards_held
-from refmp.parallel.tensor import vocab
+from refmp.parallel.placement import padded_vocab
 from refmp.runtime import backend
 from refmp.runtime.backend import array_module
 
@@ -107,28 +104,23 @@ class Decoder:
         self.first = 0 in self.chunks  # embeds the tokens
         self.last = S - 1 in self.chunks  # the head: picks the tokens
         self.last_rank = self.placed.rank(S - 1)
+        self.family = family_of(mcfg)  # GPT-2's pieces or the Llama family's
         self.params = self._shards(weights, dtype)  # as the engine's (refmp.parallel.placement)
         self.dtype = next(iter(self.params.values())).dtype
-        self.nh = mcfg.n_head // self.tp.size  # heads here
+        self.nh = self.family.cache_heads(self.tp)  # key/value heads the cache keeps here
         # experts: every token to its top-k (no capacity limit unless asked), over ep if split
-        dispatch = ExpertDispatch(self.ep, mcfg.n_expert) if self.ep.size > 1 else None
-        routing = mcfg if capacity else dataclasses.replace(mcfg, capacity_factor=0.0)
-        self.moe = routing.moe_context(None, dispatch) if mcfg.n_expert else None
+        self.moe = self.family.moe(self.ep, capacity)
         self.cache = None  # this rank's KV cache: new_cache makes it, each call fills it
 
     def _shards(self, weights, dtype) -> dict:
         """This rank's tp shard of every parameter it holds: read slice by slice from a
-        Source, cut from the whole model (a dict), or, given a Mapping that is not a dict,
-        the caller's own shards, taken as they are (evaluation's: refmp.training.evaluate)."""
+        Source, cut from the whole model (a dict) by the family, or, given a Mapping that is
+        not a dict, the caller's own shards, taken as they are (evaluation's:
+        refmp.training.evaluate)."""
         if isinstance(weights, Mapping) and not isinstance(weights, dict):
             return weights
-        if isinstance(weights, dict):
-            held = shards_held(weights, self.blocks, self.first, self.last, self.tp, self.ep,
-                               self.mcfg.n_expert)
-            return held if dtype is None else {k: v.astype(dtype) for k, v in held.items()}
-        want = held_indices(gpt.param_shapes(self.mcfg), self.blocks, self.first, self.last,
-                            self.tp, self.ep, self.mcfg.n_expert)
-        return {k: backend.from_host(weights.read(k, index, dtype)) for k, index in want.items()}
+        return self.family.shards(weights, self.blocks, self.first, self.last, self.tp,
+                                  self.ep, dtype)
 
     def new_cache(self, S: int, tokens: int, block_size: int | None = None):
         """A new cache of this rank's layers and heads for S slots of ``tokens`` each, which
@@ -180,7 +172,7 @@ class Decoder:
         owns = None  # decode: whether this cp rank keeps each row's new token
         if prefill and cp.size > 1:  # my chunks of every prompt (SequenceChunks), ring attention
             chunks = SequenceChunks(t, cp.size, self.cp_balance)
-            ring = RingAttention(cp, chunks)
+            ring = self.family.ring(cp, chunks)
             held = chunks.positions(cp.rank)
         if not prefill:
             owns = np.array([self.owner(j) == cp.rank for j in decoded])
@@ -193,16 +185,14 @@ class Decoder:
         x = None
         for c, blocks in self.chunks.items():  # in model order
             if c == 0:
-                p = {k: self.params[k] for k in ("wte.weight", "wpe.weight")}
-                x, _ = ops.embed(p, ids if not prefill or cp.size == 1 else ids[:, where])  # (B, t, C)
+                x = self.family.embed(ops, self.params,
+                                      ids if not prefill or cp.size == 1 else ids[:, where])  # (B, t, C)
             elif c - 1 not in self.chunks:  # the chunk before ran on another rank
                 x = self.pp.recv((B, t_here, self.mcfg.n_embd), self.dtype,
                                  self.placed.rank(c - 1), TAG_ACT)
-            for i in blocks:
-                block_ops = self._ops(where, CachedAttention(call, i))
-                p = gpt.block_params(self.params, i)
-                x, _ = gpt.block_forward(p, x, RowByRow(block_ops) if rows_apart else block_ops,
-                                         self.moe if self.mcfg.is_moe(i) else None)
+            for i in blocks:  # each block's Ops around the cached attention of its layer
+                block_ops = self._ops(where, self.family.core(call, i))
+                x = self.family.block(self.params, i, x, block_ops, self.moe, rows_apart)
             if c + 1 in self.chunks or c == self.placed.pp * self.placed.v - 1:
                 continue  # the next chunk is this rank's, or this was the last
             x = array_module(x).ascontiguousarray(x)
@@ -226,22 +216,17 @@ class Decoder:
         return self._logits(ops, x_last, rows_apart)
 
     def _ops(self, positions, attn=None):
-        """The Ops of this layout (make_ops, as training's) for tokens at ``positions``,
+        """The Ops of this layout (the family's, as training's) for tokens at ``positions``,
         around the attention core ``attn`` (None: the serial core)."""
-        return make_ops(self.mcfg.n_head, self.mcfg.vocab_size, self.tp, attn=attn,
-                        positions=positions)
+        return self.family.ops(self.tp, positions, attn)
 
     def _logits(self, ops, x_last, rows_apart: bool = False):
-        """The full logits (B, V) of x_last (B, 1, C): the Ops' head (ln_f, the tied head),
-        and with tp the all-gather of the vocabulary shards."""
+        """The full logits (B, V) of x_last (B, 1, C): the family's head (GPT-2's ln_f and
+        tied head, with tp the all-gather of the vocabulary shards)."""
         if rows_apart and len(x_last) > 1:
             rows = [self._logits(ops, x_last[i : i + 1]) for i in range(len(x_last))]
             return array_module(x_last).concatenate(rows)
-        p = {k: self.params[k] for k in ("ln_f.weight", "ln_f.bias", "wte.weight")}
-        logits, _ = ops.head(p, x_last)  # (B, 1, V); with tp my shard (B, 1, Vl)
-        if self.tp.size == 1:
-            return logits[:, 0]  # (B, V)
-        return vocab.gather_logits(logits[:, 0], self.tp, self.mcfg.vocab_size)  # (B, V)
+        return self.family.logits(ops, self.params, x_last, self.tp)  # (B, V)
 
     # --- the pipeline's token hand-back ---------------------------------------------------
 
