@@ -57,6 +57,10 @@ class ParallelConfig:
     dp: int | None = flag(None, "data-parallel ranks (default: world size / (pp*cp*tp))", kind=int, plan={})
     cp: int = flag(1, "context-parallel ranks (%(default)s)", plan={})
     ep: int = flag(1, "expert-parallel ranks, carved from the dp x cp ranks (%(default)s)", plan={})
+    etp: int = flag(0, "MoE parallel folding: the experts get their own grid over a stage's tp x cp x dp "
+                       "ranks, each expert split over --etp ranks like the MLP (c_fc columns, c_proj "
+                       "rows) and --ep of them from any of those ranks (tp included); 0: experts whole "
+                       "and copied over tp, ep carved from dp x cp (%(default)s)", plan={})
     zero: int = flag(0, "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters (0: "
                         "plain data parallel)", choices=(0, 1, 2, 3), plan={})
     sequence_parallel: bool = flag(False, "with --tp: shard LayerNorms and residuals along the sequence",
@@ -142,8 +146,11 @@ class ParallelConfig:
 
 
 def check_sizes(world_size: int, pp: int = 1, dp: int | None = None, cp: int = 1, tp: int = 1,
-                ep: int = 1) -> dict[str, int]:
-    """Validate the layout's axis sizes and return them (dp filled in when None)."""
+                ep: int = 1, etp: int = 0) -> dict[str, int]:
+    """Validate the layout's axis sizes and return them (dp filled in when None; ``etp`` 0:
+    no folding, refmp.distributed.grid)."""
+    if etp < 0:
+        raise ConfigError(f"--etp must be 0 (experts copied over tp) or at least 1, got {etp}")
     for name, v in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
         if v < 1:
             raise ConfigError(f"--{name} must be at least 1, got {v}")
@@ -162,10 +169,14 @@ def check_sizes(world_size: int, pp: int = 1, dp: int | None = None, cp: int = 1
             f"{world_size} MPI processes; launch with `mpiexec -n {pp * dp * cp * tp}` "
             f"or change the sizes"
         )
-    if (dp * cp) % ep:
+    if etp and (dp * cp * tp) % (ep * etp):
+        raise ConfigError(f"--ep x --etp ({ep} x {etp}) must divide a stage's ranks, "
+                          f"tp * cp * dp ({tp} * {cp} * {dp}): the experts' grid folds over them")
+    if not etp and (dp * cp) % ep:
         raise ConfigError(f"--ep ({ep}) must divide dp * cp ({dp} * {cp}): experts are carved "
                           f"from the data- and context-parallel ranks")
-    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
+    sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
+    return {**sizes, "etp": etp} if etp else sizes
 
 
 @dataclass

@@ -81,6 +81,35 @@ class Comm(HostValues):
         return self._out_of_place("reduce_scatter", buf.nbytes, lambda send, recv: (
             self.mpi.Ireduce_scatter_block(send, recv, op=op)), buf, out)
 
+    def allgatherv(self, buf, rows):
+        """Concatenate every rank's ``buf`` along axis 0, rank j's ``rows[j]`` rows (host ints,
+        the same list on every rank). Ledger: the result's bytes, as :meth:`allgather`."""
+        xp = backend.array_module(buf)
+        row = int(np.prod(buf.shape[1:], dtype=np.int64))
+        counts = np.asarray(rows, dtype=np.int64) * row
+        if len(counts) != self.size or counts[self.rank] != buf.size:
+            raise ValueError(f"allgatherv on {self.axis}: rows {list(rows)} do not fit "
+                             f"{self.size} ranks and {buf.shape} here")
+        out = xp.empty((int(sum(rows)),) + buf.shape[1:], dtype=buf.dtype)
+        displ = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        return self._out_of_place("allgatherv", out.nbytes, lambda s, r: (
+            self.mpi.Iallgatherv(s, [r, (counts, displ)])), buf, out)
+
+    def reduce_scatterv(self, buf, rows):
+        """Sum ``buf`` over ranks and return this rank's block of axis 0: rank j's is the
+        ``rows[j]`` rows after those of ranks < j (host ints, the same on every rank).
+        Ledger: the send buffer's bytes, as :meth:`reduce_scatter`."""
+        xp = backend.array_module(buf)
+        row = int(np.prod(buf.shape[1:], dtype=np.int64))
+        counts = np.asarray(rows, dtype=np.int64) * row
+        if len(counts) != self.size or counts.sum() != buf.size:
+            raise ValueError(f"reduce_scatterv on {self.axis}: rows {list(rows)} do not fit "
+                             f"{self.size} ranks and {buf.shape}")
+        out = xp.empty((int(rows[self.rank]),) + buf.shape[1:], dtype=buf.dtype)
+        op = mpi_op("sum", buf.dtype)
+        return self._out_of_place("reduce_scatterv", buf.nbytes, lambda s, r: (
+            self.mpi.Ireduce_scatter(s, r, counts, op=op)), buf, out)
+
     def alltoall(self, buf):
         """Block j of ``buf`` (axis 0 in ``size`` equal blocks) goes to rank j; block j of the
         result came from rank j (with axis 0 == size: ``buf[j]`` goes to rank j). Ledger: the

@@ -14,6 +14,16 @@ ranks holding the same experts, which sum their gradients) is the rest of dp x c
 
 Non-expert weights stay replicated over all of dp x cp.
 
+MoE parallel folding (``etp`` >= 1; Liu et al. 2025): the experts get a grid of their own over
+the n = tp cp dp ranks of a pipeline stage, numbered in attention's order
+l = (dp_i cp + cp_i) tp + tp_i and refolded with etp fastest, then ep, then edp:
+
+    etp rank = l % etp,   ep rank = (l // etp) % ep,   edp rank = l // (etp ep)
+
+so ep may span tp and cp ranks (tp 2 x ep 4 on 4 ranks: four ranks, four different experts)
+and each expert is split over its etp ranks (refmp.parallel.folding). Without folding
+``grid.comm["etp"]`` is this rank alone.
+
 On several nodes (``nodes``, refmp.distributed.topology) a group's ledger label says whether
 it stays inside a node or crosses between nodes: ``dp[inter]``.
 
@@ -46,10 +56,11 @@ class ProcessGrid:
     """
 
     def __init__(self, world: MPI.Comm | None = None, *, pp: int = 1, dp: int | None = None,
-                 cp: int = 1, tp: int = 1, ep: int = 1):
+                 cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 0):
         world = MPI.COMM_WORLD if world is None else world
         self.mpi = world
-        self.sizes = check_sizes(world.Get_size(), pp, dp, cp, tp, ep)
+        self.sizes = check_sizes(world.Get_size(), pp, dp, cp, tp, ep, etp)
+        self.folded = etp > 0
         self.ledger = Ledger()
         self.recorder = for_new_grid()
         self.nodes = topology.node_ids(world)  # each world rank's node (MPI's shared memory)
@@ -58,12 +69,28 @@ class ProcessGrid:
         self.coords = self.coords_of(self.rank)
         self._groups: dict[tuple[str, ...], Comm] = {}
         self.comm: dict[str, Comm] = {axis: self.group(axis) for axis in AXES}
+        if self.folded:
+            self._fold(etp)
+            return
         # ep / edp: carved from the dp x cp ranks of this (pp, tp) slice (module docstring)
         ep_size, n = self.sizes["ep"], world.Get_size()
         f = self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
         base = self.rank_of(**{**self.coords, "dp": 0, "cp": 0})  # names the (pp, tp) slice
         self.comm["ep"] = self._comm(world.Split(base + (f // ep_size) * n, f % ep_size), "ep")
         self.comm["edp"] = self._comm(world.Split(base + (f % ep_size) * n, f // ep_size), "edp")
+        self.comm["etp"] = self._comm(world.Split(self.rank, 0), "etp")  # this rank alone
+
+    def _fold(self, etp: int) -> None:
+        """The experts' etp, ep and edp groups over this stage's ranks (module docstring):
+        each Split's colour is the world rank of the group's first member."""
+        ep, r = self.sizes["ep"], self.rank
+        first = self.rank_of(pp=self.coords["pp"])  # the stage's first rank
+        steps = {"etp": 1, "ep": etp, "edp": etp * ep}  # l distance between group neighbours
+        index = {"etp": (r - first) % etp, "ep": (r - first) // etp % ep,
+                 "edp": (r - first) // (etp * ep)}
+        for axis in ("etp", "ep", "edp"):
+            colour = r - index[axis] * steps[axis]
+            self.comm[axis] = self._comm(self.mpi.Split(colour, index[axis]), axis)
 
     def group(self, *axes: str) -> Comm:
         """The ranks that differ from this one only along ``axes`` (cached; collective the
@@ -110,4 +137,5 @@ class ProcessGrid:
         return ((pp * s["dp"] + dp) * s["cp"] + cp) * s["tp"] + tp
 
     def describe(self) -> str:
-        return " x ".join(f"{a}={self.sizes[a]}" for a in ("pp", "dp", "cp", "tp", "ep"))
+        axes = ("pp", "dp", "cp", "tp", "ep", "etp") if self.folded else ("pp", "dp", "cp", "tp", "ep")
+        return " x ".join(f"{a}={self.sizes[a]}" for a in axes)

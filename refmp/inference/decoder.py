@@ -52,7 +52,7 @@ from refmp.inference.cache import KVCache, PagedKVCache
 from refmp.nn import gpt
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.ring import RingAttention
-from refmp.parallel.expert import ExpertDispatch
+from refmp.parallel.folding import dispatch_for
 from refmp.parallel.ops import make_ops
 from refmp.parallel.pipeline.partition import rank_chunks
 from refmp.parallel.pipeline.schedules import ChunkPlacement
@@ -111,7 +111,7 @@ class Decoder:
         self.dtype = next(iter(self.params.values())).dtype
         self.nh = mcfg.n_head // self.tp.size  # heads here
         # experts: every token to its top-k (no capacity limit unless asked), over ep if split
-        dispatch = ExpertDispatch(self.ep, mcfg.n_expert) if self.ep.size > 1 else None
+        dispatch = dispatch_for(grid if "ep" in axes else alone, mcfg.n_expert, False)
         routing = mcfg if capacity else dataclasses.replace(mcfg, capacity_factor=0.0)
         self.moe = routing.moe_context(None, dispatch) if mcfg.n_expert else None
         self.cache = None  # this rank's KV cache: new_cache makes it, each call fills it

@@ -40,7 +40,8 @@ from refmp.parallel.data.compress import make_codecs
 from refmp.parallel.data.hierarchical import HierarchicalComm, check_nodes
 from refmp.parallel.data.hsdp import shard_groups
 from refmp.parallel.data.sharder import Sharder
-from refmp.parallel.expert import ExpertDispatch, SequenceSplit
+from refmp.parallel.expert import SequenceSplit
+from refmp.parallel.folding import dispatch_for
 from refmp.parallel.fp8 import apply_fp8
 from refmp.parallel.ops import MEGATRON, make_ops
 from refmp.parallel.pipeline.asynchronous import ASYNC_EXECUTORS
@@ -53,6 +54,7 @@ from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.placement import (
     ShardReader,
     counts_in_norm,
+    gather_etp,
     gather_experts,
     gather_tp,
     held_shards,
@@ -95,7 +97,7 @@ def build_sharder(local: ShardReader, grid, layout: ParallelConfig, seed: int) -
         check_nodes(grid.sizes, grid.nodes, ("dp", "cp"))
         dense = HierarchicalComm(dense, grid.nodes)
     units = units_of(local.shapes)
-    groups = {u: edp if "edp" in place(names[0], False).reduce else dense
+    groups = {u: edp if "edp" in place(names[0], False, grid.folded).reduce else dense
               for u, names in units.items()}
     compute, grad_dtype = mixed_dtypes(layout)  # None, None without --mixed-precision
     codec, gather = make_codecs(layout, seed)
@@ -119,8 +121,8 @@ def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list
     tp with SP), the ranks its MoE rules gather over (SequenceSplit)."""
     if not mcfg.n_expert:
         return None
-    ep, tp = grid.comm["ep"], grid.comm["tp"]
-    dispatch = ExpertDispatch(ep, mcfg.n_expert, compute) if ep.size > 1 else None
+    tp = grid.comm["tp"]
+    dispatch = dispatch_for(grid, mcfg.n_expert, sp, compute)  # folding's, or ep's
     seq = None
     if grid.sizes["cp"] > 1 or sp:
         n = tp.size if sp else 1  # with SP each cp part is split again over tp
@@ -154,6 +156,7 @@ class Engine:
         self.tp = grid.comm["tp"]
         self.pp = grid.comm["pp"]
         self.ep = grid.comm["ep"]
+        self.etp = grid.comm["etp"]  # this rank alone without folding
         self.sp = layout.sequence_parallel
         self.microbatches = layout.microbatches
         keep_scores = layout.recompute == "none"  # selective / full: the softmax is not kept
@@ -185,11 +188,11 @@ class Engine:
         self.actions = partial(self.schedule.actions, self.pp.size, self.microbatches,
                                self.pp.rank, self.v)
         # SP: the pieces every tp rank saw a part of the tokens for (their gradients are partial)
-        self.partial_over_tp = {k for k in self.sharder.params
-                                if k in local.shapes and "tp" in place(k, self.sp).reduce}
-        coords = {**grid.coords, "edp": grid.comm["edp"].rank}
+        self.partial_over_tp = {k for k in self.sharder.params if k in local.shapes
+                                and "tp" in place(k, self.sp, grid.folded).reduce}
+        coords = {**grid.coords, "edp": grid.comm["edp"].rank, "etp": self.etp.rank}
         self.counts_in_norm = counts_in_norm(self.sharder.params, local.shapes, coords, self.sp,
-                                             self.sharder.partitions, self.first, self.last)
+                                             self.sharder.partitions, self.first, self.last, grid.folded)
         for k in self.sharder.counted_elsewhere():  # HSDP: each slice once, not per replica
             self.counts_in_norm[k] = False
         self.peak_activations = 0
@@ -339,7 +342,8 @@ class Engine:
         shapes = gpt.param_shapes(self.mcfg)
 
         def index(k: str):  # the shard's positions alone, never the whole tensor's
-            return positions(shapes[k], shard_index(k, shapes[k], self.tp.rank, self.tp.size))
+            return positions(shapes[k], shard_index(k, shapes[k], self.tp.rank, self.tp.size,
+                                                    self.etp.rank, self.etp.size))
 
         return self.sharder.owned_index(index)  # computed a unit at a time, as read
 
@@ -361,7 +365,7 @@ class Engine:
         return self._whole(self.sharder.full_local(grads=True))
 
     def _whole(self, local: dict) -> dict | None:
-        local = gather_tp(local, self.tp, self.mcfg.vocab_size)
+        local = gather_etp(gather_tp(local, self.tp, self.mcfg.vocab_size), self.etp)
         if self.mcfg.n_expert and self.ep.size > 1:
             local = gather_experts(local, self.ep, self.mcfg.n_expert)
         coords = self.grid.coords

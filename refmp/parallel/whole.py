@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from refmp.distributed.waiting import wait
 from refmp.nn import gpt
-from refmp.parallel.placement import gather_tp, unit_of
+from refmp.parallel.placement import gather_etp, gather_tp, unit_of
 from refmp.runtime import backend
 
 TAG = 32766  # the whole parameter to world rank 0
@@ -53,6 +53,7 @@ class ParamGatherer:
             self.kept = ((u, sh.step), unit)
             if sh.groups[u].rank == 0:  # one rank of the unit's group glues its tp pieces
                 out = gather_tp({name: unit[name]}, eng.tp, eng.mcfg.vocab_size)[name]
+                out = gather_etp({name: out}, eng.etp)[name]  # an expert's etp pieces (folding)
             del unit
         if sender != 0 and world.rank == sender:
             wait(world.send(xp.ascontiguousarray(out), 0, tag=TAG))
@@ -63,10 +64,12 @@ class ParamGatherer:
 
 def senders(engine) -> dict[str, tuple[int, int]]:
     """name -> (the first pp stage that holds it, the world rank that sends it from there:
-    tp rank 0 and rank 0 of its unit's group): one allgather_obj over the world."""
+    tp rank 0 (an expert with folding: etp rank 0) and rank 0 of its unit's group): one
+    allgather_obj over the world."""
     sh = engine.sharder
-    held = [(k, engine.tp.rank == 0 and sh.groups[u].rank == 0)
-            for u, unit in sh.units.items() for k in unit.shapes]
+    lead = engine.etp.rank == 0 if engine.grid.folded else engine.tp.rank == 0  # experts'
+    held = [(k, (lead if u.endswith(".experts") else engine.tp.rank == 0)
+             and sh.groups[u].rank == 0) for u, unit in sh.units.items() for k in unit.shapes]
     out: dict[str, tuple[int, int]] = {}
     for r, (pp, names) in enumerate(engine.grid.world.allgather_obj((engine.pp.rank, held))):
         for k, sends in names:
