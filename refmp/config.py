@@ -57,10 +57,6 @@ class ParallelConfig:
     dp: int | None = flag(None, "data-parallel ranks (default: world size / (pp*cp*tp))", kind=int, plan={})
     cp: int = flag(1, "context-parallel ranks (%(default)s)", plan={})
     ep: int = flag(1, "expert-parallel ranks, carved from the dp x cp ranks (%(default)s)", plan={})
-    etp: int = flag(0, "MoE parallel folding: the experts get their own grid over a stage's tp x cp x dp "
-                       "ranks, each expert split over --etp ranks like the MLP (c_fc columns, c_proj "
-                       "rows) and --ep of them from any of those ranks (tp included); 0: experts whole "
-                       "and copied over tp, ep carved from dp x cp (%(default)s)", plan={})
     zero: int = flag(0, "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters (0: "
                         "plain data parallel)", choices=(0, 1, 2, 3), plan={})
     sequence_parallel: bool = flag(False, "with --tp: shard LayerNorms and residuals along the sequence",
@@ -138,6 +134,10 @@ class ParallelConfig:
                             "products in the run's dtype; scales per tensor now (tensor), from an "
                             "amax history (delayed), or per 32 elements (mxfp8) (%(default)s)",
                     PRECISION, choices=("none", "tensor", "delayed", "mxfp8"), plan={})
+    etp: int = flag(0, "MoE parallel folding: the experts get their own grid over a stage's tp x cp x dp "
+                       "ranks, each expert split over --etp ranks like the MLP (c_fc columns, c_proj "
+                       "rows) and --ep of them from any of those ranks (tp included); 0: experts whole "
+                       "and copied over tp, ep carved from dp x cp (%(default)s)", plan={})
 
     def as_dict(self, sizes: dict[str, int] | None = None) -> dict:
         """The layout's fields, the axis sizes as a grid resolved them (``sizes``: dp filled

@@ -104,6 +104,19 @@ def padded_vocab(V: int, tp: int) -> int:
 # --- who holds what: the ownership rules (the engine, the memory estimate and the planner) ---
 
 
+def expert_coords(sizes: dict[str, int], coords: dict[str, int]) -> dict[str, int]:
+    """A rank's place on the experts' grid (refmp.distributed.grid), and the edp group's size:
+    without folding (no ``sizes["etp"]``) ep and edp from dp x cp; with it, etp, ep and edp
+    refolded from the stage's l = (dp_i cp + cp_i) tp + tp_i."""
+    ep, etp, cp, tp = sizes["ep"], sizes.get("etp", 0), sizes["cp"], sizes["tp"]
+    f = coords["dp"] * cp + coords["cp"]
+    if not etp:
+        return {"etp": 0, "ep": f % ep, "edp": f // ep, "edp_size": sizes["dp"] * cp // ep}
+    ell = f * tp + coords["tp"]
+    return {"etp": ell % etp, "ep": ell // etp % ep, "edp": ell // (etp * ep),
+            "edp_size": sizes["dp"] * cp * tp // (etp * ep)}
+
+
 def expert_owner(e: int, n_expert: int, ep: int) -> int:
     """The ep rank holding expert e: experts [r El, (r+1) El) on ep rank r (El = E/ep)."""
     return e // (n_expert // ep)
