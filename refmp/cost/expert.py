@@ -52,3 +52,22 @@ def folded_bytes(A: int, C: int, itemsize: int, E: int, calls: int, sizes: dict,
     if tp > 1 and not sp:
         out[("allgatherv", "tp")] = 2 * tp * A * C * itemsize
     return out
+
+
+def folded_per_step(tp: int, etp: int, sp: bool, calls: int, rows: float) -> dict[str, dict]:
+    """The planner's bytes of MoE parallel folding, one rank, one step, by axis and op, for
+    ``calls`` all-to-alls (4 per MoE layer and micro-batch, 6 with full recomputation) and
+    ``rows`` the bytes of a rank's tokens' assignments (K b Tl C c), with no dropping and
+    every rank receiving what it sends (R = Mt): folded_bytes' terms, per rank.
+
+        ep    alltoall         calls Mt,         Mt = rows / tp (tp's share, or SP's tokens)
+        etp   allgather        calls/2 etp Mt,   and reduce_scatter the same (etp > 1)
+        tp    allgather        calls/2 tp Mt     (without SP: the results and dx, whole again)
+    """
+    Mt = rows / tp
+    out = {"ep": {"alltoall": calls * Mt}}
+    if etp > 1:
+        out["etp"] = {"allgather": calls / 2 * etp * Mt, "reduce_scatter": calls / 2 * etp * Mt}
+    if tp > 1 and not sp:
+        out["tp"] = {"allgather": calls / 2 * tp * Mt}
+    return out
