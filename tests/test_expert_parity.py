@@ -306,6 +306,10 @@ BAD_EXPERTS = [
     (["--ep", "4", "--n-expert", "4"], "--ep (4) must divide dp * cp (2 * 1)"),
     (["--ep", "4", "--n-expert", "4", "--cp", "2", "--block-size", "8"],
      "--ep (4) must divide dp * cp (1 * 2)"),
+    (["--etp", "1"], "--etp 1 folds the experts' grid: it needs a mixture-of-experts model"),
+    (["--ep", "2", "--etp", "2", "--n-expert", "4"],
+     "--ep x --etp (2 x 2) must divide a stage's ranks, tp * cp * dp (1 * 1 * 2)"),
+    (["--etp", "-1", "--n-expert", "2"], "--etp must be 0 (experts copied over tp) or at least 1"),
 ]
 
 
@@ -322,6 +326,16 @@ def test_bad_expert_layouts_are_refused_on_every_rank(bad_experts_runs, args, me
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and r.stderr.count("error:") == 1, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_etp_must_divide_the_experts_hidden_size():
+    """check_layout, the pure rule every rank applies before any work: 4C = 32 over etp 3."""
+    from refmp.errors import ConfigError
+    from refmp.parallel.rules import check_layout
+
+    cfg = moe_config(3, 3, 1, 0.0, 6, 1, 0, etp=3, ep=1)
+    with pytest.raises(ConfigError, match=r"--etp 3 must divide the experts' hidden size 4C = 32"):
+        check_layout(cfg, gpt.GPTConfig(n_layer=2, n_head=2, n_embd=8, n_expert=3), 3)
 
 
 def test_cli_expert_parallel_run_saves_the_full_model_and_reports_stats(tmp_path):
