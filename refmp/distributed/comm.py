@@ -9,7 +9,8 @@ What every call does around MPI (the flight recorder's entry, staging device arr
 host memory, the polite wait) is :class:`refmp.distributed.transport.Transport`'s, so each
 method here says only which MPI call moves which bytes. The calls on small Python values
 (a loss, a count, an object every rank must agree on, a barrier) are
-:class:`refmp.distributed.host_values.HostValues`'.
+:class:`refmp.distributed.host_values.HostValues`'; those whose ranks give different numbers
+of rows, :class:`refmp.distributed.ragged.Ragged`'.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from mpi4py import MPI
 
 from refmp.distributed.host_values import HostValues
 from refmp.distributed.ledger import Ledger
+from refmp.distributed.ragged import Ragged
 from refmp.distributed.recorder import Recorder, for_new_grid
 from refmp.distributed.reductions import mpi_op, wire
 from refmp.distributed.waiting import sleep_until
 from refmp.runtime import backend
 
 
-class Comm(HostValues):
+class Comm(HostValues, Ragged):
     """An MPI communicator for one grid axis, with checked, counted, politely-waiting calls."""
 
     def __init__(self, mpi_comm: MPI.Comm, axis: str = "world", ledger: Ledger | None = None,
@@ -80,35 +82,6 @@ class Comm(HostValues):
         op = mpi_op("sum", buf.dtype)
         return self._out_of_place("reduce_scatter", buf.nbytes, lambda send, recv: (
             self.mpi.Ireduce_scatter_block(send, recv, op=op)), buf, out)
-
-    def allgatherv(self, buf, rows):
-        """Concatenate every rank's ``buf`` along axis 0, rank j's ``rows[j]`` rows (host ints,
-        the same list on every rank). Ledger: the result's bytes, as :meth:`allgather`."""
-        xp = backend.array_module(buf)
-        row = int(np.prod(buf.shape[1:], dtype=np.int64))
-        counts = np.asarray(rows, dtype=np.int64) * row
-        if len(counts) != self.size or counts[self.rank] != buf.size:
-            raise ValueError(f"allgatherv on {self.axis}: rows {list(rows)} do not fit "
-                             f"{self.size} ranks and {buf.shape} here")
-        out = xp.empty((int(sum(rows)),) + buf.shape[1:], dtype=buf.dtype)
-        displ = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        return self._out_of_place("allgatherv", out.nbytes, lambda s, r: (
-            self.mpi.Iallgatherv(s, [r, (counts, displ)])), buf, out)
-
-    def reduce_scatterv(self, buf, rows):
-        """Sum ``buf`` over ranks and return this rank's block of axis 0: rank j's is the
-        ``rows[j]`` rows after those of ranks < j (host ints, the same on every rank).
-        Ledger: the send buffer's bytes, as :meth:`reduce_scatter`."""
-        xp = backend.array_module(buf)
-        row = int(np.prod(buf.shape[1:], dtype=np.int64))
-        counts = np.asarray(rows, dtype=np.int64) * row
-        if len(counts) != self.size or counts.sum() != buf.size:
-            raise ValueError(f"reduce_scatterv on {self.axis}: rows {list(rows)} do not fit "
-                             f"{self.size} ranks and {buf.shape}")
-        out = xp.empty((int(rows[self.rank]),) + buf.shape[1:], dtype=buf.dtype)
-        op = mpi_op("sum", buf.dtype)
-        return self._out_of_place("reduce_scatterv", buf.nbytes, lambda s, r: (
-            self.mpi.Ireduce_scatter(s, r, counts, op=op)), buf, out)
 
     def alltoall(self, buf):
         """Block j of ``buf`` (axis 0 in ``size`` equal blocks) goes to rank j; block j of the

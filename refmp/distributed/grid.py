@@ -14,15 +14,8 @@ ranks holding the same experts, which sum their gradients) is the rest of dp x c
 
 Non-expert weights stay replicated over all of dp x cp.
 
-MoE parallel folding (``etp`` >= 1; Liu et al. 2025): the experts get a grid of their own over
-the n = tp cp dp ranks of a pipeline stage, numbered in attention's order
-l = (dp_i cp + cp_i) tp + tp_i and refolded with etp fastest, then ep, then edp:
-
-    etp rank = l % etp,   ep rank = (l // etp) % ep,   edp rank = l // (etp ep)
-
-so ep may span tp and cp ranks (tp 2 x ep 4 on 4 ranks: four ranks, four different experts)
-and each expert is split over its etp ranks (refmp.parallel.folding). Without folding
-``grid.comm["etp"]`` is this rank alone.
+With ``etp`` >= 1 the experts get a grid of their own over a stage's ranks, etp x ep x edp
+(MoE parallel folding: refmp.distributed.expert_grid); else ``comm["etp"]`` is this rank.
 
 On several nodes (``nodes``, refmp.distributed.topology) a group's ledger label says whether
 it stays inside a node or crosses between nodes: ``dp[inter]``.
@@ -39,6 +32,7 @@ from mpi4py import MPI
 from refmp.config import check_sizes
 from refmp.distributed import topology
 from refmp.distributed.comm import Comm
+from refmp.distributed.expert_grid import fold
 from refmp.distributed.ledger import Ledger
 from refmp.distributed.recorder import for_new_grid
 
@@ -69,8 +63,8 @@ class ProcessGrid:
         self.coords = self.coords_of(self.rank)
         self._groups: dict[tuple[str, ...], Comm] = {}
         self.comm: dict[str, Comm] = {axis: self.group(axis) for axis in AXES}
-        if self.folded:
-            self._fold(etp)
+        if self.folded:  # the experts' own etp, ep and edp groups
+            self.comm.update({a: self._comm(c, a) for a, c in fold(self, etp).items()})
             return
         # ep / edp: carved from the dp x cp ranks of this (pp, tp) slice (module docstring)
         ep_size, n = self.sizes["ep"], world.Get_size()
@@ -79,18 +73,6 @@ class ProcessGrid:
         self.comm["ep"] = self._comm(world.Split(base + (f // ep_size) * n, f % ep_size), "ep")
         self.comm["edp"] = self._comm(world.Split(base + (f % ep_size) * n, f // ep_size), "edp")
         self.comm["etp"] = self._comm(world.Split(self.rank, 0), "etp")  # this rank alone
-
-    def _fold(self, etp: int) -> None:
-        """The experts' etp, ep and edp groups over this stage's ranks (module docstring):
-        each Split's colour is the world rank of the group's first member."""
-        ep, r = self.sizes["ep"], self.rank
-        first = self.rank_of(pp=self.coords["pp"])  # the stage's first rank
-        steps = {"etp": 1, "ep": etp, "edp": etp * ep}  # l distance between group neighbours
-        index = {"etp": (r - first) % etp, "ep": (r - first) // etp % ep,
-                 "edp": (r - first) // (etp * ep)}
-        for axis in ("etp", "ep", "edp"):
-            colour = r - index[axis] * steps[axis]
-            self.comm[axis] = self._comm(self.mpi.Split(colour, index[axis]), axis)
 
     def group(self, *axes: str) -> Comm:
         """The ranks that differ from this one only along ``axes`` (cached; collective the
@@ -137,5 +119,4 @@ class ProcessGrid:
         return ((pp * s["dp"] + dp) * s["cp"] + cp) * s["tp"] + tp
 
     def describe(self) -> str:
-        axes = ("pp", "dp", "cp", "tp", "ep", "etp") if self.folded else ("pp", "dp", "cp", "tp", "ep")
-        return " x ".join(f"{a}={self.sizes[a]}" for a in axes)
+        return " x ".join(f"{a}={n}" for a, n in self.sizes.items())  # (etp with folding)
