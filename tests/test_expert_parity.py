@@ -34,6 +34,7 @@ from refmp.nn import moe as M
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.data.accumulate import dp_rows
 from refmp.parallel.expert import expert_index, is_expert
+from refmp.parallel.holdings import who_holds
 from refmp.training.datasets import Dataset, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -247,6 +248,12 @@ def test_moe_parallel_folding_equals_serial_and_its_formulas():
         per_expert = 2 * C * 4 * C // etp + 4 * C // etp + C
         bad.check(np.testing.assert_equal, held, n_moe * E // ep * per_expert,
                   err_msg=f"expert elements held {kw}")
+        row = who_holds(m, grid.sizes, par.T)[grid.rank]  # the guide's who-holds-what
+        mine = sorted({expert_index(k) for u in run.sharder.units.values() for k in u.shapes
+                       if is_expert(k)})
+        bad.check(np.testing.assert_equal, [row[a] for a in ("ep", "etp", "edp", "experts")],
+                  [grid.comm["ep"].rank, grid.comm["etp"].rank, grid.comm["edp"].rank, mine],
+                  err_msg=f"who_holds {kw}")
         got, est = par.memory(), estimate_memory(cfg, m, grid.sizes, grid.coords)
         for k in ("params", "grads", "optimizer"):
             bad.check(np.testing.assert_equal, est[k], got[k], err_msg=f"memory {k} {kw}")
