@@ -204,9 +204,9 @@ def test_moe_with_every_layout_equals_serial(layout, big_ep, K, cf, zero, microb
 
 FOLDINGS = [  # MoE parallel folding (--etp): the experts' own grid over each stage's ranks
     dict(tp=2, ep=4, etp=1),  # ep spans tp: four ranks, four different experts
-    dict(tp=2, ep=2, etp=2, zero=3, microbatches=2),  # each expert split over 2 ranks
+    dict(tp=2, ep=1, etp=2, zero=3, microbatches=2),  # split over 2 ranks, edp 2 (ZeRO-3)
     dict(pp=2, tp=2, ep=2, etp=1, schedule="1f1b", microbatches=2, zero=1),
-    dict(tp=2, ep=2, etp=2, sequence_parallel=True),  # SP: each rank dispatches its T/tp
+    dict(tp=2, ep=2, etp=2, sequence_parallel=True),  # etp 2 x ep 2; SP: each rank its T/tp
 ]
 
 
