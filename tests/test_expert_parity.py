@@ -226,8 +226,10 @@ class KeptWatch:
 def test_moe_parallel_folding_equals_serial_and_its_formulas():
     """Each folding trains as the serial model does (loss, gradients, weights every step);
     the world's ledger on ep, etp and tp equals folded_bytes of the run's kept assignments;
-    a rank holds E/ep experts of its MoE layers, each 1/etp of an expert but c_proj's bias,
-    and the memory estimate's state equals the engine's. Then a checkpoint saved in one
+    a rank holds E/ep experts of its MoE layers, each 1/etp of an expert but c_proj's bias;
+    --save's gatherer gives each parameter whole, as the gathered model; who_holds places
+    the rank as its grid does; the memory estimate's state equals the engine's. Then a
+    checkpoint saved in one
     folding resumes in another (the experts re-cut from 1 to 2 etp shards) as the serial
     run goes on."""
     world = MPI.COMM_WORLD
@@ -248,6 +250,12 @@ def test_moe_parallel_folding_equals_serial_and_its_formulas():
         per_expert = 2 * C * 4 * C // etp + 4 * C // etp + C
         bad.check(np.testing.assert_equal, held, n_moe * E // ep * per_expert,
                   err_msg=f"expert elements held {kw}")
+        whole, gather = run.full_params(), run.param_gatherer()  # --save's, name by name
+        whole = host(whole) if whole is not None else None  # world rank 0's
+        for k in gpt.param_shapes(m):
+            got = gather(k)
+            if whole is not None:
+                bad.check(np.testing.assert_array_equal, got, whole[k], err_msg=f"save {k}")
         row = who_holds(m, grid.sizes, par.T)[grid.rank]  # the guide's who-holds-what
         mine = sorted({expert_index(k) for u in run.sharder.units.values() for k in u.shapes
                        if is_expert(k)})
