@@ -134,6 +134,9 @@ class ParallelConfig:
                             "products in the run's dtype; scales per tensor now (tensor), from an "
                             "amax history (delayed), or per 32 elements (mxfp8) (%(default)s)",
                     PRECISION, choices=("none", "tensor", "delayed", "mxfp8"), plan={})
+    etp: int = flag(0, "MoE parallel folding: experts split over --etp ranks like the MLP, --ep x --etp "
+                       "folded over a stage's tp x cp x dp ranks (tp included); 0: experts whole, copied "
+                       "over tp, --ep carved from dp x cp (%(default)s)", plan={})
 
     def as_dict(self, sizes: dict[str, int] | None = None) -> dict:
         """The layout's fields, the axis sizes as a grid resolved them (``sizes``: dp filled
@@ -142,8 +145,10 @@ class ParallelConfig:
 
 
 def check_sizes(world_size: int, pp: int = 1, dp: int | None = None, cp: int = 1, tp: int = 1,
-                ep: int = 1) -> dict[str, int]:
-    """Validate the layout's axis sizes and return them (dp filled in when None)."""
+                ep: int = 1, etp: int = 0) -> dict[str, int]:
+    """Validate the layout's axis sizes and return them (dp filled in; etp with folding)."""
+    if etp < 0:
+        raise ConfigError(f"--etp must be 0 (experts copied over tp) or at least 1, got {etp}")
     for name, v in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
         if v < 1:
             raise ConfigError(f"--{name} must be at least 1, got {v}")
@@ -162,10 +167,13 @@ def check_sizes(world_size: int, pp: int = 1, dp: int | None = None, cp: int = 1
             f"{world_size} MPI processes; launch with `mpiexec -n {pp * dp * cp * tp}` "
             f"or change the sizes"
         )
-    if (dp * cp) % ep:
+    if etp and (dp * cp * tp) % (ep * etp):
+        raise ConfigError(f"--ep x --etp ({ep} x {etp}) must divide a stage's ranks, "
+                          f"tp * cp * dp ({tp} * {cp} * {dp}): the experts' grid folds over them")
+    if not etp and (dp * cp) % ep:
         raise ConfigError(f"--ep ({ep}) must divide dp * cp ({dp} * {cp}): experts are carved "
                           f"from the data- and context-parallel ranks")
-    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
+    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep, **({"etp": etp} if etp else {})}
 
 
 @dataclass

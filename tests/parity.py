@@ -21,7 +21,7 @@ from refmp.training.trainer import TrainConfig, Trainer
 TOL = dict(rtol=1e-9, atol=1e-12)  # float64: rounding only (sums in other orders)
 SERIAL_ONLY = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "microbatches",
                "schedule", "virtual_stages", "stage_layers", "cp_algo", "cp_balance",
-               "bucket_mb", "dp_reduce", "hpz_size", "cp_ulysses", "dp_shard")
+               "bucket_mb", "dp_reduce", "hpz_size", "cp_ulysses", "dp_shard", "etp")
 
 
 def serial_config(cfg: TrainConfig) -> TrainConfig:

@@ -5,11 +5,18 @@ rank (float64), and compares after every step the loss, the MoE aux loss and tok
 expert, the norm, the whole gradient and the whole model. Layouts: experts over ep ranks
 carved from dp x cp (ep2 x dp2, ep4), with and without dropping, top-1 and top-2, ZeRO 0-3
 and micro-batches; and MoE composed with tp (with and without sequence parallelism), with
-pipelines (1f1b, zb-h1) and with cp (a sequence's capacity rule spans its cp ranks). The
+pipelines (1f1b, zb-h1) and with cp (a sequence's capacity rule spans its cp ranks); MoE
+parallel folding (--etp: ep across tp ranks, experts split over etp, with pp, ZeRO and SP,
+and a checkpoint resumed in another folding). The
 check hook holds the all-to-all(v) bytes of every step against what the routing implies
 (alltoallv_bytes, from the serial model's routing on the same weights), and the dropped
 fraction against the capacity arithmetic.
 """
+
+import math
+import shutil
+import tempfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,15 +24,17 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import Mismatches, collective, mpiexec, refmp, refused_each
-from parity import assert_same_run
+from parity import TOL, assert_same_run, host, serial_config
 
-from refmp.cost.expert import alltoallv_bytes
+from refmp.cost.expert import alltoallv_bytes, folded_bytes
+from refmp.cost.memory import estimate_memory
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
 from refmp.nn import moe as M
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.data.accumulate import dp_rows
 from refmp.parallel.expert import expert_index, is_expert
+from refmp.parallel.holdings import who_holds
 from refmp.training.datasets import Dataset, get_batch
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -193,6 +202,97 @@ def test_moe_with_every_layout_equals_serial(layout, big_ep, K, cf, zero, microb
     check_moe_run(cfg, dataset(seed))
 
 
+FOLDINGS = [  # MoE parallel folding (--etp): the experts' own grid over each stage's ranks
+    dict(tp=2, ep=4, etp=1),  # ep spans tp: four ranks, four different experts
+    dict(tp=2, ep=1, etp=2, zero=3, microbatches=2),  # split over 2 ranks, edp 2 (ZeRO-3)
+    dict(pp=2, tp=2, ep=2, etp=1, schedule="1f1b", microbatches=2, zero=1),
+    dict(tp=2, ep=2, etp=2, sequence_parallel=True),  # etp 2 x ep 2; SP: each rank its T/tp
+]
+
+
+class KeptWatch:
+    """The parity run's check hook: the kept assignments A of every step (the routing
+    figures, summed over the world), what refmp.cost.expert.folded_bytes needs."""
+
+    def __init__(self):
+        self.A = 0
+
+    def __call__(self, par, s: int) -> None:
+        self.A += sum(map(sum, par.runner.stats["moe"]["tokens_per_expert"]))  # collective
+
+
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_moe_parallel_folding_equals_serial_and_its_formulas():
+    """Each folding trains as the serial model does (loss, gradients, weights every step);
+    the world's ledger on ep, etp and tp equals folded_bytes of the run's kept assignments;
+    a rank holds E/ep experts of its MoE layers, each 1/etp of an expert but c_proj's bias;
+    --save's gatherer gives each parameter whole, as the gathered model; who_holds places
+    the rank as its grid does; the memory estimate's state equals the engine's. Then a
+    checkpoint saved in one
+    folding resumes in another (the experts re-cut from 1 to 2 etp shards) as the serial
+    run goes on."""
+    world = MPI.COMM_WORLD
+    for kw in FOLDINGS:
+        cfg = replace(moe_config(4, 4, 2, 1.0, 8, 1, 5, **kw), steps=2)
+        watch = KeptWatch()
+        par = assert_same_run(cfg, dataset(5), check=watch)
+        grid, run, m, bad = par.grid, par.runner, par.mcfg, Mismatches()
+        C, E, ep, etp = m.n_embd, m.n_expert, grid.sizes["ep"], grid.sizes["etp"]
+        calls = m.n_layer * cfg.microbatches * cfg.steps  # every block is MoE (moe_every 1)
+        want = folded_bytes(watch.A, C, 8, E, calls, grid.sizes, cfg.sequence_parallel)
+        for (op, axis), nbytes in sorted(want.items()):
+            got = world.allreduce(grid.ledger.bytes(op, axis))
+            bad.check(np.testing.assert_equal, got, nbytes, err_msg=f"{op}@{axis} {kw}")
+        held = sum(math.prod(shape) for unit in run.sharder.units.values()
+                   for k, shape in unit.shapes.items() if is_expert(k))
+        n_moe = sum(m.is_moe(i) for c in run.stage.chunks.values() for i in c)
+        per_expert = 2 * C * 4 * C // etp + 4 * C // etp + C
+        bad.check(np.testing.assert_equal, held, n_moe * E // ep * per_expert,
+                  err_msg=f"expert elements held {kw}")
+        whole, gather = run.full_params(), run.param_gatherer()  # --save's, name by name
+        whole = host(whole) if whole is not None else None  # world rank 0's
+        for k in gpt.param_shapes(m):
+            got = gather(k)
+            if whole is not None:
+                bad.check(np.testing.assert_array_equal, got, whole[k], err_msg=f"save {k}")
+        row = who_holds(m, grid.sizes, par.T)[grid.rank]  # the guide's who-holds-what
+        mine = sorted({expert_index(k) for u in run.sharder.units.values() for k in u.shapes
+                       if is_expert(k)})
+        bad.check(np.testing.assert_equal, [row[a] for a in ("ep", "etp", "edp", "experts")],
+                  [grid.comm["ep"].rank, grid.comm["etp"].rank, grid.comm["edp"].rank, mine],
+                  err_msg=f"who_holds {kw}")
+        got, est = par.memory(), estimate_memory(cfg, m, grid.sizes, grid.coords)
+        for k in ("params", "grads", "optimizer"):
+            bad.check(np.testing.assert_equal, est[k], got[k], err_msg=f"memory {k} {kw}")
+        bad.assert_none(world)
+    resume_in_another_folding(world)
+
+
+def resume_in_another_folding(world) -> None:
+    """Save after step 1 on tp 2 x ep 4 (etp 1), resume on etp 2 x ep 2 with ZeRO 1: step 2's
+    loss and weights equal the serial run's."""
+    cfg = replace(moe_config(4, 4, 2, 1.0, 8, 1, 6, tp=2, ep=4, etp=1), steps=2)
+    ds, bad = dataset(6), Mismatches()
+    serial = Trainer(serial_config(cfg), grid=ProcessGrid(MPI.COMM_SELF), dataset=ds) \
+        if world.rank == 0 else None
+    losses = [serial.step()["loss"] for _ in range(2)] if serial is not None else None
+    first = Trainer(cfg, dataset=ds)
+    first.step()
+    d = world.bcast(tempfile.mkdtemp(prefix="refmp-etp-") if world.rank == 0 else None)
+    first.save_checkpoint(d)
+    second = Trainer(replace(cfg, ep=2, etp=2, zero=1, resume=d), dataset=ds)
+    loss = second.step()["loss"]
+    got = second.runner.full_params()
+    if serial is not None:
+        bad.check(np.testing.assert_allclose, loss, losses[1], **TOL, err_msg="resumed loss")
+        want = host(serial.runner.full_params())
+        for k, v in host(got).items():
+            bad.check(np.testing.assert_allclose, v, want[k], **TOL, err_msg=f"resumed {k}")
+        shutil.rmtree(d)
+    bad.assert_none(world)
+
+
 @pytest.mark.parallel(nprocs=3)  # 3: blocks of every size 0..2 between every pair
 @collective
 def test_comm_alltoallv_uneven_and_empty_blocks():
@@ -221,6 +321,10 @@ BAD_EXPERTS = [
     (["--ep", "4", "--n-expert", "4"], "--ep (4) must divide dp * cp (2 * 1)"),
     (["--ep", "4", "--n-expert", "4", "--cp", "2", "--block-size", "8"],
      "--ep (4) must divide dp * cp (1 * 2)"),
+    (["--etp", "1"], "--etp 1 folds the experts' grid: it needs a mixture-of-experts model"),
+    (["--ep", "2", "--etp", "2", "--n-expert", "4"],
+     "--ep x --etp (2 x 2) must divide a stage's ranks, tp * cp * dp (1 * 1 * 2)"),
+    (["--etp", "-1", "--n-expert", "2"], "--etp must be 0 (experts copied over tp) or at least 1"),
 ]
 
 
@@ -237,6 +341,16 @@ def test_bad_expert_layouts_are_refused_on_every_rank(bad_experts_runs, args, me
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and r.stderr.count("error:") == 1, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_etp_must_divide_the_experts_hidden_size():
+    """check_layout, the pure rule every rank applies before any work: 4C = 32 over etp 3."""
+    from refmp.errors import ConfigError
+    from refmp.parallel.rules import check_layout
+
+    cfg = moe_config(3, 3, 1, 0.0, 6, 1, 0, etp=3, ep=1)
+    with pytest.raises(ConfigError, match=r"--etp 3 must divide the experts' hidden size 4C = 32"):
+        check_layout(cfg, gpt.GPTConfig(n_layer=2, n_head=2, n_embd=8, n_expert=3), 3)
 
 
 def test_cli_expert_parallel_run_saves_the_full_model_and_reports_stats(tmp_path):

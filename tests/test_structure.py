@@ -92,6 +92,9 @@ SEAMS = {
     "refmp/cli/netns.py": ("leftovers", "finding and removing what a killed cluster left "
                                         "(stop_processes, leftovers, clean) into "
                                         "cli/netns_clean.py"),
+    "refmp/parallel/placement.py": ("tp_shard", "slicing a parameter and gluing it back "
+                                                "(tp_shard, tp_unshard, gather_tp, gather_etp, "
+                                                "gather_experts) into parallel/glue.py"),
     "refmp/parallel/engine.py": ("Engine.piece_index", "gathering the whole model (piece_index, "
                                                        "full_params, full_grads, _whole) into "
                                                        "parallel/gather.py"),

@@ -96,7 +96,8 @@ CODEC_LAYOUT = ("world", "pp", "dp", "cp", "tp", "ep", "schedule", "virtual_stag
 
 def codec_layout(layout: dict, dtype: str) -> dict:
     """What a codec's state belongs to: the ranks, what each holds, the codec, the dtype."""
-    return {**{k: layout[k] for k in CODEC_LAYOUT}, "dtype": dtype}
+    folded = {"etp": layout["etp"]} if layout.get("etp") else {}  # the experts' grid (folding)
+    return {**{k: layout[k] for k in CODEC_LAYOUT}, **folded, "dtype": dtype}
 
 
 def save(parts: Checkpointed, root: str, keep: int = 0) -> str:

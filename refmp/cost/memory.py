@@ -30,7 +30,7 @@ from refmp.nn.slices import BLOCK_BYTES
 from refmp.parallel.data.compress import compresses
 from refmp.parallel.pipeline.catalog import CATALOG, run_of_steps
 from refmp.parallel.pipeline.partition import rank_chunks
-from refmp.parallel.placement import padded_vocab
+from refmp.parallel.placement import expert_coords, padded_vocab
 
 
 def block_cache_elements(b: int, Tl: int, T: int, C: int, NH: int, tp: int = 1, sp: bool = False,
@@ -169,8 +169,9 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     S, r = pp * placed.v, coords["pp"]
     chunks = rank_chunks(mcfg, T, r, placed, cfg.stage_layers)
     stage_blocks = [i for c in chunks.values() for i in c]
-    ep_rank = (coords["dp"] * cp + coords["cp"]) % ep  # refmp.distributed.grid: ep carved from dp x cp
-    shapes = local_shapes(mcfg, tp, stage_blocks, 0 in chunks, S - 1 in chunks, ep, ep_rank)
+    ex = expert_coords(sizes, coords)  # refmp.distributed.grid: the experts' ep (and etp) rank
+    shapes = local_shapes(mcfg, tp, stage_blocks, 0 in chunks, S - 1 in chunks, ep, ex["ep"],
+                          sizes.get("etp") or 1)
     units = {u: sum(math.prod(s) for s in unit.values()) for u, unit in shapes.items()}
     dense = {u: n for u, n in units.items() if not u.endswith(".experts")}
     expert = {u: n for u, n in units.items() if u.endswith(".experts")}
@@ -181,7 +182,7 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
         hpz = hpz_per_step(dense, dp * cp, cfg.hpz_size, w)
         mem["params"] = hpz["params"]
         version = hpz["secondary"]
-    held = memory_per_rank(expert, dp * cp // ep, cfg.zero, w)  # expert units, over edp
+    held = memory_per_rank(expert, ex["edp_size"], cfg.zero, w)  # expert units, over edp
     for k, n in held.items():
         mem[k] += n
     version += held["params"]
@@ -295,7 +296,8 @@ def memory(lay: Layout, mcfg: GPTConfig, batch: int, dtype: str = "float32") -> 
     """Bytes per rank, the max over the pipeline stages of stage_memory; ``stage`` says
     which stage needs the most (params + grads + optimizer + activations)."""
     cfg = train_config(lay, mcfg, batch, dtype)
-    sizes = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
+    sizes = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep,
+             **({"etp": lay.etp} if lay.etp else {})}  # folding: the experts' own grid
     blocks = split(mcfg, lay.pp * lay.virtual_stages)
     placed = CATALOG[lay.schedule].chunk_placement(lay.pp, lay.virtual_stages)
     n_blocks = [sum(len(blocks[c]) for c in placed.chunks(r)) for r in range(lay.pp)]  # per stage

@@ -33,6 +33,7 @@ from functools import cache, partial
 
 from refmp.config import ParallelConfig, TrainConfig, flag_name
 from refmp.cost.context import cp_ledger, hybrid_cp_ledger
+from refmp.cost.expert import folded_per_step
 from refmp.cost.family import ffn, is_llama, kv_heads, tied
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
 from refmp.cost.machines import Machine
@@ -313,6 +314,16 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         moved[r]["ep"] = {"alltoall": k * M * n_moe * K * b * Tl * C * c * (lay.ep > 1)}
         t_ep = collective("alltoall", moved[r]["ep"]["alltoall"], k * M * n_moe,
                           lay.ep, *link(tp * lay.ep))
+        if lay.etp:  # folding: each token dispatched once, the experts cut over etp
+            fold = folded_per_step(tp, lay.etp, lay.sequence_parallel, k * M * n_moe,
+                                   K * b * Tl * C * c)
+            group = {"ep": (lay.ep, lay.etp * lay.ep), "etp": (lay.etp,) * 2, "tp": (tp, tp)}
+            t_ep = sum(collective(op, x, k * M * n_moe // (1 if op == "alltoall" else 2),
+                                  group[a][0], *link(group[a][1]))  # (ranks, span)
+                       for a, ops in fold.items() for op, x in ops.items())
+            moved[r]["ep"], moved[r]["etp"] = fold["ep"], fold.get("etp", {})
+            for op, x in fold.get("tp", {}).items():  # the MoE's share of the tp ledger
+                moved[r]["tp"][op] = moved[r]["tp"].get(op, 0) + x
         # pipeline boundaries: activations out and gradients back, b Tl C c per micro-batch
         # (neighbours are tp cp dp ranks apart); scatter/gather: 1/tp each, then all-gathered
         x, calls, span = 2 * v * M * b * Tl * C * c, 2 * v * M, 2 * tp * cp * dp

@@ -44,7 +44,9 @@ def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dic
                     sizes = [0]  # refused by search: --global-batch not a multiple of dp M
                 else:
                     sizes = pick("microbatch_size", [1, 2, 4, 8])
-                eps = [e for e in divisors(dp * cp) if mcfg.n_expert % e == 0] \
+                etp = fixed.get("etp") or 0  # folding: ep x etp over the stage's tp cp dp
+                stage = dp * cp * tp // etp if etp and (dp * cp * tp) % etp == 0 else dp * cp
+                eps = [e for e in divisors(stage) if mcfg.n_expert % e == 0] \
                     if mcfg.n_expert else [1]
                 for ep in pick("ep", eps):
                     for zero, shard in [(z, n) for z in pick("zero", [0, 1, 2, 3] if pp == 1 else [0, 1])
@@ -56,7 +58,8 @@ def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dic
                                         yield Layout(tp, pp, dp, cp, ep, zero, sp, rc,
                                                      fixed.get("mixed_precision")
                                                      or ("bf16" if gpu else "none"), b, sched, v,
-                                                     algo, cp_ulysses=U, dp_shard=shard, **codec)
+                                                     algo, cp_ulysses=U, dp_shard=shard, etp=etp,
+                                                     **codec)
 
 
 def hierarchical_cp(cp: int, algo: str) -> list[int]:

@@ -62,22 +62,31 @@ from refmp.cost.family import shapes as family_shapes
 from refmp.cost.family import tied
 from refmp.nn.gpt import GPTConfig
 from refmp.parallel.data.compress import compresses
-from refmp.parallel.placement import TP_SPLITS, holds, local_name, padded_vocab, unit_of
+from refmp.parallel.expert import is_expert
+from refmp.parallel.placement import (
+    TP_SPLITS,
+    expert_split,
+    holds,
+    local_name,
+    padded_vocab,
+    unit_of,
+)
 
 
 def local_shapes(cfg: GPTConfig, tp: int = 1, blocks=None, first: bool = True,
-                 last: bool = True, ep: int = 1, ep_rank: int = 0) -> dict[str, dict]:
+                 last: bool = True, ep: int = 1, ep_rank: int = 0, etp: int = 1) -> dict[str, dict]:
     """unit -> {parameter: shape} one rank holds: its tp shards of ``blocks`` (default: all),
-    wte and wpe if ``first``, ln_f and wte if ``last``, and its E/ep experts. Remembered (the
-    planner and the site's explorer ask for the same rank's units many times); a fresh dict."""
+    wte and wpe if ``first``, ln_f and wte if ``last``, and its E/ep experts (with folding
+    each cut over ``etp``: placement.ETP_SPLITS). Remembered (the planner and the site's
+    explorer ask for the same rank's units many times); a fresh dict."""
     blocks = frozenset(range(cfg.n_layer) if blocks is None else blocks)
     return {u: dict(unit) for u, unit in _local_shapes(cfg, tp, blocks, first, last, ep,
-                                                        ep_rank).items()}
+                                                        ep_rank, etp).items()}
 
 
 @cache
 def _local_shapes(cfg: GPTConfig, tp: int, blocks: frozenset, first: bool, last: bool, ep: int,
-                  ep_rank: int) -> dict[str, dict]:
+                  ep_rank: int, etp: int = 1) -> dict[str, dict]:
     shapes: dict[str, dict] = {}
     for k, s in family_shapes(cfg).items():
         head = k.startswith("lm_head")  # an untied head: the last stage's, split as wte is
@@ -88,15 +97,17 @@ def _local_shapes(cfg: GPTConfig, tp: int, blocks: frozenset, first: bool, last:
         if split is not None:
             s[split[0]] = (padded_vocab(s[0], tp) if k.startswith(("wte", "lm_head"))
                            else s[split[0]]) // tp
+        if etp > 1 and (cut := expert_split(k) if is_expert(k) else None) is not None:
+            s[cut[0]] //= etp  # an expert's etp shard (folding)
         shapes.setdefault("lm_head" if head else unit_of(k), {})[k] = tuple(s)
     return shapes
 
 
 def unit_sizes(cfg: GPTConfig, tp: int = 1, blocks=None, first: bool = True,
-               last: bool = True, ep: int = 1, ep_rank: int = 0) -> dict[str, int]:
+               last: bool = True, ep: int = 1, ep_rank: int = 0, etp: int = 1) -> dict[str, int]:
     """Elements per unit one rank holds (``local_shapes``' units)."""
     return {u: sum(math.prod(s) for s in unit.values())
-            for u, unit in local_shapes(cfg, tp, blocks, first, last, ep, ep_rank).items()}
+            for u, unit in local_shapes(cfg, tp, blocks, first, last, ep, ep_rank, etp).items()}
 
 
 def compressed_per_step(shapes: dict[str, dict], n: int, codec: str, rank: int = 4,

@@ -9,7 +9,8 @@ What every call does around MPI (the flight recorder's entry, staging device arr
 host memory, the polite wait) is :class:`refmp.distributed.transport.Transport`'s, so each
 method here says only which MPI call moves which bytes. The calls on small Python values
 (a loss, a count, an object every rank must agree on, a barrier) are
-:class:`refmp.distributed.host_values.HostValues`'.
+:class:`refmp.distributed.host_values.HostValues`'; those whose ranks give different numbers
+of rows, :class:`refmp.distributed.ragged.Ragged`'.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from mpi4py import MPI
 
 from refmp.distributed.host_values import HostValues
 from refmp.distributed.ledger import Ledger
+from refmp.distributed.ragged import Ragged
 from refmp.distributed.recorder import Recorder, for_new_grid
 from refmp.distributed.reductions import mpi_op, wire
 from refmp.distributed.waiting import sleep_until
 from refmp.runtime import backend
 
 
-class Comm(HostValues):
+class Comm(HostValues, Ragged):
     """An MPI communicator for one grid axis, with checked, counted, politely-waiting calls."""
 
     def __init__(self, mpi_comm: MPI.Comm, axis: str = "world", ledger: Ledger | None = None,

@@ -14,6 +14,9 @@ ranks holding the same experts, which sum their gradients) is the rest of dp x c
 
 Non-expert weights stay replicated over all of dp x cp.
 
+With ``etp`` >= 1 the experts get a grid of their own over a stage's ranks, etp x ep x edp
+(MoE parallel folding: refmp.distributed.expert_grid); else ``comm["etp"]`` is this rank.
+
 On several nodes (``nodes``, refmp.distributed.topology) a group's ledger label says whether
 it stays inside a node or crosses between nodes: ``dp[inter]``.
 
@@ -29,6 +32,7 @@ from mpi4py import MPI
 from refmp.config import check_sizes
 from refmp.distributed import topology
 from refmp.distributed.comm import Comm
+from refmp.distributed.expert_grid import fold
 from refmp.distributed.ledger import Ledger
 from refmp.distributed.recorder import for_new_grid
 
@@ -46,10 +50,11 @@ class ProcessGrid:
     """
 
     def __init__(self, world: MPI.Comm | None = None, *, pp: int = 1, dp: int | None = None,
-                 cp: int = 1, tp: int = 1, ep: int = 1):
+                 cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 0):
         world = MPI.COMM_WORLD if world is None else world
         self.mpi = world
-        self.sizes = check_sizes(world.Get_size(), pp, dp, cp, tp, ep)
+        self.sizes = check_sizes(world.Get_size(), pp, dp, cp, tp, ep, etp)
+        self.folded = etp > 0
         self.ledger = Ledger()
         self.recorder = for_new_grid()
         self.nodes = topology.node_ids(world)  # each world rank's node (MPI's shared memory)
@@ -58,12 +63,16 @@ class ProcessGrid:
         self.coords = self.coords_of(self.rank)
         self._groups: dict[tuple[str, ...], Comm] = {}
         self.comm: dict[str, Comm] = {axis: self.group(axis) for axis in AXES}
+        if self.folded:  # the experts' own etp, ep and edp groups
+            self.comm.update({a: self._comm(c, a) for a, c in fold(self, etp).items()})
+            return
         # ep / edp: carved from the dp x cp ranks of this (pp, tp) slice (module docstring)
         ep_size, n = self.sizes["ep"], world.Get_size()
         f = self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
         base = self.rank_of(**{**self.coords, "dp": 0, "cp": 0})  # names the (pp, tp) slice
         self.comm["ep"] = self._comm(world.Split(base + (f // ep_size) * n, f % ep_size), "ep")
         self.comm["edp"] = self._comm(world.Split(base + (f % ep_size) * n, f // ep_size), "edp")
+        self.comm["etp"] = self._comm(world.Split(self.rank, 0), "etp")  # this rank alone
 
     def group(self, *axes: str) -> Comm:
         """The ranks that differ from this one only along ``axes`` (cached; collective the
@@ -110,4 +119,4 @@ class ProcessGrid:
         return ((pp * s["dp"] + dp) * s["cp"] + cp) * s["tp"] + tp
 
     def describe(self) -> str:
-        return " x ".join(f"{a}={self.sizes[a]}" for a in ("pp", "dp", "cp", "tp", "ep"))
+        return " x ".join(f"{a}={n}" for a, n in self.sizes.items())  # (etp with folding)

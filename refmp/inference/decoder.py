@@ -109,7 +109,7 @@ class Decoder:
         self.dtype = next(iter(self.params.values())).dtype
         self.nh = self.family.cache_heads(self.tp)  # key/value heads the cache keeps here
         # experts: every token to its top-k (no capacity limit unless asked), over ep if split
-        self.moe = self.family.moe(self.ep, capacity)
+        self.moe = self.family.moe(grid if "ep" in axes else alone, capacity)
         self.cache = None  # this rank's KV cache: new_cache makes it, each call fills it
 
     def _shards(self, weights, dtype) -> dict:

@@ -35,7 +35,7 @@ from refmp.nn.llama import LlamaConfig
 from refmp.nn.params import block_params
 from refmp.parallel.context.gqa_ring import GQARingAttention
 from refmp.parallel.context.ring import RingAttention
-from refmp.parallel.expert import ExpertDispatch
+from refmp.parallel.folding import dispatch_for
 from refmp.parallel.ops import make_ops
 from refmp.parallel.placement import held_indices, shards_held
 from refmp.parallel.tensor import llama as TPL
@@ -67,13 +67,14 @@ class GPT2Family:
     def cache_heads(self, tp) -> int:
         return self.mcfg.n_head // tp.size  # NH/tp: multi-head attention
 
-    def moe(self, ep, capacity: bool):
+    def moe(self, grid, capacity: bool):
         """The MoE context of every expert layer: each token to its top-k (no capacity limit
-        unless asked), over ep if split; None for a dense model."""
+        unless asked), over ``grid``'s ep (folded over etp with --etp) if split; None for a
+        dense model."""
         mcfg = self.mcfg
         if not mcfg.n_expert:
             return None
-        dispatch = ExpertDispatch(ep, mcfg.n_expert) if ep.size > 1 else None
+        dispatch = dispatch_for(grid, mcfg.n_expert, False)
         routing = mcfg if capacity else dataclasses.replace(mcfg, capacity_factor=0.0)
         return routing.moe_context(None, dispatch)
 
@@ -156,8 +157,8 @@ class LlamaFamily:
     def cache_heads(self, tp) -> int:
         return len(TPL.kv_heads(self.mcfg, tp.rank, tp.size))  # NKV/tp, or 1 replicated
 
-    def moe(self, ep, capacity: bool):
-        if ep.size > 1:
+    def moe(self, grid, capacity: bool):
+        if grid.comm["ep"].size > 1:
             raise ConfigError("a Llama model's experts decode on every rank (Mixtral over ep "
                               "is not split by the decoder)")
         return self.mcfg.moe()  # Mixtral's: no capacity limit; None for a dense model

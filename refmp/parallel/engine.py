@@ -38,8 +38,9 @@ from refmp.parallel.data.compress import make_codecs
 from refmp.parallel.data.hierarchical import HierarchicalComm, check_nodes
 from refmp.parallel.data.hsdp import shard_groups
 from refmp.parallel.data.sharder import Sharder
-from refmp.parallel.expert import ExpertDispatch, SequenceSplit
+from refmp.parallel.expert import SequenceSplit
 from refmp.parallel.family import family_of
+from refmp.parallel.folding import dispatch_for
 from refmp.parallel.fp8 import apply_fp8
 from refmp.parallel.pipeline.asynchronous import ASYNC_EXECUTORS
 from refmp.parallel.pipeline.catalog import CATALOG, Schedule
@@ -51,6 +52,7 @@ from refmp.parallel.pipeline.timeline import Timeline
 from refmp.parallel.placement import (
     ShardReader,
     counts_in_norm,
+    gather_etp,
     gather_experts,
     units_of,
 )
@@ -114,8 +116,8 @@ def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list
     tp with SP), the ranks its MoE rules gather over (SequenceSplit)."""
     if not mcfg.n_expert:
         return None
-    ep, tp = grid.comm["ep"], grid.comm["tp"]
-    dispatch = ExpertDispatch(ep, mcfg.n_expert, compute) if ep.size > 1 else None
+    tp = grid.comm["tp"]
+    dispatch = dispatch_for(grid, mcfg.n_expert, sp, compute)  # folding's, or ep's
     seq = None
     if grid.sizes["cp"] > 1 or sp:
         n = tp.size if sp else 1  # with SP each cp part is split again over tp
@@ -146,11 +148,12 @@ class Engine:
     def __init__(self, mcfg: gpt.GPTConfig, source, grid, layout: ParallelConfig, T: int,
                  seed: int = 0, dtype="float32"):
         mc = self.mcfg = mcfg
-        fam = self.family = family_of(mcfg)
+        fam = self.family = family_of(mcfg, grid.folded)
         self.grid = grid
         self.tp = grid.comm["tp"]
         self.pp = grid.comm["pp"]
         self.ep = grid.comm["ep"]
+        self.etp = grid.comm["etp"]  # this rank alone without folding
         self.sp = layout.sequence_parallel
         self.microbatches = layout.microbatches
         keep_scores = layout.recompute == "none"  # selective / full: the softmax is not kept
@@ -183,7 +186,7 @@ class Engine:
         self.partial_over_tp = {k for k in self.sharder.params
                                 if k in local.shapes and "tp" in fam.place(k, self.sp).reduce}
         own = fam.bind(grid)  # the family's own groups (Llama: tp-kv), collective over tp
-        coords = {**grid.coords, "edp": grid.comm["edp"].rank, **own}
+        coords = {**grid.coords, "edp": grid.comm["edp"].rank, "etp": self.etp.rank, **own}
         self.counts_in_norm = counts_in_norm(self.sharder.params, local.shapes, coords, self.sp,
                                              self.sharder.partitions, self.first, self.last,
                                              fam.place)
@@ -339,7 +342,8 @@ class Engine:
         shapes, fam = self.family.shapes(), self.family
 
         def index(k: str):  # the shard's positions alone, never the whole tensor's
-            return positions(shapes[k], fam.shard_index(k, shapes[k], self.tp.rank, self.tp.size))
+            return positions(shapes[k], fam.shard_index(k, shapes[k], self.tp.rank, self.tp.size,
+                                                        self.etp.rank, self.etp.size))
 
         return self.sharder.owned_index(index)  # computed a unit at a time, as read
 
@@ -361,7 +365,7 @@ class Engine:
         return self._whole(self.sharder.full_local(grads=True))
 
     def _whole(self, local: dict) -> dict | None:
-        local = self.family.gather_tp(local, self.tp)
+        local = gather_etp(self.family.gather_tp(local, self.tp), self.etp)
         if self.mcfg.n_expert and self.ep.size > 1:
             local = gather_experts(local, self.ep, self.mcfg.n_expert)
         coords = self.grid.coords

@@ -8,6 +8,7 @@ is written once per family, here, and the Engine asks it:
 
     shapes()                  every parameter's global shape, in the model's order
     holds / shard_index       which parameters a rank holds, and the Index of its tp shard
+                              (an expert's: its etp shard, with folding)
     place(name, sp)           the placement row (refmp.parallel.placement.Place)
     unit_of(name)             the Sharder unit
     ring / ulysses            cp's attention core for the family's block
@@ -45,9 +46,10 @@ from refmp.parallel.tensor import sequence
 from refmp.runtime import backend
 
 
-def family_of(mcfg):
-    """The family of the model shape ``mcfg``: Llama's for a LlamaConfig, else GPT-2's."""
-    return LlamaFamily(mcfg) if is_llama(mcfg) else GPT2Family(mcfg)
+def family_of(mcfg, folded: bool = False):
+    """The family of the model shape ``mcfg``: Llama's for a LlamaConfig, else GPT-2's
+    (``folded``: its experts on a grid of their own, --etp; refmp.parallel.folding)."""
+    return LlamaFamily(mcfg) if is_llama(mcfg) else GPT2Family(mcfg, folded)
 
 
 class GPT2Family:
@@ -56,8 +58,9 @@ class GPT2Family:
     tied_ends = True  # wte embeds on the first stage and is the head on the last
     sp_loss_shares = False  # with SP the vocabulary-parallel head's loss is whole per tp rank
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, folded: bool = False):
         self.cfg = cfg
+        self.folded = folded  # MoE parallel folding: the experts' rows are their grid's
 
     def shapes(self) -> dict:
         return param_shapes(self.cfg)
@@ -66,11 +69,12 @@ class GPT2Family:
                     dtype) -> P.ShardReader:
         return P.held_shards(self.cfg, source, chunks, first, last, grid, dtype)
 
-    def shard_index(self, name: str, shape, rank: int, tp: int) -> Index:
-        return P.shard_index(name, shape, rank, tp)
+    def shard_index(self, name: str, shape, rank: int, tp: int, etp_rank: int = 0,
+                    etp: int = 1) -> Index:
+        return P.shard_index(name, shape, rank, tp, etp_rank, etp)
 
     def place(self, name: str, sp: bool) -> P.Place:
-        return P.place(name, sp)
+        return P.place(name, sp, self.folded)
 
     def unit_of(self, name: str) -> str:
         return P.unit_of(name)
@@ -135,7 +139,8 @@ class LlamaFamily:
                    if self.holds(k, blocks, first, last)}
         return P.ShardReader(source, shapes, indices, dtype)
 
-    def shard_index(self, name: str, shape, rank: int, tp: int) -> Index:
+    def shard_index(self, name: str, shape, rank: int, tp: int, etp_rank: int = 0,
+                    etp: int = 1) -> Index:
         """refmp.parallel.tensor.llama.shard's piece as an Index (columns or rows)."""
         inner = P.local_name(name)
         if tp == 1 or not name.startswith("h."):

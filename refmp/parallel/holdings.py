@@ -14,7 +14,7 @@ import math
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.pipeline.catalog import CATALOG
 from refmp.parallel.pipeline.partition import rank_chunks
-from refmp.parallel.placement import expert_owner, padded_vocab
+from refmp.parallel.placement import expert_coords, expert_owner, padded_vocab
 
 GRID_ORDER = ("pp", "dp", "cp", "tp")  # refmp.distributed.grid's, slowest to fastest
 
@@ -27,13 +27,15 @@ def who_holds(mcfg, sizes: dict[str, int], T: int, schedule: str = "1f1b",
 
         coords      pp, dp, cp, tp (the grid's order: rank = ((pp dp_n + dp) cp_n + cp) tp_n
                     + tp), and ep, edp: f % ep and f // ep of f = dp cp_n + cp (ep is carved
-                    from dp x cp)
+                    from dp x cp); with folding (``sizes["etp"]``) etp, ep and edp refolded
+                    from the stage's ranks (placement.expert_coords)
         chunks      chunk -> its blocks (rank_chunks)
         first, last whether it holds the embeddings (wte, wpe) / the head (ln_f, the tied wte)
         tokens      the positions of a sequence it holds (cp's SequenceChunks)
         heads       [lo, hi) of the attention heads (tp: NH/tp each, TP_SPLITS' "heads")
         wte_rows    [lo, hi) of the Vp padded vocabulary rows (tp), None off the two ends
         experts     the experts it holds of each MoE layer (expert_owner)
+        expert_cols [lo, hi) of each expert's 4C hidden columns it holds (etp: 4C/etp each)
     """
     rows = []
     NH = mcfg.n_head
@@ -47,19 +49,21 @@ def who_holds(mcfg, sizes: dict[str, int], T: int, schedule: str = "1f1b",
         rest = rank
         for a, n in zip(reversed(GRID_ORDER), reversed(radix), strict=True):  # tp fastest
             rest, coords[a] = divmod(rest, n)
-        f = coords["dp"] * sizes["cp"] + coords["cp"]  # the rank's place in its dp x cp slice
         chunks = rank_chunks(mcfg, T, coords["pp"], placed, stage_layers)
         S = sizes["pp"] * placed.v
         first = 0 in chunks
         last = S - 1 in chunks
         tp_i = coords["tp"]
+        ex, H = expert_coords(sizes, coords), 4 * mcfg.n_embd  # the experts' grid
+        cols = H // (sizes.get("etp") or 1)
         rows.append({
             "rank": rank, **{a: coords[a] for a in GRID_ORDER},
-            "ep": f % sizes["ep"], "edp": f // sizes["ep"],
+            "ep": ex["ep"], "edp": ex["edp"], "etp": ex["etp"],
+            "expert_cols": (ex["etp"] * cols, (ex["etp"] + 1) * cols),
             "chunks": {c: list(b) for c, b in chunks.items()}, "first": first, "last": last,
             "tokens": [int(t) for t in seq.positions(coords["cp"])],
             "heads": (tp_i * NH // sizes["tp"], (tp_i + 1) * NH // sizes["tp"]),
             "wte_rows": (tp_i * Vl, (tp_i + 1) * Vl) if first or last else None,
-            "experts": [e for e in range(E) if expert_owner(e, E, sizes["ep"]) == f % sizes["ep"]],
+            "experts": [e for e in range(E) if expert_owner(e, E, sizes["ep"]) == ex["ep"]],
         })
     return rows

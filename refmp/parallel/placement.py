@@ -16,6 +16,14 @@ Sharder reads which group reduces each unit, clipping reads who counts each elem
     experts.{e}.*        ep (whole experts) edp (+ tp with SP)       edp tp
     everything else      -                  dp cp (+ tp with SP)     dp cp tp
 
+With MoE parallel folding (--etp >= 1, refmp.parallel.folding) the experts' rows are the
+experts' own grid's (refmp.distributed.grid), and each token is dispatched once, so no sum
+over tp, with or without SP:
+
+    experts.{e}.c_fc w/b     etp columns, ep    edp                  edp
+    experts.{e}.c_proj.w     etp rows, ep       edp                  edp
+    experts.{e}.c_proj.b     ep                 edp                  edp etp
+
 (wpe, the LayerNorms, the two c_proj biases and the router are replicated over tp: every tp
 rank computes them on the same tokens, or with sequence parallelism on its T/tp of them, and
 then their gradients are partial over tp.) Pipeline stages hold disjoint blocks (which
@@ -39,6 +47,9 @@ from refmp.nn import experts as M
 from refmp.nn.params import param_shapes
 from refmp.nn.slices import WHOLE, Index, slice_shape, tp_index
 from refmp.runtime import backend
+
+# etp splits of an expert's parameters (folding): name inside the expert -> (dim, kind)
+ETP_SPLITS = {"c_fc.weight": (1, None), "c_fc.bias": (0, None), "c_proj.weight": (0, None)}
 
 # tp splits: name inside a block (or the top-level name) -> (dim, kind)
 TP_SPLITS = {
@@ -64,10 +75,14 @@ def local_name(name: str) -> str:
     return name.split(".", 2)[-1] if name.startswith("h.") else name
 
 
-def place(name: str, sp: bool) -> Place:
-    """The row of the table above for ``name`` (sp: sequence parallelism is on)."""
+def place(name: str, sp: bool, folded: bool = False) -> Place:
+    """The row of the table above for ``name`` (sp: sequence parallelism is on; folded: MoE
+    parallel folding, --etp >= 1)."""
     m = M.EXPERT.search(name)
     tp_extra = ("tp",) if sp else ()
+    if m is not None and folded:
+        whole = expert_split(name) is None  # c_proj.bias: a copy on every etp rank
+        return Place(None, int(m.group(1)), ("edp",), ("edp", "etp") if whole else ("edp",))
     if m is not None:
         return Place(None, int(m.group(1)), ("edp", *tp_extra), ("edp", "tp"))
     split = TP_SPLITS.get(local_name(name))
@@ -76,12 +91,30 @@ def place(name: str, sp: bool) -> Place:
     return Place(None, None, ("dp", "cp", *tp_extra), ("dp", "cp", "tp"))
 
 
+def expert_split(name: str):
+    """(dim, kind) of an expert parameter's split over etp, or None (c_proj.bias: whole)."""
+    return ETP_SPLITS.get(name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1])
+
+
 def padded_vocab(V: int, tp: int) -> int:
     """V rounded up to a multiple of tp (wte's rows are split evenly; the extra rows are 0)."""
     return -(-V // tp) * tp
 
 
 # --- who holds what: the ownership rules (the engine, the memory estimate and the planner) ---
+
+
+def expert_coords(sizes: dict[str, int], coords: dict[str, int]) -> dict[str, int]:
+    """A rank's place on the experts' grid (refmp.distributed.grid), and the edp group's size:
+    without folding (no ``sizes["etp"]``) ep and edp from dp x cp; with it, etp, ep and edp
+    refolded from the stage's l = (dp_i cp + cp_i) tp + tp_i."""
+    ep, etp, cp, tp = sizes["ep"], sizes.get("etp", 0), sizes["cp"], sizes["tp"]
+    f = coords["dp"] * cp + coords["cp"]
+    if not etp:
+        return {"etp": 0, "ep": f % ep, "edp": f // ep, "edp_size": sizes["dp"] * cp // ep}
+    ell = f * tp + coords["tp"]
+    return {"etp": ell % etp, "ep": ell // etp % ep, "edp": ell // (etp * ep),
+            "edp_size": sizes["dp"] * cp * tp // (etp * ep)}
 
 
 def expert_owner(e: int, n_expert: int, ep: int) -> int:
@@ -112,18 +145,25 @@ def shards_held(params: dict, blocks, first: bool, last: bool, tp, ep, n_expert:
             if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
 
 
-def shard_index(name: str, shape: tuple[int, ...], rank: int, tp: int) -> Index:
+def shard_index(name: str, shape: tuple[int, ...], rank: int, tp: int, etp_rank: int = 0,
+                etp: int = 1) -> Index:
     """The refmp.nn.slices.Index of tp rank ``rank``'s shard of parameter ``name`` (global
-    ``shape``): exactly tp_shard's piece, padded vocabulary rows included."""
+    ``shape``): exactly tp_shard's piece, padded vocabulary rows included; an expert's,
+    its etp rank ``etp_rank``'s piece (folding; etp 1: the whole expert)."""
+    if M.EXPERT.search(name) is not None:
+        split = expert_split(name)
+        return WHOLE if split is None or etp == 1 else tp_index(shape, *split, etp_rank, etp)
     split = TP_SPLITS.get(local_name(name))
     return WHOLE if split is None else tp_index(shape, *split, rank, tp)
 
 
 def held_indices(shapes: dict, blocks, first: bool, last: bool, tp, ep,
-                 n_expert: int = 0) -> dict[str, Index]:
+                 n_expert: int = 0, etp=None) -> dict[str, Index]:
     """shards_held without the arrays: for every parameter this rank holds (``shapes``: the
-    global shapes, in the model's order), the Index of its tp shard, what a Source reads."""
-    return {k: shard_index(k, s, tp.rank, tp.size) for k, s in shapes.items()
+    global shapes, in the model's order), the Index of its tp shard (an expert's: its etp
+    shard, with ``etp`` the rank's etp group), what a Source reads."""
+    e_rank, e_size = (0, 1) if etp is None else (etp.rank, etp.size)
+    return {k: shard_index(k, s, tp.rank, tp.size, e_rank, e_size) for k, s in shapes.items()
             if holds(k, blocks, first, last, ep.rank, n_expert, ep.size)}
 
 
@@ -155,7 +195,7 @@ def held_shards(mcfg, source, chunks: dict[int, range], first: bool, last: bool,
     blocks = {i for c in chunks.values() for i in c}
     shapes = param_shapes(mcfg)
     indices = held_indices(shapes, blocks, first, last, grid.comm["tp"], grid.comm["ep"],
-                           mcfg.n_expert)
+                           mcfg.n_expert, grid.comm["etp"])
     return ShardReader(source, shapes, indices, dtype)
 
 
@@ -249,6 +289,20 @@ def gather_tp(params: dict, tp, V: int) -> dict:
         got = tp.allgather(xp.ascontiguousarray(moved))  # (tp * n, ...) pieces in rank order
         pieces = [xp.moveaxis(a, 0, dim) for a in got.reshape((tp.size, -1) + moved.shape[1:])]
         out[k] = tp_unshard(k, pieces, V)
+    return out
+
+
+def gather_etp(params: dict, etp) -> dict:
+    """``params`` with every expert's etp pieces glued back whole (all-gathers over etp)."""
+    out = dict(params)
+    for k, v in params.items():
+        split = expert_split(k) if M.EXPERT.search(k) else None
+        if split is None or etp.size == 1:
+            continue
+        xp = backend.array_module(v)
+        moved = xp.moveaxis(v, split[0], 0)  # split axis first
+        got = etp.allgather(xp.ascontiguousarray(moved))  # (etp * n, ...) in rank order
+        out[k] = xp.moveaxis(got, 0, split[0])
     return out
 
 

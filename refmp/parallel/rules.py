@@ -21,7 +21,7 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
     ``cfg``: a refmp.training.trainer.TrainConfig; ``mcfg``: the model's GPTConfig; ``sizes``: the
     grid's, when one was made already (else read from cfg and checked against world_size).
     """
-    s = sizes or check_sizes(world_size, cfg.pp, cfg.dp, cfg.cp, cfg.tp, cfg.ep)
+    s = sizes or check_sizes(world_size, cfg.pp, cfg.dp, cfg.cp, cfg.tp, cfg.ep, cfg.etp)
     pp, dp, cp, tp, ep = s["pp"], s["dp"], s["cp"], s["tp"], s["ep"]
     T, B, M = cfg.block_size or mcfg.block_size, cfg.batch_size, cfg.microbatches
     if cfg.zero not in (0, 1, 2, 3):
@@ -69,6 +69,7 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
     if mcfg.n_expert % ep:
         raise ConfigError(f"--n-expert ({mcfg.n_expert}) must be divisible by --ep ({ep}): "
                           f"every expert-parallel rank holds E/ep experts")
+    check_etp(cfg, mcfg)
     sched = CATALOG.get(cfg.schedule)  # an unknown name: check_pipeline's message below
     if sched is not None and not sched.flushes and cfg.resume:
         raise ConfigError(f"--schedule {cfg.schedule} {sched.carries} across each step, which a "
@@ -83,6 +84,20 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
     check_compression(cfg)
     check_fp8(cfg, mcfg.n_embd, tp)
     return s
+
+
+def check_etp(cfg, mcfg) -> None:
+    """--etp E: MoE parallel folding (refmp.parallel.folding), each expert's hidden width 4C
+    split over E ranks (ep x etp dividing a stage's ranks: check_sizes; 0: off)."""
+    E = cfg.etp
+    if E == 0:
+        return
+    if mcfg.n_expert == 0:
+        raise ConfigError(f"--etp {E} folds the experts' grid: it needs a mixture-of-experts "
+                          f"model (--n-expert > 0)")
+    if (4 * mcfg.n_embd) % E:
+        raise ConfigError(f"--etp {E} must divide the experts' hidden size 4C = {4 * mcfg.n_embd}: "
+                          f"each etp rank holds 4C/etp of c_fc's columns and c_proj's rows")
 
 
 def check_compression(cfg) -> None:

@@ -19,6 +19,7 @@ it to world rank 0 (``ParamGatherer``):
 from __future__ import annotations
 
 from refmp.distributed.waiting import wait
+from refmp.parallel.placement import gather_etp
 from refmp.runtime import backend
 
 TAG = 32766  # the whole parameter to world rank 0
@@ -52,6 +53,7 @@ class ParamGatherer:
             self.kept = ((u, sh.step), unit)
             if sh.groups[u].rank == 0:  # one rank of the unit's group glues its tp pieces
                 out = eng.family.gather_tp({name: unit[name]}, eng.tp)[name]
+                out = gather_etp({name: out}, eng.etp)[name]  # an expert's etp pieces (folding)
             del unit
         if sender != 0 and world.rank == sender:
             wait(world.send(xp.ascontiguousarray(out), 0, tag=TAG))
@@ -62,10 +64,12 @@ class ParamGatherer:
 
 def senders(engine) -> dict[str, tuple[int, int]]:
     """name -> (the first pp stage that holds it, the world rank that sends it from there:
-    tp rank 0 and rank 0 of its unit's group): one allgather_obj over the world."""
+    tp rank 0 (an expert with folding: etp rank 0) and rank 0 of its unit's group): one
+    allgather_obj over the world."""
     sh = engine.sharder
-    held = [(k, engine.tp.rank == 0 and sh.groups[u].rank == 0)
-            for u, unit in sh.units.items() for k in unit.shapes]
+    lead = engine.etp.rank == 0 if engine.grid.folded else engine.tp.rank == 0  # experts'
+    held = [(k, (lead if u.endswith(".experts") else engine.tp.rank == 0)
+             and sh.groups[u].rank == 0) for u, unit in sh.units.items() for k in unit.shapes]
     out: dict[str, tuple[int, int]] = {}
     for r, (pp, names) in enumerate(engine.grid.world.allgather_obj((engine.pp.rank, held))):
         for k, sends in names:

@@ -135,7 +135,7 @@ class Trainer:
                  dataset: Dataset | None = None):
         self.cfg = cfg
         self.grid = grid if grid is not None else ProcessGrid(
-            dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)  # refuses bad sizes
+            dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, etp=cfg.etp)  # refuses bad sizes
 
         self.device_info = {"device": "cpu"}
         if cfg.device == "gpu":  # before any array is made: parameters go straight to the GPU
