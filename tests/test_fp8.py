@@ -11,6 +11,8 @@ history holds the whole global batch's amaxes (reduced over dp), so after its fi
 does not depend on the micro-batches at all.
 """
 
+import shutil
+import tempfile
 from dataclasses import fields, replace
 
 import numpy as np
@@ -137,7 +139,6 @@ def test_the_amax_formula():
      "one model chunk per rank: --schedule interleaved runs 2"),
     (dict(fp8="delayed", recompute="full"), "--recompute full runs each block's forward again"),
     (dict(fp8="tensor", device="gpu"), "emulated on the CPU"),
-    (dict(fp8="delayed", resume="ckpt"), "amax history is not in a checkpoint"),
     (dict(fp8="mxfp8", tp=2), "C/tp = 8 channels"),
     (dict(weight_gather="fp8", zero=2), "--weight-gather fp8 quantizes ZeRO-3's all-gathers"),
 ])
@@ -267,3 +268,34 @@ def test_tp_linears_quantize_as_the_whole_tensor(recipe, monkeypatch):
         monkeypatch.setattr(P, "SPLIT", {"column": (False,) * 3, "row": (False,) * 3})
         differ = [k for k, got, want in tp_linears(recipe, grid) if not np.allclose(got, want, **TOL)]
         assert all(MPI.COMM_WORLD.allgather(bool(differ)))
+
+
+@pytest.mark.parallel(nprocs=4)
+def test_the_amax_history_resumes_into_another_layout():
+    """Delayed scaling saved after 2 of 4 steps on pp 2 x dp 2 and resumed on tp 2 x dp 2:
+    the history read back is the saved one, block by block, bitwise (every rank of a stage
+    holds the same, reduced over tp and dp x cp), and the resumed run's losses and history
+    are the serial uninterrupted run's to float64 rounding."""
+    world, ds, bad = MPI.COMM_WORLD, data(), Mismatches()
+    cfg = config(n_embd=32, n_head=2, batch_size=4, steps=4, fp8="delayed", microbatches=2)
+    serial = Trainer(serial_of(cfg, 4), grid=ProcessGrid(MPI.COMM_SELF), dataset=ds) \
+        if world.rank == 0 else None
+    losses = [serial.step()["loss"] for _ in range(4)] if serial is not None else None
+    first = Trainer(replace(cfg, pp=2, dp=2), dataset=ds)
+    before = [first.step()["loss"] for _ in range(2)]
+    d = world.bcast(tempfile.mkdtemp(prefix="refmp-fp8-") if world.rank == 0 else None)
+    first.save_checkpoint(d)
+    saved = {k: v for s in world.allgather(first.runner.fp8.state()["amax"]) for k, v in s.items()}
+    second = Trainer(replace(cfg, tp=2, dp=2, resume=d), dataset=ds)
+    got = second.runner.fp8.state()
+    bad.check(np.testing.assert_equal, got["steps"], 2)
+    for k, v in got["amax"].items():
+        bad.check(np.testing.assert_array_equal, v, saved[k], err_msg=f"{k} read back")
+    after = [second.step()["loss"] for _ in range(2)]
+    if serial is not None:
+        bad.check(np.testing.assert_allclose, before + after, losses, **TOL, err_msg="losses")
+        want = serial.runner.fp8.state()
+        for k, v in second.runner.fp8.state()["amax"].items():
+            bad.check(np.testing.assert_allclose, v, want["amax"][k], **TOL, err_msg=f"{k} after")
+        shutil.rmtree(d)
+    bad.assert_none(world)
