@@ -132,6 +132,38 @@ def test_the_amax_formula():
     assert amax_bytes_per_step("mxfp8", 2, 3, True, 2, 2, 4) == {"tp": 0, "cp": 0, "dense": 0}
     later = amax_bytes_per_step("delayed", 2, 3, True, 2, 1, 2, first_step=False)
     assert later == {"tp": 8 * 24, "cp": 0, "dense": 8 * 24}
+    # an MoE block: attention's two linears, half a dense block's amaxes
+    assert amax_bytes_per_step("tensor", 1, 2, False, 2, 2, 2, n_moe=1) == {"tp": 192, "cp": 192,
+                                                                              "dense": 0}
+
+
+@pytest.mark.parametrize("lay,moe", [(dict(tp=2, dp=4), 0), (dict(pp=2, dp=4, zero=1), 0),
+                                     (dict(tp=2, cp=2, dp=2, sequence_parallel=True), 0),
+                                     (dict(tp=2, dp=4), 2)])
+def test_the_planner_moves_and_times_the_amaxes(lay, moe):
+    """refmp.cost.model.predict (what refmp plan and the explorer show) adds a step's amax
+    all-reduces after the first (the formula the ledger is held to above) to each axis,
+    and their time: one call an amax for current scaling, one a group for delayed."""
+    from refmp.cost.machines import MACHINES
+    from refmp.cost.model import Layout, predict, split
+
+    mcfg = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=128, block_size=32, n_expert=4 * bool(moe),
+                     moe_every=moe or 1)
+    lay = Layout(**lay, microbatch_size=2)
+    M = 32 // (lay.dp * 2)
+    base = predict(lay, mcfg, 32, MACHINES["dgx-a100"])
+    for recipe in ("tensor", "delayed", "mxfp8"):
+        got = predict(replace(lay, fp8=recipe), mcfg, 32, MACHINES["dgx-a100"])
+        for r, (a, b) in enumerate(zip(base["bytes"], got["bytes"], strict=True)):
+            blocks = split(mcfg, lay.pp)[r]
+            n_moe = sum(mcfg.is_moe(i) for i in blocks)
+            want = amax_bytes_per_step(recipe, len(blocks) - n_moe, M, lay.sequence_parallel, lay.tp,
+                                       lay.cp, lay.dp * lay.cp, first_step=False, n_moe=n_moe)
+            for axis, k in (("tp", "tp"), ("cp", "cp"), ("dp", "dense")):
+                moved = b[axis].get("allreduce", 0) - a[axis].get("allreduce", 0)
+                assert moved == want[k], (recipe, r, axis)
+        slower = got["seconds"]["tp"] > base["seconds"]["tp"]
+        assert slower == (recipe != "mxfp8" and lay.tp > 1), recipe
 
 
 @pytest.mark.parametrize("kw,message", [
