@@ -1,7 +1,8 @@
 """Sharded checkpoints (refmp.checkpoint): save on one layout, resume on any.
 
 * On the same layout, a run stopped, saved and resumed is bitwise the uninterrupted run
-  (float32 and float64; ZeRO stages, pipeline, experts, SGD momentum and AdamW).
+  (float32 and float64; ZeRO stages, pipeline, experts, SGD momentum and AdamW, delayed FP8
+  scaling's amax history).
 * Into another layout (hypothesis draws pairs over 4 ranks, dense and MoE, ZeRO stages,
   AdamW and SGD): equal to the serial uninterrupted run to float64 rounding.
 * The command: --checkpoint-dir, --save-every, --keep, --resume; refmp convert both ways and
@@ -74,6 +75,8 @@ SAME_LAYOUT = [
     ("float64", dict(dp=4, zero=0)),
     # fp16: the fp32 masters and the loss scale (2^40 overflows, halving, in the first steps)
     ("float32", dict(tp=2, dp=2, zero=1, mixed_precision="fp16", loss_scale_init=2.0**40)),
+    # delayed FP8 scaling: the amax history of the last steps scales the next ones
+    ("float64", dict(fp8="delayed", tp=2, pp=2, microbatches=2)),
 ]
 
 
@@ -97,6 +100,12 @@ def test_resume_on_the_same_layout_is_bitwise_the_uninterrupted_run():
             for k in m1[m]:
                 bad.check(np.testing.assert_array_equal, m2[m][k], m1[m][k],
                           err_msg=f"{m} of {k}, {where}")
+        if kw.get("fp8") == "delayed":  # this rank's blocks' amax history, bitwise
+            h1, h2 = whole.runner.fp8.state(), second.runner.fp8.state()
+            bad.check(np.testing.assert_equal, h2["steps"], h1["steps"], err_msg=where)
+            for k in h1["amax"]:
+                bad.check(np.testing.assert_array_equal, h2["amax"][k], h1["amax"][k],
+                          err_msg=f"amax history of {k}, {where}")
         want, got = whole.runner.full_params(), second.runner.full_params()
         if want is not None:
             for k in want:

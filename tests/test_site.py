@@ -339,7 +339,24 @@ EXPLORED = [
     ("gpt2", {"mixed_precision": "bf16", "pp": "2", "cp": "1", "microbatches": "16",
               "zero": "1", "recompute": "selective"},
      dict(pp=2, dp=4, zero=1, recompute="selective", mixed_precision="bf16", microbatch_size=1)),
+    # hierarchical cp (Ulysses 2 x ring 2), then HSDP (ZeRO-3 in shard groups of 2 dp ranks)
+    ("gpt2", {"pp": "1", "microbatches": "8", "zero": "0", "recompute": "none", "cp": "4",
+              "cp_ulysses": "2"},
+     dict(cp=4, cp_ulysses=2, dp=2, mixed_precision="bf16", microbatch_size=4)),
+    ("gpt2", {"cp_ulysses": "1", "cp": "1", "zero": "3", "dp_shard": "2"},
+     dict(dp=8, zero=3, dp_shard=2, mixed_precision="bf16", microbatch_size=1)),
+    # FP8: current scaling over tp; delayed with ZeRO-3's FP8 weight gathers; MXFP8 in fp32
+    ("gpt2", {"dp_shard": "0", "zero": "0", "tp": "2", "fp8": "current (per tensor)"},
+     dict(tp=2, dp=4, fp8="tensor", mixed_precision="bf16", microbatch_size=2)),
+    ("gpt2", {"fp8": "delayed (amax history)", "zero": "3", "weight_gather": "FP8 (MXFP8)"},
+     dict(tp=2, dp=4, zero=3, fp8="delayed", weight_gather="fp8", mixed_precision="bf16",
+          microbatch_size=2)),
+    ("tiny", {"mixed_precision": "fp32", "weight_gather": "the compute dtype", "zero": "0",
+              "fp8": "MXFP8"},
+     dict(tp=2, dp=4, fp8="mxfp8", mixed_precision="none", microbatch_size=2)),
 ]
+# the options that the last cases turn on, off: each changes what is shown
+PLAIN = dict(cp_ulysses=1, dp_shard=0, fp8="none", weight_gather="none")
 
 
 def model_of(name: str):
@@ -385,6 +402,8 @@ def test_the_explorer_shows_what_refmp_cost_computes(browser, site):
     """Change the explorer's fields as a reader does; the memory per rank shown is
     refmp.cost.memory.memory of that layout, its bytes per axis and step time predict's, its
     bubble the simulator's; no error, no request to another host, from the server or from disk."""
+    from dataclasses import replace
+
     from refmp.cost.machines import MACHINES
     from refmp.cost.memory import memory
     from refmp.cost.model import Layout, predict
@@ -409,10 +428,16 @@ def test_the_explorer_shows_what_refmp_cost_computes(browser, site):
         assert sorted(got["bytes"]) == sorted([a, op, b] for a, ops in pred["bytes"][0].items()
                                               for op, b in ops.items() if b), fields
         assert got["ms"] == float(f"{1e3 * pred['step_seconds']:.4g}"), fields
+        plain = {k: v for k, v in PLAIN.items() if k in layout}
+        if plain:  # the option's own figures: not those of the layout without it
+            other = replace(lay, **plain)
+            moved = predict(other, mcfg, 64, MACHINES["dgx-a100"])["bytes"][0]
+            assert (memory(other, mcfg, 64), moved) != (want, pred["bytes"][0]), fields
         if lay.pp > 1:
             M = 64 // (lay.dp * lay.microbatch_size)
             sim = simulate_schedule(lay.schedule, lay.pp, M, lay.virtual_stages)
             assert float(got["bubble"]) == sim.bubble(), fields
+    choose(tools, "fp8", "off")
     choose(tools, "tp", "2")
     choose(tools, "model", "gpt2-xl")  # 25 heads: refmp's own refusal
     assert "must divide the number of heads" in tools.js(SHOWN)["refused"]

@@ -39,7 +39,7 @@ from dataclasses import replace
 from mkdocs.structure.files import File
 
 from refmp.config import check_sizes
-from refmp.cost.family import n_params
+from refmp.cost.family import is_gpt2, n_params
 from refmp.cost.machines import MACHINES as ALL_MACHINES
 from refmp.cost.machines import MODELS as SHAPES
 from refmp.cost.memory import memory, total
@@ -68,7 +68,8 @@ CHOICES = {"tp": (1, 2, 4, 8), "pp": (1, 2, 4), "cp": (1, 2, 4), "ep": (1, 2, 4)
            "microbatches": (4, 8, 16), "sequence_parallel": (False, True),
            "zero": (0, 1, 2, 3), "recompute": ("none", "selective", "full"),
            "mixed_precision": ("none", "bf16"), "schedule": ("1f1b", "interleaved"),
-           "cp_ulysses": (1, 2), "dp_shard": (0, 2)}
+           "cp_ulysses": (1, 2), "dp_shard": (0, 2),
+           "fp8": ("none", "tensor", "delayed", "mxfp8"), "weight_gather": ("none", "fp8")}
 TERMS = ("compute", "elementwise", "tp", "cp", "ep", "pp", "dp", "optimizer", "bubble")
 
 log = logging.getLogger("mkdocs.hooks.explorer")
@@ -140,7 +141,8 @@ def offered(name: str, mcfg: GPTConfig, choice: dict) -> bool:
     pipeline, ep > 1 only with experts), tp pp cp at most the node's GPUS, and, to keep the
     table small, micro-batch counts other than 8 only with a pipeline, cp > 1 only with 8
     micro-batches, the bench presets in float32; hierarchical cp (Ulysses 2 x ring 2) with
-    cp = 4, HSDP (shard groups of 2 dp ranks) with ZeRO-3, dp >= 4 and neither cp nor ep."""
+    cp = 4, HSDP (shard groups of 2 dp ranks) with ZeRO-3, dp >= 4 and neither cp nor ep
+    (``c`` without the FP8 fields: fp8_variants offers those)."""
     c = choice
     return ((c["zero"] < 2 or c["pp"] == 1)
             and (c["tp"] > 1 or not c["sequence_parallel"])
@@ -155,21 +157,41 @@ def offered(name: str, mcfg: GPTConfig, choice: dict) -> bool:
                                         and GPUS // (c["tp"] * c["pp"]) >= 4)))
 
 
+FP8 = ("fp8", "weight_gather")  # the last fields of CHOICES, offered by fp8_variants
+
+
+def fp8_variants(name: str, mcfg: GPTConfig, c: dict) -> list[dict]:
+    """The FP8 choices offered with the other fields ``c``: none, or (refmp.parallel.fp8,
+    and ZeRO-3's FP8 weight gathers) where refmp.cost.memory counts the FP8 caches (GPT-2's
+    linears; no SP, no cp, no full recomputation), kept few for the table's size: one stage,
+    no experts over ranks, no recomputation, one level of everything, over bf16 (the bench
+    presets: fp32, as they run); the FP8 gathers with ZeRO-3."""
+    off = [{"fp8": "none", "weight_gather": "none"}]
+    if not (is_gpt2(mcfg) and c["pp"] == c["cp"] == c["ep"] == c["cp_ulysses"] == 1
+            and not c["sequence_parallel"] and c["recompute"] == "none" and c["dp_shard"] == 0
+            and (c["mixed_precision"] == "bf16" or name in BENCH)):
+        return off
+    return [{"fp8": f, "weight_gather": g} for g in CHOICES["weight_gather"]
+            for f in CHOICES["fp8"] if g == "none" or c["zero"] == 3]
+
+
 def model_table(name: str, mcfg: GPTConfig) -> dict:
     """One model's layouts: key -> row, or the index of refmp's reason in ``reasons``."""
     layouts = {}
     reasons = {}
     moves = {}
     states = {}
-    for v in itertools.product(*CHOICES.values()):
-        c = dict(zip(CHOICES, v, strict=True))
-        if not offered(name, mcfg, c):
+    fields = [k for k in CHOICES if k not in FP8]
+    for v in itertools.product(*(CHOICES[k] for k in fields)):
+        base = dict(zip(fields, v, strict=True))
+        if not offered(name, mcfg, base):
             continue
-        try:
-            got = price(mcfg, layout(mcfg, c), moves, states)
-        except ConfigError as e:  # a reason, stored once
-            got = reasons.setdefault(str(e), len(reasons))
-        layouts[key(c)] = got
+        for c in ({**base, **f} for f in fp8_variants(name, mcfg, base)):
+            try:
+                got = price(mcfg, layout(mcfg, c), moves, states)
+            except ConfigError as e:  # a reason, stored once
+                got = reasons.setdefault(str(e), len(reasons))
+            layouts[key(c)] = got
     return {"layouts": layouts, "reasons": list(reasons), "bytes": [json.loads(m) for m in moves],
             "states": [json.loads(m) for m in states]}
 

@@ -16,6 +16,12 @@
     sequence_parallel: "sequence parallel", zero: "ZeRO stage", recompute: "recomputation",
     mixed_precision: "precision", schedule: "schedule",
     cp_ulysses: "hierarchical cp: Ulysses group, U", dp_shard: "HSDP: shard group, dp ranks (0: all)",
+    fp8: "FP8 linears (scaling)", weight_gather: "ZeRO-3 weight gathers",
+  };
+  const NAMES = {  // what a choice is called on the page, where not its value
+    mixed_precision: {none: "fp32"},
+    fp8: {none: "off", tensor: "current (per tensor)", delayed: "delayed (amax history)", mxfp8: "MXFP8"},
+    weight_gather: {none: "the compute dtype", fp8: "FP8 (MXFP8)"},
   };
   const state = {model: "gpt2", machine: Object.keys(T.machines)[0]};
   FIELDS.forEach((f) => { state[f] = 0; });  // the index of each field's choice
@@ -54,8 +60,8 @@
   }
 
   function shown(field, value) {
-    if (field === "mixed_precision") {
-      return value === "none" ? "fp32" : value;
+    if (NAMES[field] && NAMES[field][value] !== undefined) {
+      return NAMES[field][value];
     }
     if (typeof value === "boolean") {
       return value ? "on" : "off";
@@ -213,7 +219,8 @@
         "Not in the table (see what is offered below the explorer): ZeRO 2 and 3 only without " +
         "a pipeline, sequence parallelism with tp > 1, a schedule with a pipeline, tp pp cp " +
         `at most ${T.gpus}, a micro-batch count other than 8 only with a pipeline and cp = 1, ` +
-        `${T.bench.join(" and ")} in fp32.`));
+        `${T.bench.join(" and ")} in fp32; FP8 with GPT-2's shape, pp = cp = ep = 1, no SP, no ` +
+        "recomputation, no HSDP, over bf16; FP8 weight gathers with ZeRO-3."));
       return;
     }
     if (typeof entry === "number") {

@@ -22,4 +22,8 @@ def config_notes(man: dict, cfg: TrainConfig) -> list[str]:
         notes.append(f"--grad-compress {cfg.grad_compress}: the checkpoint holds no codec state "
                      f"for this layout and codec (a rank's error buffers and Q's are its own), "
                      f"so error feedback and PowerSGD's Q start afresh")
+    if cfg.fp8 == "delayed" and not man.get("fp8_restored"):
+        notes.append("--fp8 delayed: the checkpoint holds no amax history (its run scaled "
+                     f"by {saved.get('fp8', 'none')}), so the history starts afresh: the first "
+                     "step scales by its current amaxes")
     return notes

@@ -8,7 +8,9 @@ refmp.checkpoint.format) are disjoint and together hold every element once.
 The gradient codec's state (``codec``: PowerSGD's and top-k's error buffers, PowerSGD's Q's)
 is each rank's own, of its own shards and share of the error: each rank writes its file, and
 a run continues from it only on the same layout with the same codec (``codec_layout``;
-elsewhere the codec starts afresh, and the resumed run says so).
+elsewhere the codec starts afresh, and the resumed run says so). Delayed FP8 scaling's amax
+history (``fp8``) is the same on every rank of a stage, so it is saved once, by block, and
+read back by any layout (refmp.checkpoint.amax).
 
 Resharding is reading the slices you need: a rank of any layout knows, from its own
 ``piece_index()``, the global flat indices of every element it holds. It reads the files
@@ -26,6 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
+from refmp.checkpoint.amax import gathered_history, read_history, write_history
 from refmp.checkpoint.format import (
     FORMAT,
     MANIFEST,
@@ -86,6 +89,7 @@ class Checkpointed:
     progress: Stateful
     vocab: str | None = None  # the tokenizer (refmp.training.datasets.Dataset.vocab)
     codec: Stateful | None = None  # the data-parallel sums' codec (Sharder.state)
+    fp8: Stateful | None = None  # FP8's scales: delayed scaling's amax history (refmp.checkpoint.amax)
 
 
 STATEFUL = ("powersgd", "topk")  # the codecs that keep arrays between steps
@@ -129,6 +133,7 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
 
     stateful = cfg.grad_compress in STATEFUL and parts.codec is not None
     codec = {k: backend.to_host(v) for k, v in parts.codec.state().items()} if stateful else {}
+    history = gathered_history(parts)  # every block's amax history, or None
 
     def write():
         path = os.path.join(tmp, rank_file(world.rank))
@@ -163,6 +168,8 @@ def save(parts: Checkpointed, root: str, keep: int = 0) -> str:
     def finish():  # rank 0: the manifest last, then the rename that makes it a checkpoint
         if world.rank == 0:
             try:
+                if history is not None:  # before the manifest, which lists it
+                    manifest["fp8"] = write_history(tmp, history)
                 write_json(os.path.join(tmp, MANIFEST), manifest)
                 publish(tmp, final, keep)
             except OSError as e:
@@ -193,9 +200,9 @@ def load(parts: Checkpointed, path: str) -> dict:
         for j, f in enumerate(sorted(man["files"])):  # every file checked by some rank
             if j % world.size == world.rank:
                 src.verify(f)
-        return src, man, read_codec(src.ckpt, man, parts)
+        return src, man, read_codec(src.ckpt, man, parts), read_history(src.ckpt, man, parts)
 
-    src, man, codec = agreed(world, check)
+    src, man, codec, history = agreed(world, check)
     for k, p in run.params.items():
         p[...] = backend.from_host(own_piece(src, man, "param", k, index[k]))
     saved = man["optimizer"]
@@ -208,6 +215,9 @@ def load(parts: Checkpointed, path: str) -> dict:
     if parts.codec is not None:
         parts.codec.load_state({"step": int(man["step"]), "codec": codec})
     man["codec_restored"] = codec is not None  # (not in the file) for config_notes
+    if history is not None:  # delayed FP8 scaling: the blocks this rank runs
+        parts.fp8.load_state(history)
+    man["fp8_restored"] = history is not None
     return man
 
 

@@ -10,6 +10,8 @@ Per step, L dense blocks on a rank, M micro-batches, one amax = one float64 (8 b
   (sites, 3) amaxes, 4 L sites, once over tp and once over dp x cp: 8 * 12 L bytes each.
 * ``mxfp8`` reduces nothing (its blocks stay inside a shard when C/tp is a multiple of 32).
 
+An MoE block runs two of these linears (attention's), half a dense block's amaxes.
+
 Memory: a linear's cache keeps X (and a reference to W) in FP8, 1 byte an element plus the
 scales, where the run without FP8 keeps X in the activations' dtype: the activations
 a linear caches shrink by that factor (refmp.cost.memory's per-block terms); MXFP8 adds one
@@ -22,24 +24,41 @@ AMAX_BYTES = 8  # the amaxes travel as float64
 
 
 def amax_bytes_per_step(recipe: str, n_layer: int, microbatches: int, sp: bool, tp: int,
-                        cp: int = 1, dense: int = 1, first_step: bool = True) -> dict[str, int]:
+                        cp: int = 1, dense: int = 1, first_step: bool = True,
+                        n_moe: int = 0) -> dict[str, int]:
     """Ledger bytes of the amax all-reduces in one step, by axis ("tp", "cp", and "dense" for
-    delayed scaling's history), for ``n_layer`` dense blocks on this rank; ``dense`` the
+    delayed scaling's history), for ``n_layer`` dense blocks and ``n_moe`` MoE blocks (their
+    two attention linears alone: half a dense block's sites) on this rank; ``dense`` the
     dp x cp ranks (the ledger labels that group by its axes of more than one rank)."""
     out = {"tp": 0, "cp": 0, "dense": 0}
+    pairs = 2 * n_layer + n_moe  # (column, row) pairs of linears
     per_use = recipe == "tensor" or (recipe == "delayed" and first_step)
     if per_use:
         if tp > 1:
-            out["tp"] += AMAX_BYTES * (12 if sp else 8) * n_layer * microbatches
+            out["tp"] += AMAX_BYTES * (6 if sp else 4) * pairs * microbatches
         if cp > 1:
-            out["cp"] += AMAX_BYTES * 8 * n_layer * microbatches
+            out["cp"] += AMAX_BYTES * 4 * pairs * microbatches
     if recipe == "delayed":
-        history = AMAX_BYTES * 3 * 4 * n_layer  # (sites, roles) once a step
+        history = AMAX_BYTES * 3 * 2 * pairs  # (sites, roles) once a step
         if tp > 1:
             out["tp"] += history
         if dense > 1:
             out["dense"] += history
     return out
+
+
+def amax_allreduces(recipe: str, n_layer: int, n_moe: int, microbatches: int, sp: bool, tp: int,
+                    cp: int, dense: int) -> dict[str, tuple[int, int, int, int]]:
+    """What refmp.cost.model.predict times of a step after the first: by its axis ("tp", "cp",
+    "dp" for the dp x cp group), (bytes, all-reduces, ranks, the ranks the group spans),
+    those that move anything. Current scaling reduces each amax alone (8 bytes a call),
+    delayed scaling its history in one call a group."""
+    if recipe == "none":
+        return {}
+    got = amax_bytes_per_step(recipe, n_layer, microbatches, sp, tp, cp, dense, False, n_moe)
+    groups = {"tp": ("tp", tp, tp), "cp": ("cp", cp, tp * cp), "dp": ("dense", dense, tp * dense)}
+    return {axis: (got[k], got[k] // AMAX_BYTES if recipe == "tensor" else 1, n, span)
+            for axis, (k, n, span) in groups.items() if got[k]}
 
 
 def cached_linear_input_bytes(elements: int, itemsize: int, recipe: str) -> int:

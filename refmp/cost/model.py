@@ -36,6 +36,7 @@ from refmp.cost.context import cp_ledger, hybrid_cp_ledger
 from refmp.cost.expert import folded_per_step
 from refmp.cost.family import ffn, is_llama, kv_heads, tied
 from refmp.cost.flops import active_params, model_flops_per_step, recompute_flops_per_step
+from refmp.cost.fp8 import amax_allreduces
 from refmp.cost.machines import Machine
 from refmp.cost.tensor import comm_bytes_per_step
 from refmp.cost.zero import (
@@ -373,8 +374,14 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         # copy, and the clipping norm reads the gradient again (w = 4; c = g)
         t_opt = ((24 + 3 * c if lay.mixed_precision != "none" else 32) * owned
                  / (mach.stream_gbs * 1e9 or hbm))
-        stages.append({"compute": comp, "elementwise": t_elem, "calls": t_calls, "tp": t_tp,
-                       "cp": t_cp, "ep": t_ep, "pp": t_pp, "dp": t_dp, "optimizer": t_opt})
+        t_amax = {"tp": 0.0, "cp": 0.0, "dp": 0.0}  # FP8's amax all-reduces (refmp.cost.fp8)
+        for axis, (x, calls, n, span) in amax_allreduces(lay.fp8, Ls - n_moe, n_moe, M, lay.sequence_parallel,
+                                                         tp, cp, dp * cp).items():
+            moved[r][axis]["allreduce"] = moved[r][axis].get("allreduce", 0) + x
+            t_amax[axis] = collective("allreduce", x, calls, n, *link(span))
+        stages.append({"compute": comp, "elementwise": t_elem, "calls": t_calls, "tp": t_tp + t_amax["tp"],
+                       "cp": t_cp + t_amax["cp"], "ep": t_ep, "pp": t_pp, "dp": t_dp + t_amax["dp"],
+                       "optimizer": t_opt})
     busy = [sum(s[k] for k in ("compute", "elementwise", "calls", "tp", "cp", "ep", "pp"))
             for s in stages]
     slow = max(range(pp), key=lambda r: busy[r] + stages[r]["dp"] + stages[r]["optimizer"])

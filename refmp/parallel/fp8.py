@@ -63,7 +63,9 @@ class FP8Cache(NamedTuple):
 class Scales:
     """The amaxes of one rank's linears, for the delayed recipe: ``history`` past steps of
     (n_sites, 3 roles), and this step's running maximum. ``end_step`` reduces this step's
-    over ``groups`` (tp, dp x cp) and pushes it."""
+    over ``groups`` (tp, dp x cp) and pushes it, so every rank of a pipeline stage holds the
+    same history (the serial run's, for the stage's blocks): training state, which a
+    checkpoint saves by block (``state``) and any layout reads back (refmp.checkpoint.amax)."""
 
     def __init__(self, n_sites: int, history: int, groups: list[Comm]):
         self.past = np.zeros((history, n_sites, 3))  # (H, sites, roles)
@@ -88,21 +90,40 @@ class Scales:
         self.steps = min(self.steps + 1, len(self.past))
         self.now = np.zeros_like(self.now)
 
+    def state(self, blocks: list[tuple[int, int]]) -> dict:
+        """{"steps": kept steps, "amax": {"h.{i}": (H, k, 3)}}: each of ``blocks`` (i, its k
+        linears, in this rank's forward order) with the history of its linears."""
+        amax, s = {}, 0
+        for i, k in blocks:
+            amax[f"h.{i}"] = self.past[:, s:s + k].copy()  # (H, k, roles)
+            s += k
+        return {"steps": self.steps, "amax": amax}
+
+    def load_state(self, state: dict, blocks: list[tuple[int, int]]) -> None:
+        """Set the history from ``state`` (``state()``'s form, any rank's blocks among it)."""
+        if blocks:  # (a stage may hold no block: the embeddings or the head alone)
+            self.past[...] = np.concatenate([state["amax"][f"h.{i}"] for i, _ in blocks], axis=1)
+        self.steps = int(state["steps"])
+        self.now[...] = 0.0
+
 
 class FP8Ops:
     """The Ops ``inner`` with FP8 linears (``recipe``: tensor, delayed or mxfp8), tp's amaxes
     reduced over ``tp`` (``sp``: with sequence parallelism) and, for the activations and
     gradients, over ``cp``'s sequence shards; ``n_sites`` the linears one
-    forward of this rank runs, ``groups`` what the delayed recipe reduces its amaxes over."""
+    forward of this rank runs, ``groups`` what the delayed recipe reduces its amaxes over,
+    ``blocks`` [(block i, its linears k)] whose linears those sites are, in forward order."""
 
     def __init__(self, inner, recipe: str, tp: Comm, sp: bool = False, n_sites: int = 0,
-                 history: int = 16, groups: list[Comm] = (), cp: Comm | None = None):
+                 history: int = 16, groups: list[Comm] = (), cp: Comm | None = None,
+                 blocks: list[tuple[int, int]] = ()):
         self.inner = inner
         self.recipe = recipe
         self.tp = tp
         self.cp = cp if cp is not None and cp.size > 1 else None  # activations split along T
         self.split = SPLIT_SP if sp else SPLIT
         self.n_sites = n_sites
+        self.blocks = list(blocks)
         self.calls = 0
         self.scales = Scales(n_sites, history, [tp, *groups]) if recipe == "delayed" else None
 
@@ -133,6 +154,15 @@ class FP8Ops:
         """After a step's backward: the delayed recipe pushes the step's amaxes."""
         if self.scales is not None:
             self.scales.end_step()
+
+    def state(self) -> dict:
+        """What later steps depend on: the delayed recipe's amax history by block (Scales.state;
+        {} for the other recipes, which keep nothing from step to step)."""
+        return self.scales.state(self.blocks) if self.scales is not None else {}
+
+    def load_state(self, state: dict) -> None:
+        if self.scales is not None:
+            self.scales.load_state(state, self.blocks)
 
     # --- the linears ----------------------------------------------------------------------------
 
@@ -194,9 +224,9 @@ class FP8Ops:
 def apply_fp8(ops, recipe: str, grid, sp: bool, mcfg, chunks: dict[int, range]) -> FP8Ops:
     """The build step: ``ops`` with FP8 linears; its sites are the linears of this rank's
     ``chunks`` (4 a dense block, 2 an MoE block, whose experts stay in the run's dtype)."""
-    n_sites = sum(2 if mcfg.is_moe(i) else 4 for blocks in chunks.values() for i in blocks)
-    return FP8Ops(ops, recipe, grid.comm["tp"], sp, n_sites, groups=[grid.group("dp", "cp")],
-                  cp=grid.comm["cp"])
+    blocks = [(i, 2 if mcfg.is_moe(i) else 4) for held in chunks.values() for i in held]
+    return FP8Ops(ops, recipe, grid.comm["tp"], sp, sum(k for _, k in blocks),
+                  groups=[grid.group("dp", "cp")], cp=grid.comm["cp"], blocks=blocks)
 
 
 def check_fp8(cfg, n_embd: int, tp: int) -> None:
@@ -218,9 +248,6 @@ def check_fp8(cfg, n_embd: int, tp: int) -> None:
     if cfg.fp8 == "delayed" and chunks > 1:
         raise ConfigError(f"--fp8 delayed {why.format('one model chunk per rank')}: --schedule "
                           f"{cfg.schedule} runs {chunks} (or use --fp8 tensor)")
-    if cfg.fp8 == "delayed" and cfg.resume:
-        raise ConfigError("--fp8 delayed's amax history is not in a checkpoint: --resume would "
-                          "start it afresh and not continue the run (use --fp8 tensor or mxfp8)")
     if cfg.fp8 == "delayed" and cfg.recompute == "full":
         raise ConfigError(f"--fp8 delayed {why.format('each forward run once')}: --recompute full "
                           "runs each block's forward again in its backward (or use --fp8 tensor)")

@@ -224,10 +224,10 @@ class Trainer:
 
     def checkpointed(self) -> Checkpointed:
         """What a checkpoint saves and restores of this run: the runner's pieces, the
-        optimizer, fp16's loss scaler, and this Trainer's progress."""
+        optimizer, fp16's loss scaler, this Trainer's progress, and FP8's amax history."""
         return Checkpointed(self.grid, self.cfg, self.mcfg, self.runner, self.opt,
                             self.scaler, progress=self, vocab=self.ds.vocab,
-                            codec=self.runner)
+                            codec=self.runner, fp8=getattr(self.runner, "fp8", None))
 
     def save_checkpoint(self, root: str, keep: int = 0) -> str:
         """Write this step's state as ``root/step-{N:08d}`` (collective)."""
