@@ -189,9 +189,8 @@ class Engine:
                                 if k in local.shapes and "tp" in place(k, self.sp).reduce}
         coords = {**grid.coords, "edp": grid.comm["edp"].rank}
         self.counts_in_norm = counts_in_norm(self.sharder.params, local.shapes, coords, self.sp,
-                                             self.sharder.partitions, self.first, self.last)
-        for k in self.sharder.counted_elsewhere():  # HSDP: each slice once, not per replica
-            self.counts_in_norm[k] = False
+                                             self.sharder.partitions, self.first, self.last,
+                                             self.sharder.replicas)  # HSDP: once, not per replica
         self.peak_activations = 0
         self._loss = (0.0, 0.0)  # the last step's (cross-entropy, MoE) loss shares here
         self._scale = 1.0  # mixed precision: the loss scale
