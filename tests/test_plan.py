@@ -219,6 +219,38 @@ def test_search_keeps_fixed_choices_and_ranks_by_step_time():
         assert sum(r["memory_bytes"].values()) <= MACHINE.gpu_memory_gb * 1e9
 
 
+def test_selective_is_priced_as_none_where_it_runs_the_same_code():
+    """refmp's attention (refmp.nn.flash, the ring) keeps no (T, T) square and makes its
+    probabilities again in every backward: --recompute selective runs what none runs, so
+    every term, the hardware FLOPs and the memory are none's, and the search does not offer
+    it as a choice of its own (it does when fixed). An attention that keeps the softmax
+    (Megatron 2021's) pays selective's q k^T and softmax again, and is offered both."""
+    base = Layout(tp=2, dp=4, mixed_precision="bf16", microbatch_size=2)
+    lays = {rc: replace(base, recompute=rc) for rc in ("none", "selective", "full")}
+    refmp = {rc: model.predict(lay, GPT2, 64, MACHINE) for rc, lay in lays.items()}
+    assert refmp["selective"]["seconds"] == refmp["none"]["seconds"]
+    assert refmp["selective"]["tflops_per_gpu"] == refmp["none"]["tflops_per_gpu"]
+    assert memory(lays["selective"], GPT2, 64) == memory(lays["none"], GPT2, 64)
+    meg = {rc: model.predict(lay, GPT2, 64, MACHINE, model.MEGATRON_2021)
+           for rc, lay in lays.items()}
+    # none's compute is the model's three passes; rescoring adds one q k^T product a block:
+    # M = 64 / (dp b) = 8 micro-batches of 12 blocks, b NH / tp = 12 heads' (T, HS) @ (HS, T)
+    qk = 8 * 12 * model.gemm(1024, 64, 1024, MACHINE, 2, 12)
+    assert meg["selective"]["seconds"]["compute"] == pytest.approx(
+        meg["none"]["seconds"]["compute"] + qk)
+    assert refmp["none"]["seconds"]["compute"] == pytest.approx(
+        meg["selective"]["seconds"]["compute"])
+    assert refmp["full"]["seconds"]["compute"] == pytest.approx(
+        meg["full"]["seconds"]["compute"] + qk)  # full's forward again, then the backward's
+    few = {"tp": 1, "pp": 1, "zero": 0}  # dp 8: the recomputations by micro-batch size
+    fits, _ = plan_search.search(GPT2, 64, 8, MACHINE, few, top=20)
+    assert {r["recompute"] for r in fits} == {"none", "full"}
+    fits, _ = plan_search.search(GPT2, 64, 8, MACHINE, few, top=20, impl=model.MEGATRON_2021)
+    assert {r["recompute"] for r in fits} == {"none", "selective", "full"}
+    fits, _ = plan_search.search(GPT2, 64, 8, MACHINE, {**few, "recompute": "selective"}, top=3)
+    assert fits and all(r["recompute"] == "selective" for r in fits)
+
+
 def test_infeasible_layouts_say_what_does_not_fit():
     """GPT-3 on one node without ZeRO: 16 bytes per parameter cannot fit 8 x 80 GB."""
     big = GPTConfig(n_layer=96, n_embd=12288, n_head=96, vocab_size=50257, block_size=2048)
@@ -464,6 +496,11 @@ def test_elementwise_bytes_by_hand():
     assert eb(1, 4, 4, 8, 2, 1, False, "none", False, 2) == fwd + bwd
     assert eb(1, 4, 4, 8, 2, 1, False, "full", False, 2) == 2 * fwd + bwd
     assert eb(1, 4, 4, 8, 2, 1, False, "selective", False, 2) == fwd + bwd + 2 * 2 * 32
+    # refmp's attention makes the softmax again in every backward (rescored): none and
+    # selective alike, and full on top of its forward again
+    for rc, more in (("none", 0), ("selective", 0), ("full", fwd)):
+        assert eb(1, 4, 4, 8, 2, 1, False, rc, False, 2, rescored=True) == (
+            fwd + bwd + 2 * 2 * 32 + more)
     drop = 2 * 2 * 32 + 32 + 2 * 32  # the probabilities' data and mask, two hidden masks
     assert eb(1, 4, 4, 8, 2, 1, False, "none", True, 2) == fwd + bwd + 2 * drop
 
@@ -507,18 +544,22 @@ def test_numpy_calls_count_a_real_block():
     cfg = GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=32, block_size=8)
     p = {k[4:]: v.view(Counted) for k, v in init_params(cfg, 0).items() if k.startswith("h.0.")}
     x = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32).view(Counted)
-    Counted.calls = 0
-    y, cache = gpt.block_forward(p, x, gpt.Ops(2))
-    fwd = Counted.calls
-    _, g = gpt.block_backward(y, cache, gpt.Ops(2))
+    counts = []
+    for ops in (gpt.Ops(2), gpt.Ops(2, keep_scores=False)):  # none, then selective
+        Counted.calls = 0
+        y, cache = gpt.block_forward(p, x, ops)
+        fwd = Counted.calls
+        _, g = gpt.block_backward(y, cache, ops)
+        counts.append(Counted.calls + len(g))
     calls = model.numpy_calls
-    serial = Counted.calls + len(g)
+    serial = counts[0]
+    assert counts[1] == serial  # selective's block runs none's calls (refmp.nn.flash)
     assert calls(Layout()) == serial
     assert calls(Layout(tp=2)) == serial + 4 * 6
     assert calls(Layout(cp=2)) == serial + 2 * (10 + 16)
     assert calls(Layout(cp=4, cp_algo="ulysses")) == serial + 2 * 32
     assert calls(Layout(recompute="full")) == serial + fwd
-    assert calls(Layout(recompute="selective")) == serial + 7
+    assert calls(Layout(recompute="selective")) == serial
     assert calls(Layout(), moe=True, top_k=2) == serial + 2 * (40 + 2 * 20)
 
 

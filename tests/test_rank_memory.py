@@ -66,6 +66,30 @@ def test_sizes():
             cgroup.parse_size(bad)
 
 
+def test_one_reader_of_limits_for_a_rank_and_for_the_container(tmp_path, monkeypatch):
+    """cgroup.limit reads v1's memory.limit_in_bytes or v2's memory.max ("max": none);
+    headroom is the root's limit less its usage (the smaller of v2's and v1's), which caps
+    checks.available_memory; rank_limit reads a rank's own cgroup with the same reader."""
+    from refmp.training import checks
+
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    v1.mkdir()
+    monkeypatch.setattr(cgroup, "V2", str(v2))
+    monkeypatch.setattr(cgroup, "V1", str(v1))
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.current").write_text("100\n")
+    assert cgroup.limit(str(v2), cgroup.Controller(2, str(v2))) is None
+    assert cgroup.headroom() is None  # no limit anywhere
+    (v2 / "memory.max").write_text("5000\n")
+    (v1 / "memory.limit_in_bytes").write_text("3000\n")
+    (v1 / "memory.usage_in_bytes").write_text("1000\n")
+    assert cgroup.headroom() == 2000  # v1's 3000 - 1000 below v2's 5000 - 100
+    assert checks.available_memory() == (2000, "the cgroup's memory limit")
+    monkeypatch.setenv(cgroup.ENV, str(v1))  # v1 found first: a rank's cgroup of 3000 B
+    assert cgroup.rank_limit() == (3000, str(v1)) and cgroup.peak()["limit"] == 3000
+
+
 def test_bad_limits_are_refused_before_any_node(monkeypatch, capsys):
     made = []
     monkeypatch.setattr(netns, "unavailable", lambda: None)

@@ -213,13 +213,15 @@ def calibrate(seconds: float = 0.1) -> dict:
     mach = Machine("fit", 1, 1, 1e-12 / inv, 1e9, 1.0, 1, 1, gemm_short=tuple(short))  # TFLOP/s
     gemms = 3 * (gemm(b * T, C, 3 * C, mach, 4) + gemm(b * T, C, C, mach, 4)  # the linears
                  + 2 * gemm(b * T, C, 4 * C, mach, 4) + 2 * gemm(T, C // NH, T, mach, 4, b * NH))
+    gemms += gemm(T, C // NH, T, mach, 4, b * NH)  # q k^T again in the backward (refmp.nn.flash)
     rest = max(_mean_seconds(block, 3 * seconds) - gemms, 0.1 * gemms)
     u, w, o = (rng.standard_normal(1 << 20, np.float32) for _ in range(3))
     stream = _mean_seconds(lambda: (np.multiply(u, w, out=o), np.add(o, u, out=o)), seconds)
     s, t = np.ones(16, np.float32), np.empty(16, np.float32)
     call = _mean_seconds(lambda: [np.add(s, s, out=t) for _ in range(100)], seconds) / 100
     return {"gflops": float(1e-9 / inv), "short": short,
-            "gbs": elementwise_bytes(b, T, T, C, NH, 1, False, "none", False, 4) / rest / 1e9,
+            "gbs": elementwise_bytes(b, T, T, C, NH, 1, False, "none", False, 4,
+                                     rescored=True) / rest / 1e9,
             "stream_gbs": 24 * u.size / stream / 1e9, "call_us": 1e6 * call}
 
 

@@ -43,13 +43,15 @@ def model_flops_per_step(n_params: float, n_layer: int, T: int, C: int, tokens: 
 
 
 def recompute_flops_per_step(mode: str, n_block_params: float, n_layer: int, T: int, C: int,
-                             tokens: int) -> float:
+                             tokens: int, rescored: bool = False) -> float:
     """The FLOPs recomputation adds (hardware FLOPs, Narayanan et al. 2021 eq. 3, beyond the
     model's): full runs every block's forward again, 2 N_blocks tokens + 4 L T C tokens;
-    selective recomputes the softmax's scores q k^T, 2 L T C tokens."""
+    selective recomputes the softmax's scores q k^T, 2 L T C tokens, and so does every
+    backward of an attention that keeps no scores (``rescored``: refmp.nn.flash's)."""
+    again = 2.0 * n_layer * T * C * tokens if rescored or mode == "selective" else 0.0
     if mode == "full":
-        return 2.0 * n_block_params * tokens + 4.0 * n_layer * T * C * tokens
-    return 2.0 * n_layer * T * C * tokens if mode == "selective" else 0.0
+        return 2.0 * n_block_params * tokens + 4.0 * n_layer * T * C * tokens + again
+    return again
 
 
 def ring_attention_flops(seq: SequenceChunks, r: int, B: int, n_head: int, hs: int) -> int:

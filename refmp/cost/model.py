@@ -147,7 +147,7 @@ def gemm(m: int, k: int, n: int, mach: Machine, c: int, count: int = 1) -> float
 
 def elementwise_bytes(b: int, Tl: int, T: int, C: int, NH: int, tp: int, sp: bool,
                       recompute: str, dropout: bool, c: int, F: int = 0,
-                      swiglu: bool = False) -> int:
+                      swiglu: bool = False, rescored: bool = False) -> int:
     """Bytes one block's memory-bound kernels move in one micro-batch: each reads its inputs
     and writes its outputs once (c bytes an element, a dropout mask 1 byte). n = b s C the
     LayerNorm and residual region (s = Tl/tp with SP), h = 4 b Tl C/tp GELU's input, a = b Tl
@@ -156,7 +156,9 @@ def elementwise_bytes(b: int, Tl: int, T: int, C: int, NH: int, tp: int, sp: boo
         the softmax (2 S), the attention output's transpose (2 a);
       backward: 2 LayerNorms (3 n), the residual gradients (3 n), 2 bias gradients (n),
         GELU (3 h), the softmax (3 S), the transpose (2 a);
-      recomputation: full, the forward again; selective, the softmax forward again;
+      recomputation: full, the forward again; the softmax forward again with selective, or
+        with ``rescored`` whatever ``recompute`` (an attention whose backward makes its
+        probabilities again from each row's log-sum-exp: refmp's, Impl.attention_recomputes);
       dropout (Megatron's, p = 0.1; refmp has none): on the probabilities 2 S and a mask S
         bytes each way, and the two hidden dropouts' masks (n bytes each way).
     The Llama family (refmp.cost.family): h = b Tl F/tp, and SwiGLU instead of GELU, SiLU
@@ -170,7 +172,8 @@ def elementwise_bytes(b: int, Tl: int, T: int, C: int, NH: int, tp: int, sp: boo
     if dropout:
         drop = c * 2 * S + S + 2 * n
         fwd, bwd, soft = fwd + drop, bwd + drop, soft + drop - 2 * n
-    return fwd + bwd + {"none": 0, "selective": soft, "full": fwd}[recompute]
+    again = soft if rescored or recompute == "selective" else 0
+    return fwd + bwd + again + (fwd if recompute == "full" else 0)
 
 
 def numpy_calls(lay: Layout, moe: bool = False, top_k: int = 2) -> int:
@@ -183,7 +186,8 @@ def numpy_calls(lay: Layout, moe: bool = False, top_k: int = 2) -> int:
     reduction, a wait, a copy back); cp's ring, 10 calls a step of its cp steps forward
     and 16 backward; Ulysses, 4 all-to-alls of 8; an MoE block, a router and dispatch of
     40 calls and 20 an expert visit (top_k) each way; full recomputation, the forward
-    again; selective, the softmax again (7)."""
+    again. Selective recomputation adds none: refmp's attention (refmp.nn.flash) makes its
+    probabilities again in every backward, so selective runs the calls counted here."""
     fwd, bwd = 76, 112 + 12
     if lay.tp > 1:
         fwd, bwd = fwd + 12, bwd + 12
@@ -192,7 +196,7 @@ def numpy_calls(lay: Layout, moe: bool = False, top_k: int = 2) -> int:
         bwd += 32 if lay.cp_algo == "ulysses" else 16 * lay.cp
     if moe:
         fwd, bwd = fwd + 40 + 20 * top_k, bwd + 40 + 20 * top_k
-    return fwd + bwd + {"none": 0, "selective": 7, "full": fwd}[lay.recompute]
+    return fwd + bwd + (fwd if lay.recompute == "full" else 0)
 
 
 @dataclass(frozen=True)
@@ -209,21 +213,25 @@ class Impl:
     # attention products at half (the model FLOPs still count them whole, 12 L T C)
     flash_attention: bool = False
     fp8_linears: bool = False  # the blocks' linears in Float8 (twice the bf16 peak)
+    # the backward makes the probabilities again from each row's log-sum-exp whatever
+    # --recompute (refmp.nn.flash, the ring: no (T, T) square kept), so selective costs what
+    # none does; False: kept, and made again by selective alone (Megatron's, the published)
+    attention_recomputes: bool = True
 
 
 # Megatron-LM as Narayanan et al. 2021 ran it: dropout 0.1 (Megatron's default), the data-
 # parallel all-reduce after the backward pass, the scatter/gather boundary optimization, and
 # no ZeRO (its distributed optimizer came later)
 MEGATRON_2021 = Impl(dropout=True, dp_overlap=False, pp_scatter_gather=True,
-                     fixed=(("zero", 0),))
+                     fixed=(("zero", 0),), attention_recomputes=False)
 # DeepSpeed's ZeRO-3 on Megatron's model (Narayanan et al. 2021, Table 2): dropout, and each
 # weight gathered for every use with the next one prefetched (zero.prefetched); no pipeline
 DEEPSPEED_ZERO3 = Impl(dropout=True, dp_overlap=False, zero3_prefetch=True,
-                       fixed=(("zero", 3), ("pp", 1)))
+                       fixed=(("zero", 3), ("pp", 1)), attention_recomputes=False)
 # the published runs' own (docs/published_runs.md): Llama 3's (Dubey et al. 2024) and
 # torchtitan's fused attention, torchtitan's Float8 linears
-FUSED = Impl(flash_attention=True)
-TORCHTITAN = Impl(flash_attention=True, fp8_linears=True)
+FUSED = Impl(flash_attention=True, attention_recomputes=False)
+TORCHTITAN = Impl(flash_attention=True, fp8_linears=True, attention_recomputes=False)
 IMPLS = {"refmp": Impl(), "megatron-2021": MEGATRON_2021, "deepspeed-zero3": DEEPSPEED_ZERO3,
          "fused-attention": FUSED, "torchtitan-fp8": TORCHTITAN}
 
@@ -240,6 +248,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     c = 2 if lay.mixed_precision != "none" else 4
     M, Tl, G, bd = batch // (dp * b), T // cp, mach.gpus_per_node, batch // dp
     full, uly = lay.recompute == "full", cp > 1 and lay.cp_algo == "ulysses"
+    # the backward makes q k^T and the softmax again: refmp's always, else with selective
+    rescored = impl.attention_recomputes or lay.recompute == "selective"
     hbm = mach.hbm_gbs * 1e9
 
     def link(span: int) -> tuple[float, float]:  # (bytes/s, s) of a group spanning span ranks
@@ -265,7 +275,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     f_moe = f_block + (K - 1) * f_mlp + (gemm(m, C, E, mach, c) if E else 0.0)
     elem = elementwise_bytes(b, Tl, 0 if impl.flash_attention else T, C, NH, tp,
                              lay.sequence_parallel, lay.recompute, impl.dropout, c, F,
-                             llama) / hbm
+                             llama, rescored) / hbm
     # an MoE block: GELU on K rows a token (5 h each), the dispatch's gather and combine (4 n K)
     moe_elem = (K - 1) * 5 * c * 4 * m * C // tp / hbm + 4 * K * c * m * C / hbm if E else 0.0
     Vl = -(-V // tp)
@@ -281,8 +291,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
         first, last = r == 0, r == pp - 1
         Ls, n_moe = len(stage_blocks), sum(mcfg.is_moe(i) for i in stage_blocks)
         fwd = (Ls - n_moe) * f_block + n_moe * f_moe  # the stage's blocks, one micro-batch
-        # selective: refmp recomputes q k^T for the softmax (flops.recompute_flops_per_step)
-        again = {"none": 0.0, "selective": Ls * scores, "full": fwd}[lay.recompute]
+        # the forward again (full), q k^T again (rescored: flops.recompute_flops_per_step)
+        again = (fwd if full else 0.0) + (Ls * scores if rescored else 0.0)
         comp = M * (3 * fwd + again + (3 * head if last else 0))
         t_elem = M * (Ls * elem + n_moe * moe_elem + (head_elem if last else 0))
         t_calls = M * mach.call_us * 1e-6 * sum(
@@ -307,7 +317,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
                 "send", nbytes, calls, cp // U, *link(tp * cp))
             moved[r]["cp"] = {"alltoall": a2a, "send": nbytes}
         if op == "send" and mach.overlaps_p2p:  # R-1 transfers (R = cp/U), behind the core
-            core = M * Ls * 2 * (4 if full else 3) * scores  # q k^T, att v: fwd, 2 bwd, again
+            # q k^T and att v: forward, backward (2), full's forward again; q k^T rescored
+            core = M * Ls * (2 * (4 if full else 3) + rescored) * scores
             t_cp = max(0.0, t_cp - (1 - lay.cp_ulysses / cp) * core)
         # experts: dispatch and combine, forward and backward (again with full
         # recomputation), K b Tl C each (ep carved from dp x cp: the group spans tp ep ranks)
@@ -363,8 +374,8 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
                 ((G - 1) * mach.intra_latency_us + mach.inter_latency_us) * 1e-6 / G)
 
             ring = partial(ring_pass, n=n, c=c, bw=link(span)[0], hop=hop)
-            block_t = [3 * f + {"none": 0.0, "selective": scores, "full": f}[lay.recompute]
-                       + elem for f in (f_moe if mcfg.is_moe(i) else f_block for i in stage_blocks)]
+            block_t = [3 * f + (f if full else 0.0) + (scores if rescored else 0.0) + elem
+                       for f in (f_moe if mcfg.is_moe(i) else f_block for i in stage_blocks)]
             slow = mach.sms / (mach.sms - mach.comm_sms) if mach.sms else 1.0
             t_dp = prefetched(zero3_uses(units, stage_blocks, block_t, 3 * head + head_elem,
                                          full, ring) * M, slow) - comp - t_elem
@@ -394,7 +405,7 @@ def predict(lay: Layout, mcfg: GPTConfig, batch: int, mach: Machine,
     tokens, gpus = batch * T, tp * pp * dp * cp
     flops = model_flops_per_step(active_params(mcfg), L, T, C, tokens)
     n_blocks = active_params(mcfg) - V * C
-    hw = flops + recompute_flops_per_step(lay.recompute, n_blocks, L, T, C, tokens)
+    hw = flops + recompute_flops_per_step(lay.recompute, n_blocks, L, T, C, tokens, rescored)
     return {"step_seconds": step, "tokens_per_s": tokens / step, "seconds": t,
             "tflops_per_gpu": hw / step / gpus / 1e12,
             "mfu": flops / step / gpus / (mach.peak_tflops * 1e12), "bytes": moved,

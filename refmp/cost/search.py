@@ -23,8 +23,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict):
-    """Every layout the fixed choices allow (the rest searched; docs/plan.md says which)."""
+def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict,
+               selective: bool = True):
+    """Every layout the fixed choices allow (the rest searched; docs/plan.md says which).
+    ``selective``: selective recomputation is a choice of its own (False where it runs what
+    none runs: Impl.attention_recomputes, refmp's attention)."""
     def pick(key, options):
         return [fixed[key]] if fixed.get(key) is not None else options
 
@@ -52,7 +55,8 @@ def candidates(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dic
                     for zero, shard in [(z, n) for z in pick("zero", [0, 1, 2, 3] if pp == 1 else [0, 1])
                                         for n in pick("dp_shard", hsdp(z, dp, tp * cp, mach))]:
                         for sp in pick("sequence_parallel", [False, True] if tp > 1 else [False]):
-                            for rc in pick("recompute", ["none", "selective", "full"]):
+                            for rc in pick("recompute", ["none", "selective", "full"]
+                                           if selective else ["none", "full"]):
                                 for b in sizes:
                                     for sched, v in schedules(pp, fixed):
                                         yield Layout(tp, pp, dp, cp, ep, zero, sp, rc,
@@ -101,7 +105,7 @@ def search(mcfg: GPTConfig, batch: int, gpus: int, mach: Machine, fixed: dict | 
     computed in order of predicted time until ``top`` fit (a faster layout that does not fit
     is reported with what does not fit)."""
     ok, bad, fixed, impl = [], [], fixed or {}, impl or Impl()
-    for lay in candidates(mcfg, batch, gpus, mach, fixed):
+    for lay in candidates(mcfg, batch, gpus, mach, fixed, not impl.attention_recomputes):
         if lay.microbatch_size == 0:
             bad.append(row(lay, None, None, f"the batch {batch} is not a multiple of dp * "
                                             f"microbatches ({lay.dp} * {fixed['microbatches']})"))

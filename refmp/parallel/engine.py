@@ -189,9 +189,8 @@ class Engine:
         coords = {**grid.coords, "edp": grid.comm["edp"].rank, "etp": self.etp.rank, **own}
         self.counts_in_norm = counts_in_norm(self.sharder.params, local.shapes, coords, self.sp,
                                              self.sharder.partitions, self.first, self.last,
-                                             fam.place)
-        for k in self.sharder.counted_elsewhere():  # HSDP: each slice once, not per replica
-            self.counts_in_norm[k] = False
+                                             fam.place, fam.unit_of,
+                                             self.sharder.replicas)  # HSDP: once, not per replica
         self.peak_activations = 0
         self._loss = (0.0, 0.0)  # the last step's (cross-entropy, MoE) loss shares here
         self._scale = 1.0  # mixed precision: the loss scale

@@ -34,7 +34,7 @@ Neither two-level strategy changes a row. Hierarchical cp (refmp.parallel.contex
 splits tokens, not parameters. HSDP (refmp.parallel.data.hsdp) sums the "dp cp" rows in two
 levels, a shard group of dp-shard x cp ranks and then its replicas, and the Sharder's slices
 of them are owned within a shard group, the same slice by every replica (so clipping counts
-it on the first replica: Sharder.counted_elsewhere).
+it on the first replica: counts_in_norm's ``replicas``).
 """
 
 from __future__ import annotations
@@ -220,17 +220,25 @@ def units_of(names, unit=unit_of) -> dict[str, list[str]]:
 
 
 def counts_in_norm(pieces, local: dict, coords: dict[str, int], sp: bool, partitioned: bool,
-                   first: bool, last: bool, row=place) -> dict[str, bool]:
+                   first: bool, last: bool, row=place, unit=unit_of,
+                   replicas: dict | None = None) -> dict[str, bool]:
     """Whether a rank counts each owned piece in the global norm: on the rank of its copies
     (the table's "copies" axes, less dp, cp and edp when the Sharder ``partitioned`` them) at
     coordinate 0, and the tied wte on the first stage only; padding (gradient 0) everywhere.
-    ``row``: a model family's place (refmp.parallel.family), default GPT-2's."""
+    ``row`` and ``unit``: a model family's place and unit_of (refmp.parallel.family), default
+    GPT-2's. ``replicas``: unit -> the group of ranks that own the same slice of it (HSDP's
+    replicas, the Sharder's ``replicas``): a piece of such a unit counts on the group's rank 0
+    only."""
     split_axes = {"dp", "cp", "edp"} if partitioned else set()
+    replicas = replicas or {}
     counts = {}
     for k in pieces:
-        full = k.rsplit(".padding", 1)[0] if k.endswith(".padding") else k
+        padding = k.endswith(".padding")
+        full = k.rsplit(".padding", 1)[0] if padding else k
         copies = () if full not in local else row(full, sp).copies
+        across = replicas.get(full if padding else unit(k))  # a padding piece: its unit's
         counts[k] = (all(coords[a] == 0 for a in copies if a not in split_axes)
+                     and (across is None or across.rank == 0)
                      and not (k == "wte.weight" and last and not first))
     return counts
 

@@ -11,7 +11,8 @@ that cgroup; past the limit the kernel reclaims what it can, then kills the proc
 mpiexec sees signal 9). :class:`RankGroups` makes one cgroup a rank under
 ``refmp-<id>`` at the hierarchy's root (``refmp cluster --rank-memory``, refmp.cli.netns);
 refmp.runtime.rank_launch puts a rank into its own and names it in ``REFMP_RANK_CGROUP``,
-which :func:`rank_limit` and :func:`peak` read.
+which :func:`rank_limit` and :func:`peak` read; :func:`headroom` reads the root's limit (a
+container's), what refmp.training.checks.available_memory caps a node's free memory with.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class Controller:
     @property
     def limit(self) -> str:
         return "memory.limit_in_bytes" if self.version == 1 else "memory.max"
+
+    @property
+    def usage(self) -> str:
+        return "memory.usage_in_bytes" if self.version == 1 else "memory.current"
 
     @property
     def peak(self) -> str:
@@ -123,6 +128,26 @@ def _read_int(path: str) -> int | None:
     with contextlib.suppress(OSError, ValueError):
         return int(Path(path).read_text().strip())
     return None  # no such file, or v2's "max"
+
+
+def limit(folder: str, ctl: Controller) -> int | None:
+    """Bytes of the memory limit of the cgroup at ``folder`` (``ctl``'s file:
+    memory.limit_in_bytes or memory.max); None without that file or without a limit (v2's
+    "max"). The one reader of a limit: a rank's own (rank_limit, peak) and the hierarchy's
+    root (headroom)."""
+    return _read_int(os.path.join(folder, ctl.limit))
+
+
+def headroom() -> int | None:
+    """Bytes left under the memory limit of the hierarchy's root cgroup (a container's own,
+    under a cgroup namespace): its limit less its usage, the smaller of v2's and v1's where
+    both are there; None where neither has a limit."""
+    rooms = []
+    for ctl in (Controller(2, V2), Controller(1, V1)):
+        cap, used = limit(ctl.root, ctl), _read_int(os.path.join(ctl.root, ctl.usage))
+        if cap is not None and used is not None:
+            rooms.append(cap - used)
+    return min(rooms, default=None)
 
 
 def _oom_kills(path: str) -> int:
@@ -209,8 +234,8 @@ def rank_limit() -> tuple[int, str] | None:
     folder, ctl = rank_cgroup(), controller()
     if folder is None or ctl is None:
         return None
-    limit = _read_int(os.path.join(folder, ctl.limit))
-    return None if limit is None else (limit, folder)
+    cap = limit(folder, ctl)
+    return None if cap is None else (cap, folder)
 
 
 def resident() -> int:
@@ -229,5 +254,5 @@ def peak() -> dict[str, int | None]:
     folder, ctl = rank_cgroup(), controller()
     if folder is not None and ctl is not None:
         out["cgroup"] = _read_int(os.path.join(folder, ctl.peak))
-        out["limit"] = _read_int(os.path.join(folder, ctl.limit))
+        out["limit"] = limit(folder, ctl)
     return out

@@ -14,8 +14,6 @@
 
 from __future__ import annotations
 
-import os
-
 from mpi4py import MPI
 
 from refmp.config import TrainConfig, check_config, saves_directory
@@ -26,6 +24,7 @@ from refmp.errors import ConfigError
 from refmp.nn import GPTConfig
 from refmp.parallel.family import check_family
 from refmp.parallel.rules import check_layout
+from refmp.runtime import cgroup
 from refmp.training.datasets import AdditionTask, Dataset, load_tokens
 from refmp.training.families import (
     arch_of,
@@ -148,7 +147,7 @@ def available_memory(device: str = "cpu") -> tuple[int, str]:
         import cupy
 
         return int(cupy.cuda.runtime.memGetInfo()[0]), "free on this GPU"
-    free, source = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"
+    free, source = cgroup.machine_bytes(), "physical memory"
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -156,16 +155,9 @@ def available_memory(device: str = "cpu") -> tuple[int, str]:
                     free, source = int(line.split()[1]) * 1024, "MemAvailable"
     except OSError:
         pass
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit) as f1, open(usage) as f2:
-                room = int(f1.read().strip()) - int(f2.read().strip())
-        except (OSError, ValueError):  # no such cgroup file, or "max"
-            continue
-        if room < free:
-            free, source = room, "the cgroup's memory limit"
+    room = cgroup.headroom()  # a container's memory limit, less what it uses
+    if room is not None and room < free:
+        free, source = room, "the cgroup's memory limit"
     return free, source
 
 

@@ -330,11 +330,6 @@ class Sharder:
         unit = self.units[u]
         return self.gbuf[u][unit.lo : unit.hi] if self.stage < 2 else self.gbuf[u]
 
-    def counted_elsewhere(self) -> set[str]:
-        """The owned pieces another replica counts in the global norm (HSDP: the first)."""
-        return {k for u, across in self.replicas.items() if across.rank
-                for k in self.units[u].pieces(self.owned_grad(u))}
-
     def master_grads(self, scale: float = 1.0) -> dict:
         """Mixed precision, before clipping and the optimizer: the owned gradient slices
         widened to the masters' dtype and divided by the loss scale (a power of two: exact),
