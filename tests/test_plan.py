@@ -15,7 +15,7 @@ from mpi4py import MPI
 from mpi_helpers import REPO, Mismatches, collective, mpiexec
 
 from refmp.cli import plan as plan_cli
-from refmp.cost import model, nodes
+from refmp.cost import model, nodes, terms
 from refmp.cost import search as plan_search
 from refmp.cost.machines import MACHINES
 from refmp.cost.memory import memory, stage_memory, total
@@ -235,7 +235,7 @@ def test_selective_is_priced_as_none_where_it_runs_the_same_code():
            for rc, lay in lays.items()}
     # none's compute is the model's three passes; rescoring adds one q k^T product a block:
     # M = 64 / (dp b) = 8 micro-batches of 12 blocks, b NH / tp = 12 heads' (T, HS) @ (HS, T)
-    qk = 8 * 12 * model.gemm(1024, 64, 1024, MACHINE, 2, 12)
+    qk = 8 * 12 * terms.gemm(1024, 64, 1024, MACHINE, 2, 12)
     assert meg["selective"]["seconds"]["compute"] == pytest.approx(
         meg["none"]["seconds"]["compute"] + qk)
     assert refmp["none"]["seconds"]["compute"] == pytest.approx(
@@ -491,7 +491,7 @@ def test_plan_vs_bench_runs_end_to_end_and_ranks_by_hand():
 
 def test_elementwise_bytes_by_hand():
     """b 1, Tl = T = 4, C 8, NH 2, bf16: n = a = 32, h = 128, S = 32 (docstring's counts)."""
-    eb = model.elementwise_bytes
+    eb = terms.elementwise_bytes
     fwd, bwd = 2 * (10 * 32 + 2 * 128 + 2 * 32 + 2 * 32), 2 * (14 * 32 + 3 * 128 + 2 * 32 + 3 * 32)
     assert eb(1, 4, 4, 8, 2, 1, False, "none", False, 2) == fwd + bwd
     assert eb(1, 4, 4, 8, 2, 1, False, "full", False, 2) == 2 * fwd + bwd
@@ -551,7 +551,7 @@ def test_numpy_calls_count_a_real_block():
         fwd = Counted.calls
         _, g = gpt.block_backward(y, cache, ops)
         counts.append(Counted.calls + len(g))
-    calls = model.numpy_calls
+    calls = terms.numpy_calls
     serial = counts[0]
     assert counts[1] == serial  # selective's block runs none's calls (refmp.nn.flash)
     assert calls(Layout()) == serial
@@ -570,10 +570,10 @@ def test_cpu_machine_terms_scale_the_step_as_their_formulas_say():
     lay = Layout(mixed_precision="none", microbatch_size=2)  # M = 8 / 2 = 4
     cpu_m = replace(MACHINE, sms=0, call_us=2.0, hbm_gbs=1e9)  # products compute-bound
     got = model.predict(lay, mcfg, 8, cpu_m)["seconds"]["calls"]
-    assert got == pytest.approx(4 * 4 * model.numpy_calls(lay) * 2e-6)
-    base = model.gemm(128, 256, 1024, cpu_m, 4)
+    assert got == pytest.approx(4 * 4 * terms.numpy_calls(lay) * 2e-6)
+    base = terms.gemm(128, 256, 1024, cpu_m, 4)
     short = replace(cpu_m, gemm_short=(16.0, 32.0, 64.0))
-    assert model.gemm(128, 256, 1024, short, 4) == pytest.approx(
+    assert terms.gemm(128, 256, 1024, short, 4) == pytest.approx(
         base * (1 + 16 / 128 + 32 / 256 + 64 / 1024))
     calib = {"gflops": 50.0, "gbs": 6.0, "call_us": 0.5, "short": [20.0, 30.0, 2.0],
              "stream_gbs": 7.0}
@@ -597,7 +597,7 @@ def test_megatron_2021_table_within_ten_percent(capsys):
     """docs/plan.md's published comparison, as benchmarks/plan_megatron.py prints it: every
     row of Narayanan et al. 2021's Table 1 within 10% with Megatron-LM 2021's implementation,
     and the 1T row (pp 64, 512 micro-batches a pipeline) through `refmp plan` too: the
-    executor's tags set it no bound (its simulations are cached by then: model.bubble)."""
+    executor's tags set it no bound (its simulations are cached by then: terms.bubble)."""
     from refmp.cli.main import main
 
     sys.path.insert(0, f"{REPO}/benchmarks")

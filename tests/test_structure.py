@@ -83,9 +83,12 @@ SEAMS = {
                                               "cost/transient.py"),
     "refmp/cli/plan.py": ("cpu_machine", "measuring this host (cpu_machine, calibrate, "
                                          "measure_links) into cli/calibrate.py"),
-    "refmp/cost/model.py": ("collective", "the per-term costs (collective, bubble, gemm, "
-                                          "elementwise_bytes, numpy_calls) into "
-                                          "cost/terms.py; Layout and predict stay"),
+    "refmp/cost/model.py": ("Impl", "what the timed implementation does beyond the layout "
+                                    "(Impl and its presets) into cost/impls.py; Layout and "
+                                    "predict stay"),
+    "refmp/config.py": ("check_sizes", "the checks of a run's flags (check_sizes, "
+                                       "check_config) into config_checks.py; the flags and "
+                                       "the configs stay"),
     "refmp/parallel/data/sharder.py": ("Sharder.master_grads", "mixed precision's fp32 masters "
                                                                "(master_grads, after_step's "
                                                                "rounding) into data/masters.py"),

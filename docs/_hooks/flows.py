@@ -3,7 +3,7 @@ built with numbers from refmp's own code (the who-holds-what pictures are docs/_
 
     ring_allreduce  a ring all-reduce step by step: which chunk each rank sends and what each
                     holds after; the gradient's bytes from refmp.cost.zero.unit_sizes, the
-                    share a rank sends from refmp.cost.model.collective's ring
+                    share a rank sends from refmp.cost.terms.collective's ring
     megatron        Megatron's MLP with f and g, and with SP's all-gather and reduce-scatter:
                     the shards' shapes from refmp.parallel.placement.tp_shard, the bytes from
                     refmp.cost.tensor.comm_bytes_per_step
@@ -62,7 +62,7 @@ def ring_allreduce() -> Svg:
             held[(r + 1) % N][sent[r]] = set(held[r][sent[r]])
         rows.append((f"all-gather step {s + 1}", [[set(x) for x in h] for h in held], sent))
     X = 4 * sum(unit_sizes(TINY).values())  # bench's tiny model's fp32 gradient, bytes
-    share = 2 * (N - 1) / N  # refmp.cost.model.collective: 2 (n-1)/n of the buffer per rank
+    share = 2 * (N - 1) / N  # refmp.cost.terms.collective: 2 (n-1)/n of the buffer per rank
     s = Svg(760, 60 + 44 * len(rows) + 30, "a ring all-reduce over 4 ranks, step by step")
     s.text(10, 18, f"ring all-reduce, N = {N}: each buffer in {N} chunks; a cell shows the "
                    "ranks whose parts it holds summed", 12, bold=True)

@@ -10,7 +10,7 @@ command wrote (committed in docs/data/; the build runs no MPI job):
     img/measured/collectives.svg  each collective's measured time by size, from
         OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/collectives.py \\
             --json docs/data/collectives.json
-      beside the alpha-beta lines of refmp.cost.model.collective at the fitted alpha, beta
+      beside the alpha-beta lines of refmp.cost.terms.collective at the fitted alpha, beta
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pathlib
 from mkdocs.structure.files import File
 from svg import INK, KIND, Svg, colour
 
-from refmp.cost.model import collective
+from refmp.cost.terms import collective
 from refmp.parallel.pipeline.simulate import bubble_formula, simulate_schedule
 from refmp.parallel.pipeline.timeline import COMPUTE, Timeline
 
@@ -91,7 +91,7 @@ def collectives() -> Svg:
                 Y + H - H * (math.log10(sec * 1e6) - ly0) / (ly1 - ly0))
 
     s = Svg(760, 390, "collectives measured beside the alpha-beta model")
-    s.text(10, 18, f"{n} ranks: refmp's Comm timed (dots) and refmp.cost.model.collective at the "
+    s.text(10, 18, f"{n} ranks: refmp's Comm timed (dots) and refmp.cost.terms.collective at the "
                    f"fitted alpha {alpha * 1e6:.1f} us, bandwidth {1e-9 / beta:.2f} GB/s (lines)",
            12, bold=True)
     s.rect(X, Y, W, H, "#ffffff", "#999999")

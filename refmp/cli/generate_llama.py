@@ -57,7 +57,7 @@ def run_llama(args: argparse.Namespace) -> dict | None:
 
     from refmp.checkpoint.hf_llama import load_llama
     from refmp.checkpoint.tokenizer import TextTokenizer, tokenizer_files
-    from refmp.cli.generate import check_fits
+    from refmp.cli.serving import check_fits
     from refmp.distributed.faults import agreed
     from refmp.distributed.grid import ProcessGrid
     from refmp.inference.decoder import Decoder

@@ -18,10 +18,11 @@ from refmp.config import TrainConfig, flag_name
 from refmp.cost.family import Family
 from refmp.cost.machines import MACHINES, MODELS, Machine
 from refmp.cost.memory import size
-from refmp.cost.model import IMPLS, SEARCHED, Layout, elementwise_bytes, gemm, layout_flags, parallel_fields
+from refmp.cost.model import IMPLS, SEARCHED, Layout, layout_flags, parallel_fields
 from refmp.cost.nodes import cluster
 from refmp.cost.presets import FAMILY, family
 from refmp.cost.search import search, table
+from refmp.cost.terms import elementwise_bytes, gemm
 from refmp.errors import ConfigError
 from refmp.nn import gpt
 from refmp.nn.params import GPTConfig, init_params

@@ -34,8 +34,8 @@ class Machine:
     # more ranks than cores (a CPU): a rank that waits sleeps and its core runs another rank,
     # so a pipeline's bubble costs no time (refmp.distributed.comm's waits; the step is the busy time)
     time_shared: bool = False
-    # a CPU's NumPy: each operation's fixed cost (refmp.cost.model.numpy_calls), and a short
-    # product's slowdown, 1 + hm / m + hk / k + hn / n for (m, k) @ (k, n) (refmp.cost.model.gemm)
+    # a CPU's NumPy: each operation's fixed cost (refmp.cost.terms.numpy_calls), and a short
+    # product's slowdown, 1 + hm / m + hk / k + hn / n for (m, k) @ (k, n) (refmp.cost.terms.gemm)
     call_us: float = 0.0
     stream_gbs: float = 0.0  # a plain streaming pass (the optimizer's); 0: hbm_gbs
     gemm_short: tuple[float, float, float] = (0.0, 0.0, 0.0)
