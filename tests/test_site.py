@@ -354,9 +354,14 @@ EXPLORED = [
     ("tiny", {"mixed_precision": "fp32", "weight_gather": "the compute dtype", "zero": "0",
               "fp8": "MXFP8"},
      dict(tp=2, dp=4, fp8="mxfp8", mixed_precision="none", microbatch_size=2)),
+    # MoE parallel folding: ep 4 over tp 2 x dp 4's ranks, then each expert split over etp 2
+    ("tiny-moe", {"fp8": "off", "ep": "4", "etp": "1"},
+     dict(tp=2, dp=4, ep=4, etp=1, mixed_precision="none", microbatch_size=2)),
+    ("tiny-moe", {"ep": "2", "etp": "2"},
+     dict(tp=2, dp=4, ep=2, etp=2, mixed_precision="none", microbatch_size=2)),
 ]
 # the options that the last cases turn on, off: each changes what is shown
-PLAIN = dict(cp_ulysses=1, dp_shard=0, fp8="none", weight_gather="none")
+PLAIN = dict(cp_ulysses=1, dp_shard=0, fp8="none", weight_gather="none", etp=0)
 
 
 def model_of(name: str):

@@ -4,7 +4,7 @@ else; its script (docs/js/explorer.js) only looks figures up and draws them.
 
 For each model of MODELS, one node of GPUS GPUs and a global batch of BATCH sequences, every
 combination of CHOICES that offered() admits is one layout (dp = GPUS / (tp pp cp), ep
-carved from dp x cp; b = BATCH / (dp M) rows a micro-batch), keyed by the index of each
+carved from dp x cp, or with folding (etp >= 1) from tp x cp x dp; b = BATCH / (dp M) rows a micro-batch), keyed by the index of each
 choice, one digit a field ("0100210100"), and for each the table holds either the index of
 the reason refmp refuses it (config.check_sizes, parallel.layout.check_layout) in
 ``reasons``, or a row of ``columns``:
@@ -68,7 +68,7 @@ CHOICES = {"tp": (1, 2, 4, 8), "pp": (1, 2, 4), "cp": (1, 2, 4), "ep": (1, 2, 4)
            "microbatches": (4, 8, 16), "sequence_parallel": (False, True),
            "zero": (0, 1, 2, 3), "recompute": ("none", "selective", "full"),
            "mixed_precision": ("none", "bf16"), "schedule": ("1f1b", "interleaved"),
-           "cp_ulysses": (1, 2), "dp_shard": (0, 2),
+           "cp_ulysses": (1, 2), "dp_shard": (0, 2), "etp": (0, 1, 2),
            "fp8": ("none", "tensor", "delayed", "mxfp8"), "weight_gather": ("none", "fp8")}
 TERMS = ("compute", "elementwise", "tp", "cp", "ep", "pp", "dp", "optimizer", "bubble")
 
@@ -95,7 +95,7 @@ def layout(mcfg: GPTConfig, choice: dict) -> Layout:
     """The planner's Layout of a choice, or refmp's ConfigError."""
     c = dict(choice)
     M = c.pop("microbatches")
-    dp = check_sizes(GPUS, c["pp"], None, c["cp"], c["tp"], c["ep"])["dp"]
+    dp = check_sizes(GPUS, c["pp"], None, c["cp"], c["tp"], c["ep"], c["etp"])["dp"]
     if BATCH % (dp * M):
         raise ConfigError(f"the batch {BATCH} is not a multiple of dp * microbatches ({dp} * {M})")
     lay = Layout(**c, dp=dp, microbatch_size=BATCH // (dp * M),
@@ -141,8 +141,10 @@ def offered(name: str, mcfg: GPTConfig, choice: dict) -> bool:
     pipeline, ep > 1 only with experts), tp pp cp at most the node's GPUS, and, to keep the
     table small, micro-batch counts other than 8 only with a pipeline, cp > 1 only with 8
     micro-batches, the bench presets in float32; hierarchical cp (Ulysses 2 x ring 2) with
-    cp = 4, HSDP (shard groups of 2 dp ranks) with ZeRO-3, dp >= 4 and neither cp nor ep
-    (``c`` without the FP8 fields: fp8_variants offers those)."""
+    cp = 4, HSDP (shard groups of 2 dp ranks) with ZeRO-3, dp >= 4 and neither cp nor ep;
+    MoE parallel folding (etp >= 1: ep x etp over the stage's tp cp dp ranks) with experts,
+    one stage and one level of cp and dp (``c`` without the FP8 fields: fp8_variants offers
+    those)."""
     c = choice
     return ((c["zero"] < 2 or c["pp"] == 1)
             and (c["tp"] > 1 or not c["sequence_parallel"])
@@ -154,7 +156,9 @@ def offered(name: str, mcfg: GPTConfig, choice: dict) -> bool:
             and (name not in BENCH or c["mixed_precision"] == "none")
             and (c["cp_ulysses"] == 1 or c["cp"] == 4)
             and (c["dp_shard"] == 0 or (c["zero"] == 3 and c["cp"] == c["ep"] == 1
-                                        and GPUS // (c["tp"] * c["pp"]) >= 4)))
+                                        and GPUS // (c["tp"] * c["pp"]) >= 4))
+            and (c["etp"] == 0 or (mcfg.n_expert > 0 and c["pp"] == 1 and c["cp_ulysses"] == 1
+                                   and c["dp_shard"] == 0)))
 
 
 FP8 = ("fp8", "weight_gather")  # the last fields of CHOICES, offered by fp8_variants
@@ -168,6 +172,7 @@ def fp8_variants(name: str, mcfg: GPTConfig, c: dict) -> list[dict]:
     presets: fp32, as they run); the FP8 gathers with ZeRO-3."""
     off = [{"fp8": "none", "weight_gather": "none"}]
     if not (is_gpt2(mcfg) and c["pp"] == c["cp"] == c["ep"] == c["cp_ulysses"] == 1
+            and c["etp"] == 0
             and not c["sequence_parallel"] and c["recompute"] == "none" and c["dp_shard"] == 0
             and (c["mixed_precision"] == "bf16" or name in BENCH)):
         return off

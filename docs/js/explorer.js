@@ -16,10 +16,12 @@
     sequence_parallel: "sequence parallel", zero: "ZeRO stage", recompute: "recomputation",
     mixed_precision: "precision", schedule: "schedule",
     cp_ulysses: "hierarchical cp: Ulysses group, U", dp_shard: "HSDP: shard group, dp ranks (0: all)",
+    etp: "MoE folding: expert tensor parallel, etp",
     fp8: "FP8 linears (scaling)", weight_gather: "ZeRO-3 weight gathers",
   };
   const NAMES = {  // what a choice is called on the page, where not its value
     mixed_precision: {none: "fp32"},
+    etp: {0: "off (experts copied over tp)"},
     fp8: {none: "off", tensor: "current (per tensor)", delayed: "delayed (amax history)", mxfp8: "MXFP8"},
     weight_gather: {none: "the compute dtype", fp8: "FP8 (MXFP8)"},
   };
