@@ -704,3 +704,21 @@ def test_stage_layers_auto_measures_the_pieces_here():
     assert sum(map(int, split.split(","))) == 4
     with pytest.raises(ConfigError, match="auto"):
         P.parse_stage_layers("auto")
+
+
+def test_setup_reads_an_owned_slice_of_each_unit_over_its_own_group():
+    """ZeRO-3's build reads at most a rank's slice of each unit: a dense unit over its dp x cp
+    group (n), an expert unit over edp (with folding dp cp tp / (etp ep), which may be smaller
+    than ep: tp 4 x dp 2 with ep 4 over etp 1 gives edp 2), plus two read chunks."""
+    from refmp.config import TrainConfig
+    from refmp.cost.memory import setup_bytes
+    from refmp.nn.slices import BLOCK_BYTES
+
+    cfg = TrainConfig(zero=3)
+    shapes = {"h.0": {"attn": (4, 40)}, "h.0.experts": {"fc": (8, 64), "b": (64,)}}
+    # dense: 160 elements over n 4 -> 40; experts: 576 over edp 2 -> 288 (under its 512)
+    assert setup_bytes(cfg, shapes, 4, 2, 4) == 4 * 288 + 2 * BLOCK_BYTES
+    assert setup_bytes(cfg, shapes, 4, 8, 4) == 4 * 72 + 2 * BLOCK_BYTES
+    folded = Layout(tp=4, dp=2, ep=4, etp=1, zero=3, mixed_precision="none")
+    assert memory(folded, GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
+                                    n_embd=32, n_expert=4), 8)["setup"] > 0

@@ -442,6 +442,8 @@ def test_the_explorer_shows_what_refmp_cost_computes(browser, site):
             M = 64 // (lay.dp * lay.microbatch_size)
             sim = simulate_schedule(lay.schedule, lay.pp, M, lay.virtual_stages)
             assert float(got["bubble"]) == sim.bubble(), fields
+    choose(tools, "etp", "off (experts copied over tp)")
+    choose(tools, "ep", "1")
     choose(tools, "fp8", "off")
     choose(tools, "tp", "2")
     choose(tools, "model", "gpt2-xl")  # 25 heads: refmp's own refusal

@@ -4,10 +4,10 @@ else; its script (docs/js/explorer.js) only looks figures up and draws them.
 
 For each model of MODELS, one node of GPUS GPUs and a global batch of BATCH sequences, every
 combination of CHOICES that offered() admits is one layout (dp = GPUS / (tp pp cp), ep
-carved from dp x cp, or with folding (etp >= 1) from tp x cp x dp; b = BATCH / (dp M) rows a micro-batch), keyed by the index of each
-choice, one digit a field ("0100210100"), and for each the table holds either the index of
-the reason refmp refuses it (config.check_sizes, parallel.layout.check_layout) in
-``reasons``, or a row of ``columns``:
+carved from dp x cp, or with folding (etp >= 1) from tp x cp x dp; b = BATCH / (dp M) rows
+a micro-batch), keyed by the index of each choice, one digit a field ("0100210100"), and
+for each the table holds either the index of the reason refmp refuses it
+(config.check_sizes, parallel.layout.check_layout) in ``reasons``, or a row of ``columns``:
 
     dp, b     the data-parallel size and the rows of a micro-batch,
     memory    refmp.cost.memory.memory: bytes per rank of the stage that needs the most
@@ -142,9 +142,9 @@ def offered(name: str, mcfg: GPTConfig, choice: dict) -> bool:
     table small, micro-batch counts other than 8 only with a pipeline, cp > 1 only with 8
     micro-batches, the bench presets in float32; hierarchical cp (Ulysses 2 x ring 2) with
     cp = 4, HSDP (shard groups of 2 dp ranks) with ZeRO-3, dp >= 4 and neither cp nor ep;
-    MoE parallel folding (etp >= 1: ep x etp over the stage's tp cp dp ranks) with experts,
-    one stage and one level of cp and dp (``c`` without the FP8 fields: fp8_variants offers
-    those)."""
+    MoE parallel folding (etp >= 1: ep x etp over the stage's tp cp dp ranks) with experts
+    over ep > 1, one stage, no cp, no recomputation and no HSDP (``c`` without the FP8
+    fields: fp8_variants offers those)."""
     c = choice
     return ((c["zero"] < 2 or c["pp"] == 1)
             and (c["tp"] > 1 or not c["sequence_parallel"])
@@ -157,8 +157,8 @@ def offered(name: str, mcfg: GPTConfig, choice: dict) -> bool:
             and (c["cp_ulysses"] == 1 or c["cp"] == 4)
             and (c["dp_shard"] == 0 or (c["zero"] == 3 and c["cp"] == c["ep"] == 1
                                         and GPUS // (c["tp"] * c["pp"]) >= 4))
-            and (c["etp"] == 0 or (mcfg.n_expert > 0 and c["pp"] == 1 and c["cp_ulysses"] == 1
-                                   and c["dp_shard"] == 0)))
+            and (c["etp"] == 0 or (mcfg.n_expert > 0 and c["ep"] > 1 and c["pp"] == c["cp"] == 1
+                                   and c["recompute"] == "none" and c["dp_shard"] == 0)))
 
 
 FP8 = ("fp8", "weight_gather")  # the last fields of CHOICES, offered by fp8_variants

@@ -222,7 +222,8 @@
         "a pipeline, sequence parallelism with tp > 1, a schedule with a pipeline, tp pp cp " +
         `at most ${T.gpus}, a micro-batch count other than 8 only with a pipeline and cp = 1, ` +
         `${T.bench.join(" and ")} in fp32; FP8 with GPT-2's shape, pp = cp = ep = 1, no SP, no ` +
-        "recomputation, no HSDP, over bf16; FP8 weight gathers with ZeRO-3."));
+        "recomputation, no HSDP, over bf16; FP8 weight gathers with ZeRO-3; MoE folding (etp) " +
+        "with experts over ep > 1, one stage, no cp, no recomputation, no HSDP."));
       return;
     }
     if (typeof entry === "number") {

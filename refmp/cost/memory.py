@@ -228,7 +228,7 @@ def estimate_memory(cfg, mcfg, sizes: dict, coords: dict) -> dict[str, int]:
     mem["workspace"] += w * grads_at_once(units, 0 in chunks, S - 1 in chunks)
     if cfg.zero >= 2:  # and a unit's whole gradient (Pp,), summed into until its reduce-scatter
         mem["workspace"] += w * max(units.values())
-    mem["setup"] = setup_bytes(cfg, shapes, dp * cp, ep, w, shard)
+    mem["setup"] = setup_bytes(cfg, shapes, dp * cp, ex["edp_size"], w, shard)
     return mem
 
 
@@ -244,7 +244,7 @@ def grads_at_once(units: dict, first: bool, last: bool) -> int:
     return max(blocks + ends, default=0)
 
 
-def setup_bytes(cfg: TrainConfig, shapes: dict, n: int, ep: int, w: int,
+def setup_bytes(cfg: TrainConfig, shapes: dict, n: int, edp: int, w: int,
                 shard: int | None = None) -> int:
     """What a rank holds beyond its state while it builds (placement.ShardReader and the
     Sharder, one unit at a time): its largest single read, a parameter's tp shard (at
@@ -253,14 +253,14 @@ def setup_bytes(cfg: TrainConfig, shapes: dict, n: int, ep: int, w: int,
     whole unit's flat buffer in w bytes where it is not kept (mixed precision before its
     rounding to the compute copy; ZeRO-3 with hpZ before it keeps its slices).
     ``shapes``: unit -> {name: tp shard shape} (local_shapes); ``n`` the dense units' group
-    (dp cp), ``ep`` the experts' (edp = n/ep); ``shard`` the dense units' ZeRO group where
-    HSDP makes it smaller (default n)."""
+    (dp cp), ``edp`` the experts' (n/ep; with folding dp cp tp/(etp ep)); ``shard`` the
+    dense units' ZeRO group where HSDP makes it smaller (default n)."""
     owned = cfg.zero == 3 and cfg.hpz_size <= 1
     one, unit = 0, 0
     for u, ks in shapes.items():
         P = sum(math.prod(s) for s in ks.values())
         biggest = max(math.prod(s) for s in ks.values())
-        group = n // ep if u.endswith(".experts") else shard or n
+        group = edp if u.endswith(".experts") else shard or n
         one = max(one, min(biggest, -(-P // group)) if owned else biggest)
         unit = max(unit, P)
     whole_unit = (cfg.mixed_precision != "none" and cfg.zero < 3) or (
