@@ -298,6 +298,9 @@ def test_every_strategy_page_shows_its_picture_and_the_explorer_table_is_small(s
     for page in STRATEGY_PAGES:
         assert (site / "img" / "holds" / f"{page}.svg").read_text().startswith("<svg"), page
         assert f'src="img/holds/{page}.svg"' in (site / f"{page}.html").read_text(), page
+    for svg in ("hybrid_cp", "hsdp", "folding"):  # the two-level strategies, on one page
+        assert (site / "img" / "holds" / f"{svg}.svg").read_text().startswith("<svg"), svg
+        assert f'src="img/holds/{svg}.svg"' in (site / "frontier.html").read_text(), svg
     for page, svg in (("pipeline_at_scale", "pipeline"), ("collectives", "collectives")):
         assert f'src="img/measured/{svg}.svg"' in (site / f"{page}.html").read_text(), page
     for name, page in FLOWS.items():  # the data-flow pictures, each on its page

@@ -13,7 +13,7 @@ from the tables the engine itself slices the model with, so a picture cannot dri
     compression      refmp.cost.zero.comm_per_step / compressed_per_step, refmp.cost.memory
                      .codec_bytes (bytes sent, bytes kept)
     architecture     who_holds of tutorial 9's 8 ranks, pp 2 x cp 2 x tp 2, ep 2, ZeRO-1
-    hybrid_cp, hsdp  the two-level strategies (docs/_hooks/pictures_levels.py)
+    hybrid_cp, hsdp, folding  the two-level strategies (docs/_hooks/pictures_levels.py)
 
 Each is an SVG file of the built site, img/holds/<page>.svg, shown by its page.
 """
@@ -304,7 +304,7 @@ def architecture() -> Svg:
 PICTURES = {"data_parallel": data_parallel, "pipeline": pipeline, "tensor_parallel": tensor_parallel,
             "experts": experts, "zero": zero, "compression": compression,
             "context_parallel": context_parallel, "architecture": architecture,
-            **LEVELS}  # hierarchical cp and HSDP (pictures_levels.py)
+            **LEVELS}  # hierarchical cp, HSDP and folding (pictures_levels.py)
 
 
 def on_files(files, config, **kwargs):

@@ -6,6 +6,8 @@ the code's own tables:
                after the all-to-all, which the ring sees as one rank's), with its heads
     hsdp       refmp.parallel.data.zero.Unit over a shard group (the slice each rank owns,
                the same on each replica) and refmp.cost.zero.memory_per_rank
+    folding    refmp.parallel.placement's expert_coords, expert_owner and expert_split (the
+               experts and hidden columns each rank holds, with and without MoE folding)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from refmp.nn.params import GPTConfig
 from refmp.parallel.context.chunks import SequenceChunks
 from refmp.parallel.context.hybrid import GroupChunks
 from refmp.parallel.data.zero import Unit
+from refmp.parallel.placement import expert_coords, expert_owner, expert_split
 
 
 def hybrid_cp() -> Svg:
@@ -85,4 +88,44 @@ def hsdp() -> Svg:
     return s
 
 
-LEVELS = {"hybrid_cp": hybrid_cp, "hsdp": hsdp}
+def folding() -> Svg:
+    """4 ranks (dp 2 x tp 2), 4 experts of H hidden columns: what each rank holds of every
+    expert's c_fc (its columns; c_proj's rows alike) without folding and in two foldings."""
+    E, H, n = 4, 8, 4
+    cases = [("--tp 2 --ep 2", 2, 0), ("--tp 2 --ep 4 --etp 1", 4, 1),
+             ("--tp 2 --ep 2 --etp 2", 2, 2)]
+    w, gap = 5, 6  # a hidden column's width, the gap between experts
+    panel = E * (H * w + gap) + 20
+    s = Svg(760, 200, "MoE parallel folding: the experts' own grid over the same 4 ranks")
+    s.text(10, 18, f"dp 2 x tp 2, {E} experts of {H} hidden columns (c_fc's; c_proj's rows "
+                   "alike): the part of each expert a rank holds", 12, bold=True)
+    for j, (flags, ep, etp) in enumerate(cases):
+        x0 = 110 + j * panel
+        s.text(x0, 40, flags, 11, bold=True)
+        for e in range(E):
+            s.text(x0 + e * (H * w + gap), 53, f"expert {e}", 9)
+        sizes = {"dp": 2, "cp": 1, "tp": 2, "ep": ep, **({"etp": etp} if etp else {})}
+        for r in range(n):
+            d, t = divmod(r, 2)
+            ex = expert_coords(sizes, {"dp": d, "cp": 0, "tp": t})
+            dim, _ = expert_split("experts.0.c_fc.weight")
+            cut = max(etp, 1)  # without folding an expert is whole (copied over tp)
+            lo, hi = ex["etp"] * H // cut, (ex["etp"] + 1) * H // cut
+            y = 58 + 22 * r
+            if j == 0:
+                s.text(10, y + 11, f"rank {r} (dp {d}, tp {t})", 10)
+            for e in range(E):
+                mine = expert_owner(e, E, ep) == ex["ep"]
+                for h in range(H):
+                    held = mine and lo <= h < hi
+                    s.rect(x0 + e * (H * w + gap) + h * w, y, w, 14,
+                           colour(r) if held else "#f4f4f4", "#ffffff")
+            assert dim == 1  # c_fc's columns are what etp splits
+    s.text(10, 158, "without folding ep is carved from dp: the tp ranks hold the same experts "
+                    "whole; folded, ep (and etp) take the tp ranks too", 10)
+    s.text(10, 176, "expert weights a rank: / ep without folding, / (etp ep) folded; tokens "
+                    "reach their experts by all-to-all over ep, then all-gather over etp", 10)
+    return s
+
+
+LEVELS = {"hybrid_cp": hybrid_cp, "hsdp": hsdp, "folding": folding}
