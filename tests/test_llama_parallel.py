@@ -328,6 +328,54 @@ def transformers_directory(world, folder: str, prompts, n: int):
     return np.load(f"{folder}/hf.npy")
 
 
+def count_reads(monkeypatch) -> list:
+    """Every (name, array) a LlamaSource's ``read`` returns on this rank from now on."""
+    from refmp.checkpoint.llama_files import LlamaSource
+
+    reads = []
+    real = LlamaSource.read
+
+    def read(self, name, *args, **kwargs):
+        a = real(self, name, *args, **kwargs)
+        reads.append((name, a))
+        return a
+
+    monkeypatch.setattr(LlamaSource, "read", read)
+    return reads
+
+
+def share_elements(cfg: LM.LlamaConfig, tp: int, pp: int, stage: int) -> int:
+    """The elements of a rank's share: its stage's L/pp blocks (two norms, q and o C C/tp,
+    k and v C max(NKV/tp, 1) HS, gate, up and down C F/tp), wte (V C) on the first stage,
+    ln_f (C) and the untied lm_head (V C) on the last."""
+    C, F, HS, V_ = cfg.n_embd, cfg.n_inner, cfg.head_size, cfg.vocab_size
+    block = 2 * C + 2 * C * C // tp + 2 * C * max(cfg.n_kv_head // tp, 1) * HS + 3 * C * F // tp
+    ends = (V_ * C if stage == 0 else 0) + (C + V_ * C if stage == pp - 1 else 0)
+    return cfg.n_layer // pp * block + ends
+
+
+def check_reads(bad: Mismatches, reads: list, cfg, params: dict, flags) -> None:
+    """What ``refmp generate`` read on this rank (``reads``) is its share: each parameter it
+    holds once, bitwise the slice the Decoder cuts from the whole model (``params``), as many
+    elements as share_elements counts, below the whole model's where tp or pp split it."""
+    from refmp.inference.decoder import Decoder
+
+    sizes = {f[2:]: int(n) for f, n in zip(flags[::2], flags[1::2], strict=True)}
+    grid = ProcessGrid(MPI.COMM_WORLD, **sizes)
+    want = Decoder(cfg, params, grid).params
+    bad.check(np.testing.assert_equal, sorted(k for k, _ in reads), sorted(want),
+              err_msg=f"{flags}: the names read")
+    for k, a in reads:
+        bad.check(np.testing.assert_array_equal, a, want.get(k), err_msg=f"{flags}: read {k}")
+    got = sum(a.size for _, a in reads)
+    tp, pp = grid.sizes["tp"], grid.sizes["pp"]
+    bad.check(np.testing.assert_equal, got, share_elements(cfg, tp, pp, grid.coords["pp"]),
+              err_msg=f"{flags}: the elements read")
+    if tp * pp > 1:
+        bad.check(np.testing.assert_array_less, got, sum(v.size for v in params.values()),
+                  err_msg=f"{flags}: read the whole model")
+
+
 GENERATE_LAYOUTS = {  # layout flags -> each rank's cache bytes 2 L B T max(NKV/tp, 1) HS w
     # pp 2 x dp 2: one layer, one prompt, the 9 tokens
     ("--pp", "2", "--dp", "2"): [2 * 1 * 1 * 9 * 1 * 4 * 8] * 4,
@@ -346,12 +394,13 @@ GENERATE_LAYOUTS = {  # layout flags -> each rank's cache bytes 2 L B T max(NKV/
 @pytest.mark.skipif(not (find_spec("torch") and find_spec("transformers")),
                     reason=reason("transformers", "hf"))
 @collective
-def test_refmp_generate_equals_transformers_on_every_layout(tmp_path, capsys):
+def test_refmp_generate_equals_transformers_on_every_layout(tmp_path, capsys, monkeypatch):
     """``mpiexec -n 4 refmp generate --init LLAMA_DIR`` over pp 2 x dp 2, tp 2 x pp 2,
     cp 2 x dp 2 and tp 4: transformers' greedy tokens on its own directory, each rank's cache
-    2 L B T max(NKV/tp, 1) HS w bytes of its layers, prompts, tokens and heads. Sampling
-    (temperature, top-k, top-p) with a paged cache over tp 2 x pp 2 picks the serial
-    Decoder's tokens; expert parallelism is refused on every rank (exit 2)."""
+    2 L B T max(NKV/tp, 1) HS w bytes of its layers, prompts, tokens and heads, and each
+    rank read only its share of the directory (check_reads). Sampling (temperature, top-k,
+    top-p) with a paged cache over tp 2 x pp 2 picks the serial Decoder's tokens; expert
+    parallelism is refused on every rank (exit 2)."""
     from refmp.cli.main import main
     from refmp.inference.decoder import Decoder
     from refmp.inference.generate import generate
@@ -361,12 +410,16 @@ def test_refmp_generate_equals_transformers_on_every_layout(tmp_path, capsys):
     folder = comm.bcast(str(tmp_path) if comm.rank == 0 else None)
     prompts = np.random.default_rng(4).integers(0, 37, (2, 4))
     want = transformers_directory(ProcessGrid(comm).world, folder, prompts, 6)
+    cfg, params = load_llama(f"{folder}/llama", "float64")
+    reads = count_reads(monkeypatch)
     argv = ["generate", "--init", f"{folder}/llama", "--prompts", f"{folder}/prompts.npy",
             "--max-new-tokens", "6", "--dtype", "float64", "--json"]
     bad = Mismatches()
     for flags, kv in GENERATE_LAYOUTS.items():
         capsys.readouterr()
+        reads.clear()
         assert main([*argv, *flags]) == 0
+        check_reads(bad, reads, cfg, params, flags)
         said = comm.bcast(capsys.readouterr().out.strip().splitlines()[-1]
                           if comm.rank == 0 else None)
         summary = json.loads(said)
@@ -378,7 +431,6 @@ def test_refmp_generate_equals_transformers_on_every_layout(tmp_path, capsys):
     assert main([*argv, *sampled, "--tp", "2", "--pp", "2", "--kv-block-size", "4",
                  "--save-tokens", f"{folder}/sampled.npy"]) == 0
     comm.barrier()
-    cfg, params = load_llama(f"{folder}/llama", "float64")
     alone = Decoder(cfg, params, ProcessGrid(MPI.COMM_SELF))
     serial = generate(alone, prompts, 6, Sampler(0.9, 20, 0.95, 3)).tokens
     bad.check(np.testing.assert_array_equal, np.load(f"{folder}/sampled.npy"), serial,

@@ -13,6 +13,10 @@ Decoder splits but ep, over ``mpiexec -n N`` with N = pp dp cp tp:
   robin over the cp ranks;
 * dp: the prompts split over the dp ranks.
 
+A rank reads only its share of the directory, slice by slice, the slices training reads
+(refmp.checkpoint.llama_files.LlamaSource, refmp.parallel.family.LlamaFamily): never the
+whole model.
+
 The cache of a rank holds its layers, its key/value heads and its tokens:
 2 L_stage B_dp T_cp max(NKV/tp, 1) HS w bytes. Sampling (temperature, top-k, top-p with
 the seeded generator GPT-2's uses), a paged cache (--kv-block-size) and --no-kv-cache come
@@ -55,7 +59,7 @@ def run_llama(args: argparse.Namespace) -> dict | None:
     returns the summary."""
     import os
 
-    from refmp.checkpoint.hf_llama import load_llama
+    from refmp.checkpoint.llama_files import LlamaSource
     from refmp.checkpoint.tokenizer import TextTokenizer, tokenizer_files
     from refmp.cli.serving import check_fits
     from refmp.distributed.faults import agreed
@@ -70,7 +74,8 @@ def run_llama(args: argparse.Namespace) -> dict | None:
     grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp)
     world = grid.world
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
-    cfg, params = agreed(world, lambda: load_llama(args.init, args.dtype))
+    src = agreed(world, lambda: LlamaSource(args.init))  # config.json and the tensors' headers
+    cfg = src.cfg
     agreed(world, lambda: TPL.check_tp(cfg, grid.sizes["tp"]))
     folder = args.tokenizer or args.init
     tok = TextTokenizer(folder) if args.prompt and tokenizer_files(folder) else None
@@ -83,8 +88,7 @@ def run_llama(args: argparse.Namespace) -> dict | None:
     if T0 + n - 1 > cfg.block_size:
         raise ConfigError(f"{T0} prompt tokens and --max-new-tokens {n} need {T0 + n - 1} "
                           f"positions; the model has {cfg.block_size}")
-    dec = Decoder(cfg, params, grid, args.cp_balance)
-    del params  # the Decoder keeps this rank's share
+    dec = Decoder(cfg, src, grid, args.cp_balance, dtype=args.dtype)  # reads this rank's share
     ids = np.array_split(np.arange(len(prompts)), grid.sizes["dp"])[grid.coords["dp"]]
     mine = np.array(prompts, dtype=np.int64)[ids]
     res = generate(dec, mine, n, sampler, ids, args.kv_cache, args.kv_block_size)

@@ -67,8 +67,8 @@ class Decoder:
     """This rank's share of the model (its stage's blocks, its tp shard, its experts) and the
     calls that run it on cached tokens. ``weights``: where the share comes from, either a
     Source (refmp.checkpoint.source: a file, a Hugging Face directory, a checkpoint of any
-    layout), of which it reads only its slices
-    (placement.held_indices: ``read(name, tp_index, dtype)``), in ``dtype`` (None: the source's);
+    layout, a LlamaForCausalLM directory), of which it reads only its slices (the family's,
+    training's: ``read(name, tp_index, dtype)``), in ``dtype`` (None: the source's);
     or the whole model as a dict (GPT-2 names; host arrays, or device arrays on a GPU: a
     test's, a tutorial's), of which it keeps its shards (placement.shards_held); or a Mapping
     that is not a dict: its own shards already (evaluation's, read in place). ``grid``:

@@ -9,7 +9,8 @@ activations sent stage to stage, the cp chunks of a prompt and the rank that kee
 decoded token, the cache's slots, the last stage's token handed back to the first, dp's rows.
 A family answers the rest, for this rank's share:
 
-* ``shards``: the parameters a rank holds (its blocks, the ends of its stage), tp-sharded;
+* ``shards``: the parameters a rank holds (its blocks, the ends of its stage), tp-sharded,
+  read slice by slice from a Source or cut from a whole model;
 * ``cache_heads``: the key/value heads its cache keeps (NH/tp for GPT-2; NKV/tp, or the one
   replicated head when tp > NKV, for Llama);
 * ``ops`` and ``core``: the layout's Ops around the cached attention core of one layer
@@ -35,6 +36,7 @@ from refmp.nn.llama import LlamaConfig
 from refmp.nn.params import block_params
 from refmp.parallel.context.gqa_ring import GQARingAttention
 from refmp.parallel.context.ring import RingAttention
+from refmp.parallel.family import LlamaFamily as TrainFamily
 from refmp.parallel.folding import dispatch_for
 from refmp.parallel.ops import make_ops
 from refmp.parallel.placement import held_indices, shards_held
@@ -131,25 +133,25 @@ class LlamaFamily:
         self.mcfg = cfg
 
     def shards(self, weights, blocks, first: bool, last: bool, tp, ep, dtype) -> dict:
-        """From the whole model (a dict of refmp.nn.llama's names): the blocks this rank runs,
-        wte on the first stage (and the last, when the head is tied), ln_f and lm_head on
-        the last; each tp-sharded (refmp.parallel.tensor.llama.shard)."""
+        """This rank's share as training holds it (refmp.parallel.family.LlamaFamily: the
+        blocks this rank runs, wte on the first stage (and the last, when the head is tied),
+        ln_f and lm_head on the last; each parameter's tp shard, the one key/value head it
+        replicates when tp > NKV): read slice by slice from a Source (a LlamaForCausalLM
+        directory: refmp.checkpoint.llama_files.LlamaSource, ``read(name, index, dtype)``),
+        or cut from the whole model (a dict of refmp.nn.llama's names,
+        refmp.parallel.tensor.llama.shard)."""
         cfg = self.mcfg
-        if not isinstance(weights, dict):
-            raise ConfigError("a Llama model decodes from its whole weights (a dict, "
-                              "refmp.checkpoint.hf_llama.load_llama)")
         TPL.check_tp(cfg, tp.size)
+        split = TrainFamily(cfg)  # which parameters a rank holds, and its tp shard's Index
         mine = set(blocks)
+        if not isinstance(weights, dict):
+            want = {k: split.shard_index(k, shape, tp.rank, tp.size)
+                    for k, shape in split.shapes().items() if split.holds(k, mine, first, last)}
+            return {k: backend.from_host(weights.read(k, index, dtype))
+                    for k, index in want.items()}
         out = {}
         for k, v in weights.items():
-            top = k.split(".")
-            if top[0] == "h":
-                held = int(top[1]) in mine
-            elif top[0] == "wte":
-                held = first or (last and cfg.tied)
-            else:  # ln_f, lm_head
-                held = last
-            if held:
+            if split.holds(k, mine, first, last):
                 w = TPL.shard(k, v, cfg, tp.rank, tp.size)
                 out[k] = w if dtype is None else w.astype(dtype)
         return out
