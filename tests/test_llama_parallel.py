@@ -511,6 +511,36 @@ def test_engine_runs_llama(kw):
 
 
 @pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("kw", [
+    dict(dp=4, ep=2, zero=2),  # edp 2: each expert's gradient summed over its copies (ZeRO-2)
+    dict(dp=2, tp=2, ep=2, sequence_parallel=True),  # experts whole per tp rank, partial with SP
+    dict(pp=2, dp=2, ep=2, microbatches=2, recompute="full"),  # all-to-alls recomputed under 1F1B
+])
+@collective
+def test_engine_runs_mixtral(kw):
+    """A Mixtral-style model (4 SwiGLU experts, top-2, grouped-query attention) in the
+    Engine: whole experts on their ep rank, tokens sent to them by all-to-all; two clipped
+    AdamW steps whose loss, norm, tokens per expert, every gradient and every weight equal
+    the serial Trainer's; and the first loss is ``Llama.forward``'s (whose MoE blocks
+    tests/test_llama_hf.py holds to transformers' Mixtral) from the same weights."""
+    from parity import assert_same_run
+
+    from refmp.training.datasets import get_batch
+
+    cfg, ds = engine_config(n_embd=32, n_kv_head=2, n_expert=4, top_k=2, steps=2, **kw), engine_data()
+    model = LM.LlamaConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_kv_head=2,
+                           n_embd=32, n_inner=24, rope_theta=100.0, n_expert=4, top_k=2)
+    want = LM.Llama.create(model, seed=3, dtype="float64").forward(*get_batch(ds.tokens, 0, B, T))[0]
+
+    def first_loss(par, step):
+        got = par.runner.loss_total()  # collective over the world
+        if step == 0:
+            np.testing.assert_allclose(got, want, **TOL, err_msg="Llama.forward's loss")
+
+    assert_same_run(cfg, ds, check=first_loss)
+
+
+@pytest.mark.parallel(nprocs=4)
 @collective
 def test_engine_init_checkpoint_resume_save_convert(tmp_path):
     """``--init LLAMA_DIR`` on pp 2 x tp 2 (tp > NKV) for two steps with a sharded
@@ -581,6 +611,10 @@ def test_engine_refuses_what_it_would_guess_or_cannot_split(capsys):
         "--fp8 tensor": fresh + ["--head", "untied", "--fp8", "tensor"],
         "LlamaForCausalLM directory": fresh + ["--head", "untied", "--save", "m.safetensors"],
         "n_inner (6)": fresh + ["--head", "untied", "--tp", "4", "--ffn", "6", "--n-layer", "2"],
+        "--etp 2 (MoE parallel folding)": fresh + ["--head", "untied", "--n-expert", "4",
+                                                   "--dp", "4", "--ep", "2", "--etp", "2"],
+        "--capacity-factor are GPT-2's": fresh + ["--head", "untied", "--n-expert", "4",
+                                                  "--capacity-factor", "1.0"],
     }
     for says, argv in cases.items():
         assert main(argv) == 2, says  # every rank

@@ -60,6 +60,9 @@ def save_source(out: str, src, mcfg, dtype, vocab=None, tokenizer: str | None = 
         if not saves_directory(out):
             raise ConfigError(f"{flag} {out}: a Llama model is written as a LlamaForCausalLM "
                               f"directory (a path not ending in .safetensors)")
+        if mcfg.n_expert:
+            raise ConfigError(f"{flag} {out}: a Mixtral-style model (n_expert) has no "
+                              f"LlamaForCausalLM form (its experts are not a Llama MLP)")
         save_llama_streamed(out, mcfg, dtype, lambda k: src.read(k, dtype=dtype), tokenizer,
                             flag=flag)
         return

@@ -60,15 +60,24 @@ class LlamaConfig:
             raise ConfigError(f"top_k ({self.top_k}) must be between 1 and n_expert "
                               f"({self.n_expert})")
 
-    def moe(self, denom=None, dispatch=None) -> M.MoEContext | None:
+    def is_moe(self, i: int) -> bool:
+        """Is block i's MLP a mixture of experts? Every block's, with ``n_expert``."""
+        return self.n_expert > 0
+
+    def moe(self, denom=None, dispatch=None, seq=None) -> M.MoEContext | None:
         """Mixtral's MoE layer for one forward (None: dense): refmp.nn.moe's router, top-k
         and renormalized gates on SwiGLU experts, no capacity limit, no auxiliary losses
         (Mixtral's forward without output_router_logits). ``dispatch``: where the experts
-        run (default all here; expert parallelism's all-to-all)."""
+        run (default all here; expert parallelism's all-to-all); ``seq``: the ranks a
+        sequence is split over (refmp.parallel.expert.SequenceSplit), or None."""
         if not self.n_expert:
             return None
-        return M.MoEContext(self.n_expert, self.top_k, 0.0, 0.0, 0.0, denom,
+        return M.MoEContext(self.n_expert, self.top_k, 0.0, 0.0, 0.0, denom, seq=seq,
                             dispatch=LocalExperts(swiglu_experts) if dispatch is None else dispatch)
+
+    def moe_context(self, denom=None, dispatch=None, seq=None) -> M.MoEContext | None:
+        """:meth:`moe` under GPTConfig's name, which the Engine's MoE context calls."""
+        return self.moe(denom, dispatch, seq)
 
 
 def block_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

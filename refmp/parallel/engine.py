@@ -110,14 +110,14 @@ def build_sharder(local: ShardReader, grid, layout: ParallelConfig, seed: int,
                    hpz=secondary, replicas=replicas)
 
 
-def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list):
-    """``moe(denom)``, the MoEContext of one forward (None for a dense model): the experts'
-    dispatch (all-to-all over ep, or local) and, when a sequence is split over cp (and over
-    tp with SP), the ranks its MoE rules gather over (SequenceSplit)."""
+def moe_context(mcfg: gpt.GPTConfig, grid, sp: bool, compute, cp_positions: list, experts=None):
+    """``moe(denom)``, the MoEContext of one forward (None for a dense model): the family's
+    ``experts``' dispatch (all-to-all over ep, or local) and, when a sequence is split over
+    cp (and over tp with SP), the ranks its MoE rules gather over (SequenceSplit)."""
     if not mcfg.n_expert:
         return None
     tp = grid.comm["tp"]
-    dispatch = dispatch_for(grid, mcfg.n_expert, sp, compute)  # folding's, or ep's
+    dispatch = dispatch_for(grid, mcfg.n_expert, sp, compute, experts)  # folding's, or ep's
     seq = None
     if grid.sizes["cp"] > 1 or sp:
         n = tp.size if sp else 1  # with SP each cp part is split again over tp
@@ -175,8 +175,8 @@ class Engine:
                     else apply_fp8(self.ops, layout.fp8, grid, self.sp, mc, chunks))
         self.ops = self.ops if self.fp8 is None else self.fp8
         self.sharder = build_sharder(local, grid, layout, seed, fam)
-        self.stage = fam.stage(chunks, self.n_chunks, self.ops, self.sharder,
-                               moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions),
+        moe = moe_context(mc, grid, self.sp, self.sharder.compute, cp_positions, fam.experts)
+        self.stage = fam.stage(chunks, self.n_chunks, self.ops, self.sharder, moe,
                                self.tp.size if self.sp else 1, layout.recompute == "full")
         self.executor = build_executor(self.schedule, self.stage, self.pp, self.sharder.compute,
                                        self._measure, placed)

@@ -7,6 +7,8 @@ The Engine (refmp.parallel.engine) composes the same pieces whatever the model; 
 is written once per family, here, and the Engine asks it:
 
     shapes()                  every parameter's global shape, in the model's order
+    experts                   the MoE layers' experts (refmp.nn.experts: GPT-2's MLP;
+                              refmp.nn.swiglu_experts: Mixtral's SwiGLU), what dispatch runs
     holds / shard_index       which parameters a rank holds, and the Index of its tp shard
                               (an expert's: its etp shard, with folding)
     place(name, sp)           the placement row (refmp.parallel.placement.Place)
@@ -23,14 +25,17 @@ is written once per family, here, and the Engine asks it:
 ``family_of(mcfg)`` picks the family from the shape: a GPTConfig is GPT-2 (the placement table
 of refmp.parallel.placement, refmp.parallel.ops, refmp.parallel.pipeline.stage, unchanged),
 a LlamaConfig the Llama family (refmp.parallel.tensor.llama's split, the grouped-query cores
-of cp, refmp.parallel.pipeline.llama_stage).
+of cp, refmp.parallel.pipeline.llama_stage; with ``n_expert``, Mixtral's SwiGLU experts
+under GPT-2's expert rows).
 """
 
 from __future__ import annotations
 
 from refmp.errors import ConfigError
+from refmp.nn import experts as GPT2_EXPERTS
 from refmp.nn import llama as LM
 from refmp.nn import llama_layers as LL
+from refmp.nn import swiglu_experts
 from refmp.nn.families import is_llama
 from refmp.nn.params import param_shapes
 from refmp.nn.slices import WHOLE, Index
@@ -38,6 +43,7 @@ from refmp.parallel import placement as P
 from refmp.parallel.context.gqa_ring import GQARingAttention
 from refmp.parallel.context.ring import RingAttention
 from refmp.parallel.context.ulysses import UlyssesAttention
+from refmp.parallel.expert import expert_index, is_expert
 from refmp.parallel.ops import MEGATRON, make_ops
 from refmp.parallel.pipeline.llama_stage import LlamaStage
 from refmp.parallel.pipeline.stage import Stage
@@ -56,6 +62,7 @@ class GPT2Family:
     """GPT-2: refmp.parallel.placement's table, refmp.parallel.ops, the Stage."""
 
     tied_ends = True  # wte embeds on the first stage and is the head on the last
+    experts = GPT2_EXPERTS  # an MoE layer's experts: GPT-2's MLP each
     sp_loss_shares = False  # with SP the vocabulary-parallel head's loss is whole per tp rank
 
     def __init__(self, cfg, folded: bool = False):
@@ -109,7 +116,14 @@ class LlamaFamily:
     row-parallel, RMSNorms, the embedding and an untied head replicated over tp
     (refmp.parallel.tensor.llama); the key/value heads replicated on tp/NKV ranks when
     tp > NKV, their gradients summed over those copies (the ``tp-kv`` group, coordinate
-    ``kv`` for clipping); wte on the first stage, ln_f and lm_head on the last."""
+    ``kv`` for clipping); wte on the first stage, ln_f and lm_head on the last.
+
+    A Mixtral-style model (``n_expert``) keeps GPT-2's expert rows (placement's table):
+    whole SwiGLU experts split over ep (each rank its ep rank's, placement.expert_owner),
+    replicated over tp, summed over edp (+ tp with SP), a unit ``h.{i}.experts`` per block;
+    its router replicated like the RMSNorms."""
+
+    experts = swiglu_experts  # an MoE layer's experts: the Llama MLP each
 
     def __init__(self, cfg: LM.LlamaConfig):
         self.cfg = cfg
@@ -120,10 +134,14 @@ class LlamaFamily:
     def shapes(self) -> dict:
         return LM.param_shapes(self.cfg)
 
-    def holds(self, name: str, blocks, first: bool, last: bool) -> bool:
-        """Its chunks' blocks; wte on the first stage (and the last when tied); ln_f and
-        lm_head on the last."""
+    def holds(self, name: str, blocks, first: bool, last: bool, ep_rank: int = 0,
+              ep: int = 1) -> bool:
+        """Its chunks' blocks (of an MoE block's experts, only those of ``ep_rank``); wte on
+        the first stage (and the last when tied); ln_f and lm_head on the last."""
         top = name.split(".")
+        if top[0] == "h" and is_expert(name):
+            owner = P.expert_owner(expert_index(name), self.cfg.n_expert, ep)
+            return int(top[1]) in blocks and owner == ep_rank
         if top[0] == "h":
             return int(top[1]) in blocks
         if top[0] == "wte":
@@ -134,16 +152,17 @@ class LlamaFamily:
                     dtype) -> P.ShardReader:
         blocks = {i for c in chunks.values() for i in c}
         shapes = self.shapes()
-        tp = grid.comm["tp"]
+        tp, ep = grid.comm["tp"], grid.comm["ep"]
         indices = {k: self.shard_index(k, s, tp.rank, tp.size) for k, s in shapes.items()
-                   if self.holds(k, blocks, first, last)}
+                   if self.holds(k, blocks, first, last, ep.rank, ep.size)}
         return P.ShardReader(source, shapes, indices, dtype)
 
     def shard_index(self, name: str, shape, rank: int, tp: int, etp_rank: int = 0,
                     etp: int = 1) -> Index:
-        """refmp.parallel.tensor.llama.shard's piece as an Index (columns or rows)."""
+        """refmp.parallel.tensor.llama.shard's piece as an Index (columns or rows); an
+        expert whole (replicated over tp, as GPT-2's)."""
         inner = P.local_name(name)
-        if tp == 1 or not name.startswith("h."):
+        if tp == 1 or not name.startswith("h.") or is_expert(name):
             return WHOLE
         if inner in TPL.KV:
             hs = self.cfg.head_size
@@ -159,8 +178,11 @@ class LlamaFamily:
 
     def place(self, name: str, sp: bool) -> P.Place:
         """The row: split over tp (copies over dp, cp, and the kv group for a replicated
-        key/value head), or replicated (partial over tp with SP)."""
+        key/value head), an expert's GPT-2's (split over ep, summed over edp, + tp with
+        SP), or replicated (partial over tp with SP)."""
         inner = P.local_name(name)
+        if is_expert(name):
+            return P.place(name, sp)  # placement's experts.{e}.* row
         if name.startswith("h.") and inner in TPL.COLUMN + TPL.ROW:
             dim = 1 if inner in TPL.COLUMN else 0
             copies = ("dp", "cp", "kv") if inner in TPL.KV else ("dp", "cp")
@@ -168,7 +190,10 @@ class LlamaFamily:
         return P.Place(None, None, ("dp", "cp", *(("tp",) if sp else ())), ("dp", "cp", "tp"))
 
     def unit_of(self, name: str) -> str:
-        """``wte``, ``h.{i}``, ``ln_f``, ``lm_head``."""
+        """``wte``, ``h.{i}``, ``h.{i}.experts`` (an MoE block's experts held here: summed
+        over edp, not dp x cp), ``ln_f``, ``lm_head``."""
+        if is_expert(name):
+            return P.unit_of(name)
         return ".".join(name.split(".")[:2]) if name.startswith("h.") else name.split(".")[0]
 
     def ring(self, comm, chunks):
@@ -184,7 +209,7 @@ class LlamaFamily:
         return LM.Ops(self.cfg.n_head, self.cfg.n_kv_head, core, positions)
 
     def stage(self, chunks, n_chunks, ops, sharder, moe, sequence_shards, recompute):
-        return LlamaStage(self.cfg, chunks, n_chunks, ops, sharder, recompute)
+        return LlamaStage(self.cfg, chunks, n_chunks, ops, sharder, recompute, moe)
 
     def gather_tp(self, local: dict, tp) -> dict:
         """Every parameter whole on every tp rank: the split ones all-gathered and glued
@@ -222,8 +247,12 @@ def check_family(cfg, mcfg) -> None:
     from refmp.parallel.pipeline.catalog import CATALOG
 
     refused = [
-        (mcfg.n_expert, "a Mixtral-style MoE Llama (num_local_experts) runs serially "
-                        "(refmp.nn.llama.Llama); the engine's Llama stage runs dense blocks"),
+        (mcfg.n_expert and cfg.etp, f"--etp {cfg.etp} (MoE parallel folding) splits GPT-2's "
+                                    f"experts (c_fc, c_proj); a Mixtral-style model's SwiGLU "
+                                    f"experts run whole on their ep rank"),
+        (mcfg.n_expert and cfg.save is not None,
+         f"--save {cfg.save}: a Mixtral-style model (n_expert) has no LlamaForCausalLM form; "
+         f"keep its weights with --checkpoint-dir"),
         (cfg.fp8 != "none", f"--fp8 {cfg.fp8} replaces GPT-2's linears"),
         (cfg.cp_ulysses > 1, "--cp-ulysses (hierarchical cp) runs GPT-2's attention core"),
         (cfg.schedule in CATALOG and not CATALOG[cfg.schedule].flushes,

@@ -50,13 +50,15 @@ from refmp.parallel.expert import ExpertDispatch
 from refmp.runtime import backend
 
 
-def dispatch_for(grid, n_expert: int, sp: bool, wire=None):
+def dispatch_for(grid, n_expert: int, sp: bool, wire=None, kind=None):
     """An MoE layer's dispatch on ``grid``: FoldedDispatch with folding (--etp), else expert
-    parallelism's ExpertDispatch over ep, or None (the experts local: refmp.nn.experts)."""
-    ep = grid.comm["ep"]
+    parallelism's ExpertDispatch over ep, or None (the experts local). ``kind``: the
+    experts' module (default refmp.nn.experts; refmp.nn.swiglu_experts for Mixtral's, which
+    folding does not split)."""
+    ep, kind = grid.comm["ep"], experts if kind is None else kind
     if grid.folded:
         return FoldedDispatch(grid.comm["tp"], ep, grid.comm["etp"], n_expert, not sp, wire)
-    return ExpertDispatch(ep, n_expert, wire) if ep.size > 1 else None
+    return ExpertDispatch(ep, n_expert, wire, kind) if ep.size > 1 else None
 
 
 def share(counts, lo: int, hi: int):

@@ -315,14 +315,14 @@ def gather_etp(params: dict, etp) -> dict:
 
 
 def gather_experts(params: dict, ep, n_expert: int) -> dict:
-    """``params`` with every MoE layer's experts gathered over ep (collective over ep)."""
+    """``params`` with every MoE layer's experts (any family's) gathered over ep (collective)."""
     xp = backend.xp
     out = dict(params)
     layers = sorted({k.split(".")[1] for k in params if M.EXPERT.search(k)}, key=int)
     for i in layers:
         pre = f"h.{i}.mlp.experts."
         ids = sorted({int(M.EXPERT.search(k).group(1)) for k in params if k.startswith(pre)})
-        for s in M.EXPERT_PARAMS:
+        for s in dict.fromkeys(M.EXPERT.split(k)[-1] for k in params if k.startswith(pre)):
             stacked = ep.allgather(xp.stack([params[f"{pre}{e}.{s}"] for e in ids]))  # (E, ...)
             out.update({f"{pre}{e}.{s}": stacked[e] for e in range(n_expert)})
     return out

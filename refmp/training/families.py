@@ -19,7 +19,8 @@ from refmp.nn.families import is_llama
 from refmp.nn.llama import LlamaConfig
 
 LLAMA = ("n_kv_head", "ffn", "rope_theta", "rms_eps", "head")  # a fresh Llama's own flags
-GPT2_ONLY = ("top_k", "moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+GPT2_ONLY = ("moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+MIXTRAL = ("n_expert", "top_k")  # a fresh Llama's MoE blocks (num_local_experts, per token)
 
 
 def flag(name: str) -> str:
@@ -65,11 +66,13 @@ def llama_model(cfg: TrainConfig, ds) -> LlamaConfig:
     from refmp.checkpoint.format import model_config
     from refmp.checkpoint.hf_llama import is_llama_dir, read_config
 
-    moe = [flag(k) for k in ("n_expert", *GPT2_ONLY) if getattr(cfg, k)]
+    moe = [flag(k) for k in GPT2_ONLY if getattr(cfg, k)]
     if moe:
-        raise ConfigError(f"--arch llama: {', '.join(moe)} are GPT-2's MoE settings; the "
-                          f"engine runs dense Llama blocks")
+        raise ConfigError(f"--arch llama: {', '.join(moe)} are GPT-2's MoE settings; a "
+                          f"Mixtral-style model takes --n-expert and --top-k (no capacity "
+                          f"limit, no auxiliary losses)")
     given = [flag(k) for k in LLAMA if getattr(cfg, k) is not None]
+    given += [flag(k) for k in MIXTRAL if getattr(cfg, k)]
     if cfg.resume is not None and not given and (man := llama_checkpoint(cfg.resume)):
         return model_config(man)  # the shape the checkpoint was saved with
     if cfg.init is not None:
@@ -95,10 +98,11 @@ def llama_model(cfg: TrainConfig, ds) -> LlamaConfig:
                           f"setting of it: give {', '.join(missing)} (or --init a "
                           f"LlamaForCausalLM directory)")
     T = cfg.block_size or (ds.task.line_len if ds.task else 64)
+    moe = {"n_expert": cfg.n_expert, **({"top_k": cfg.top_k} if cfg.top_k else {})}
     mcfg = LlamaConfig(vocab_size=ds.vocab_size, block_size=T, n_layer=cfg.n_layer,
                        n_head=cfg.n_head or 4, n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd,
                        n_inner=cfg.ffn, rope_theta=cfg.rope_theta, rms_eps=cfg.rms_eps,
-                       tied=cfg.head == "tied")
+                       tied=cfg.head == "tied", **moe)
     mcfg.check()
     return mcfg
 
@@ -127,7 +131,9 @@ def cost_shape(mcfg):
 
     return Family(vocab_size=mcfg.vocab_size, block_size=mcfg.block_size,
                   n_layer=mcfg.n_layer, n_head=mcfg.n_head, n_embd=mcfg.n_embd,
-                  n_kv_head=mcfg.n_kv_head, ffn=mcfg.n_inner, swiglu=True, tied=mcfg.tied)
+                  n_kv_head=mcfg.n_kv_head, ffn=mcfg.n_inner, swiglu=True, tied=mcfg.tied,
+                  n_expert=mcfg.n_expert, top_k=mcfg.top_k, capacity_factor=0.0,
+                  aux_loss_coef=0.0, z_loss_coef=0.0)
 
 
 def check_save(cfg: TrainConfig, mcfg) -> None:

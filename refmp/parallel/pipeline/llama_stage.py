@@ -17,6 +17,12 @@ last chunk are both on rank 0), and refused otherwise.
 The executor's interface: ``n_chunks``, ``act_shape``, ``forward``, ``backward``, ``weight``.
 A zero-bubble schedule's W action finds nothing to do: this stage computes each block's
 weight gradients in its B (the numbers are the same; only the timeline differs).
+
+A Mixtral-style model (``n_expert``) runs each block's MLP as refmp.nn.moe's layer on SwiGLU
+experts, in the MoE context the Engine makes (``moe(denom)``: expert parallelism's
+all-to-all over ep, the ranks a sequence is split over), as GPT-2's Stage does: a block's
+experts held here are a Sharder unit of their own (``h.{i}.experts``, summed over edp), its
+routing figures and MoE loss shares (0: Mixtral has no auxiliary losses) gathered per step.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from refmp.nn import layers as L
 from refmp.nn import llama as LM
 from refmp.nn import llama_layers as LL
 from refmp.nn.params import block_params
+from refmp.nn.routing import MoEFigures
 from refmp.runtime import backend
 from refmp.runtime.arrays import attach, detach
 
@@ -64,11 +71,13 @@ def held_names(cfg: LM.LlamaConfig, blocks: dict[int, range], n_chunks: int) -> 
 
 class Recompute(NamedTuple):
     """A block's cache under full recomputation (Korthikanti et al. 2022, sec. 5): its input
-    (b, T, C) and the rotary tables; backward runs the forward again for the rest."""
+    (b, T, C), the rotary tables and its MoE context (None: dense); backward runs the
+    forward again for the rest (an MoE block's all-to-alls too)."""
 
     x: Any
     cos: Any
     sin: Any
+    moe: Any = None
 
 
 def units_of(names) -> dict[str, list[str]]:
@@ -87,14 +96,13 @@ class LlamaStage:
     shards, in units_of's units): every pass computes on ``sharder.weights(unit)`` (ZeRO-3:
     gathered for the forward, let go, gathered again for the backward) and hands each
     unit's gradient to the Sharder when it is complete, which sums it over dp x cp (ZeRO 0:
-    all-reduce; 2-3: reduce-scatter) while the schedule goes on."""
+    all-reduce; 2-3: reduce-scatter) while the schedule goes on. ``moe(denom)``: the
+    MoEContext of one forward of an MoE model (None: dense; refmp.parallel.engine.moe_context)."""
 
     def __init__(self, cfg: LM.LlamaConfig, chunks: dict[int, range], n_chunks: int,
-                 ops: LM.Ops, sharder, recompute: bool = False):
-        if cfg.n_expert:
-            raise ConfigError("the Llama stage runs dense blocks; a Mixtral-style MoE model runs "
-                              "serially (refmp.nn.llama.Llama)")
+                 ops: LM.Ops, sharder, recompute: bool = False, moe=None):
         self.cfg = cfg
+        self.moe = moe if moe is not None else (cfg.moe if cfg.n_expert else None)
         self.recompute = recompute  # full recomputation: keep only each block's input
         self.chunks = chunks
         self.n_chunks = n_chunks
@@ -103,17 +111,32 @@ class LlamaStage:
         self.release = sharder.releases_weights  # ZeRO-3: a cache names its weights
         self.head_unit = "wte" if cfg.tied else "lm_head"
         self.loss_scale = 1.0  # the gradient of each loss share: 1, or fp16's loss scale
-        self.aux = 0.0  # the step's MoE loss share: none in dense blocks
+        self.figures = MoEFigures()  # this step's routing figures and MoE loss shares
+        self.unit = {k: u for u, names in sharder.units.items() for k in names.shapes}
+        # block -> its Sharder units held here: h.{i}, then its experts' h.{i}.experts
+        self.block_units = {i: list(dict.fromkeys(u for k, u in self.unit.items()
+                                                  if k.startswith(f"h.{i}.")))
+                            for blocks in chunks.values() for i in blocks}
 
     def begin_step(self, loss_scale: float = 1.0) -> None:
-        """A step's start (the Engine's): backward starts from ``loss_scale``."""
+        """A step's start (the Engine's): backward starts from ``loss_scale``; new figures."""
         self.loss_scale = loss_scale
+        self.figures = MoEFigures()
+
+    @property
+    def aux(self) -> float:
+        """This rank's share of the step's MoE losses (0.0: dense, or Mixtral's none)."""
+        return self.figures.aux
 
     def act_shape(self, b: int, T: int) -> tuple[int, int, int]:
         return (b, T // self.ops.sequence_shards, self.cfg.n_embd)  # crosses a stage boundary
 
     def weights(self, *units: str) -> dict:
         return {k: v for u in units for k, v in self.sharder.weights(u).items()}
+
+    def block_weights(self, i: int) -> dict:
+        """Block i's parameters (its unit and its experts' held here), names inside it."""
+        return block_params(self.weights(*self.block_units[i]), i)
 
     def tables(self, T: int):
         """The rotary tables (T, HS) of this rank's tokens (their global positions)."""
@@ -130,12 +153,16 @@ class LlamaStage:
         x, emb, head, blocks = inp, None, None, []
         if c == 0:  # (b, T, C), or with SP the rank's (b, T/tp, C)
             x, emb = L.embedding_forward(self.ops.sequence(inp), self.weights("wte")["wte.weight"])
+        train = targets is not None
+        moe = self.moe(denom if train else None) if self.moe else None  # None: dense
         for i in self.chunks[c]:
-            p = block_params(self.weights(f"h.{i}"), i)
+            p = self.block_weights(i)
             x_in = x
-            x, bc = LM.block_forward(p, x, self.cfg, cos, sin, self.ops)
+            x, bc = LM.block_forward(p, x, self.cfg, cos, sin, self.ops, moe)
+            if train and isinstance(bc.mlp, LM.MoEMLPCache):  # a scalar to the host
+                self.figures.add(i, float(bc.mlp.moe.loss), bc.mlp.moe.stats["raw"])
             if self.recompute:  # the input is all we keep (and the tables, shared by all)
-                bc = Recompute(x_in, cos, sin)
+                bc = Recompute(x_in, cos, sin, moe)
             blocks.append(detach(bc, p) if self.release else bc)
         if c == self.n_chunks - 1:
             p = self.weights("ln_f", self.head_unit)
@@ -161,13 +188,12 @@ class LlamaStage:
                 sink.grad_ready("lm_head", final)
         for i, bc in zip(reversed(self.chunks[c]), reversed(blocks), strict=True):
             if isinstance(bc, Recompute):  # the block's forward again, its communication too
-                p = block_params(self.weights(f"h.{i}"), i)
-                _, bc = LM.block_forward(p, bc.x, self.cfg, bc.cos, bc.sin, self.ops)
+                _, bc = LM.block_forward(self.block_weights(i), bc.x, self.cfg, bc.cos, bc.sin,
+                                         self.ops, bc.moe)
             elif self.release:
-                bc = attach(bc, block_params(self.weights(f"h.{i}"), i))
-            dx, g = LM.block_backward(dx, bc, self.ops)
-            sink.accumulate(f"h.{i}", {f"h.{i}.{k}": v for k, v in g.items()})
-            sink.grad_ready(f"h.{i}", final)
+                bc = attach(bc, self.block_weights(i))
+            dx, g = LM.block_backward(dx, bc, self.ops, self.loss_scale)
+            self._add_block(i, g, final, sink)
         if emb is None:
             return dx, []
         sink.accumulate("wte", {"wte.weight": L.embedding_backward(dx, emb)})
@@ -176,6 +202,20 @@ class LlamaStage:
 
     def weight(self, todo, final: bool) -> None:
         """A zero-bubble W: every weight gradient was taken in B."""
+
+    def _add_block(self, i: int, g: dict, final: bool, sink) -> None:
+        """Block i's gradients ``g`` (names inside the block) into its units, in GPT-2's
+        Stage's order: the block's own, its experts' (an MoE block: ``h.{i}.experts``,
+        summed over edp), then the block's own is complete."""
+        dense, *experts = self.block_units[i]
+        by_unit: dict[str, dict] = {u: {} for u in self.block_units[i]}
+        for k, v in g.items():
+            by_unit[self.unit[f"h.{i}.{k}"]][f"h.{i}.{k}"] = v
+        sink.accumulate(dense, by_unit[dense])
+        for u in experts:
+            sink.accumulate(u, by_unit[u])
+            sink.grad_ready(u, final)
+        sink.grad_ready(dense, final)
 
 
 def whole_params(sharder, grid, cfg: LM.LlamaConfig) -> dict | None:
