@@ -384,6 +384,9 @@ EVALUATED = [  # 4 ranks; each decodes with what it trains, nothing more
     dict(dp=4, ep=2, zero=3, n_expert=4),  # the experts stay on their ep ranks
     dict(pp=2, dp=2, zero=3, schedule="zb-v", microbatches=2),  # a V: two chunks a rank
     dict(tp=2, pp=2, microbatches=2, schedule="interleaved", virtual_stages=2),
+    # a Llama model (the Decoder asks its family): 2 key/value heads, copied over tp 4
+    dict(tp=4, arch="llama", n_kv_head=2, ffn=256, rope_theta=10000.0, rms_eps=1e-5,
+         head="untied", capacity_factor=None, top_k=None),
 ]
 
 
@@ -402,7 +405,7 @@ def test_evaluation_decodes_what_each_rank_holds_measured():
 
     from refmp.inference.decoder import Decoder
     from refmp.inference.generate import Greedy
-    from refmp.nn.params import param_shapes
+    from refmp.parallel.family import family_of
     from refmp.training.datasets import AdditionTask
     from refmp.training.evaluate import decoder, evaluate
 
@@ -419,7 +422,7 @@ def test_evaluation_decodes_what_each_rank_holds_measured():
             peak = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()
-        whole = sum(math.prod(s) for s in param_shapes(tr.mcfg).values()) * 8  # float64
+        whole = sum(math.prod(s) for s in family_of(tr.mcfg).shapes().values()) * 8  # float64
         full = MPI.COMM_WORLD.bcast(tr.runner.full_params(), root=0)  # the check's reference
         alone = ProcessGrid(MPI.COMM_SELF)
         dropping = tr.mcfg.n_expert > 0  # capacity 1.0: decoded without the cache

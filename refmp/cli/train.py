@@ -146,7 +146,7 @@ def run(cfg: TrainConfig) -> dict:
             timeline.write_trace(cfg.trace)
             print(f"pipeline timeline of the last step written to {cfg.trace}; measured "
                   f"bubble {100 * timeline.bubble():.1f}%", flush=True)
-    note = evaluation_note(tr.mcfg, tr.ds.task)  # a Llama run: why it is not evaluated
+    note = evaluation_note(tr.mcfg, tr.ds.task, tr.grid.sizes["ep"])  # why it is not evaluated
     if rank0 and note:
         print(f"refmp train: note: {note}", file=sys.stderr, flush=True)
     score = None if note else evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, tr.ds.task)

@@ -60,6 +60,12 @@ class LlamaConfig:
             raise ConfigError(f"top_k ({self.top_k}) must be between 1 and n_expert "
                               f"({self.n_expert})")
 
+    @property
+    def capacity_factor(self) -> float:
+        """Mixtral routes every token to its top-k experts: no capacity limit (0, as
+        GPTConfig.capacity_factor says it)."""
+        return 0.0
+
     def is_moe(self, i: int) -> bool:
         """Is block i's MLP a mixture of experts? Every block's, with ``n_expert``."""
         return self.n_expert > 0
