@@ -42,7 +42,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
 PROBE = ("import json; from mpi4py import MPI; from refmp.cli.plan import calibrate, "
          "measure_links; c = MPI.COMM_WORLD; node = c.Split_type(MPI.COMM_TYPE_SHARED); "
          "cross = c.Split(node.rank, c.rank); intra = measure_links(node); "
-         "inter = measure_links(cross); r = c.gather(calibrate()); "
+         "inter = measure_links(cross, sync=c); r = c.gather(calibrate()); "
          "c.rank or print(json.dumps([intra, inter, min(r, key=lambda x: x['gflops'])]))")
 
 

@@ -226,12 +226,16 @@ def calibrate(seconds: float = 0.1) -> dict:
             "stream_gbs": 24 * u.size / stream / 1e9, "call_us": 1e6 * call}
 
 
-def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, float]:
+def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5, sync=None) -> tuple[float, float]:
     """(GB/s, us) of ``comm``'s (an mpi4py communicator) links as collective() models them
     (collective: every rank calls it): an 8-byte all-reduce takes 2 (n-1) latencies, an
     nbytes one 2 (n-1)/n nbytes / bw more; medians of reps, the slowest rank's. Timed through
-    refmp.distributed.comm.Comm, which waits the way training does (Test and sleep: with more ranks than
-    cores, a wait includes being scheduled again)."""
+    refmp.distributed.comm.Comm, which waits the way training does (Test and sleep: with more
+    ranks than cores, a wait includes being scheduled again). ``sync``: a communicator over
+    every rank that measures at once (default ``comm``), whose barrier starts each repetition
+    and whose slowest rank's median counts: groups that share a link start together, as a
+    step's collectives do, so a group that finishes first leaves the link to the others
+    instead of starting its next repetition beside them."""
     from mpi4py import MPI
 
     from refmp.distributed.comm import Comm
@@ -239,16 +243,16 @@ def measure_links(comm, nbytes: int = 1 << 22, reps: int = 5) -> tuple[float, fl
     n = comm.Get_size()
     if n == 1:
         return 5.0, 2.0
-    ours = Comm(comm)
+    ours, sync = Comm(comm), sync or comm
 
     def seconds(a) -> float:
         times = []
         for _ in range(reps + 1):  # the first is a warm-up
-            comm.Barrier()
+            sync.Barrier()
             t0 = time.perf_counter()
             ours.allreduce(a)
             times.append(time.perf_counter() - t0)
-        return comm.allreduce(float(np.median(times[1:])), op=MPI.MAX)
+        return sync.allreduce(float(np.median(times[1:])), op=MPI.MAX)
 
     small, big = seconds(np.zeros(1)), seconds(np.zeros(nbytes // 8))
     lat = small / (2 * (n - 1))

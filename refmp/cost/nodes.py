@@ -51,8 +51,8 @@ def cluster(host: Machine, ranks_per_node: int, link_gbit: float,
     ``measured_gbs``: a rank's share as refmp.cli.plan.measure_links finds it across the
     nodes, every pair exchanging at once: the rank's share is the smaller of the two. On
     refmp cluster's nodes TCP runs on the cores the ranks compute on (the kernel's copies,
-    the veth pair, the token bucket), and a rank gets 0.58-0.98 of the set rate's share at
-    0.1-0.3 Gbit/s (docs/nodes.md): the set rate alone makes every crossing optimistic."""
+    the veth pair, the token bucket), so a rank can get less than the set rate's share
+    (docs/nodes.md): the set rate alone makes every crossing optimistic."""
     share = link_gbit / 8 * PAYLOAD / ranks_per_node
     if measured_gbs is not None:
         share = min(share, measured_gbs)
