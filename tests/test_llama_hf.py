@@ -212,20 +212,28 @@ def test_what_refmp_does_not_compute_is_refused_by_name(key, value):
 
 @pytest.mark.parametrize("n_kv_head", [2, 1])
 def test_decoding_with_the_gqa_cache_equals_transformers_generate(tmp_path, float64_hf, n_kv_head):
-    """Greedy tokens equal transformers' generate (its own cache); each cached step's
-    logits equal the uncached forward's; the cache holds 2 L B T NKV HS w bytes."""
-    from refmp.inference.llama_decode import generate, gqa_cache_bytes
+    """refmp's Decoder on one rank (the Llama family's pieces): greedy tokens equal
+    transformers' generate (its own cache); each cached step's logits equal the uncached
+    forward's; the cache holds 2 L B T NKV HS w bytes (L 2, B 2, T 9 cached, HS 4, float64)."""
+    from mpi4py import MPI
+
+    from refmp.distributed.grid import ProcessGrid
+    from refmp.inference.decoder import Decoder
+    from refmp.inference.generate import generate
+    from refmp.inference.sampling import Sampler
 
     hf = hf_model(n_kv_head)
     ours = refmp_of(hf, tmp_path)
     idx, _ = tokens(5, B=2, T=4)
     want = hf.generate(torch.tensor(idx), max_new_tokens=6, do_sample=False, min_new_tokens=6)
-    got, steps, cache = generate(ours, idx, 6)
-    np.testing.assert_array_equal(got, want.numpy())
-    _, plain, _ = generate(ours, idx, 6, use_cache=False)
-    for s, (a, b) in enumerate(zip(steps, plain, strict=True)):
-        np.testing.assert_allclose(a, b, **TOL, err_msg=f"logits of step {s}")
-    assert cache.nbytes == gqa_cache_bytes(ours.cfg, 2, 9, 8) == 2 * 2 * 2 * 9 * n_kv_head * 4 * 8
+    dec = Decoder(ours.cfg, ours.params, ProcessGrid(MPI.COMM_SELF))
+    got = generate(dec, idx, 6, Sampler())
+    np.testing.assert_array_equal(got.tokens, want.numpy())
+    plain = generate(dec, idx, 6, Sampler(), use_cache=False)
+    for s in range(6):
+        np.testing.assert_allclose(got.logits[:, s], plain.logits[:, s], **TOL,
+                                   err_msg=f"logits of step {s}")
+    assert got.kv_cache_bytes == 2 * 2 * 2 * 9 * n_kv_head * 4 * 8
 
 
 WORDS = [f"w{i}" for i in range(36)] + ["[unk]"]  # a 37-word vocabulary: the toy model's V

@@ -263,24 +263,25 @@ def test_full_recomputation_under_pp_and_tp():
 @collective
 def test_tp4_decoding_with_the_gqa_cache(n_kv_head):
     """Greedy decoding on tp 4 (each rank its query head, its key/value head held or
-    replicated): the serial run's tokens and logits; a rank's cache holds one head."""
-    from refmp.inference.llama_decode import generate, gqa_cache_bytes
+    replicated): the serial Decoder's tokens and logits; a rank's cache holds one head,
+    2 L B T HS w bytes (L 2, B 2, T 7 cached, HS 4, float64)."""
+    from refmp.inference.decoder import Decoder
+    from refmp.inference.generate import generate
+    from refmp.inference.sampling import Sampler
 
     cfg = config(n_kv_head)
     grid = ProcessGrid(MPI.COMM_WORLD, tp=4)
     serial = LM.Llama.create(cfg, seed=5, dtype="float64")
-    t = grid.coords["tp"]
-    mine = LM.Llama(cfg, {k: TPL.shard(k, v, cfg, t, 4).copy() for k, v in serial.params.items()})
     idx = np.random.default_rng(2).integers(0, V, (2, 3))
-    want, want_logits, _ = generate(serial, idx, 5)
-    got, logits, cache = generate(mine, idx, 5, ops=TPL.TensorOps(cfg, grid.comm["tp"]))
+    want = generate(Decoder(cfg, serial.params, ProcessGrid(MPI.COMM_SELF)), idx, 5, Sampler())
+    got = generate(Decoder(cfg, serial.params, grid), idx, 5, Sampler())  # its shards cut
     bad = Mismatches()
-    bad.check(np.testing.assert_array_equal, got, want, err_msg="tokens")
-    for s, (a, b) in enumerate(zip(logits, want_logits, strict=True)):
-        bad.check(np.testing.assert_allclose, a, b, **TOL, err_msg=f"logits of step {s}")
-    bad.check(np.testing.assert_equal, cache.nbytes, gqa_cache_bytes(cfg, 2, 7, 8, tp=4),
-              err_msg="cache bytes")
-    bad.check(np.testing.assert_equal, cache.nbytes, 2 * 2 * 2 * 7 * 1 * 4 * 8, err_msg="one head")
+    bad.check(np.testing.assert_array_equal, got.tokens, want.tokens, err_msg="tokens")
+    bad.check(np.testing.assert_allclose, got.logits, want.logits, **TOL, err_msg="logits")
+    bad.check(np.testing.assert_equal, got.kv_cache_bytes, 2 * 2 * 2 * 7 * 1 * 4 * 8,
+              err_msg="one head")
+    bad.check(np.testing.assert_equal, want.kv_cache_bytes, 2 * 2 * 2 * 7 * n_kv_head * 4 * 8,
+              err_msg="the serial cache")
     bad.assert_none(MPI.COMM_WORLD)
 
 
