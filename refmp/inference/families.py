@@ -16,7 +16,9 @@ A family answers the rest, for this rank's share:
 * ``ops`` and ``core``: the layout's Ops around the cached attention core of one layer
   (refmp.inference.attention.CachedAttention: GPT-2's [q | k | v], or on heads for Llama's
   grouped-query attention), and ``ring``: cp's ring attention for a prefill;
-* ``embed``, ``block``, ``logits``: the tokens in, one block, the full logits (B, V) out.
+* ``embed``, ``block``, ``logits``: the tokens in, one block, the full logits (B, V) out;
+* ``moe``: the expert layers' MoE context, each token to its top-k experts, sent over ep to
+  the ranks that hold them (GPT-2's MLPs, or a Mixtral-style model's SwiGLU experts).
 
 Llama's rotary tables come from each call's global positions (a cp rank's zig-zag chunks in
 a prefill, T0 + j for decoded token j), as training's cp does (refmp.parallel.context.gqa_ring):
