@@ -31,10 +31,9 @@ import dataclasses
 
 from refmp.errors import ConfigError
 from refmp.inference.attention import CachedAttention, RowByRow
-from refmp.nn import gpt
+from refmp.nn import gpt, swiglu_experts
 from refmp.nn import llama as LM
 from refmp.nn import llama_layers as LL
-from refmp.nn import swiglu_experts
 from refmp.nn.llama import LlamaConfig
 from refmp.nn.params import block_params
 from refmp.parallel.context.gqa_ring import GQARingAttention
@@ -139,9 +138,10 @@ class LlamaFamily:
         """This rank's share as training holds it (refmp.parallel.family.LlamaFamily: the
         blocks this rank runs, of a Mixtral block's experts only its ep rank's, wte on the
         first stage (and the last, when the head is tied), ln_f and lm_head on the last;
-        each parameter's tp shard, the one key/value head it replicates when tp > NKV): read slice by slice from a Source (a LlamaForCausalLM
-        directory: refmp.checkpoint.llama_files.LlamaSource, ``read(name, index, dtype)``),
-        or cut from the whole model (a dict of refmp.nn.llama's names,
+        each parameter's tp shard, the one key/value head it replicates when tp > NKV):
+        read slice by slice from a Source (a LlamaForCausalLM directory:
+        refmp.checkpoint.llama_files.LlamaSource, ``read(name, index, dtype)``), or cut
+        from the whole model (a dict of refmp.nn.llama's names,
         refmp.parallel.tensor.llama.shard)."""
         cfg = self.mcfg
         TPL.check_tp(cfg, tp.size)
