@@ -480,8 +480,9 @@ def test_mixtral_decoding_splits_its_experts_over_ep():
     """The Decoder on tp 2 x dp 2 with ep 2 (carved from dp): each rank holds, from a whole
     dict or read from a Source, its tp shards and only its ep rank's experts; its dp rank's
     own prompts go to the experts by all-to-all, with the cache; the serial Decoder's tokens
-    and logits on those prompts."""
+    and logits on those prompts; a folded grid (--etp) is refused."""
     from refmp.checkpoint.source import InitSource
+    from refmp.errors import ConfigError
     from refmp.inference.decoder import Decoder
     from refmp.inference.generate import generate
     from refmp.inference.sampling import Sampler
@@ -517,6 +518,8 @@ def test_mixtral_decoding_splits_its_experts_over_ep():
         bad.check(np.testing.assert_allclose, got.logits, want.logits, **TOL, err_msg=said)
     bad.check(np.testing.assert_equal, sorted(source.names), sorted(mine), err_msg="reads")
     bad.assert_none(MPI.COMM_WORLD)
+    with pytest.raises(ConfigError, match="do not fold over etp"):  # folding is GPT-2's
+        Decoder(cfg, whole, ProcessGrid(MPI.COMM_SELF, etp=1))
 
 
 # --- the engine: `refmp train --arch llama` on a layout equals the serial `refmp train` -------
