@@ -387,6 +387,10 @@ EVALUATED = [  # 4 ranks; each decodes with what it trains, nothing more
     # a Llama model (the Decoder asks its family): 2 key/value heads, copied over tp 4
     dict(tp=4, arch="llama", n_kv_head=2, ffn=256, rope_theta=10000.0, rms_eps=1e-5,
          head="untied", capacity_factor=None, top_k=None),
+    # Mixtral-style (no capacity limit, decoded with the cache): each ep rank its experts,
+    # gathered unit by unit over edp with ZeRO-3
+    dict(dp=4, ep=2, zero=3, arch="llama", n_expert=4, top_k=2, n_kv_head=2, ffn=64,
+         rope_theta=10000.0, rms_eps=1e-5, head="untied", capacity_factor=None),
 ]
 
 
@@ -425,7 +429,7 @@ def test_evaluation_decodes_what_each_rank_holds_measured():
         whole = sum(math.prod(s) for s in family_of(tr.mcfg).shapes().values()) * 8  # float64
         full = MPI.COMM_WORLD.bcast(tr.runner.full_params(), root=0)  # the check's reference
         alone = ProcessGrid(MPI.COMM_SELF)
-        dropping = tr.mcfg.n_expert > 0  # capacity 1.0: decoded without the cache
+        dropping = tr.mcfg.n_expert > 0 and tr.mcfg.capacity_factor > 0  # without the cache
         model = Greedy(Decoder(tr.mcfg, full, alone, axes=("tp", "pp"), capacity=dropping),
                        use_cache=not dropping)
         want = task.score(model, task.test_pairs)

@@ -474,6 +474,54 @@ def test_ep4_swiglu_experts():
     bad.assert_none(MPI.COMM_WORLD)
 
 
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_mixtral_decoding_splits_its_experts_over_ep():
+    """The Decoder on tp 2 x dp 2 with ep 2 (carved from dp): each rank holds, from a whole
+    dict or read from a Source, its tp shards and only its ep rank's experts; its dp rank's
+    own prompts go to the experts by all-to-all, with the cache; the serial Decoder's tokens
+    and logits on those prompts; a folded grid (--etp) is refused."""
+    from refmp.checkpoint.source import InitSource
+    from refmp.errors import ConfigError
+    from refmp.inference.decoder import Decoder
+    from refmp.inference.generate import generate
+    from refmp.inference.sampling import Sampler
+    from refmp.parallel.expert import expert_index, is_expert
+    from refmp.parallel.placement import expert_owner
+
+    class Counted(InitSource):
+        """A fresh model's Source that records the names a rank reads."""
+
+        def read(self, name, *index_dtype):
+            self.names.append(name)
+            return super().read(name, *index_dtype)
+
+    cfg = LM.LlamaConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_kv_head=2,
+                         n_embd=16, n_inner=24, rope_theta=100.0, n_expert=4, top_k=2)
+    grid = ProcessGrid(MPI.COMM_WORLD, tp=2, dp=2, ep=2)
+    source = Counted(cfg, 5)
+    source.names = []
+    whole = {k: source.read(k) for k in source.shapes()}
+    source.names.clear()
+    r, ep = grid.coords["dp"], grid.comm["ep"]
+    idx = np.random.default_rng(2).integers(0, V, (4, 3))[2 * r : 2 * r + 2]  # its prompts
+    want = generate(Decoder(cfg, whole, ProcessGrid(MPI.COMM_SELF)), idx, 5, Sampler())
+    mine = {k for k in whole if not is_expert(k)
+            or expert_owner(expert_index(k), cfg.n_expert, ep.size) == ep.rank}
+    bad = Mismatches()
+    for weights in (whole, source):
+        dec = Decoder(cfg, weights, grid)
+        got = generate(dec, idx, 5, Sampler())
+        said = type(weights).__name__
+        bad.check(np.testing.assert_equal, sorted(dec.params), sorted(mine), err_msg=said)
+        bad.check(np.testing.assert_array_equal, got.tokens, want.tokens, err_msg=said)
+        bad.check(np.testing.assert_allclose, got.logits, want.logits, **TOL, err_msg=said)
+    bad.check(np.testing.assert_equal, sorted(source.names), sorted(mine), err_msg="reads")
+    bad.assert_none(MPI.COMM_WORLD)
+    with pytest.raises(ConfigError, match="do not fold over etp"):  # folding is GPT-2's
+        Decoder(cfg, whole, ProcessGrid(MPI.COMM_SELF, etp=1))
+
+
 # --- the engine: `refmp train --arch llama` on a layout equals the serial `refmp train` -------
 
 

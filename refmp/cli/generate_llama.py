@@ -20,9 +20,9 @@ whole model.
 The cache of a rank holds its layers, its key/value heads and its tokens:
 2 L_stage B_dp T_cp max(NKV/tp, 1) HS w bytes. Sampling (temperature, top-k, top-p with
 the seeded generator GPT-2's uses), a paged cache (--kv-block-size) and --no-kv-cache come
-with the Decoder. Refused, with the reason, on every rank before any work: ep (Mixtral's
-experts are not split by the decoder), continuous batching and the serving modes (their
-linears run row by row, GPT-2's Ops), a sharded --checkpoint and --device gpu.
+with the Decoder. Refused, with the reason, on every rank before any work: ep (a
+LlamaForCausalLM directory has no experts to split), continuous batching and the serving
+modes (their linears run row by row, GPT-2's Ops), a sharded --checkpoint and --device gpu.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def check_llama_args(args: argparse.Namespace) -> None:
     if bad:
         raise ConfigError(f"--init {args.init}: a Llama directory decodes on the CPU from the "
                           f"directory's weights over tp, pp, cp and dp; {', '.join(bad)} is "
-                          f"for GPT-2 (expert parallelism, continuous batching and serving "
-                          f"run GPT-2's Ops)")
+                          f"refused (a LlamaForCausalLM directory has no experts to split; "
+                          f"continuous batching and serving run GPT-2's Ops)")
 
 
 def run_llama(args: argparse.Namespace) -> dict | None:

@@ -29,7 +29,7 @@ from refmp.parallel.data.hpz import block_notes
 from refmp.parallel.data.hsdp import shard_notes
 from refmp.training.checks import moe_flags
 from refmp.training.evaluate import evaluate
-from refmp.training.families import arch_of, cost_shape, evaluation_note, save_model
+from refmp.training.families import arch_of, cost_shape, save_model
 from refmp.training.rank_memory import measured, print_measured
 from refmp.training.trainer import TrainConfig, Trainer
 
@@ -146,10 +146,7 @@ def run(cfg: TrainConfig) -> dict:
             timeline.write_trace(cfg.trace)
             print(f"pipeline timeline of the last step written to {cfg.trace}; measured "
                   f"bubble {100 * timeline.bubble():.1f}%", flush=True)
-    note = evaluation_note(tr.mcfg, tr.ds.task, tr.grid.sizes["ep"])  # why it is not evaluated
-    if rank0 and note:
-        print(f"refmp train: note: {note}", file=sys.stderr, flush=True)
-    score = None if note else evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, tr.ds.task)
+    score = evaluate(tr.runner, tr.grid, tr.mcfg, tr.T, tr.ds.task)
     memory = tr.grid.world.allgather_obj(tr.memory())
     if cfg.save:  # tensor by tensor: each gathered whole onto rank 0 alone, written, let go
         agreed(tr.grid.world, lambda: save_model(

@@ -16,7 +16,9 @@ A family answers the rest, for this rank's share:
 * ``ops`` and ``core``: the layout's Ops around the cached attention core of one layer
   (refmp.inference.attention.CachedAttention: GPT-2's [q | k | v], or on heads for Llama's
   grouped-query attention), and ``ring``: cp's ring attention for a prefill;
-* ``embed``, ``block``, ``logits``: the tokens in, one block, the full logits (B, V) out.
+* ``embed``, ``block``, ``logits``: the tokens in, one block, the full logits (B, V) out;
+* ``moe``: the expert layers' MoE context, each token to its top-k experts, sent over ep to
+  the ranks that hold them (GPT-2's MLPs, or a Mixtral-style model's SwiGLU experts).
 
 Llama's rotary tables come from each call's global positions (a cp rank's zig-zag chunks in
 a prefill, T0 + j for decoded token j), as training's cp does (refmp.parallel.context.gqa_ring):
@@ -29,7 +31,7 @@ import dataclasses
 
 from refmp.errors import ConfigError
 from refmp.inference.attention import CachedAttention, RowByRow
-from refmp.nn import gpt
+from refmp.nn import gpt, swiglu_experts
 from refmp.nn import llama as LM
 from refmp.nn import llama_layers as LL
 from refmp.nn.llama import LlamaConfig
@@ -134,11 +136,12 @@ class LlamaFamily:
 
     def shards(self, weights, blocks, first: bool, last: bool, tp, ep, dtype) -> dict:
         """This rank's share as training holds it (refmp.parallel.family.LlamaFamily: the
-        blocks this rank runs, wte on the first stage (and the last, when the head is tied),
-        ln_f and lm_head on the last; each parameter's tp shard, the one key/value head it
-        replicates when tp > NKV): read slice by slice from a Source (a LlamaForCausalLM
-        directory: refmp.checkpoint.llama_files.LlamaSource, ``read(name, index, dtype)``),
-        or cut from the whole model (a dict of refmp.nn.llama's names,
+        blocks this rank runs, of a Mixtral block's experts only its ep rank's, wte on the
+        first stage (and the last, when the head is tied), ln_f and lm_head on the last;
+        each parameter's tp shard, the one key/value head it replicates when tp > NKV):
+        read slice by slice from a Source (a LlamaForCausalLM directory:
+        refmp.checkpoint.llama_files.LlamaSource, ``read(name, index, dtype)``), or cut
+        from the whole model (a dict of refmp.nn.llama's names,
         refmp.parallel.tensor.llama.shard)."""
         cfg = self.mcfg
         TPL.check_tp(cfg, tp.size)
@@ -146,12 +149,13 @@ class LlamaFamily:
         mine = set(blocks)
         if not isinstance(weights, dict):
             want = {k: split.shard_index(k, shape, tp.rank, tp.size)
-                    for k, shape in split.shapes().items() if split.holds(k, mine, first, last)}
+                    for k, shape in split.shapes().items()
+                    if split.holds(k, mine, first, last, ep.rank, ep.size)}
             return {k: backend.from_host(weights.read(k, index, dtype))
                     for k, index in want.items()}
         out = {}
         for k, v in weights.items():
-            if split.holds(k, mine, first, last):
+            if split.holds(k, mine, first, last, ep.rank, ep.size):
                 w = TPL.shard(k, v, cfg, tp.rank, tp.size)
                 out[k] = w if dtype is None else w.astype(dtype)
         return out
@@ -160,10 +164,16 @@ class LlamaFamily:
         return len(TPL.kv_heads(self.mcfg, tp.rank, tp.size))  # NKV/tp, or 1 replicated
 
     def moe(self, grid, capacity: bool):
-        if grid.comm["ep"].size > 1:
-            raise ConfigError("a Llama model's experts decode on every rank (Mixtral over ep "
-                              "is not split by the decoder)")
-        return self.mcfg.moe()  # Mixtral's: no capacity limit; None for a dense model
+        """Mixtral's MoE context (no capacity limit: ``capacity`` has nothing to ask), its
+        SwiGLU experts dispatched over ``grid``'s ep by all-to-all if split, as training's
+        (refmp.parallel.folding.dispatch_for); None for a dense model."""
+        cfg = self.mcfg
+        if not cfg.n_expert:
+            return None
+        if grid.folded:
+            raise ConfigError("a Mixtral-style model's experts do not fold over etp (folding "
+                              "splits GPT-2's c_fc and c_proj)")
+        return cfg.moe(None, dispatch_for(grid, cfg.n_expert, False, kind=swiglu_experts))
 
     def ring(self, cp, chunks):
         return GQARingAttention(cp, chunks)  # the K/V blocks travel with NKV heads

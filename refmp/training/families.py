@@ -156,14 +156,3 @@ def save_model(cfg: TrainConfig, mcfg, dtype, gather, vocab, tokenizer, write: b
 
     save_streamed(cfg.save, mcfg, dtype, gather, vocab, tokenizer, write=write)
 
-
-def evaluation_note(mcfg, task, ep: int) -> str | None:
-    """Why the held-out evaluation of the addition task is not run (None: it is): it decodes
-    the model as each rank holds it (refmp.training.evaluate: the Decoder asks the model's
-    family), and the Llama family's decoder keeps a Mixtral model's experts on every rank,
-    so a run whose experts are split over ``ep`` ranks is not evaluated."""
-    if not is_llama(mcfg) or task is None or not (mcfg.n_expert and ep > 1):
-        return None
-    return (f"the addition task's held-out evaluation decodes what each rank holds, and the "
-            f"Llama decoder keeps every expert on every rank: this run's experts are split "
-            f"over --ep {ep}, so it is not evaluated")
