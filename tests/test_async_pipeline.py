@@ -9,27 +9,22 @@ synchronous run (staleness is real).
 
 PipeDream's rule (Narayanan et al. 2019, sec. 3.3, one update per batch): stage s computes
 batch t's forward and backward on W(max(t - (pp - 1 - s), 0)); update t applies the sum of
-those gradients to W(t). :func:`pipedream_reference` states it serially, piece by piece of
-the model; the pipeline equals it.
+those gradients to W(t). async_reference.pipedream_reference states it serially, piece by
+piece of the model (gpt2_gradient); the pipeline equals it.
 """
 
-import math
 from dataclasses import replace
 
 import numpy as np
-import parity
 import pytest
+from async_reference import assert_same_delayed_run, gpt2_gradient, pipedream_reference, run_against
 from mpi4py import MPI
-from mpi_helpers import Mismatches, collective
+from mpi_helpers import collective
 
-from refmp.config import lr_at
 from refmp.distributed.grid import ProcessGrid
 from refmp.nn import gpt
-from refmp.parallel.pipeline.partition import rank_chunks
-from refmp.parallel.pipeline.schedules import ChunkPlacement
 from refmp.training.datasets import Dataset, get_batch
-from refmp.training.optim import clip_grads
-from refmp.training.trainer import TrainConfig, Trainer, build_optimizer
+from refmp.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi
 TIGHT = dict(rtol=1e-12, atol=1e-12)
@@ -95,16 +90,7 @@ def check_pipedream(layout, monkeypatch):
     if wrong:
         monkeypatch.setattr(PipeDream, "stashed", lambda self, version: None)
     cfg = TrainConfig(**{**SMALL, **layout}, steps=6, schedule="pipedream")
-    ref = pipedream_reference(cfg) if MPI.COMM_WORLD.rank == 0 else None
-    par, bad = Trainer(cfg, dataset=data()), Mismatches()
-    for t in range(cfg.steps):
-        rec, now = par.step(), par.runner.full_params()
-        if ref is not None:
-            loss, norm, w = ref[t]
-            bad.check(np.testing.assert_allclose, rec["loss"], loss, **TIGHT, err_msg=f"loss {t}")
-            bad.check(np.testing.assert_allclose, rec["grad_norm"], norm, **TIGHT, err_msg=f"norm {t}")
-            for k, v in w.items():
-                bad.check(np.testing.assert_allclose, now[k], v, **TIGHT, err_msg=f"{k} after {t}")
+    par, bad = run_against(cfg, data(), gpt2_gradient, TIGHT)
     if wrong:
         with pytest.raises(AssertionError, match="after"):
             bad.assert_none(MPI.COMM_WORLD)
@@ -114,58 +100,19 @@ def check_pipedream(layout, monkeypatch):
     assert mem["versions"] == lag * mem["params"] and mem["params"] > 0, mem
 
 
-def pipedream_reference(cfg: TrainConfig) -> list[tuple[float, float, dict]]:
-    """PipeDream's rule, serially: batch t's embedding (stage 0's), each block (its stage's,
-    the pp-stage partition's) and ln_f and the tied head (stage pp - 1's) run forward and
-    backward on their stage's version W(max(t - (pp - 1 - s), 0)); the gradient (wte's two
-    shares added) is clipped by its global norm and AdamW steps W(t). Returns (loss, norm,
-    W(t + 1)) of each step."""
-    base = serial(replace(cfg, schedule="1f1b", pp=1, dp=1, tp=1, zero=0))  # W(0), the data
-    mcfg, pp, T, ops = base.mcfg, cfg.pp, cfg.block_size, gpt.Ops(cfg.n_head)
-    stage_of = {i: s for s in range(pp)
-                for c in rank_chunks(mcfg, T, s, ChunkPlacement(pp)).values() for i in c}
-    W = [base.runner.full_params()]
-    params = {k: v.copy() for k, v in W[0].items()}
-    opt, out = build_optimizer(cfg, params), []
-    for t in range(cfg.steps):
-        def version(s, t=t):
-            return W[max(t - (pp - 1 - s), 0)]
-        x, y = get_batch(base.ds.tokens, t, cfg.batch_size, T, perm=base.perm)
-        h, emb = gpt.embed_forward(version(0), x)
-        blocks = []
-        for i in range(mcfg.n_layer):
-            h, c = gpt.block_forward(gpt.block_params(version(stage_of[i]), i), h, ops)
-            blocks.append(c)
-        loss, head = gpt.head_forward(version(pp - 1), h, y, cfg.batch_size * T)
-        dx, g = gpt.head_backward(1.0, head)
-        for i in reversed(range(mcfg.n_layer)):
-            dx, gb = gpt.block_backward(dx, blocks[i], ops)
-            g.update({f"h.{i}.{k}": v for k, v in gb.items()})
-        ge = gpt.embed_backward(dx, emb)
-        g["wte.weight"] = g["wte.weight"] + ge["wte.weight"]
-        g["wpe.weight"] = ge["wpe.weight"]
-        norm = math.sqrt(sum(float((v * v).sum()) for v in g.values()))
-        clip_grads(g, cfg.grad_clip, norm)
-        opt.lr = lr_at(cfg, t)
-        opt.step(g)
-        W.append({k: v.copy() for k, v in params.items()})
-        out.append((float(loss), norm, W[-1]))
-    return out
-
-
 def test_pipedream_reference_at_pp_1_is_the_synchronous_run_and_at_pp_2_is_not():
     """The serial statement checked itself: with one stage every version is W(t), and it
     equals the Trainer's synchronous run; with two, stage 0 runs a step behind from step 1."""
     cfg = TrainConfig(**SMALL, steps=3)
     sync = serial(cfg)
     recs = [sync.step() for _ in range(3)]
-    ref = pipedream_reference(replace(cfg, pp=1))
+    ref = pipedream_reference(replace(cfg, pp=1), data())
     for (loss, norm, _), rec in zip(ref, recs, strict=True):
         np.testing.assert_allclose([loss, norm], [rec["loss"], rec["grad_norm"]], **TIGHT)
     final = sync.runner.full_params()
     for k, v in ref[-1][2].items():
         np.testing.assert_allclose(v, final[k], **TIGHT, err_msg=k)
-    stale = [loss for loss, _, _ in pipedream_reference(replace(cfg, pp=2))]
+    stale = [loss for loss, _, _ in pipedream_reference(replace(cfg, pp=2), data())]
     np.testing.assert_allclose(stale[0], recs[0]["loss"], **TIGHT)  # W(0) everywhere
     assert abs(stale[1] - recs[1]["loss"]) > 1e-6
 
@@ -206,13 +153,8 @@ def check_2bw(layout):
     bites, against 2bw at pp 1. No flush: stage 0 runs forwards of the next batch before the
     step's last backward and carries their caches over the boundary; the last step drains
     (nothing carried, stashed or sent after it)."""
-    cfg = TrainConfig(**{**SMALL, **layout}, steps=4, schedule="2bw")
-    plain, hook = parity.serial_config, Open()
-    parity.serial_config = lambda c: replace(plain(c), schedule="2bw")  # the delayed reference
-    try:
-        par = parity.assert_same_run(cfg, data(), tol=TIGHT, check=hook)
-    finally:
-        parity.serial_config = plain
+    cfg, hook = TrainConfig(**{**SMALL, **layout}, steps=4, schedule="2bw"), Open()
+    par = assert_same_delayed_run(cfg, data(), TIGHT, check=hook)
     # the memory report holds the second weight version: as many bytes as the parameters
     mem = par.memory()
     assert mem["versions"] == mem["params"] > 0

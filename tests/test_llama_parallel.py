@@ -559,6 +559,51 @@ def test_engine_runs_llama(kw):
     assert_same_run(engine_config(**kw, steps=2), engine_data())
 
 
+def llama_gradient(mcfg, version, stage_of: dict, x, y, denom: int) -> tuple[float, dict]:
+    """An untied Llama model under PipeDream's rule (async_reference.pipedream_reference):
+    every parameter lives on one stage (wte the first's, a block its stage's, ln_f and
+    lm_head the last's), so batch t is the serial model's forward and backward on the
+    weights that take each parameter from its stage's version."""
+    last = max(stage_of.values())
+
+    def stage(k: str) -> int:
+        top = k.split(".")
+        return stage_of[int(top[1])] if top[0] == "h" else 0 if top[0] == "wte" else last
+
+    model = LM.Llama(mcfg, {k: version(stage(k))[k].copy() for k in LM.param_shapes(mcfg)})
+    loss, cache = model.forward(x, y, denom)
+    model.backward(cache)
+    return float(loss), model.grads
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("schedule,kw", [
+    ("2bw", dict(tp=2, recompute="full")),  # tp > NKV; the recomputed forward on W(t-1) too
+    ("pipedream", dict(dp=2, zero=3)),  # a stashed version: the rank's shards, gathered again
+    ("2bw", dict(pp=4, microbatches=4, n_layer=4)),  # the next batch's backwards: stashed
+    ("2bw", dict(dp=2, ep=2, n_expert=4, top_k=2, n_kv_head=2)),  # the next batch's figures
+])
+@collective
+def test_engine_runs_llama_without_a_flush(schedule, kw):
+    """PipeDream-2BW and PipeDream's weight stashing on pp 2 (untied head, grouped-query
+    attention), three clipped AdamW steps: 2BW equals 2bw at pp 1, the delayed rule (every
+    loss, norm, gradient and weight; tests/async_reference.py), PipeDream its serial rule
+    with each stage's version (loss, norm, weights); the memory report holds the versions
+    each stage keeps (2BW: one copy of its parameters; PipeDream: pp - 1 - s)."""
+    from async_reference import assert_same_delayed_run, run_against
+
+    cfg = engine_config(**{"pp": 2, "microbatches": 2, **kw}, schedule=schedule, steps=3)
+    if schedule == "2bw":
+        par = assert_same_delayed_run(cfg, engine_data(), TOL)
+        lag = 1
+    else:
+        par, bad = run_against(cfg, engine_data(), llama_gradient, TOL)
+        bad.assert_none(MPI.COMM_WORLD)
+        lag = cfg.pp - 1 - par.runner.pp.rank
+    mem = par.memory()
+    assert mem["versions"] == lag * mem["params"] and mem["params"] > 0, mem
+
+
 @pytest.mark.parallel(nprocs=4)
 @pytest.mark.parametrize("kw", [
     dict(dp=4, ep=2, zero=2),  # edp 2: each expert's gradient summed over its copies (ZeRO-2)

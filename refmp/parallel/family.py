@@ -255,9 +255,6 @@ def check_family(cfg, mcfg) -> None:
          f"keep its weights with --checkpoint-dir"),
         (cfg.fp8 != "none", f"--fp8 {cfg.fp8} replaces GPT-2's linears"),
         (cfg.cp_ulysses > 1, "--cp-ulysses (hierarchical cp) runs GPT-2's attention core"),
-        (cfg.schedule in CATALOG and not CATALOG[cfg.schedule].flushes,
-         f"--schedule {cfg.schedule} keeps weight versions in GPT-2's stage; use a flush "
-         f"schedule"),
     ]
     for on, why in refused:
         if on:

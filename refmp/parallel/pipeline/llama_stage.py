@@ -1,7 +1,10 @@
-"""The chunks of a Llama model (refmp.nn.llama) one pipeline rank holds, for the flush
-executor (refmp.parallel.pipeline.executor.Executor): the catalog's flush schedules (naive,
-GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV) run it unchanged
-(tests/test_llama_parallel.py runs GPipe, 1F1B, interleaved and ZB-V).
+"""The chunks of a Llama model (refmp.nn.llama) one pipeline rank holds, for the executors
+of refmp.parallel.pipeline: every schedule of the catalog runs it unchanged, the flush ones
+(naive, GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV) and those without a flush (2BW,
+PipeDream), whose executor hands each pass a ``Route`` (refmp.parallel.pipeline.stage): the
+weight version it runs on, and where its gradients and MoE figures go, as GPT-2's Stage
+takes it (tests/test_llama_parallel.py runs GPipe, 1F1B, interleaved, ZB-V, 2BW and
+PipeDream).
 
 Shapes: b rows of one micro-batch, T tokens of a sequence this rank holds (T/cp under
 context parallelism), C channels, L layers, S = pp v chunks.
@@ -14,7 +17,8 @@ pipeline (GPT-2's tied head needs the first and last stages to sum wte's gradien
 head is run when one rank holds both ends (pp = 1, or a V placement, where chunk 0 and the
 last chunk are both on rank 0), and refused otherwise.
 
-The executor's interface: ``n_chunks``, ``act_shape``, ``forward``, ``backward``, ``weight``.
+The executor's interface: ``n_chunks``, ``act_shape``, ``forward``, ``backward`` (each
+with an optional ``route``), ``weight``; and ``sharder``, ``figures`` (the asynchronous ones').
 A zero-bubble schedule's W action finds nothing to do: this stage computes each block's
 weight gradients in its B (the numbers are the same; only the timeline differs).
 
@@ -35,6 +39,7 @@ from refmp.nn import llama as LM
 from refmp.nn import llama_layers as LL
 from refmp.nn.params import block_params
 from refmp.nn.routing import MoEFigures
+from refmp.parallel.pipeline.stage import Route
 from refmp.runtime import backend
 from refmp.runtime.arrays import attach, detach
 
@@ -90,6 +95,12 @@ def units_of(names) -> dict[str, list[str]]:
     return units
 
 
+def of_units(weights, *units: str) -> dict:
+    """The parameters of these Sharder units, from ``weights`` (a Route's: unit -> {name:
+    array}): the current buffers, or a weight version's."""
+    return {k: v for u in units for k, v in weights(u).items()}
+
+
 class LlamaStage:
     """This rank's chunks (chunk id -> blocks), the layout's Ops (refmp.nn.llama.Ops: serial,
     tp's, around cp's attention core) and a Sharder over its parameters (held_names, its tp
@@ -108,7 +119,6 @@ class LlamaStage:
         self.n_chunks = n_chunks
         self.ops = ops
         self.sharder = sharder
-        self.release = sharder.releases_weights  # ZeRO-3: a cache names its weights
         self.head_unit = "wte" if cfg.tied else "lm_head"
         self.loss_scale = 1.0  # the gradient of each loss share: 1, or fp16's loss scale
         self.figures = MoEFigures()  # this step's routing figures and MoE loss shares
@@ -131,12 +141,9 @@ class LlamaStage:
     def act_shape(self, b: int, T: int) -> tuple[int, int, int]:
         return (b, T // self.ops.sequence_shards, self.cfg.n_embd)  # crosses a stage boundary
 
-    def weights(self, *units: str) -> dict:
-        return {k: v for u in units for k, v in self.sharder.weights(u).items()}
-
-    def block_weights(self, i: int) -> dict:
+    def block_weights(self, i: int, weights) -> dict:
         """Block i's parameters (its unit and its experts' held here), names inside it."""
-        return block_params(self.weights(*self.block_units[i]), i)
+        return block_params(of_units(weights, *self.block_units[i]), i)
 
     def tables(self, T: int):
         """The rotary tables (T, HS) of this rank's tokens (their global positions)."""
@@ -145,41 +152,49 @@ class LlamaStage:
         dtype = self.sharder.dtype if self.sharder.mixed else self.sharder.compute  # fp32 when mixed
         return LL.rope_tables(positions, self.cfg.head_size, self.cfg.rope_theta, dtype)
 
-    def forward(self, c: int, inp, targets=None, denom=None):
+    def forward(self, c: int, inp, targets=None, denom=None, route: Route | None = None):
         """Chunk c on one micro-batch: ``inp`` is token ids (chunk 0) or the previous chunk's
-        output. Returns the output, or on the last chunk the loss share, and the cache."""
+        output. Returns the output, or on the last chunk the loss share, and the cache.
+        ``route``: the weights it runs on and where its MoE figures go (default Route.of:
+        the Sharder's; 2BW's and PipeDream's weight versions, refmp.parallel.pipeline.asynchronous)."""
+        route = route or Route.of(self.sharder, self.figures)
+        weights = route.weights
         T = inp.shape[1] * (1 if c == 0 else self.ops.sequence_shards)  # tokens attended
         cos, sin = self.tables(T)
         x, emb, head, blocks = inp, None, None, []
         if c == 0:  # (b, T, C), or with SP the rank's (b, T/tp, C)
-            x, emb = L.embedding_forward(self.ops.sequence(inp), self.weights("wte")["wte.weight"])
+            x, emb = L.embedding_forward(self.ops.sequence(inp), weights("wte")["wte.weight"])
         train = targets is not None
         moe = self.moe(denom if train else None) if self.moe else None  # None: dense
         for i in self.chunks[c]:
-            p = self.block_weights(i)
+            p = self.block_weights(i, weights)
             x_in = x
             x, bc = LM.block_forward(p, x, self.cfg, cos, sin, self.ops, moe)
             if train and isinstance(bc.mlp, LM.MoEMLPCache):  # a scalar to the host
-                self.figures.add(i, float(bc.mlp.moe.loss), bc.mlp.moe.stats["raw"])
+                route.figures.add(i, float(bc.mlp.moe.loss), bc.mlp.moe.stats["raw"])
             if self.recompute:  # the input is all we keep (and the tables, shared by all)
                 bc = Recompute(x_in, cos, sin, moe)
-            blocks.append(detach(bc, p) if self.release else bc)
+            blocks.append(detach(bc, p) if route.release else bc)
         if c == self.n_chunks - 1:
-            p = self.weights("ln_f", self.head_unit)
+            p = of_units(weights, "ln_f", self.head_unit)
             tg = None if targets is None else self.ops.sequence(targets)
             x, head = LM.head_forward(p, x, self.cfg, tg, denom)
-            head = detach(head, p) if self.release and head is not None else head
+            head = detach(head, p) if route.release and head is not None else head
         return x, (emb, blocks, head)
 
-    def backward(self, c: int, dout, cache, split: bool, final: bool):
+    def backward(self, c: int, dout, cache, split: bool, final: bool, route: Route | None = None):
         """Chunk c's backward; returns (the input's gradient, or None on chunk 0; nothing
-        left for a W action). ``final``: the step's last micro-batch."""
+        left for a W action). ``final``: the step's last micro-batch. ``route``: the weights
+        its forward ran on (attached again where the cache names them) and what takes the
+        gradients (default Route.of: the Sharder's; 2BW's stash for a later batch)."""
         emb, blocks, head = cache
-        sink = self.sharder
+        route = route or Route.of(self.sharder, self.figures)
+        sink = route.sink
+        weights = route.weights
         dx = dout
         if head is not None:
-            if self.release:
-                head = attach(head, self.weights("ln_f", self.head_unit))
+            if route.release:
+                head = attach(head, of_units(weights, "ln_f", self.head_unit))
             dx, g = LM.head_backward(self.loss_scale, head, self.cfg)
             sink.accumulate("ln_f", {"ln_f.weight": g.pop("ln_f.weight")})
             sink.accumulate(self.head_unit, g)
@@ -188,10 +203,10 @@ class LlamaStage:
                 sink.grad_ready("lm_head", final)
         for i, bc in zip(reversed(self.chunks[c]), reversed(blocks), strict=True):
             if isinstance(bc, Recompute):  # the block's forward again, its communication too
-                _, bc = LM.block_forward(self.block_weights(i), bc.x, self.cfg, bc.cos, bc.sin,
-                                         self.ops, bc.moe)
-            elif self.release:
-                bc = attach(bc, self.block_weights(i))
+                _, bc = LM.block_forward(self.block_weights(i, weights), bc.x, self.cfg, bc.cos,
+                                         bc.sin, self.ops, bc.moe)
+            elif route.release:
+                bc = attach(bc, self.block_weights(i, weights))
             dx, g = LM.block_backward(dx, bc, self.ops, self.loss_scale)
             self._add_block(i, g, final, sink)
         if emb is None:
