@@ -702,6 +702,9 @@ def test_engine_refuses_what_it_would_guess_or_cannot_split(capsys):
         "--rope-theta": fresh[:10] + fresh[12:] + ["--head", "untied"],  # not given: refused
         "add --arch llama": ["train", "--n-kv-head", "2", "--steps", "1"],
         "dualpipev": fresh + ["--head", "tied", "--pp", "2", "--microbatches", "2"],
+        "rank holds both ends": fresh + ["--head", "tied", "--pp", "2", "--schedule", "2bw"],
+        "counted in the wrong step": fresh + ["--head", "untied", "--n-expert", "4", "--pp", "2",
+                                              "--schedule", "pipedream"],
         "--fp8 tensor": fresh + ["--head", "untied", "--fp8", "tensor"],
         "LlamaForCausalLM directory": fresh + ["--head", "untied", "--save", "m.safetensors"],
         "n_inner (6)": fresh + ["--head", "untied", "--tp", "4", "--ffn", "6", "--n-layer", "2"],

@@ -43,8 +43,7 @@ class Route(NamedTuple):
     release: bool  # the forward's cache names its weights; the backward attaches them again
 
     @classmethod
-    def of(cls, sharder, figures: MoEFigures) -> Route:
-        """The Sharder's current weights (ZeRO-3 releases them) and sums, a step's figures."""
+    def of(cls, sharder, figures: MoEFigures) -> Route:  # the Sharder's weights and sums
         return cls(sharder.weights, sharder, figures, sharder.releases_weights)
 
 
