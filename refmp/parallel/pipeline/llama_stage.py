@@ -39,7 +39,7 @@ from refmp.nn import llama as LM
 from refmp.nn import llama_layers as LL
 from refmp.nn.params import block_params
 from refmp.nn.routing import MoEFigures
-from refmp.parallel.pipeline.stage import Route
+from refmp.parallel.pipeline.stage import Route, Stage
 from refmp.runtime import backend
 from refmp.runtime.arrays import attach, detach
 
@@ -208,7 +208,8 @@ class LlamaStage:
             elif route.release:
                 bc = attach(bc, self.block_weights(i, weights))
             dx, g = LM.block_backward(dx, bc, self.ops, self.loss_scale)
-            self._add_block(i, g, final, sink)
+            # into its units as GPT-2's Stage does (the same units: dense, then experts)
+            Stage._add_block(self, i, g, final, True, sink)
         if emb is None:
             return dx, []
         sink.accumulate("wte", {"wte.weight": L.embedding_backward(dx, emb)})
@@ -217,20 +218,6 @@ class LlamaStage:
 
     def weight(self, todo, final: bool) -> None:
         """A zero-bubble W: every weight gradient was taken in B."""
-
-    def _add_block(self, i: int, g: dict, final: bool, sink) -> None:
-        """Block i's gradients ``g`` (names inside the block) into its units, in GPT-2's
-        Stage's order: the block's own, its experts' (an MoE block: ``h.{i}.experts``,
-        summed over edp), then the block's own is complete."""
-        dense, *experts = self.block_units[i]
-        by_unit: dict[str, dict] = {u: {} for u in self.block_units[i]}
-        for k, v in g.items():
-            by_unit[self.unit[f"h.{i}.{k}"]][f"h.{i}.{k}"] = v
-        sink.accumulate(dense, by_unit[dense])
-        for u in experts:
-            sink.accumulate(u, by_unit[u])
-            sink.grad_ready(u, final)
-        sink.grad_ready(dense, final)
 
 
 def whole_params(sharder, grid, cfg: LM.LlamaConfig) -> dict | None:
