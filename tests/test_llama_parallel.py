@@ -39,7 +39,6 @@ from refmp.parallel.pipeline.llama_stage import (
     chunk_blocks,
     held_names,
     units_of,
-    whole_params,
 )
 from refmp.parallel.tensor import llama as TPL
 from refmp.runtime.precision import BF16
@@ -51,6 +50,26 @@ TOL = dict(rtol=1e-9, atol=1e-12)
 U_BF16 = 2.0**-8  # bf16's unit roundoff
 GRAD_K, LOSS_K = 8, 1  # as tests/test_mixed_precision.py holds them
 B, T, V = 4, 8, 23
+
+
+def whole_params(sharder, grid, cfg: LM.LlamaConfig) -> dict | None:
+    """The whole model, gathered to world rank 0 (None elsewhere; collective over the world):
+    each rank's local parameters (Sharder.full_local: ZeRO's slices all-gathered), its tp
+    ranks' shards glued (refmp.parallel.tensor.llama.unshard), one tp group of each stage
+    sending its part: this test's check of a layout's weights, a simple gather of Python
+    objects for toy models (refmp train --save DIR streams tensor by tensor instead)."""
+    from refmp.parallel.tensor.llama import unshard
+    from refmp.runtime import backend
+
+    local = {k: backend.to_host(v) for k, v in sharder.full_local().items()}
+    shards = grid.comm["tp"].allgather_obj(local)  # each tp rank's shards, in rank order
+    mine = {k: unshard(k, [s[k] for s in shards], cfg) for k in local}
+    sender = grid.coords["dp"] == 0 and grid.coords["cp"] == 0 and grid.coords["tp"] == 0
+    parts = grid.world.allgather_obj(mine if sender else None)
+    if grid.rank != 0:
+        return None
+    whole = {k: v for part in parts if part is not None for k, v in part.items()}
+    return {k: whole[k] for k in LM.param_shapes(cfg)}  # the model's order
 
 
 def config(n_kv_head: int, n_layer: int = 2, tied: bool = False) -> LM.LlamaConfig:

@@ -40,7 +40,6 @@ from refmp.nn import llama_layers as LL
 from refmp.nn.params import block_params
 from refmp.nn.routing import MoEFigures
 from refmp.parallel.pipeline.stage import Route, Stage
-from refmp.runtime import backend
 from refmp.runtime.arrays import attach, detach
 
 
@@ -218,22 +217,3 @@ class LlamaStage:
 
     def weight(self, todo, final: bool) -> None:
         """A zero-bubble W: every weight gradient was taken in B."""
-
-
-def whole_params(sharder, grid, cfg: LM.LlamaConfig) -> dict | None:
-    """The whole model, gathered to world rank 0 (None elsewhere; collective over the world):
-    each rank's local parameters (Sharder.full_local: ZeRO's slices all-gathered), its tp
-    ranks' shards glued (refmp.parallel.tensor.llama.unshard), one tp group of each stage
-    sending its part. What ``--save DIR`` writes, from any layout; a simple gather of Python
-    objects, made for toy models (GPT-2's --save streams tensor by tensor)."""
-    from refmp.parallel.tensor.llama import unshard
-
-    local = {k: backend.to_host(v) for k, v in sharder.full_local().items()}
-    shards = grid.comm["tp"].allgather_obj(local)  # each tp rank's shards, in rank order
-    mine = {k: unshard(k, [s[k] for s in shards], cfg) for k in local}
-    sender = grid.coords["dp"] == 0 and grid.coords["cp"] == 0 and grid.coords["tp"] == 0
-    parts = grid.world.allgather_obj(mine if sender else None)
-    if grid.rank != 0:
-        return None
-    whole = {k: v for part in parts if part is not None for k, v in part.items()}
-    return {k: whole[k] for k in LM.param_shapes(cfg)}  # the model's order
