@@ -173,7 +173,7 @@ class LlamaFamily:
         if grid.folded:
             raise ConfigError("a Mixtral-style model's experts do not fold over etp (folding "
                               "splits GPT-2's c_fc and c_proj)")
-        return cfg.moe(None, dispatch_for(grid, cfg.n_expert, False, kind=swiglu_experts))
+        return cfg.moe_context(None, dispatch_for(grid, cfg.n_expert, False, kind=swiglu_experts))
 
     def ring(self, cp, chunks):
         return GQARingAttention(cp, chunks)  # the K/V blocks travel with NKV heads

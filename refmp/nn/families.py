@@ -8,8 +8,6 @@ How each family is split over the ranks is refmp.parallel.family's.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from refmp.errors import ConfigError
 from refmp.nn import llama_params as LP
 from refmp.nn import params as GP
@@ -37,8 +35,3 @@ def config_from(name: str, fields: dict):
         raise ConfigError(f"model family {name!r} is not one refmp trains "
                           f"({', '.join(CONFIGS)})")
     return CONFIGS[name](**fields)
-
-
-def describe(mcfg) -> dict:
-    """``{"family": name, **fields}``: what a manifest keeps of a shape."""
-    return {"family": family_name(mcfg), **asdict(mcfg)}

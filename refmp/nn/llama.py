@@ -93,8 +93,8 @@ BlockCache = namedtuple("BlockCache", "attn mlp")
 def block_forward(p: dict, x, cfg: LlamaConfig, cos, sin, ops: Ops, moe=None):
     """x + attn(rmsnorm_1(x)), then + mlp(rmsnorm_2(.)); rotary tables (T, HS) of x's tokens.
     Under tp the projections hold this rank's heads and columns (``/tp`` below). ``moe``
-    (LlamaConfig.moe): the MLP is Mixtral's mixture of SwiGLU experts (its cache carries its
-    loss)."""
+    (LlamaConfig.moe_context): the MLP is Mixtral's mixture of SwiGLU experts (its cache
+    carries its loss)."""
     h, ln_1 = LL.rmsnorm_forward(x, p["ln_1.weight"], cfg.rms_eps)  # (B, T, C)
     h = ops.enter(h)
     q, cq = L.linear_forward(h, p["attn.q_proj.weight"])  # (B, T, NH HS /tp)
@@ -207,7 +207,7 @@ class Llama:
         token count the loss is a mean over (default: these B T tokens; a rank holding part
         of the batch or of the sequence passes the global count, so its loss is its share).
         ``ops``: a layout's (default the serial Ops); ``dispatch``: where an MoE model's
-        experts run (LlamaConfig.moe)."""
+        experts run (LlamaConfig.moe_context)."""
         cfg = self.cfg
         ops = self.ops() if ops is None else ops
         xp = backend.array_module(self.params["wte.weight"])
@@ -216,7 +216,7 @@ class Llama:
         positions = xp.arange(idx.shape[1]) if ops.positions is None else ops.positions
         cos, sin = self.rope(positions)  # (T, HS) each, at the tokens' global positions
         x, emb = L.embedding_forward(idx, self.params["wte.weight"])  # (B, T, C)
-        moe = cfg.moe(denom if targets is not None else None, dispatch)
+        moe = cfg.moe_context(denom if targets is not None else None, dispatch)
         blocks = []
         for i in range(cfg.n_layer):
             x, c = block_forward(block_params(self.params, i), x, cfg, cos, sin, ops, moe)

@@ -70,7 +70,7 @@ class LlamaConfig:
         """Is block i's MLP a mixture of experts? Every block's, with ``n_expert``."""
         return self.n_expert > 0
 
-    def moe(self, denom=None, dispatch=None, seq=None) -> M.MoEContext | None:
+    def moe_context(self, denom=None, dispatch=None, seq=None) -> M.MoEContext | None:
         """Mixtral's MoE layer for one forward (None: dense): refmp.nn.moe's router, top-k
         and renormalized gates on SwiGLU experts, no capacity limit, no auxiliary losses
         (Mixtral's forward without output_router_logits). ``dispatch``: where the experts
@@ -80,10 +80,6 @@ class LlamaConfig:
             return None
         return M.MoEContext(self.n_expert, self.top_k, 0.0, 0.0, 0.0, denom, seq=seq,
                             dispatch=LocalExperts(swiglu_experts) if dispatch is None else dispatch)
-
-    def moe_context(self, denom=None, dispatch=None, seq=None) -> M.MoEContext | None:
-        """:meth:`moe` under GPTConfig's name, which the Engine's MoE context calls."""
-        return self.moe(denom, dispatch, seq)
 
 
 def block_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

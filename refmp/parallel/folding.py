@@ -74,8 +74,8 @@ class FoldedDispatch(ExpertDispatch):
     (no SP: the tp ranks hold the same tokens); ``ep`` and ``etp`` the experts' groups;
     ``wire`` mixed precision's compute dtype, for the all-to-alls (as ExpertDispatch)."""
 
-    def __init__(self, tp, ep, etp, n_expert: int, split_tp: bool, wire=None, kind=experts):
-        super().__init__(ep, n_expert, wire, kind)
+    def __init__(self, tp, ep, etp, n_expert: int, split_tp: bool, wire=None):
+        super().__init__(ep, n_expert, wire, experts)  # GPT-2's experts: c_fc, c_proj split
         self.tp = tp
         self.etp = etp
         self.split_tp = split_tp and tp.size > 1

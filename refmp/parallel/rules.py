@@ -87,16 +87,16 @@ def check_layout(cfg, mcfg, world_size: int, sizes: dict | None = None) -> dict[
 
 
 def check_etp(cfg, mcfg) -> None:
-    """--etp E: MoE parallel folding (refmp.parallel.folding), each expert's hidden width 4C
-    split over E ranks (ep x etp dividing a stage's ranks: check_sizes; 0: off)."""
-    E = cfg.etp
-    if E == 0:
+    """--etp: MoE parallel folding (refmp.parallel.folding), each expert's hidden width 4C
+    split over etp ranks (ep x etp dividing a stage's ranks: check_sizes; 0: off)."""
+    etp = cfg.etp
+    if etp == 0:
         return
     if mcfg.n_expert == 0:
-        raise ConfigError(f"--etp {E} folds the experts' grid: it needs a mixture-of-experts "
+        raise ConfigError(f"--etp {etp} folds the experts' grid: it needs a mixture-of-experts "
                           f"model (--n-expert > 0)")
-    if (4 * mcfg.n_embd) % E:
-        raise ConfigError(f"--etp {E} must divide the experts' hidden size 4C = {4 * mcfg.n_embd}: "
+    if (4 * mcfg.n_embd) % etp:
+        raise ConfigError(f"--etp {etp} must divide the experts' hidden size 4C = {4 * mcfg.n_embd}: "
                           f"each etp rank holds 4C/etp of c_fc's columns and c_proj's rows")
 
 

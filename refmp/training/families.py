@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from refmp.config import TrainConfig, saves_directory
+from refmp.config import TrainConfig, flag_name, saves_directory
 from refmp.errors import ConfigError
 from refmp.nn.families import is_llama
 from refmp.nn.llama import LlamaConfig
@@ -21,10 +21,6 @@ from refmp.nn.llama import LlamaConfig
 LLAMA = ("n_kv_head", "ffn", "rope_theta", "rms_eps", "head")  # a fresh Llama's own flags
 GPT2_ONLY = ("moe_every", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 MIXTRAL = ("n_expert", "top_k")  # a fresh Llama's MoE blocks (num_local_experts, per token)
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def llama_checkpoint(path: str) -> dict | None:
@@ -55,7 +51,7 @@ def arch_of(cfg: TrainConfig) -> str:
 def check_family_flags(cfg: TrainConfig) -> None:
     """Refuse the Llama flags for GPT-2 (pure: every rank the same answer)."""
     if arch_of(cfg) == "gpt2":
-        given = [flag(k) for k in LLAMA if getattr(cfg, k) is not None]
+        given = [flag_name(k) for k in LLAMA if getattr(cfg, k) is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} describe a Llama-family model: add --arch llama")
 
@@ -66,13 +62,13 @@ def llama_model(cfg: TrainConfig, ds) -> LlamaConfig:
     from refmp.checkpoint.format import model_config
     from refmp.checkpoint.hf_llama import is_llama_dir, read_config
 
-    moe = [flag(k) for k in GPT2_ONLY if getattr(cfg, k)]
+    moe = [flag_name(k) for k in GPT2_ONLY if getattr(cfg, k)]
     if moe:
         raise ConfigError(f"--arch llama: {', '.join(moe)} are GPT-2's MoE settings; a "
                           f"Mixtral-style model takes --n-expert and --top-k (no capacity "
                           f"limit, no auxiliary losses)")
-    given = [flag(k) for k in LLAMA if getattr(cfg, k) is not None]
-    given += [flag(k) for k in MIXTRAL if getattr(cfg, k)]
+    given = [flag_name(k) for k in LLAMA if getattr(cfg, k) is not None]
+    given += [flag_name(k) for k in MIXTRAL if getattr(cfg, k)]
     if cfg.resume is not None and not given and (man := llama_checkpoint(cfg.resume)):
         return model_config(man)  # the shape the checkpoint was saved with
     if cfg.init is not None:
@@ -92,7 +88,7 @@ def llama_model(cfg: TrainConfig, ds) -> LlamaConfig:
             raise ConfigError(f"--block-size {cfg.block_size} exceeds the block size "
                               f"{mcfg.block_size} of {cfg.init}")
         return mcfg
-    missing = [flag(k) for k in LLAMA if getattr(cfg, k) is None]
+    missing = [flag_name(k) for k in LLAMA if getattr(cfg, k) is None]
     if missing:
         raise ConfigError(f"--arch llama builds a fresh model from flags, and refmp guesses no "
                           f"setting of it: give {', '.join(missing)} (or --init a "

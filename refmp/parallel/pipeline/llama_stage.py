@@ -33,44 +33,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from refmp.errors import ConfigError
 from refmp.nn import layers as L
 from refmp.nn import llama as LM
 from refmp.nn import llama_layers as LL
-from refmp.nn.params import block_params
-from refmp.nn.routing import MoEFigures
 from refmp.parallel.pipeline.stage import Route, Stage
 from refmp.runtime.arrays import attach, detach
-
-
-def chunk_blocks(cfg: LM.LlamaConfig, n_chunks: int, chunks: list[int]) -> dict[int, range]:
-    """Chunk id -> its blocks, for this rank's ``chunks`` (L/S consecutive blocks each)."""
-    if cfg.n_layer % n_chunks:
-        raise ConfigError(f"{n_chunks} pipeline chunks must divide the {cfg.n_layer} layers")
-    per = cfg.n_layer // n_chunks
-    return {c: range(c * per, (c + 1) * per) for c in chunks}
-
-
-def held_names(cfg: LM.LlamaConfig, blocks: dict[int, range], n_chunks: int) -> list[str]:
-    """The parameters a rank running chunks ``blocks`` holds, in the model's order."""
-    first, last = 0 in blocks, n_chunks - 1 in blocks
-    if cfg.tied and first != last:
-        raise ConfigError("a tied head under pp puts wte on the first and the last stage; the "
-                          "Llama stage runs an untied head (tie_word_embeddings false), or a "
-                          "tied one with both ends on one rank (pp 1, or a V schedule)")
-    mine = {i for r in blocks.values() for i in r}
-    out = []
-    for name in LM.param_shapes(cfg):
-        top = name.split(".")
-        if top[0] == "h":
-            held = int(top[1]) in mine
-        elif top[0] == "wte":
-            held = first or (last and cfg.tied)
-        else:  # ln_f, lm_head
-            held = last
-        if held:
-            out.append(name)
-    return out
 
 
 class Recompute(NamedTuple):
@@ -84,65 +51,30 @@ class Recompute(NamedTuple):
     moe: Any = None
 
 
-def units_of(names) -> dict[str, list[str]]:
-    """The Sharder units (refmp.parallel.data.sharder) of these parameters: ``wte``, each
-    block ``h.{i}``, ``ln_f``, ``lm_head`` (unit -> its names, in order)."""
-    units: dict[str, list[str]] = {}
-    for k in names:
-        u = ".".join(k.split(".")[:2]) if k.startswith("h.") else k.split(".")[0]
-        units.setdefault(u, []).append(k)
-    return units
-
-
 def of_units(weights, *units: str) -> dict:
     """The parameters of these Sharder units, from ``weights`` (a Route's: unit -> {name:
     array}): the current buffers, or a weight version's."""
     return {k: v for u in units for k, v in weights(u).items()}
 
 
-class LlamaStage:
+class LlamaStage(Stage):
     """This rank's chunks (chunk id -> blocks), the layout's Ops (refmp.nn.llama.Ops: serial,
-    tp's, around cp's attention core) and a Sharder over its parameters (held_names, its tp
-    shards, in units_of's units): every pass computes on ``sharder.weights(unit)`` (ZeRO-3:
-    gathered for the forward, let go, gathered again for the backward) and hands each
-    unit's gradient to the Sharder when it is complete, which sums it over dp x cp (ZeRO 0:
-    all-reduce; 2-3: reduce-scatter) while the schedule goes on. ``moe(denom)``: the
+    tp's, around cp's attention core) and a Sharder over its parameters (what
+    refmp.parallel.family's LlamaFamily holds, its tp shards, its units): every pass computes
+    on ``sharder.weights(unit)`` (ZeRO-3: gathered for the forward, let go, gathered again
+    for the backward) and hands each unit's gradient to the Sharder when it is complete,
+    which sums it over dp x cp (ZeRO 0: all-reduce; 2-3: reduce-scatter) while the schedule
+    goes on. ``moe(denom)``: the
     MoEContext of one forward of an MoE model (None: dense; refmp.parallel.engine.moe_context)."""
 
     def __init__(self, cfg: LM.LlamaConfig, chunks: dict[int, range], n_chunks: int,
                  ops: LM.Ops, sharder, recompute: bool = False, moe=None):
-        self.cfg = cfg
-        self.moe = moe if moe is not None else (cfg.moe if cfg.n_expert else None)
-        self.recompute = recompute  # full recomputation: keep only each block's input
-        self.chunks = chunks
-        self.n_chunks = n_chunks
-        self.ops = ops
-        self.sharder = sharder
+        # GPT-2's Stage keeps the same state (units, block units, figures, loss scale) and
+        # answers begin_step, aux, act_shape, block_weights, weight and _add_block alike
+        super().__init__(chunks, n_chunks, cfg, ops, sharder,
+                         moe if moe is not None else (cfg.moe_context if cfg.n_expert else None),
+                         ops.sequence_shards, recompute)
         self.head_unit = "wte" if cfg.tied else "lm_head"
-        self.loss_scale = 1.0  # the gradient of each loss share: 1, or fp16's loss scale
-        self.figures = MoEFigures()  # this step's routing figures and MoE loss shares
-        self.unit = {k: u for u, names in sharder.units.items() for k in names.shapes}
-        # block -> its Sharder units held here: h.{i}, then its experts' h.{i}.experts
-        self.block_units = {i: list(dict.fromkeys(u for k, u in self.unit.items()
-                                                  if k.startswith(f"h.{i}.")))
-                            for blocks in chunks.values() for i in blocks}
-
-    def begin_step(self, loss_scale: float = 1.0) -> None:
-        """A step's start (the Engine's): backward starts from ``loss_scale``; new figures."""
-        self.loss_scale = loss_scale
-        self.figures = MoEFigures()
-
-    @property
-    def aux(self) -> float:
-        """This rank's share of the step's MoE losses (0.0: dense, or Mixtral's none)."""
-        return self.figures.aux
-
-    def act_shape(self, b: int, T: int) -> tuple[int, int, int]:
-        return (b, T // self.ops.sequence_shards, self.cfg.n_embd)  # crosses a stage boundary
-
-    def block_weights(self, i: int, weights) -> dict:
-        """Block i's parameters (its unit and its experts' held here), names inside it."""
-        return block_params(of_units(weights, *self.block_units[i]), i)
 
     def tables(self, T: int):
         """The rotary tables (T, HS) of this rank's tokens (their global positions)."""
@@ -207,13 +139,9 @@ class LlamaStage:
             elif route.release:
                 bc = attach(bc, self.block_weights(i, weights))
             dx, g = LM.block_backward(dx, bc, self.ops, self.loss_scale)
-            # into its units as GPT-2's Stage does (the same units: dense, then experts)
-            Stage._add_block(self, i, g, final, True, sink)
+            self._add_block(i, g, final, True, sink)  # the whole backward ran here: no W
         if emb is None:
             return dx, []
         sink.accumulate("wte", {"wte.weight": L.embedding_backward(dx, emb)})
         sink.grad_ready("wte", final)
         return None, []
-
-    def weight(self, todo, final: bool) -> None:
-        """A zero-bubble W: every weight gradient was taken in B."""
