@@ -116,7 +116,7 @@ def run_layout(cfg: LM.LlamaConfig, algo: str = "ring", schedule: str = "1f1b", 
     names = [k for k in LM.param_shapes(cfg) if fam.holds(k, mine, 0 in blocks, S - 1 in blocks)]
     dtype = np.float32 if mixed else np.float64  # the masters'
     local = {k: TPL.shard(k, serial.params[k], cfg, t, tp).astype(dtype) for k in names}
-    units = units_of(names, fam.unit_of)
+    units = units_of(names)
     dpcp = grid.group("dp", "cp")
     sharder = Sharder(local, units, {u: dpcp for u in units}, zero, bucket_mb=0,
                       compute=BF16 if mixed else None)

@@ -84,14 +84,14 @@ def context_parallel(grid, layout: ParallelConfig, T: int, keep_scores: bool, fa
 
 def build_sharder(local: ShardReader, grid, layout: ParallelConfig, seed: int,
                   family) -> Sharder:
-    """The Sharder over ``local``: its units (the ``family``'s unit_of), each over the group
+    """The Sharder over ``local``: its units (placement.units_of), each over the group
     its gradient is summed over (placement's "reduce": dp x cp, or edp for experts), each
     read from the source as it is built."""
     dense, edp = grid.group("dp", "cp"), grid.comm["edp"]
     if layout.dp_reduce == "hierarchical":  # sums inside each node first (data/hierarchical.py)
         check_nodes(grid.sizes, grid.nodes, ("dp", "cp"))
         dense = HierarchicalComm(dense, grid.nodes)
-    units = units_of(local.shapes, family.unit_of)
+    units = units_of(local.shapes)
     groups = {u: edp if "edp" in family.place(names[0], False).reduce else dense
               for u, names in units.items()}
     compute, grad_dtype = mixed_dtypes(layout)  # None, None without --mixed-precision
@@ -189,8 +189,7 @@ class Engine:
         coords = {**grid.coords, "edp": grid.comm["edp"].rank, "etp": self.etp.rank, **own}
         self.counts_in_norm = counts_in_norm(self.sharder.params, local.shapes, coords, self.sp,
                                              self.sharder.partitions, self.first, self.last,
-                                             fam.place, fam.unit_of,
-                                             self.sharder.replicas)  # HSDP: once, not per replica
+                                             fam.place, self.sharder.replicas)  # HSDP: once
         self.peak_activations = 0
         self._loss = (0.0, 0.0)  # the last step's (cross-entropy, MoE) loss shares here
         self._scale = 1.0  # mixed precision: the loss scale

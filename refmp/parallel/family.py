@@ -12,7 +12,6 @@ is written once per family, here, and the Engine asks it:
     holds / shard_index       which parameters a rank holds, and the Index of its tp shard
                               (an expert's: its etp shard, with folding)
     place(name, sp)           the placement row (refmp.parallel.placement.Place)
-    unit_of(name)             the Sharder unit
     ring / ulysses            cp's attention core for the family's block
     ops(...)                  the block's Ops for a layout (serial, tp, SP), around cp's core
     stage(...)                the pipeline Stage of this rank's chunks
@@ -82,9 +81,6 @@ class GPT2Family:
 
     def place(self, name: str, sp: bool) -> P.Place:
         return P.place(name, sp, self.folded)
-
-    def unit_of(self, name: str) -> str:
-        return P.unit_of(name)
 
     def ring(self, comm, chunks):
         return RingAttention(comm, chunks)
@@ -188,13 +184,6 @@ class LlamaFamily:
             copies = ("dp", "cp", "kv") if inner in TPL.KV else ("dp", "cp")
             return P.Place((dim, None), None, ("dp", "cp"), copies)
         return P.Place(None, None, ("dp", "cp", *(("tp",) if sp else ())), ("dp", "cp", "tp"))
-
-    def unit_of(self, name: str) -> str:
-        """``wte``, ``h.{i}``, ``h.{i}.experts`` (an MoE block's experts held here: summed
-        over edp, not dp x cp), ``ln_f``, ``lm_head``."""
-        if is_expert(name):
-            return P.unit_of(name)
-        return ".".join(name.split(".")[:2]) if name.startswith("h.") else name.split(".")[0]
 
     def ring(self, comm, chunks):
         return GQARingAttention(comm, chunks)  # K/V blocks travel with NKV heads

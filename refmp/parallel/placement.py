@@ -200,35 +200,34 @@ def held_shards(mcfg, source, chunks: dict[int, range], first: bool, last: bool,
 
 
 def unit_of(name: str) -> str:
-    """The Sharder unit of a parameter: ``wte``, ``wpe``, ``h.{i}``, ``h.{i}.experts``, ``ln_f``.
+    """The Sharder unit of a parameter: ``wte``, ``wpe``, ``h.{i}``, ``h.{i}.experts``, ``ln_f``
+    (a Llama model's untied head: ``lm_head``).
 
     wte is a unit of its own so that the two pipeline ends hold it with the same flat layout
     (its tied gradient is then summed shard by shard, whatever the ZeRO stage)."""
-    if name.startswith(("wte", "wpe", "ln_f")):
+    if not name.startswith("h."):
         return name.split(".")[0]
     block = ".".join(name.split(".")[:2])
     return f"{block}.experts" if M.EXPERT.search(name) else block
 
 
-def units_of(names, unit=unit_of) -> dict[str, list[str]]:
-    """The Sharder units of these parameter names (unit -> its names, both in order);
-    ``unit``: a model family's unit_of (refmp.parallel.family), default GPT-2's."""
+def units_of(names) -> dict[str, list[str]]:
+    """The Sharder units of these parameter names (unit -> its names, both in order)."""
     units: dict[str, list[str]] = {}
     for k in names:
-        units.setdefault(unit(k), []).append(k)
+        units.setdefault(unit_of(k), []).append(k)
     return units
 
 
 def counts_in_norm(pieces, local: dict, coords: dict[str, int], sp: bool, partitioned: bool,
-                   first: bool, last: bool, row=place, unit=unit_of,
+                   first: bool, last: bool, row=place,
                    replicas: dict | None = None) -> dict[str, bool]:
     """Whether a rank counts each owned piece in the global norm: on the rank of its copies
     (the table's "copies" axes, less dp, cp and edp when the Sharder ``partitioned`` them) at
     coordinate 0, and the tied wte on the first stage only; padding (gradient 0) everywhere.
-    ``row`` and ``unit``: a model family's place and unit_of (refmp.parallel.family), default
-    GPT-2's. ``replicas``: unit -> the group of ranks that own the same slice of it (HSDP's
-    replicas, the Sharder's ``replicas``): a piece of such a unit counts on the group's rank 0
-    only."""
+    ``row``: a model family's place (refmp.parallel.family), default GPT-2's. ``replicas``:
+    unit -> the group of ranks that own the same slice of it (HSDP's replicas, the Sharder's
+    ``replicas``): a piece of such a unit counts on the group's rank 0 only."""
     split_axes = {"dp", "cp", "edp"} if partitioned else set()
     replicas = replicas or {}
     counts = {}
@@ -236,7 +235,7 @@ def counts_in_norm(pieces, local: dict, coords: dict[str, int], sp: bool, partit
         padding = k.endswith(".padding")
         full = k.rsplit(".padding", 1)[0] if padding else k
         copies = () if full not in local else row(full, sp).copies
-        across = replicas.get(full if padding else unit(k))  # a padding piece: its unit's
+        across = replicas.get(full if padding else unit_of(k))  # a padding piece: its unit's
         counts[k] = (all(coords[a] == 0 for a in copies if a not in split_axes)
                      and (across is None or across.rank == 0)
                      and not (k == "wte.weight" and last and not first))

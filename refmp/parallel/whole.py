@@ -19,7 +19,7 @@ it to world rank 0 (``ParamGatherer``):
 from __future__ import annotations
 
 from refmp.distributed.waiting import wait
-from refmp.parallel.placement import gather_etp
+from refmp.parallel.placement import gather_etp, unit_of
 from refmp.runtime import backend
 
 TAG = 32766  # the whole parameter to world rank 0
@@ -42,7 +42,7 @@ class ParamGatherer:
         eng = self.engine
         sh, world, xp = eng.sharder, eng.grid.world, backend.xp
         stage, sender = self.senders[name]
-        u = eng.family.unit_of(name)
+        u = unit_of(name)
         out = None
         mine = u in sh.units and name in sh.units[u].shapes  # (an expert: its ep ranks only)
         kept = self.kept
