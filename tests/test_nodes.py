@@ -234,6 +234,8 @@ def test_training_across_nodes_equals_one_host(across):
     with open(os.path.join(out, "cluster.json")) as f:
         r = json.load(f)
     assert r["hosts"] == ["node0", "node0", "node1", "node1"] and r["nodes"] == [0, 0, 1, 1]
+    # TCP between the nodes, receivers that pull (both directions of an exchange at once)
+    assert r["ucx"] == [{"UCX_TLS": "tcp,self", "UCX_RNDV_SCHEME": "get_zcopy"}] * 4
     assert r["crossing"] == {"dp2tp2": [], "tp4": ["tp"], "cp2tp2": ["cp"]}
     # bytes on the link: the ledger's, and the formula's (refmp.cost.zero)
     mcfg = GPTConfig(**r["model"])
@@ -293,7 +295,8 @@ def test_training_launched_over_ssh_equals_the_cluster_run(across):
     assert r["python"] == [sys.executable] * 4  # mpiexec's environment reached the ranks
     assert r["refmp"] == [refmp.__file__] * 4
     passed = ("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "OMP_NUM_THREADS", "PYTHONPATH")
-    assert r["env"] == [{k: DOUBLING.get(k) for k in passed}] * 4
+    ucx = {"UCX_TLS": "tcp,self", "UCX_RNDV_SCHEME": "get_zcopy"}  # refmp.cli.netns.UCX_ENV
+    assert r["env"] == [{**{k: DOUBLING.get(k) for k in passed}, **ucx}] * 4
     assert r["steps_equal"] and r["weights_equal"]
     # the bytes crossed the link: what the ledger says, on each node's eth0 during the steps
     # and on its veth over the whole run (with ssh's and MPI's own traffic)

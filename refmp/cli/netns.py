@@ -17,8 +17,12 @@ HOST COMMAND``), that runs the command in that node's namespaces. Two traps, han
 :meth:`Cluster.mpiexec`: the proxies reach mpiexec only through the bridge (``-iface``), and
 UCX (MPICH's network layer) recognizes processes of one machine whatever their hostnames and
 would move their data through shared memory, past the veth (``UCX_TLS=tcp,self``). The veth
-counters say what crossed: check them. ``refmp cluster --launcher ssh`` launches over ssh
-instead, to an sshd in each node (refmp.cli.netns_ssh).
+counters say what crossed: check them. Over TCP, UCX's default rendezvous sometimes runs the
+two directions of an exchange one after the other (the veth counters: one node's bytes, then
+the other's), doubling a crossing; the receiver pulling instead (``UCX_RNDV_SCHEME=get_zcopy``)
+keeps both directions busy at once, as the planner prices an exchange (:data:`UCX_ENV`).
+``refmp cluster --launcher ssh`` launches over ssh instead, to an sshd in each node
+(refmp.cli.netns_ssh).
 
 With ``rank_memory`` each rank also runs inside a kernel memory cgroup of that size
 (refmp.runtime.cgroup: made in :meth:`Cluster.up`, the hierarchy mounted in each node, whose
@@ -52,6 +56,8 @@ STATE = "refmp-cluster-"  # the state directory's prefix, in the host's temporar
 NETNS = "refmp-"  # a node's namespace: refmp-<id>-node<i>
 LINK = "rfmp"  # the bridge rfmp<id>, a node's host-side veth rfmp<id>v<i> (15 characters at most)
 SUBNETS = [f"10.213.{k}" for k in range(256)]  # one /24 per cluster
+# what every rank's UCX is told (module docstring): TCP between nodes, receivers that pull
+UCX_ENV = ["-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_RNDV_SCHEME", "get_zcopy"]
 
 
 def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -261,7 +267,7 @@ class Cluster:
         return ["mpiexec", "-iface", self.bridge, "-bootstrap-exec", self.bootstrap,
                 "-hosts", ",".join(n.ip for n in self.nodes), "-ppn", str(ranks_per_node),
                 "-n", str(ranks_per_node * len(self.nodes)),
-                "-genv", "UCX_TLS", "tcp,self", *self.rank_program(program)]
+                *UCX_ENV, *self.rank_program(program)]
 
     def rank_program(self, program: list[str]) -> list[str]:
         """What mpiexec starts for each rank: ``program``, with --rank-memory first put into

@@ -88,8 +88,12 @@ def measured(tr: Trainer, steps: int) -> dict:
             "resent": world.allgather(after[1] - before[1]), "weights": hashes(tr)}
 
 
+UCX = ("UCX_TLS", "UCX_RNDV_SCHEME")  # what refmp.cli.netns.UCX_ENV tells every rank
+
+
 def cluster() -> dict:
-    result = {"hosts": world.allgather(MPI.Get_processor_name())}
+    result = {"hosts": world.allgather(MPI.Get_processor_name()),
+              "ucx": world.allgather({k: os.environ.get(k) for k in UCX})}
     ckpt = os.path.join(out, "ckpt")
     tr = Trainer(BASE)
     result["nodes"] = list(tr.grid.nodes)
@@ -126,7 +130,7 @@ def host() -> dict:
             "resumed_weights_equal": hashes(resumed) == there["dp2tp2_rest"]["weights"]}
 
 
-SET_BY_TEST = ("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "OMP_NUM_THREADS", "PYTHONPATH")
+SET_BY_TEST = ("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "OMP_NUM_THREADS", "PYTHONPATH", *UCX)
 
 
 def over_ssh() -> dict:
