@@ -70,7 +70,7 @@ outer.allreduce(part)  # (P/2,) the only step across nodes: P/2 a rank, P a node
 by_hand = inner.allgather(part)  # (P,) my node's two halves: the whole sum
 t2 = sent()
 engine = HierarchicalComm(flat, nodes).allreduce(grad.copy())  # the engine's, the same steps
-moved = world.gather([(b - a, c - b) for a, b, c in zip(t0, t1, t2)])
+moved = world.gather([(b - a, c - b) for a, b, c in zip(t0, t1, t2, strict=True)])
 ok = world.allreduce(int(np.array_equal(summed, by_hand) and np.array_equal(summed, engine)),
                      op=MPI.MIN)
 good = False

@@ -20,7 +20,11 @@ would move their data through shared memory, past the veth (``UCX_TLS=tcp,self``
 counters say what crossed: check them. Over TCP, UCX's default rendezvous sometimes runs the
 two directions of an exchange one after the other (the veth counters: one node's bytes, then
 the other's), doubling a crossing; the receiver pulling instead (``UCX_RNDV_SCHEME=get_zcopy``)
-keeps both directions busy at once, as the planner prices an exchange (:data:`UCX_ENV`).
+keeps both directions busy at once, as the planner prices an exchange. And the nodes share
+this machine's cores: where the cluster's ranks outnumber them, a rank that spins while it
+waits (refmp.distributed.waiting, which counts only its own node's ranks) takes the core
+another node's rank computes on, so every rank is told ``REFMP_SPIN_US=0`` unless the
+environment sets it (:func:`rank_env`).
 ``refmp cluster --launcher ssh`` launches over ssh instead, to an sshd in each node
 (refmp.cli.netns_ssh).
 
@@ -50,14 +54,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from refmp.runtime import cgroup
+from refmp.runtime import cgroup, cpu
 
 STATE = "refmp-cluster-"  # the state directory's prefix, in the host's temporary directory
 NETNS = "refmp-"  # a node's namespace: refmp-<id>-node<i>
 LINK = "rfmp"  # the bridge rfmp<id>, a node's host-side veth rfmp<id>v<i> (15 characters at most)
 SUBNETS = [f"10.213.{k}" for k in range(256)]  # one /24 per cluster
-# what every rank's UCX is told (module docstring): TCP between nodes, receivers that pull
-UCX_ENV = ["-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_RNDV_SCHEME", "get_zcopy"]
 
 
 def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -267,7 +269,7 @@ class Cluster:
         return ["mpiexec", "-iface", self.bridge, "-bootstrap-exec", self.bootstrap,
                 "-hosts", ",".join(n.ip for n in self.nodes), "-ppn", str(ranks_per_node),
                 "-n", str(ranks_per_node * len(self.nodes)),
-                *UCX_ENV, *self.rank_program(program)]
+                *rank_env(ranks_per_node * len(self.nodes)), *self.rank_program(program)]
 
     def rank_program(self, program: list[str]) -> list[str]:
         """What mpiexec starts for each rank: ``program``, with --rank-memory first put into
@@ -286,6 +288,16 @@ class Cluster:
             out[node.hostname] = {"sent": int((stats / "rx_bytes").read_text()),
                                   "received": int((stats / "tx_bytes").read_text())}
         return out
+
+
+def rank_env(ranks: int) -> list[str]:
+    """mpiexec's ``-genv`` settings for a cluster of ``ranks`` ranks (module docstring): UCX
+    over TCP between the nodes, receivers that pull, and no spinning in waits where the ranks
+    outnumber this machine's cores (and the environment does not say)."""
+    env = ["-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_RNDV_SCHEME", "get_zcopy"]
+    if ranks > cpu.cores() and "REFMP_SPIN_US" not in os.environ:
+        env += ["-genv", "REFMP_SPIN_US", "0"]
+    return env
 
 
 def tbf(gbit: float) -> list[str]:

@@ -41,7 +41,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from refmp.cli.netns import UCX_ENV, Cluster, run
+from refmp.cli.netns import Cluster, rank_env, run
 
 SBIN = "/usr/sbin:/usr/local/sbin:/sbin"  # where sshd lies, often off a user's PATH
 READY_S = 10.0  # how long a node's sshd may take to listen
@@ -181,12 +181,12 @@ class SshLaunch:
 
     def mpiexec(self, ranks_per_node: int, program: list[str]) -> list[str]:
         """Hydra over ssh: the recipe for a real cluster, with this cluster's ssh, bridge and
-        UCX_ENV (refmp.cli.netns) given."""
+        the ranks' settings (refmp.cli.netns.rank_env) given."""
         c = self.cluster
         return ["mpiexec", "-hosts", ",".join(n.hostname for n in c.nodes),
                 "-ppn", str(ranks_per_node), "-n", str(ranks_per_node * len(c.nodes)),
                 "-iface", c.bridge, "-launcher", "ssh", "-launcher-exec", self.path("ssh"),
-                *UCX_ENV, *c.rank_program(program)]
+                *rank_env(ranks_per_node * len(c.nodes)), *c.rank_program(program)]
 
     def down(self) -> None:
         """Stop every sshd (SIGTERM, SIGKILL after 2 s) and remove the keys; raise if a

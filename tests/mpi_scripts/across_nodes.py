@@ -88,12 +88,12 @@ def measured(tr: Trainer, steps: int) -> dict:
             "resent": world.allgather(after[1] - before[1]), "weights": hashes(tr)}
 
 
-UCX = ("UCX_TLS", "UCX_RNDV_SCHEME")  # what refmp.cli.netns.UCX_ENV tells every rank
+UCX = ("UCX_TLS", "UCX_RNDV_SCHEME", "REFMP_SPIN_US")  # refmp.cli.netns.rank_env's
 
 
 def cluster() -> dict:
     result = {"hosts": world.allgather(MPI.Get_processor_name()),
-              "ucx": world.allgather({k: os.environ.get(k) for k in UCX})}
+              "rank_env": world.allgather({k: os.environ.get(k) for k in UCX})}
     ckpt = os.path.join(out, "ckpt")
     tr = Trainer(BASE)
     result["nodes"] = list(tr.grid.nodes)
