@@ -108,7 +108,23 @@ def shared_dirs(share) -> tuple[str, ...]:
                  if not any(d.startswith(other + "/") for other in dirs))
 
 
-class Cluster:
+class Scoped:
+    """A ``with`` block around ``up()`` and ``down()``: down runs whatever happens, also after
+    an up that failed part way (down removes whatever state up reached)."""
+
+    def __enter__(self):
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
+class Cluster(Scoped):
     """``nodes`` namespaces on a bridge, links shaped to ``link_gbit`` Gbit/s each way (None:
     unshaped); ``share``: directories (under /tmp) every node sees as the host does.
 
@@ -147,17 +163,6 @@ class Cluster:
         return c
 
     # --- up and down -------------------------------------------------------------------------
-
-    def __enter__(self) -> Cluster:
-        try:
-            self.up()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.down()
 
     def up(self) -> None:
         """Make the bridge, the nodes and their links, the bootstrap script, and the

@@ -41,7 +41,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from refmp.cli.netns import Cluster, rank_env, run
+from refmp.cli.netns import Cluster, Scoped, rank_env, run
 
 SBIN = "/usr/sbin:/usr/local/sbin:/sbin"  # where sshd lies, often off a user's PATH
 READY_S = 10.0  # how long a node's sshd may take to listen
@@ -66,7 +66,7 @@ def unavailable() -> str | None:
     return None
 
 
-class SshLaunch:
+class SshLaunch(Scoped):
     """An sshd in each node of ``cluster``, and the mpiexec that launches over them.
 
     ``with Cluster(2) as c, SshLaunch(c) as s: subprocess.run(s.mpiexec(2, program))``;
@@ -78,17 +78,6 @@ class SshLaunch:
         self.cluster = cluster
         self.dir = os.path.join(cluster.common, "ssh")
         self.servers: list[subprocess.Popen] = []
-
-    def __enter__(self) -> SshLaunch:
-        try:
-            self.up()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.down()
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
