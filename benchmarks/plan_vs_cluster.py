@@ -11,8 +11,8 @@ set rate's (refmp.cost.nodes.cluster: TCP on the ranks' own cores); the table: m
 rounds, plan / bench, the same on the set rate alone, and Spearman's rank correlation of
 the layouts at each speed.
 
-Run (root, about 12 minutes):  flock /tmp/refmp-bench.lock python benchmarks/plan_vs_cluster.py \
-    --rounds 5 --steps 4 --links 0.1,0.3,1
+Run (root, about 4 minutes):  flock /tmp/refmp-bench.lock python benchmarks/plan_vs_cluster.py \
+    --rounds 3 --steps 4 --links 0.1,0.3
 A smoke run:  python benchmarks/plan_vs_cluster.py --steps 1 --warmup 0 --rounds 1 --links 1
 """
 
