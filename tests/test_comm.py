@@ -75,6 +75,28 @@ def test_grid_coordinates_and_axes():
     assert edp == ([0, 2] if rank % 2 == 0 else [1, 3])
 
 
+@pytest.mark.parallel(nprocs=4)
+@collective
+def test_measure_links_with_sync_is_the_slowest_rank_of_every_pair_measuring_at_once():
+    """measure_links(pair, sync=world), as refmp.cost.nodes' calibration times the groups
+    that share a link: every pair starts each repetition from the world's barrier, and every
+    rank gets the slowest rank's figures (one answer over the world, not one a pair)."""
+    from refmp.cli.plan import measure_links
+
+    world = MPI.COMM_WORLD
+    pair = world.Split(world.rank // 2, world.rank)  # ranks 0-1 and 2-3
+    try:
+        alone = measure_links(pair, nbytes=1 << 16, reps=3)
+        together = measure_links(pair, nbytes=1 << 16, reps=3, sync=world)
+    finally:
+        pair.Free()
+    got = world.allgather(together)
+    assert all(g == got[0] for g in got), got
+    assert got[0][0] > 0 and got[0][1] > 0
+    mine = world.allgather(alone)  # without sync: a pair's own answer, the same in the pair
+    assert mine[0] == mine[1] and mine[2] == mine[3], mine
+
+
 def test_check_sizes_errors():
     assert check_sizes(8, pp=2, tp=2) == {"pp": 2, "dp": 2, "cp": 1, "tp": 2, "ep": 1}
     with pytest.raises(ConfigError, match=r"does not match the 4 MPI processes"):
