@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> dict:
     seen = {(lk, n): [] for lk in links for n in names}  # the plan on the set rate alone
     runs = {(lk, n): [] for lk in links for n in names}
     loads = []
-    links_seen: dict[float, list] = {}
+    links_seen: dict[float, list] = {}  # each round's (intra, inter) (GB/s, us), measure_links'
     for r in range(args.rounds):
         for lk in links:
             intra, inter, calib = json.loads(on_cluster(lk, [sys.executable, "-c", PROBE]))
-            links_seen.setdefault(lk, []).append(inter)
+            links_seen.setdefault(lk, []).append((intra, inter))
             for n in names[r % len(names):] + names[:r % len(names)]:
                 plans[(lk, n)].append(1e3 * predicted(LAYOUTS[n], lk, intra, inter, calib))
                 seen[(lk, n)].append(1e3 * predicted(LAYOUTS[n], lk, intra, inter, calib, False))
@@ -111,8 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
         seen_ms = {n: statistics.median(seen[(lk, n)]) for n in names}
         bench_ms = {n: statistics.median(runs[(lk, n)]) for n in names}
         rho = spearman([plan_ms[n] for n in names], [bench_ms[n] for n in names])
+        seen_links = links_seen[lk]
         out["links"].append({"gbit": lk, "spearman": rho, "link_measured_gbs": [
-            inter[0] for inter in links_seen[lk]], "layouts": [
+            inter[0] for _, inter in seen_links], "link_latency_us": [
+            inter[1] for _, inter in seen_links], "intra_gbs_us": [
+            intra for intra, _ in seen_links], "layouts": [
             {"layout": n, "plan_ms": plan_ms[n], "plan_set_rate_ms": seen_ms[n],
              "bench_ms": bench_ms[n],
              "ratio": plan_ms[n] / bench_ms[n], "bench_runs_ms": runs[(lk, n)],
@@ -123,7 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"2 nodes x 2 ranks; bench: median of {args.rounds} round(s) of {args.steps} steps; "
           f"load {out['load'][0]:.1f}-{out['load'][2]:.1f} (median {out['load'][1]:.1f})")
     for row in out["links"]:
-        print(f"link {row['gbit']:g} Gbit/s: Spearman {row['spearman']:+.2f}")
+        print(f"link {row['gbit']:g} Gbit/s: Spearman {row['spearman']:+.2f}; measured a rank's "
+              f"share {', '.join(f'{g * 1e3:.1f}' for g in row['link_measured_gbs'])} MB/s, "
+              f"latency {', '.join(f'{u:.0f}' for u in row['link_latency_us'])} us (by round)")
         print(f"{'layout':>10} {'plan ms':>9} {'bench ms':>9} {'plan/bench':>10} "
               f"{'set rate':>13}  bench runs")
         for x in sorted(row["layouts"], key=lambda x: x["bench_ms"]):
