@@ -266,6 +266,8 @@ def test_refmp_generate_reads_a_llama_directory_and_its_tokenizer(tmp_path, floa
     assert out["new_tokens"] == [want[0, 5:].tolist()]
     assert out["texts"] == [" ".join(WORDS[i] for i in out["new_tokens"][0])]
     assert out["kv_cache_bytes"] == [2 * 2 * 1 * 8 * 1 * 4 * 8]  # 2 L B T NKV HS w
+    # GPT-2's figures, from the same code (refmp.cli.decoding)
+    assert out["tokens_per_s"] == 4 / (out["prefill_s"] + out["decode_s"]) > 0
     for flags, says in ((["--tp", "2"], "pp*cp*tp = 1*1*2"), (["--ep", "2"], "--ep 2")):
         assert main(["generate", "--init", str(tmp_path / "llama"), "--prompt", prompt,
                      *flags]) == 2

@@ -15,8 +15,9 @@ import os
 
 import numpy as np
 
+from refmp.cli.decoding import check_fits, decode_prompts, report
 from refmp.cli.flags import add_layout_args, add_moe_args
-from refmp.cli.serving import add_serving_args, check_fits, run_serving, wanted
+from refmp.cli.serving import add_serving_args, run_serving, wanted
 from refmp.errors import ConfigError
 
 
@@ -85,11 +86,8 @@ def run_generate(args: argparse.Namespace) -> dict | None:
     from refmp.distributed.faults import agreed
     from refmp.distributed.gpu import start_gpu
     from refmp.distributed.grid import ProcessGrid
-    from refmp.inference.decoder import Decoder
-    from refmp.inference.generate import generate
     from refmp.inference.sampling import Sampler
-    from refmp.inference.sources import read_prompts, weight_source
-    from refmp.runtime import backend
+    from refmp.inference.sources import weight_source
     from refmp.runtime.cgroup import peak
 
     if args.init is not None and is_llama_dir(args.init):  # a Llama directory: the same Decoder
@@ -114,68 +112,18 @@ def run_generate(args: argparse.Namespace) -> dict | None:
                                                          args.n_head, args.tokenizer, text))
     if args.requests is not None:
         return run_requests(args, grid, mcfg, src, tok, sampler)
-    prompts = agreed(world, lambda: read_prompts(args.prompts, args.prompt, tok,
-                                                 mcfg.vocab_size))
-    check_fits(args, mcfg, grid.sizes, prompts)
-    if len({len(p) for p in prompts}) > 1:
-        raise ConfigError(f"prompts of different lengths {sorted({len(p) for p in prompts})}: "
-                          f"give them as --requests PATH.jsonl (continuous batching)")
-    if args.max_new_tokens is None:  # 16, or what the model's positions leave room for
-        args.max_new_tokens = max(1, min(16, mcfg.block_size - len(prompts[0]) + 1))
-    if len(prompts[0]) + args.max_new_tokens - 1 > mcfg.block_size:
-        raise ConfigError(f"{len(prompts[0])} prompt tokens and --max-new-tokens "
-                          f"{args.max_new_tokens} need {len(prompts[0]) + args.max_new_tokens - 1}"
-                          f" positions; the model has {mcfg.block_size}")
-    dec = Decoder(mcfg, src, grid, args.cp_balance, dtype=args.dtype)
-    ids = np.array_split(np.arange(len(prompts)), grid.sizes["dp"])[grid.coords["dp"]]
-    mine = backend.from_host(np.array(prompts, dtype=np.int64)[ids])  # on the run's device
-    res = generate(dec, mine, args.max_new_tokens, sampler, ids, args.kv_cache, args.kv_block_size)
-    holder = dec.last and grid.coords["tp"] == 0 and grid.coords["cp"] == 0
-    got = world.allgather_obj((ids, backend.to_host(res.tokens), backend.to_host(res.logits))
-                              if holder else None)
-    kv = world.allgather_obj(res.kv_cache_bytes)
+    d = decode_prompts(args, grid, mcfg, src, tok, sampler,
+                       ": give them as --requests PATH.jsonl (continuous batching)")
     # each rank's measured peak beside the prediction (refmp.cost.decode)
-    pred = decode_memory(mcfg, grid.sizes, grid.coords, len(ids), len(prompts[0]) + args.max_new_tokens
-                         - 1, np.dtype(args.dtype).itemsize, src.read("ln_f.weight").itemsize)
+    pred = decode_memory(mcfg, grid.sizes, grid.coords, d.rows, d.positions,
+                         np.dtype(args.dtype).itemsize, src.read("ln_f.weight").itemsize)
     peaks = world.allgather_obj({**peak(), "predicted": pred["peak"]})
-    prefill_s, decode_s = world.allreduce_metrics([res.prefill_s, res.decode_s], op="max")
     if world.rank != 0:
         return None
-    parts = sorted((g for g in got if g is not None), key=lambda g: g[0][0])
-    tokens = np.concatenate([g[1] for g in parts])
-    logits = np.concatenate([g[2] for g in parts])
-    summary = {"tokens_per_s": tokens.shape[0] * args.max_new_tokens / (prefill_s + decode_s),
-               "prefill_s": prefill_s, "decode_s": decode_s, "kv_cache_bytes": kv,
-               "layout": grid.sizes, "kv_cache": args.kv_cache, "memory_measured": peaks,
-               "new_tokens": tokens[:, -args.max_new_tokens:].tolist()}
-    report(args, tokens, logits, tok, summary)
+    summary = {**d.summary(), "layout": grid.sizes, "kv_cache": args.kv_cache,
+               "memory_measured": peaks}
+    report(args, d.tokens, d.logits, tok, summary)
     return summary
-
-
-def report(args, tokens, logits, tok, summary: dict) -> None:
-    """Write --save-tokens / --save-logits; print the JSON object, or each prompt and its
-    continuation (decoded for a text tokenizer)."""
-    if args.save_tokens:
-        np.save(args.save_tokens, tokens)
-    if args.save_logits:
-        np.save(args.save_logits, logits)
-    if tok is not None:
-        summary["texts"] = [tok.decode(t) for t in summary["new_tokens"]]
-    if args.json:
-        print(json.dumps(summary), flush=True)
-        return
-    for j, row in enumerate(tokens):
-        prompt, new = row[: -len(summary["new_tokens"][j])], summary["new_tokens"][j]
-        if tok is not None:
-            print(f"[{j}] {tok.decode(prompt)!r} -> {summary['texts'][j]!r}")
-        else:
-            print(f"[{j}] {' '.join(map(str, prompt))} -> {' '.join(map(str, new))}")
-    print(f"{summary['tokens_per_s']:,.0f} new tokens/s (prefill {summary['prefill_s']:.3f} s, "
-          f"decode {summary['decode_s']:.3f} s); KV cache bytes per rank "
-          f"{summary['kv_cache_bytes']}", flush=True)
-    from refmp.training.rank_memory import print_measured
-
-    print_measured(summary["memory_measured"], "refmp.cost.decode")
 
 
 def run_requests(args, grid, mcfg, src, tok, sampler) -> dict | None:

@@ -28,9 +28,6 @@ modes (their linears run row by row, GPT-2's Ops), a sharded --checkpoint and --
 from __future__ import annotations
 
 import argparse
-import json
-
-import numpy as np
 
 from refmp.errors import ConfigError
 
@@ -57,61 +54,26 @@ def check_llama_args(args: argparse.Namespace) -> None:
 def run_llama(args: argparse.Namespace) -> dict | None:
     """Decode the prompts (collective over the world); world rank 0 prints (or --json) and
     returns the summary."""
-    import os
-
     from refmp.checkpoint.llama_files import LlamaSource
     from refmp.checkpoint.tokenizer import TextTokenizer, tokenizer_files
-    from refmp.cli.serving import check_fits
+    from refmp.cli.decoding import decode_prompts, report
     from refmp.distributed.faults import agreed
     from refmp.distributed.grid import ProcessGrid
-    from refmp.inference.decoder import Decoder
-    from refmp.inference.generate import generate
     from refmp.inference.sampling import Sampler
-    from refmp.inference.sources import read_prompts
     from refmp.parallel.tensor import llama as TPL
 
     check_llama_args(args)
     grid = ProcessGrid(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp)
-    world = grid.world
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
-    src = agreed(world, lambda: LlamaSource(args.init))  # config.json and the tensors' headers
+    src = agreed(grid.world, lambda: LlamaSource(args.init))  # config.json, the headers
     cfg = src.cfg
-    agreed(world, lambda: TPL.check_tp(cfg, grid.sizes["tp"]))
+    agreed(grid.world, lambda: TPL.check_tp(cfg, grid.sizes["tp"]))
     folder = args.tokenizer or args.init
     tok = TextTokenizer(folder) if args.prompt and tokenizer_files(folder) else None
-    prompts = agreed(world, lambda: read_prompts(args.prompts, args.prompt, tok, cfg.vocab_size))
-    check_fits(args, cfg, grid.sizes, prompts)
-    if len({len(p) for p in prompts}) > 1:
-        raise ConfigError(f"prompts of different lengths {sorted({len(p) for p in prompts})}")
-    T0 = len(prompts[0])
-    n = args.max_new_tokens or max(1, min(16, cfg.block_size - T0 + 1))
-    if T0 + n - 1 > cfg.block_size:
-        raise ConfigError(f"{T0} prompt tokens and --max-new-tokens {n} need {T0 + n - 1} "
-                          f"positions; the model has {cfg.block_size}")
-    dec = Decoder(cfg, src, grid, args.cp_balance, dtype=args.dtype)  # reads this rank's share
-    ids = np.array_split(np.arange(len(prompts)), grid.sizes["dp"])[grid.coords["dp"]]
-    mine = np.array(prompts, dtype=np.int64)[ids]
-    res = generate(dec, mine, n, sampler, ids, args.kv_cache, args.kv_block_size)
-    holder = dec.last and grid.coords["tp"] == 0 and grid.coords["cp"] == 0
-    got = world.allgather_obj((ids, res.tokens, res.logits) if holder else None)
-    kv = world.allgather_obj(res.kv_cache_bytes)
-    if world.rank != 0:
+    d = decode_prompts(args, grid, cfg, src, tok, sampler)  # reads this rank's share
+    if grid.world.rank != 0:
         return None
-    parts = sorted((g for g in got if g is not None), key=lambda g: g[0][0])
-    tokens = np.concatenate([g[1] for g in parts])  # (B, T0 + n)
-    logits = np.concatenate([g[2] for g in parts])  # (B, n, V)
-    summary = {"new_tokens": tokens[:, T0:].tolist(), "kv_cache_bytes": kv,
-               "model": "llama", "n_kv_head": cfg.n_kv_head, "layout": grid.sizes}
-    if tok is not None:
-        summary["texts"] = [tok.decode(t) for t in summary["new_tokens"]]
-    if args.save_tokens:
-        np.save(args.save_tokens, tokens)
-    if args.save_logits:
-        np.save(args.save_logits, logits)
-    if args.json:
-        print(json.dumps(summary), flush=True)
-    else:
-        for j, new in enumerate(summary.get("texts", summary["new_tokens"])):
-            print(f"[{j}] {os.path.basename(args.init)} -> {new!r}", flush=True)
-        print(f"KV cache bytes per rank {kv}", flush=True)
+    summary = {**d.summary(), "model": "llama", "n_kv_head": cfg.n_kv_head,
+               "layout": grid.sizes}
+    report(args, d.tokens, d.logits, tok, summary)
     return summary

@@ -1,4 +1,4 @@
-"""``refmp generate``'s checks of a layout and its prompts (check_fits), and its serving
+"""``refmp generate``'s serving
 flags (docs/serving.md): prefix caching and chunked prefill in continuous batching
 (--requests), speculative decoding (--draft), prefill/decode disaggregation (--prefill-tp /
 --prefill-pp).
@@ -15,36 +15,6 @@ import json
 import numpy as np
 
 from refmp.errors import ConfigError
-
-
-def check_fits(args: argparse.Namespace, mcfg, sizes: dict, prompts: list) -> None:
-    """Refuse what this layout cannot split, or these prompts cannot do (pure)."""
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.kv_block_size is not None and args.kv_block_size < 1:
-        raise ConfigError(f"--kv-block-size must be at least 1, got {args.kv_block_size}")
-    if mcfg.n_head % sizes["tp"]:
-        raise ConfigError(f"--tp {sizes['tp']} must divide the model's {mcfg.n_head} heads")
-    if mcfg.n_layer < sizes["pp"]:
-        raise ConfigError(f"--pp {sizes['pp']} stages but the model has {mcfg.n_layer} layers")
-    if sizes["ep"] > 1 and (mcfg.n_expert == 0 or mcfg.n_expert % sizes["ep"]):
-        raise ConfigError(f"--ep {sizes['ep']} must divide the model's {mcfg.n_expert} experts")
-    if len(prompts) < sizes["dp"]:
-        raise ConfigError(f"--dp {sizes['dp']} ranks but {len(prompts)} prompts: each dp rank "
-                          f"decodes at least one")
-    for p in prompts:
-        if len(p) > mcfg.block_size:
-            raise ConfigError(f"a prompt of {len(p)} tokens is longer than the model's "
-                              f"{mcfg.block_size} positions")
-    if sizes["cp"] > 1:
-        if not args.kv_cache:
-            raise ConfigError("--no-kv-cache recomputes sequences of every length; it runs "
-                              "without --cp")
-        chunks = 2 * sizes["cp"] if args.cp_balance == "zigzag" else sizes["cp"]
-        if any(len(p) % chunks for p in prompts):
-            raise ConfigError(f"--cp {sizes['cp']} ({args.cp_balance}) cuts each prompt into "
-                              f"{chunks} equal chunks; the prompt lengths are "
-                              f"{sorted({len(p) for p in prompts})}")
 
 
 def add_serving_args(g) -> None:
