@@ -1,6 +1,7 @@
 """`refmp bench` takes train's layout flags, obeys them, and reports the ledger per axis."""
 
 import json
+import os
 
 import pytest
 from mpi_helpers import refmp
@@ -43,6 +44,11 @@ def test_zero_1_shards_over_dp():
     # every rank's memory: what it holds is the formulas' figure, exactly; its process more
     state = ("params", "grads", "optimizer", "activations")
     assert len(out["memory_per_rank"]) == 2
+    # every rank's CPU time a step: its own (a tenth of the step at least), not the wall
+    # clock's (at most the machine's cores' worth, its threads all busy)
+    assert len(out["cpu_ms_per_step"]) == 2
+    for c in out["cpu_ms_per_step"]:
+        assert 0.1 * out["ms_per_step_min"] < c < os.cpu_count() * out["ms_per_step_max"], out
     for mem in out["memory_per_rank"]:
         assert [mem["measured"][k] for k in state] == [mem["formula"][k] for k in state], mem
         assert mem["measured"]["optimizer"] == 8 * TINY_PARAMS // 2  # AdamW's 2 moments, 1/dp
@@ -57,6 +63,7 @@ def test_text_report_has_one_line_per_axis():
     assert r.stdout.count("    rank ") == 2  # a memory line per rank
     assert "cp=2" in r.stdout and "cp ulysses contiguous" in r.stdout
     assert r.stdout.splitlines()[1].startswith("  cpu ") and " kernels, " in r.stdout  # where
+    assert r.stdout.count("CPU time a step, by rank: ") == 1
     ledger = r.stdout.split("communication per step")[1]
     lines = [x.split() for x in ledger.splitlines() if x.startswith("    ")]
     assert [x[0] for x in lines] == ["cp", "world"]  # axis, bytes per step, "B", (calls)

@@ -120,13 +120,15 @@ def run_bench(args) -> dict:
     for _ in range(args.warmup):
         tr.step()
     times, sent = [], defaultdict(lambda: [0, 0])  # sent: the timed steps' ledger entries
+    cpu_s = []  # this rank's CPU seconds (user and kernel) in each timed step
     timelines = []  # with a pipeline: each timed step's measured timeline
     for _ in range(args.steps):
         world.barrier()  # time whole-job steps: every rank starts together
         ledger.reset()  # count this step's communication only, not the timing's
-        t0 = time.perf_counter()
+        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         tr.step()
-        dt = time.perf_counter() - t0
+        dt, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        cpu_s.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
         for key, (b, c) in ledger.entries.items():
             sent[key][0] += b
             sent[key][1] += c
@@ -151,6 +153,8 @@ def run_bench(args) -> dict:
         "device": tr.device_info,
         "cpu": {"model": cpu_model(), "blas": blas_kernels()},  # where the figures came from
         "ms_per_step_min": 1e3 * min(times), "ms_per_step_max": 1e3 * max(times),
+        # every rank's CPU time a step (median), its waits' polling included
+        "cpu_ms_per_step": world.allgather_obj(1e3 * float(np.median(cpu_s))),
         "ledger": ledger_by_axis(sent),  # rank 0's, summed over the timed steps
         "recompute": cfg.recompute, "recompute_gflops": extra / sec / 1e9,
         "hardware_gflops": (flops + extra) / sec / 1e9,
@@ -234,6 +238,8 @@ def print_report(out: dict, args) -> None:
               f"count {out['active_params']:,.0f} active parameters (experts at top_k/n_expert)")
     print(f"  {out['ms_per_step']:.1f} ms/step (median of {args.steps}; "
           f"min {out['ms_per_step_min']:.1f}, max {out['ms_per_step_max']:.1f})")
+    print(f"  CPU time a step, by rank: {', '.join(f'{c:.1f}' for c in out['cpu_ms_per_step'])} "
+          f"ms (user and kernel, waits included)")
     print(f"  {out['tokens_per_s']:,.0f} tokens/s, {out['gflops']:.2f} GFLOP/s model, "
           f"peak {out['peak_gflops']:.1f} GFLOP/s measured, MFU {100 * out['mfu']:.1f}%")
     if out["recompute"] != "none":
