@@ -142,7 +142,9 @@ def test_waits_spin_when_the_ranks_fit_the_cores_and_refuse_bad_settings(monkeyp
     monkeypatch.setattr(cpu, "local_ranks", lambda: 2)
     assert waiting.spin_time() == 1e-3 and waiting.poll_cap() == 1e-4
     monkeypatch.setattr(cpu, "local_ranks", lambda: 3)  # oversubscribed: sleep at once
-    assert waiting.spin_time() == 0.0 and waiting.poll_cap() == 1e-3
+    assert waiting.spin_time() == 0.0 and waiting.poll_cap() == 1e-4  # the cap alike
+    monkeypatch.setenv("REFMP_POLL_US", "1000")
+    assert waiting.poll_cap() == 1e-3
     monkeypatch.setenv("REFMP_SPIN_US", "250")
     assert waiting.spin_time() == 250e-6
     monkeypatch.setenv("REFMP_SPIN_US", "1ms")

@@ -8,8 +8,10 @@ each would multiply its time), so when the ranks fit the cores a wait first test
 pause for 1 ms (``REFMP_SPIN_US``), then sleeps between tests, backing off from 10 us to a
 cap: 100 us, because a message that arrives while its receiver sleeps waits for the wake-up
 (in a pipeline, on every hop). When this node's ranks outnumber its cores there is no
-spinning and the cap is 1 ms: a sleeping rank leaves the core to a working one.
-``REFMP_POLL_US`` sets the cap. A request a Comm returns is finished here (:func:`wait`),
+spinning (a spinning rank would hold the core a working one needs), and the cap is the same
+100 us: a waiting rank's wake-ups then cost about a tenth of a core, less than the waits
+a longer sleep adds (tp 4 on 4 ranks of 2 cores took 1.6-1.8x as long with a 1 ms cap;
+docs/speed.md). ``REFMP_POLL_US`` sets the cap. A request a Comm returns is finished here (:func:`wait`),
 and :func:`progress` lets it move on meanwhile.
 """
 
@@ -55,7 +57,7 @@ def poll_cap() -> float:
     given = _env_us("REFMP_POLL_US")
     if given is not None:
         return given
-    return 1e-3 if cpu.local_ranks() > cpu.cores() else 1e-4
+    return 1e-4
 
 
 def spin_time() -> float:
