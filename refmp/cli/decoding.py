@@ -130,5 +130,3 @@ def report(args, tokens, logits, tok, summary: dict) -> None:
         from refmp.training.rank_memory import print_measured
 
         print_measured(summary["memory_measured"], "refmp.cost.decode")
-
-

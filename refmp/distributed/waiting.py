@@ -9,10 +9,10 @@ pause for 1 ms (``REFMP_SPIN_US``), then sleeps between tests, backing off from 
 cap: 100 us, because a message that arrives while its receiver sleeps waits for the wake-up
 (in a pipeline, on every hop). When this node's ranks outnumber its cores there is no
 spinning (a spinning rank would hold the core a working one needs), and the cap is the same
-100 us: a waiting rank's wake-ups then cost about a tenth of a core, less than the waits
-a longer sleep adds (tp 4 on 4 ranks of 2 cores took 1.6-1.8x as long with a 1 ms cap;
-docs/speed.md). ``REFMP_POLL_US`` sets the cap. A request a Comm returns is finished here (:func:`wait`),
-and :func:`progress` lets it move on meanwhile.
+100 us: a waiting rank's wake-ups then cost about a tenth of a core, less than the waits a
+longer sleep adds (tp 4 on 4 ranks of 2 cores took 1.6-1.8x as long with a 1 ms cap;
+docs/speed.md). ``REFMP_POLL_US`` sets the cap. A request a Comm returns is finished here
+(:func:`wait`), and :func:`progress` lets it move on meanwhile.
 """
 
 from __future__ import annotations

@@ -86,9 +86,9 @@ class LlamaStage(Stage):
     def forward(self, c: int, inp, targets=None, denom=None, route: Route | None = None):
         """Chunk c on one micro-batch: ``inp`` is token ids (chunk 0) or the previous chunk's
         output. Returns the output, or on the last chunk the loss share, and the cache.
-        ``route``: the weights it runs on and where its MoE figures go (default Route.of:
+        ``route``: the weights it runs on and where its MoE figures go (default Stage.route:
         the Sharder's; 2BW's and PipeDream's weight versions, refmp.parallel.pipeline.asynchronous)."""
-        route = route or Route.of(self.sharder, self.figures)
+        route = route or self.route()
         weights = route.weights
         T = inp.shape[1] * (1 if c == 0 else self.ops.sequence_shards)  # tokens attended
         cos, sin = self.tables(T)
@@ -117,9 +117,9 @@ class LlamaStage(Stage):
         """Chunk c's backward; returns (the input's gradient, or None on chunk 0; nothing
         left for a W action). ``final``: the step's last micro-batch. ``route``: the weights
         its forward ran on (attached again where the cache names them) and what takes the
-        gradients (default Route.of: the Sharder's; 2BW's stash for a later batch)."""
+        gradients (default Stage.route: the Sharder's; 2BW's stash for a later batch)."""
         emb, blocks, head = cache
-        route = route or Route.of(self.sharder, self.figures)
+        route = route or self.route()
         sink = route.sink
         weights = route.weights
         dx = dout

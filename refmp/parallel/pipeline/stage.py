@@ -35,16 +35,12 @@ class Recompute(NamedTuple):
 
 
 class Route(NamedTuple):
-    """Where a pass's weights come from and its results go (the Sharder's, or a version's)."""
+    """Where a pass's weights come from and its results go (Stage.route, or 2BW's versions)."""
 
     weights: Callable  # unit -> {name: array}
     sink: Any  # takes the gradients: accumulate(unit, g), grad_ready(unit, final)
     figures: MoEFigures
     release: bool  # the forward's cache names its weights; the backward attaches them again
-
-    @classmethod
-    def of(cls, sharder, figures: MoEFigures) -> Route:  # the Sharder's weights and sums
-        return cls(sharder.weights, sharder, figures, sharder.releases_weights)
 
 
 class Stage:
@@ -88,11 +84,15 @@ class Stage:
         """Block i's parameters by their name inside the block (dense unit + its experts)."""
         return gpt.block_params({k: v for u in self.block_units[i] for k, v in weights(u).items()}, i)
 
+    def route(self) -> Route:
+        """The Sharder's current weights (ZeRO-3 releases them) and sums, this step's figures."""
+        return Route(self.sharder.weights, self.sharder, self.figures, self.sharder.releases_weights)
+
     def forward(self, c: int, inp, targets=None, denom=None, route: Route | None = None):
         """Chunk c on one micro-batch: inp is token ids (chunk 0) or the previous chunk's
         output. Returns the output, or on the last chunk the loss share (logits without
-        targets), and the backward's cache. ``route``: weights and figures (default Route.of)."""
-        route = route or Route.of(self.sharder, self.figures)
+        targets), and the backward's cache. ``route``: weights and figures (:meth:`route`)."""
+        route = route or self.route()
         weights = route.weights
         train = targets is not None
         release = train and route.release  # the cache names its weights, not the arrays
@@ -123,10 +123,10 @@ class Stage:
         With ``split`` (zero bubble) the linears' weight gradients and the embedding's are
         left for :meth:`weight`. ``final``: this is the step's last micro-batch (the Sharder
         starts stage 0's all-reduces then). ``route``: what the forward ran on (released, to
-        attach again) and what takes the gradients (default Route.of: the Sharder's).
+        attach again) and what takes the gradients (default :meth:`route`).
         """
         emb, blocks, head = cache
-        route = route or Route.of(self.sharder, self.figures)
+        route = route or self.route()
         dx = dout
         sink = route.sink
         weights = route.weights
