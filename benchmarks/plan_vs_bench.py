@@ -3,12 +3,12 @@ measured (refmp bench) step times: 4-rank layouts ranked (their Spearman correla
 with --ranks 2 the 2-rank layouts' times (the ratio plan / bench of each).
 
 Each round runs every layout once, in a rotated order, and before each layout's bench run a
-calibration on as many ranks as the layout has (refmp.cli.plan.calibrate on every rank at
+calibration on as many ranks as the layout has (refmp.cli.calibrate.calibrate on every rank at
 once, and MPI's bandwidth and latency by measure_links, or with --assumed-links 5 GB/s and
 2 us): so a slow spell of a shared machine falls on the calibration and the run alike. The
-plan of a round is refmp.cli.plan.cpu_machine on that round's calibration (the slowest
-rank's); the table is the medians over rounds of the plan and of bench's median
-ms_per_step, with the load average (os.getloadavg) beside them.
+plan of a round is refmp.cli.calibrate.cpu_machine on that round's calibration (the slowest
+rank's rates, refmp.cli.calibrate.slowest); the table is the medians over rounds of the plan and
+of bench's median ms_per_step, with the load average (os.getloadavg) beside them.
 
 Run (a few minutes):  flock /tmp/refmp-bench.lock python benchmarks/plan_vs_bench.py --ranks 2
 A smoke run:  python benchmarks/plan_vs_bench.py --preset tiny --steps 2 --warmup 0 --rounds 1
@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 from refmp.cli.bench import PRESETS
-from refmp.cli.plan import cpu_machine
+from refmp.cli.calibrate import cpu_machine
 from refmp.cost.model import Layout, predict
 from refmp.nn.params import GPTConfig
 
@@ -77,9 +77,9 @@ def predicted(lay: dict, spec: dict, calib: dict, links) -> float:
     return predict(layout, mcfg, B, cpu_machine(world(lay), links, calib))["step_seconds"]
 
 
-PROBE = ("import json; from mpi4py import MPI; from refmp.cli.plan import calibrate, "
-         "measure_links; c = MPI.COMM_WORLD; l = measure_links(c); r = c.gather(calibrate()); "
-         "c.rank or print(json.dumps([l, min(r, key=lambda x: x['gflops'])]))")  # the slowest
+PROBE = ("import json; from mpi4py import MPI; from refmp.cli.calibrate import calibrate, "
+         "measure_links, slowest; c = MPI.COMM_WORLD; l = measure_links(c); "
+         "r = c.gather(calibrate(sync=c)); c.rank or print(json.dumps([l, slowest(r)]))")
 
 
 def mpiexec(n: int, args: list[str]) -> str:
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec = PRESETS[args.preset]
     plans: dict[str, list[float]] = {n: [] for n in names}
     runs: dict[str, list[float]] = {n: [] for n in names}
-    cals, loads = [], []
+    cals, loads, seen = [], [], []  # seen: each run's measured links (GB/s, us)
     for r in range(args.rounds):  # each round every layout once, the order rotated
         for n in names[r % len(names):] + names[:r % len(names)]:
             links, calib = json.loads(mpiexec(world(table[n]), ["-c", PROBE]))
@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
             plans[n].append(1e3 * predicted(table[n], spec, calib, links))
             runs[n].append(measured(table[n], args))
             cals.append(calib)
+            seen.append(links)
             loads.append(os.getloadavg()[0])
     plan_ms = {n: statistics.median(v) for n, v in plans.items()}
     bench_ms = {n: statistics.median(v) for n, v in runs.items()}
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     calib["short"] = [statistics.median(c["short"][i] for c in cals) for i in range(3)]
     out = {"preset": args.preset, "ranks": args.ranks, "steps": args.steps,
            "rounds": args.rounds, "calibration": calib, "spearman": rho,
+           "links": None if args.assumed_links else [statistics.median(x[i] for x in seen)
+                                                     for i in range(2)],
            "load": [min(loads), statistics.median(loads), max(loads)],
            "layouts": [{"layout": n, "plan_ms": plan_ms[n], "bench_ms": bench_ms[n],
                         "ratio": plan_ms[n] / bench_ms[n], "round_ratios": [
@@ -152,12 +155,13 @@ def main(argv: list[str] | None = None) -> dict:
               f"calibrated before each run (medians: {calib['gflops']:.1f} GFLOP/s and "
               f"{calib['gbs']:.2g} GB/s a rank, short sides (m, k, n) 1 + "
               f"{' + '.join(f'{h:.0f}/{d}' for h, d in zip(calib['short'], 'mkn', strict=True))}, "
-              f"{calib['call_us']:.2g} us a call, {calib['stream_gbs']:.2g} GB/s streaming); "
+              f"{calib['call_us']:.2g} us an operation, {calib['stream_gbs']:.2g} GB/s AdamW); "
               f"load {out['load'][0]:.1f}-"
               f"{out['load'][2]:.1f} (median {out['load'][1]:.1f})")
-        print(f"{'layout':>10} {'plan ms':>9} {'bench ms':>9} {'plan/bench':>10}")
-        for n in sorted(names, key=bench_ms.get):
-            print(f"{n:>10} {plan_ms[n]:>9.1f} {bench_ms[n]:>9.1f} {plan_ms[n] / bench_ms[n]:>10.2f}")
+        print(f"{'layout':>10} {'plan ms':>9} {'bench ms':>9} {'plan/bench':>10}  each round's")
+        for x in sorted(out["layouts"], key=lambda x: x["bench_ms"]):
+            print(f"{x['layout']:>10} {x['plan_ms']:>9.1f} {x['bench_ms']:>9.1f} {x['ratio']:>10.2f}  "
+                  f"{min(x['round_ratios']):.2f}-{max(x['round_ratios']):.2f}")
         print(f"Spearman rank correlation: {rho:+.2f} over {len(names)} layouts")
     return out
 

@@ -2,14 +2,15 @@
 --machine cpu's rates calibrated on the cluster) against measured (refmp bench) step times of
 4-rank layouts on 2 nodes of 2 ranks (refmp cluster, root), at each --link-gbit.
 
-Each round, at each link speed: a calibration on the cluster (refmp.cli.plan.calibrate on the
-4 ranks at once; MPI's links inside a node and the latency between nodes by measure_links),
-then every layout once, in a rotated order. The flat all-reduce is pinned to recursive
-doubling (MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM=sched_recursive_doubling, as refmp.cost.nodes
-prices it). The plan takes a rank's share of the link as measured where it is below the
-set rate's (refmp.cost.nodes.cluster: TCP on the ranks' own cores); the table: medians over
-rounds, plan / bench, the same on the set rate alone, and Spearman's rank correlation of
-the layouts at each speed.
+Each round, at each link speed: a calibration on the cluster (refmp.cli.calibrate.calibrate on the
+4 ranks at once, the slowest rank's rates: refmp.cli.calibrate.slowest; MPI's links inside a node
+and the latency between nodes by measure_links), then every layout once, in a rotated order.
+The flat all-reduce is pinned to recursive doubling
+(MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM=sched_recursive_doubling, as refmp.cost.nodes prices
+it). The plan takes a rank's share of the link as measured where it is below the set rate's
+(refmp.cost.nodes.cluster: TCP on the ranks' own cores); the table: medians over rounds,
+plan / bench, the same on the set rate alone, and Spearman's rank correlation of the
+layouts at each speed.
 
 Run (root, about 4 minutes):  flock /tmp/refmp-bench.lock python benchmarks/plan_vs_cluster.py \
     --rounds 3 --steps 4 --links 0.1,0.3
@@ -27,7 +28,7 @@ import sys
 
 from plan_vs_bench import spearman
 
-from refmp.cli.plan import cpu_machine
+from refmp.cli.calibrate import cpu_machine
 from refmp.cost.model import Layout
 from refmp.cost.nodes import cluster, predict_on_nodes
 from refmp.nn.params import GPTConfig
@@ -39,11 +40,11 @@ LAYOUTS = {"dp2xtp2": dict(dp=2, tp=2), "dp4": dict(dp=4),
            "pp2xtp2": dict(pp=2, tp=2, M=2), "tp4": dict(tp=4)}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
        "MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM": "sched_recursive_doubling"}
-PROBE = ("import json; from mpi4py import MPI; from refmp.cli.plan import calibrate, "
-         "measure_links; c = MPI.COMM_WORLD; node = c.Split_type(MPI.COMM_TYPE_SHARED); "
+PROBE = ("import json; from mpi4py import MPI; from refmp.cli.calibrate import calibrate, "
+         "measure_links, slowest; c = MPI.COMM_WORLD; node = c.Split_type(MPI.COMM_TYPE_SHARED); "
          "cross = c.Split(node.rank, c.rank); intra = measure_links(node); "
-         "inter = measure_links(cross, sync=c); r = c.gather(calibrate()); "
-         "c.rank or print(json.dumps([intra, inter, min(r, key=lambda x: x['gflops'])]))")
+         "inter = measure_links(cross, sync=c); r = c.gather(calibrate(sync=c)); "
+         "c.rank or print(json.dumps([intra, inter, slowest(r)]))")
 
 
 def on_cluster(link: float, program: list[str]) -> str:
@@ -95,10 +96,12 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {(lk, n): [] for lk in links for n in names}
     loads = []
     links_seen: dict[float, list] = {}  # each round's (intra, inter) (GB/s, us), measure_links'
+    calibs: dict[float, list] = {}  # each round's calibration (slowest's)
     for r in range(args.rounds):
         for lk in links:
             intra, inter, calib = json.loads(on_cluster(lk, [sys.executable, "-c", PROBE]))
             links_seen.setdefault(lk, []).append((intra, inter))
+            calibs.setdefault(lk, []).append(calib)
             for n in names[r % len(names):] + names[:r % len(names)]:
                 plans[(lk, n)].append(1e3 * predicted(LAYOUTS[n], lk, intra, inter, calib))
                 seen[(lk, n)].append(1e3 * predicted(LAYOUTS[n], lk, intra, inter, calib, False))
@@ -115,7 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
         out["links"].append({"gbit": lk, "spearman": rho, "link_measured_gbs": [
             inter[0] for _, inter in seen_links], "link_latency_us": [
             inter[1] for _, inter in seen_links], "intra_gbs_us": [
-            intra for intra, _ in seen_links], "layouts": [
+            intra for intra, _ in seen_links], "calibration": {
+            k: statistics.median(c[k] for c in calibs[lk])
+            for k in ("gflops", "gbs", "stream_gbs", "call_us")}, "layouts": [
             {"layout": n, "plan_ms": plan_ms[n], "plan_set_rate_ms": seen_ms[n],
              "bench_ms": bench_ms[n],
              "ratio": plan_ms[n] / bench_ms[n], "bench_runs_ms": runs[(lk, n)],
@@ -129,6 +134,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"link {row['gbit']:g} Gbit/s: Spearman {row['spearman']:+.2f}; measured a rank's "
               f"share {', '.join(f'{g * 1e3:.1f}' for g in row['link_measured_gbs'])} MB/s, "
               f"latency {', '.join(f'{u:.0f}' for u in row['link_latency_us'])} us (by round)")
+        cal = row["calibration"]
+        print(f"  calibration (medians): {cal['gflops']:.1f} GFLOP/s a rank, {cal['gbs']:.2g} GB/s "
+              f"elementwise, {cal['stream_gbs']:.2g} GB/s AdamW, {cal['call_us']:.2g} us an operation")
         print(f"{'layout':>10} {'plan ms':>9} {'bench ms':>9} {'plan/bench':>10} "
               f"{'set rate':>13}  bench runs")
         for x in sorted(row["layouts"], key=lambda x: x["bench_ms"]):

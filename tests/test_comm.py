@@ -81,7 +81,7 @@ def test_measure_links_with_sync_is_the_slowest_rank_of_every_pair_measuring_at_
     """measure_links(pair, sync=world), as refmp.cost.nodes' calibration times the groups
     that share a link: every pair starts each repetition from the world's barrier, and every
     rank gets the slowest rank's figures (one answer over the world, not one a pair)."""
-    from refmp.cli.plan import measure_links
+    from refmp.cli.calibrate import measure_links
 
     world = MPI.COMM_WORLD
     pair = world.Split(world.rank // 2, world.rank)  # ranks 0-1 and 2-3

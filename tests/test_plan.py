@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import REPO, Mismatches, collective, mpiexec
 
+from refmp.cli import calibrate as calib_cli
 from refmp.cli import plan as plan_cli
 from refmp.cost import model, nodes, terms
 from refmp.cost import search as plan_search
@@ -359,8 +360,8 @@ def test_time_shared_cores_make_the_bubble_free_and_ranks_share_the_peak():
     busy = own["step_seconds"] - own["seconds"]["bubble"]
     assert 0.5 * busy < shared["step_seconds"] < busy
     cores = cpu.cores()
-    assert plan_cli.cpu_machine(cores).time_shared is False
-    assert plan_cli.cpu_machine(2 * cores).time_shared is True
+    assert calib_cli.cpu_machine(cores).time_shared is False
+    assert calib_cli.cpu_machine(2 * cores).time_shared is True
 
 
 def test_cli_prints_one_table():
@@ -577,7 +578,7 @@ def test_cpu_machine_terms_scale_the_step_as_their_formulas_say():
         base * (1 + 16 / 128 + 32 / 256 + 64 / 1024))
     calib = {"gflops": 50.0, "gbs": 6.0, "call_us": 0.5, "short": [20.0, 30.0, 2.0],
              "stream_gbs": 7.0}
-    mach = plan_cli.cpu_machine(2, (4.0, 3.0), calib)
+    mach = calib_cli.cpu_machine(2, (4.0, 3.0), calib)
     assert (mach.peak_tflops, mach.hbm_gbs, mach.call_us, mach.gemm_short, mach.stream_gbs) == (
         0.05, 6.0, 0.5, (20.0, 30.0, 2.0), 7.0)
     opt = model.predict(lay, mcfg, 8, replace(cpu_m, stream_gbs=2.0))["seconds"]["optimizer"]
@@ -587,10 +588,70 @@ def test_cpu_machine_terms_scale_the_step_as_their_formulas_say():
 
 def test_calibrate_measures_positive_rates():
     """A short calibration: every rate positive and finite, the slowdowns not negative."""
-    c = plan_cli.calibrate(0.005)
+    c = calib_cli.calibrate(0.005)
     assert c["gflops"] > 0 and c["gbs"] > 0 and c["stream_gbs"] > 0 and 0 < c["call_us"] < 1e4
     assert len(c["short"]) == 3 and all(h >= 0 for h in c["short"])
     assert np.isfinite([c["gflops"], c["gbs"], c["call_us"], *c["short"]]).all()
+
+
+def test_cpu_machine_gives_each_rank_its_share_of_this_process_s_rates(monkeypatch):
+    """Calibrated in this process (refmp plan --machine cpu): 4 ranks on 2 cores (1 thread
+    each) get half of each rate, and an operation, one thread's Python, takes twice as long;
+    1 rank on 2 cores keeps an operation's time."""
+    calib = {"gflops": 50.0, "short": [1.0, 2.0, 3.0], "gbs": 6.0, "stream_gbs": 8.0,
+             "call_us": 3.0}
+    monkeypatch.setattr(calib_cli, "calibrate", lambda: dict(calib))
+    monkeypatch.setattr(cpu, "cores", lambda: 2)
+    monkeypatch.setattr(cpu, "threads", lambda: 1)
+    four = calib_cli.cpu_machine(4)
+    assert (four.peak_tflops, four.hbm_gbs, four.stream_gbs, four.call_us) == (0.025, 3.0, 4.0, 6.0)
+    assert calib_cli.cpu_machine(1).call_us == 3.0
+
+
+def test_a_synced_measurement_starts_on_every_rank_at_once():
+    """_mean_seconds with ``sync``: one warm-up call, then the communicator's barrier, then
+    the timed calls (at least 3), so that ranks calibrating beside each other time each
+    function while the others run the same one."""
+    order = []
+
+    class Sync:
+        def Barrier(self):
+            order.append("barrier")
+
+    calib_cli._mean_seconds(lambda: order.append("call"), 0.0, Sync())
+    assert order[:2] == ["call", "barrier"] and order[2:] == ["call"] * (len(order) - 2)
+    assert len(order) >= 5
+
+
+def test_slowest_takes_each_rate_of_the_slowest_rank_and_the_median_short_sides():
+    """Ranks calibrated beside each other: the least of each rate, the most time an operation,
+    and each short side's median (not the slowest-peak rank's own, biased low)."""
+    calibs = [{"gflops": 40.0, "short": [0.0, 10.0, 4.0], "gbs": 5.0, "stream_gbs": 6.0,
+               "call_us": 4.0},
+              {"gflops": 50.0, "short": [20.0, 30.0, 0.0], "gbs": 3.0, "stream_gbs": 7.0,
+               "call_us": 6.0},
+              {"gflops": 45.0, "short": [12.0, 20.0, 2.0], "gbs": 4.0, "stream_gbs": 5.0,
+               "call_us": 5.0}]
+    assert calib_cli.slowest(calibs) == {"gflops": 40.0, "short": [12.0, 20.0, 2.0], "gbs": 3.0,
+                                        "stream_gbs": 5.0, "call_us": 6.0}
+
+
+def test_calibration_prices_refmp_s_own_optimizer_step_and_operations(monkeypatch):
+    """On a clock that gives every timed function S seconds, the calibrated machine's
+    optimizer term is S per 2^20 weights (refmp's AdamW step, timed on 2^20 of them) and a
+    block's calls term is S per block of the tiny one (its operations, numpy_calls' count
+    less the accumulations the block leaves to its caller, then those at the same cost)."""
+    S = 2e-3
+    timed = []
+    monkeypatch.setattr(calib_cli, "_mean_seconds", lambda fn, sec, sync: timed.append(fn) or S)
+    calib = calib_cli.calibrate()
+    assert len(timed) == 7  # 4 products, the small block, the tiny block, the AdamW step
+    mcfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=256)
+    lay = Layout(mixed_precision="none", microbatch_size=2)  # M = 8 / 2 = 4
+    t = model.predict(lay, mcfg, 8, calib_cli.cpu_machine(2, (4.0, 3.0), calib))["seconds"]
+    assert t["optimizer"] == pytest.approx(3_257_856 / 2**20 * S)
+    per_block = terms.numpy_calls(lay) / (terms.numpy_calls(lay) - 12)  # 12 parameters
+    assert t["calls"] == pytest.approx(4 * 4 * S * per_block)
 
 
 def test_megatron_2021_table_within_ten_percent(capsys):

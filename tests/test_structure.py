@@ -81,8 +81,6 @@ SEAMS = {
     "refmp/cost/memory.py": ("grads_at_once", "what a rank holds for a moment beside its state "
                                               "(grads_at_once, setup_bytes) into "
                                               "cost/transient.py"),
-    "refmp/cli/plan.py": ("cpu_machine", "measuring this host (cpu_machine, calibrate, "
-                                         "measure_links) into cli/calibrate.py"),
     "refmp/cost/model.py": ("Impl", "what the timed implementation does beyond the layout "
                                     "(Impl and its presets) into cost/impls.py; Layout and "
                                     "predict stay"),

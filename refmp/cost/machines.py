@@ -1,7 +1,7 @@
 """What ``refmp plan`` plans for: published model shapes, and machines (one accelerator's
 peak and memory, and the links between accelerators).
 
-``refmp plan --machine cpu`` measures this host instead (refmp.cli.plan.cpu_machine).
+``refmp plan --machine cpu`` measures this host instead (refmp.cli.calibrate.cpu_machine).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def cluster(host: Machine, ranks_per_node: int, link_gbit: float,
     ranks, each node's link ``link_gbit`` each way (the tbf rate: frames, so PAYLOAD of it
     is data, as a shaped link paces TCP into full frames), its G ranks a share each.
 
-    ``measured_gbs``: a rank's share as refmp.cli.plan.measure_links finds it across the
+    ``measured_gbs``: a rank's share as refmp.cli.calibrate.measure_links finds it across the
     nodes, every pair exchanging at once: the rank's share is the smaller of the two. On
     refmp cluster's nodes TCP runs on the cores the ranks compute on (the kernel's copies,
     the veth pair, the token bucket), so a rank can get less than the set rate's share
