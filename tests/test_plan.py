@@ -597,7 +597,9 @@ def test_calibrate_measures_positive_rates():
 def test_cpu_machine_gives_each_rank_its_share_of_this_process_s_rates(monkeypatch):
     """Calibrated in this process (refmp plan --machine cpu): 4 ranks on 2 cores (1 thread
     each) get half of each rate, and an operation, one thread's Python, takes twice as long;
-    1 rank on 2 cores keeps an operation's time."""
+    1 rank on 2 cores keeps an operation's time. A process of 2 threads measured the block's
+    rows and AdamW's in both: a rank of the 4 gets a quarter of those (its BLAS on one thread
+    in the calibration too: half the peak)."""
     calib = {"gflops": 50.0, "short": [1.0, 2.0, 3.0], "gbs": 6.0, "stream_gbs": 8.0,
              "call_us": 3.0}
     monkeypatch.setattr(calib_cli, "calibrate", lambda: dict(calib))
@@ -606,6 +608,9 @@ def test_cpu_machine_gives_each_rank_its_share_of_this_process_s_rates(monkeypat
     four = calib_cli.cpu_machine(4)
     assert (four.peak_tflops, four.hbm_gbs, four.stream_gbs, four.call_us) == (0.025, 3.0, 4.0, 6.0)
     assert calib_cli.cpu_machine(1).call_us == 3.0
+    monkeypatch.setattr(cpu, "threads", lambda: 2)
+    four = calib_cli.cpu_machine(4)
+    assert (four.peak_tflops, four.hbm_gbs, four.stream_gbs, four.call_us) == (0.025, 1.5, 2.0, 6.0)
 
 
 def test_a_synced_measurement_starts_on_every_rank_at_once():
@@ -643,7 +648,12 @@ def test_calibration_prices_refmp_s_own_optimizer_step_and_operations(monkeypatc
     less the accumulations the block leaves to its caller, then those at the same cost)."""
     S = 2e-3
     timed = []
-    monkeypatch.setattr(calib_cli, "_mean_seconds", lambda fn, sec, sync: timed.append(fn) or S)
+
+    def clock(fn, seconds, sync):
+        timed.append(fn)
+        return S
+
+    monkeypatch.setattr(calib_cli, "_mean_seconds", clock)
     calib = calib_cli.calibrate()
     assert len(timed) == 7  # 4 products, the small block, the tiny block, the AdamW step
     mcfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=256)

@@ -80,11 +80,13 @@ def calibrate(seconds: float = 0.1, sync=None) -> dict:
     forward and backward, over its seconds less its products' (at those rates: the block's
     time is the model's, and the layouts' differences are the model's to predict);
     ``stream_gbs``: refmp's AdamW step (refmp.training.optim) on 1M weights, as the 32 bytes
-    a weight of the plan's optimizer term (its fourteen passes move about four times that);
+    a weight of the plan's optimizer term (its thirteen passes, a weight without decay, move
+    about four times that);
     ``call_us``: one NumPy operation as refmp's block runs it, the Python around it included:
     the block forward and backward at a shape whose arithmetic vanishes (1 row of 8 tokens,
-    C 16, 2 heads), over the operations numpy_calls counts in it. The block's seconds above
-    less its products' and these calls' are the elementwise bytes' (each term once).
+    C 16, 2 heads), over the operations numpy_calls counts in it but the accumulations. The
+    block's seconds above less its products' and these calls' are the elementwise bytes'
+    (each term once).
     ``sync``: a communicator over ranks that calibrate beside each other (a run's): each
     measurement starts on all of them at once, so that every rank times each function while
     the others run the same one, as a step's ranks compute side by side."""

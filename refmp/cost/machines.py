@@ -37,7 +37,7 @@ class Machine:
     # a CPU's NumPy: each operation's fixed cost (refmp.cost.terms.numpy_calls), and a short
     # product's slowdown, 1 + hm / m + hk / k + hn / n for (m, k) @ (k, n) (refmp.cost.terms.gemm)
     call_us: float = 0.0
-    stream_gbs: float = 0.0  # a plain streaming pass (the optimizer's); 0: hbm_gbs
+    stream_gbs: float = 0.0  # the optimizer's rate as 32 bytes a weight (a CPU's: refmp's AdamW); 0: hbm_gbs
     gemm_short: tuple[float, float, float] = (0.0, 0.0, 0.0)
     # a point-to-point message moves while its ranks compute (NCCL's copy engines); False on
     # a CPU, where MPICH makes the copy inside the receiver's wait (docs/plan.md)
