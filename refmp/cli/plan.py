@@ -1,6 +1,7 @@
 """``refmp plan``: memory per rank and step time of every layout of a model on a machine, the
 fastest that fit (refmp.cost: a pure computation; docs/plan.md); ``refmp train --layout auto``:
-the plan for this host (--machine cpu: its GEMM peak, free memory and MPI links, measured).
+the plan for this host (--machine cpu: its rates, free memory and MPI links, measured by
+refmp.cli.calibrate).
 """
 
 from __future__ import annotations

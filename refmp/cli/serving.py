@@ -1,7 +1,6 @@
-"""``refmp generate``'s serving
-flags (docs/serving.md): prefix caching and chunked prefill in continuous batching
-(--requests), speculative decoding (--draft), prefill/decode disaggregation (--prefill-tp /
---prefill-pp).
+"""``refmp generate``'s serving flags (docs/serving.md): prefix caching and chunked prefill
+in continuous batching (--requests), speculative decoding (--draft), prefill/decode
+disaggregation (--prefill-tp / --prefill-pp).
 
 Each is checked before any work, from the flags and the layout alone (the same answer on
 every rank: one message and exit 2 everywhere), and runs on the CPU.
